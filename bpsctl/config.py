@@ -1,0 +1,225 @@
+"""Every bpsctl knob, declared once: name, type, default, environment variable, help.
+
+Nothing else in bpsctl reads ``os.environ``: processes get a frozen :class:`Config`
+from :meth:`Config.from_env`, and launchers hand knobs to child processes with
+:meth:`Config.to_env`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+
+class ConfigError(ValueError):
+    """A knob has a value bpsctl cannot use; the message names it and the expected form."""
+
+
+# --------------------------------------------------------------------------- units
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kib": 1024, "kb": 1000,
+    "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+    "g": 1024**3, "gib": 1024**3, "gb": 1000**3,
+    "t": 1024**4, "tib": 1024**4, "tb": 1000**4,
+}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str | int, what: str = "size") -> int:
+    """``"64MiB"`` -> 67108864, ``"4MB"`` -> 4000000, ``"4096000"`` -> 4096000.
+
+    K/M/G alone are binary (as in ``dd``); KB/MB/GB are decimal, KiB/MiB/GiB binary.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"{what}: expected a size such as 4096000, 4MB or 64MiB, got {text!r}")
+    if isinstance(text, int):
+        if text < 0:
+            raise ConfigError(f"{what}: must not be negative, got {text}")
+        return text
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _SIZE_UNITS:
+        raise ConfigError(f"{what}: expected a size such as 4096000, 4MB or 64MiB, got {text!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+
+
+_RATE_UNITS = {"kbit": 1e-3, "mbit": 1.0, "gbit": 1e3, "tbit": 1e6,
+               "kbps": 8e-3, "mbps": 8.0, "gbps": 8e3}
+_RATE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]+)\s*$")
+
+
+def parse_rate_mbit(text: str, what: str = "rate") -> float:
+    """``"500mbit"`` -> 500.0, ``"1gbit"`` -> 1000.0 (megabits per second; *bps forms are bytes)."""
+    m = _RATE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _RATE_UNITS or float(m.group(1)) <= 0:
+        raise ConfigError(f"{what}: expected a rate such as 500mbit or 1gbit, got {text!r}")
+    return float(m.group(1)) * _RATE_UNITS[unit]
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+# --------------------------------------------------------------------------- knobs
+
+def _int(text: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"{what}: expected an integer, got {text!r}") from None
+
+
+def _float(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"{what}: expected a number of seconds, got {text!r}") from None
+    return value
+
+
+def _str(text: str, what: str) -> str:
+    return text
+
+
+def _path(text: str, what: str) -> Path:
+    return Path(text).expanduser()
+
+
+_PARSERS: dict[str, Callable[[str, str], Any]] = {
+    "int": _int, "float": _float, "str": _str, "size": parse_size, "path": _path,
+}
+
+
+def knob(default: Any, env: str, help: str, kind: str, fallback_env: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"env": env, "help": help, "kind": kind,
+                                            "fallback_env": fallback_env})
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration of one bpsctl process (scheduler, server, worker or CLI)."""
+
+    # identity of this process in the job
+    role: str = knob("worker", "BPSCTL_ROLE", "scheduler, server or worker", "str")
+    rank: int = knob(-1, "BPSCTL_RANK", "this worker's rank (-1: assigned at registration)", "int",
+                     ("RANK",))
+    world_size: int = knob(1, "BPSCTL_WORLD_SIZE", "number of worker processes in the job", "int",
+                           ("WORLD_SIZE",))
+    local_rank: int = knob(0, "BPSCTL_LOCAL_RANK", "rank among the workers on this host", "int",
+                           ("LOCAL_RANK",))
+    local_size: int = knob(1, "BPSCTL_LOCAL_SIZE", "number of workers on this host", "int",
+                           ("LOCAL_WORLD_SIZE",))
+    job_id: str = knob("default", "BPSCTL_JOB_ID", "name of the job the workers belong to", "str")
+
+    # where things are
+    scheduler: str = knob("", "BPSCTL_SCHEDULER",
+                          "scheduler address host:port (empty: the cluster started by `bpsctl up`)",
+                          "str")
+    host: str = knob("127.0.0.1", "BPSCTL_HOST",
+                     "address this process binds and advertises to its peers", "str")
+    port: int = knob(0, "BPSCTL_PORT", "port a scheduler or server binds (0: any free port)", "int")
+    secret: str = knob("", "BPSCTL_SECRET", "the cluster's shared secret (generated by `bpsctl up`)",
+                       "str")
+    state_dir: Path = knob(Path("~/.bpsctl").expanduser(), "BPSCTL_STATE_DIR",
+                           "where `bpsctl up` records the cluster (state file, logs)", "path")
+    ready_file: str = knob("", "BPSCTL_READY_FILE",
+                           "a scheduler or server writes its bound address here once serving", "str")
+
+    # data path
+    partition_bytes: int = knob(4096000, "BPSCTL_PARTITION_BYTES",
+                                "largest piece a tensor is cut into for push/pull", "size")
+    credit_bytes: int = knob(16384000, "BPSCTL_CREDIT_BYTES",
+                             "most bytes a worker has pushed and not yet seen acknowledged", "size")
+    num_servers: int = knob(0, "BPSCTL_NUM_SERVERS",
+                            "servers a job uses, the first N registered (0: all of them)", "int")
+    server_threads: int = knob(2, "BPSCTL_SERVER_THREADS", "summation threads per server", "int")
+
+    # deadlines
+    start_timeout_s: float = knob(30.0, "BPSCTL_START_TIMEOUT",
+                                  "seconds to wait for the scheduler and every peer to register",
+                                  "float")
+    op_timeout_s: float = knob(300.0, "BPSCTL_OP_TIMEOUT",
+                               "seconds one push_pull may wait for the other workers", "float")
+    heartbeat_interval_s: float = knob(0.5, "BPSCTL_HEARTBEAT_INTERVAL",
+                                       "seconds between heartbeats to the scheduler", "float")
+    heartbeat_timeout_s: float = knob(5.0, "BPSCTL_HEARTBEAT_TIMEOUT",
+                                      "seconds without a heartbeat before a process is declared lost",
+                                      "float")
+
+    def __post_init__(self) -> None:
+        if self.role not in ("scheduler", "server", "worker"):
+            raise ConfigError(f"BPSCTL_ROLE: expected scheduler, server or worker, got {self.role!r}")
+        checks = [
+            (self.world_size >= 1, "BPSCTL_WORLD_SIZE", "at least 1", self.world_size),
+            (self.rank >= -1 and self.rank < self.world_size, "BPSCTL_RANK",
+             f"-1 or 0..{self.world_size - 1} (world size {self.world_size})", self.rank),
+            (self.local_size >= 1, "BPSCTL_LOCAL_SIZE", "at least 1", self.local_size),
+            (0 <= self.local_rank < self.local_size, "BPSCTL_LOCAL_RANK",
+             f"0..{self.local_size - 1}", self.local_rank),
+            (0 <= self.port < 65536, "BPSCTL_PORT", "0..65535", self.port),
+            (self.partition_bytes >= 8, "BPSCTL_PARTITION_BYTES", "at least 8 bytes",
+             self.partition_bytes),
+            (self.credit_bytes >= 1, "BPSCTL_CREDIT_BYTES", "at least 1 byte", self.credit_bytes),
+            (self.num_servers >= 0, "BPSCTL_NUM_SERVERS", "0 (all) or more", self.num_servers),
+            (1 <= self.server_threads <= 64, "BPSCTL_SERVER_THREADS", "1..64", self.server_threads),
+            (self.start_timeout_s > 0, "BPSCTL_START_TIMEOUT", "more than 0 s", self.start_timeout_s),
+            (self.op_timeout_s > 0, "BPSCTL_OP_TIMEOUT", "more than 0 s", self.op_timeout_s),
+            (self.heartbeat_interval_s > 0, "BPSCTL_HEARTBEAT_INTERVAL", "more than 0 s",
+             self.heartbeat_interval_s),
+            (self.heartbeat_timeout_s > self.heartbeat_interval_s, "BPSCTL_HEARTBEAT_TIMEOUT",
+             "more than the heartbeat interval", self.heartbeat_timeout_s),
+        ]
+        for ok, env, expected, value in checks:
+            if not ok:
+                raise ConfigError(f"{env}: expected {expected}, got {value!r}")
+        if self.scheduler:
+            parse_address(self.scheduler, "BPSCTL_SCHEDULER")
+
+    # ---------------------------------------------------------------- building
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
+        """Read every knob from ``environ`` (default: the process environment), then apply overrides."""
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in overrides:
+                continue
+            for env in (f.metadata["env"], *f.metadata["fallback_env"]):
+                text = environ.get(env)
+                if text is not None and text != "":
+                    values[f.name] = _PARSERS[f.metadata["kind"]](text, env)
+                    break
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def to_env(self) -> dict[str, str]:
+        """The ``BPSCTL_*`` variables that make a child process see this config."""
+        return {f.metadata["env"]: str(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @staticmethod
+    def describe() -> list[tuple[str, str, str, str]]:
+        """(name, env var, default, help) of every knob, for docs and --help."""
+        return [(f.name, f.metadata["env"], str(f.default), f.metadata["help"])
+                for f in dataclasses.fields(Config)]
+
+
+def parse_address(text: str, what: str = "address") -> tuple[str, int]:
+    """``"10.0.0.5:9000"`` -> ("10.0.0.5", 9000)."""
+    host, sep, port = str(text).rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{what}: expected host:port such as 127.0.0.1:9000, got {text!r}")
+    return host, int(port)
