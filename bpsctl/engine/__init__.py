@@ -1,0 +1,96 @@
+"""The bpsctl engine, framework-free, on NumPy arrays.
+
+    import bpsctl.engine as bps
+    bps.init()                                   # reads BPSCTL_* (set by `bpsctl run`)
+    out = bps.push_pull(grad, name="layer1.weight")            # average across workers
+    h = bps.push_pull_async(grad, name="layer1.bias", priority=-1)
+    ...; bps.synchronize(h)
+    bps.shutdown()
+
+Larger ``priority`` goes first. ``average=True`` divides the sum by the number of workers.
+"""
+from __future__ import annotations
+
+import atexit
+from typing import Any
+
+import numpy as np
+
+from ..config import Config
+from .common import EngineError
+from .worker import Handle, Worker
+
+__all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+           "push_pull", "push_pull_async", "poll", "synchronize", "declare", "barrier",
+           "Worker", "Handle", "EngineError", "Config"]
+
+_worker: Worker | None = None
+
+
+def init(config: Config | None = None) -> None:
+    """Join the job described by ``config`` (default: the environment). Idempotent."""
+    global _worker
+    if _worker is None:
+        _worker = Worker(config)
+
+
+def shutdown() -> None:
+    global _worker
+    if _worker is not None:
+        _worker.shutdown()
+        _worker = None
+
+
+atexit.register(shutdown)
+
+
+def is_initialized() -> bool:
+    return _worker is not None
+
+
+def _w() -> Worker:
+    if _worker is None:
+        raise EngineError("bpsctl engine is not initialized: call init() first")
+    return _worker
+
+
+def rank() -> int:
+    return _w().rank
+
+
+def size() -> int:
+    return _w().size
+
+
+def local_rank() -> int:
+    return _w().local_rank
+
+
+def local_size() -> int:
+    return _w().local_size
+
+
+def push_pull_async(array: Any, name: str | None = None, average: bool = True,
+                    priority: int = 0, out: np.ndarray | None = None) -> Handle:
+    return _w().push_pull_async(array, name, average, priority, out)
+
+
+def push_pull(array: Any, name: str | None = None, average: bool = True, priority: int = 0,
+              out: np.ndarray | None = None) -> np.ndarray:
+    return _w().push_pull(array, name, average, priority, out)
+
+
+def poll(handle: Handle) -> bool:
+    return handle.done()
+
+
+def synchronize(handle: Handle, timeout_s: float | None = None) -> np.ndarray:
+    return _w().synchronize(handle, timeout_s)
+
+
+def declare(name: str, shape: tuple[int, ...], dtype: Any) -> None:
+    _w().declare(name, shape, dtype)
+
+
+def barrier(timeout_s: float | None = None) -> None:
+    _w().barrier(timeout_s)

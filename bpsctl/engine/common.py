@@ -1,0 +1,74 @@
+"""Small pieces shared by the scheduler, servers and workers."""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+
+class EngineError(RuntimeError):
+    """A distributed operation failed; the message names the culprit (role, rank, host:port)."""
+
+
+def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+    """A socket that never blocks on close and never drops messages at a high-water mark.
+
+    Memory stays bounded without HWMs: workers cap bytes in flight with their credit, and
+    servers only answer what was pushed.
+    """
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    return sock
+
+
+def monitor(sock: zmq.Socket) -> zmq.Socket:
+    """A PAIR socket that reports when ``sock``'s connection is made or lost."""
+    return sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+
+
+def monitor_events(mon: zmq.Socket) -> list[int]:
+    """Drain a monitor socket, returning the event codes seen."""
+    events = []
+    while True:
+        try:
+            frames = mon.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return events
+        events.append(parse_monitor_message(frames)["event"])
+
+
+def secret_ok(expected: str, given: Any) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
+
+
+def write_ready_file(path: str, info: dict[str, Any]) -> None:
+    """Atomically tell a launcher where this process serves."""
+    if not path:
+        return
+    target = Path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, target)
+
+
+def setup_process_logging(name: str) -> logging.Logger:
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s [%(name)s] %(levelname)s %(message)s")
+    return logging.getLogger(name)
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so ``finally`` blocks close sockets and log a last line."""
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, handler)

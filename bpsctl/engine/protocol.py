@@ -1,0 +1,107 @@
+"""Wire format shared by scheduler, servers and workers.
+
+Every message is a ZeroMQ multipart message ``[header, body]``:
+
+* ``header`` is a fixed 24-byte struct (:data:`HEADER`): magic, protocol version, message
+  type, dtype code, flags, sender rank, partition id, round, payload bytes.
+* ``body`` is the raw partition bytes for data messages (PUSH, RESULT), sent and
+  received without copies, or a small JSON object for control messages.
+
+Data messages never touch JSON; control messages (registration, declaration, barrier,
+status, errors) are rare and readable.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from typing import Any
+
+import numpy as np
+
+MAGIC = b"BP"
+PROTOCOL_VERSION = 1
+
+#: magic, version, type, dtype code, flags, rank, partition id, round, nbytes
+HEADER = struct.Struct("<2sBBBBHIIQ")
+HEADER_SIZE = HEADER.size
+
+# --- scheduler plane (JSON bodies)
+REGISTER = 1        # any -> scheduler: {role, rank, world_size, job, host, port, pid, secret, version, ...}
+REGISTERED = 2      # scheduler -> any: {rank, servers: [{rank, host, port}], ...}
+HEARTBEAT = 3       # any -> scheduler: {}
+DECLARE = 4         # worker -> scheduler: {tensors: [{name, dtype, shape, nbytes}]}
+DECLARED = 5        # scheduler -> worker: {tensors: [{name, key, parts: [[pid, server, offset, length]]}]}
+BARRIER = 6         # worker -> scheduler: {name}
+BARRIER_DONE = 7    # scheduler -> workers: {name}
+STATUS = 8          # client -> scheduler: {secret}
+STATUS_REPLY = 9    # scheduler -> client: {servers: [...], workers: [...], job: {...}|null}
+MEMBER_LOST = 10    # scheduler -> members: {role, rank, host, port, pid, reason}
+LEAVE = 11          # worker -> scheduler: {} (clean shutdown)
+JOB_END = 12        # scheduler -> servers: {job}
+ERROR = 13          # anyone -> anyone: {message, name?}
+# --- data plane
+HELLO = 20          # worker -> server: {secret, job, rank, world_size, version}
+PUSH = 21           # worker -> server: header + partition bytes
+ACK = 22            # server -> worker: header (push received; credit may be released)
+RESULT = 23         # server -> worker: header + summed partition bytes
+
+TYPE_NAMES = {v: k for k, v in dict(globals()).items() if isinstance(v, int) and k.isupper()
+              and k not in ("PROTOCOL_VERSION", "HEADER_SIZE")}
+
+#: dtype codes on the wire; summation is done in the dtype itself (as BytePS does)
+DTYPES: list[np.dtype] = [np.dtype(name) for name in (
+    "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
+    "float16", "float32", "float64")]
+DTYPE_CODES: dict[np.dtype, int] = {dt: code for code, dt in enumerate(DTYPES)}
+NO_DTYPE = 255
+
+
+class ProtocolError(ValueError):
+    """Bytes on the wire that are not a valid bpsctl message."""
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    try:
+        return DTYPE_CODES[np.dtype(dtype)]
+    except KeyError:
+        supported = ", ".join(str(d) for d in DTYPES)
+        raise TypeError(f"dtype {np.dtype(dtype)} is not supported by push_pull; "
+                        f"use one of: {supported}") from None
+
+
+def pack_header(msg_type: int, *, dtype: int = NO_DTYPE, flags: int = 0, rank: int = 0,
+                part: int = 0, round: int = 0, nbytes: int = 0) -> bytes:
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, msg_type, dtype, flags, rank, part, round, nbytes)
+
+
+def unpack_header(frame: Any) -> tuple[int, int, int, int, int, int, int]:
+    """Return (type, dtype, flags, rank, part, round, nbytes); raise ProtocolError on bad bytes."""
+    buf = memoryview(frame)
+    if buf.nbytes != HEADER_SIZE:
+        raise ProtocolError(f"header of {buf.nbytes} bytes, expected {HEADER_SIZE}")
+    magic, version, msg_type, dtype, flags, rank, part, round_, nbytes = HEADER.unpack(buf)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not a bpsctl peer")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"peer speaks bpsctl protocol version {version}, "
+                            f"this process speaks {PROTOCOL_VERSION}: install the same bpsctl version everywhere")
+    return msg_type, dtype, flags, rank, part, round_, nbytes
+
+
+def control(msg_type: int, body: dict[str, Any] | None = None) -> list[bytes]:
+    """A control message: header + JSON body."""
+    return [pack_header(msg_type), json.dumps(body or {}).encode()]
+
+
+def parse_control(frames: list[Any]) -> tuple[int, dict[str, Any]]:
+    """Parse ``[header, json]``; raise ProtocolError on anything else."""
+    if len(frames) != 2:
+        raise ProtocolError(f"control message with {len(frames)} frames, expected 2")
+    msg_type = unpack_header(frames[0])[0]
+    try:
+        body = json.loads(bytes(frames[1]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"control message body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("control message body is not a JSON object")
+    return msg_type, body

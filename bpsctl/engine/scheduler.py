@@ -1,0 +1,345 @@
+"""The scheduler: registration, address book, tensor placement, barriers, heartbeats.
+
+One ROUTER socket. Servers register once and stay for the life of the cluster; workers
+register per job (one ``bpsctl run``). A job starts when all its ``world_size`` workers
+have registered, and ends when they have all left or one of them is lost. Everything the
+scheduler waits for has a deadline, and every failure is told to everyone it affects.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+from .. import __version__
+from ..config import Config
+from . import protocol as P
+from .common import exit_on_sigterm, make_socket, secret_ok, setup_process_logging, write_ready_file
+from .partition import Placement
+
+
+@dataclass
+class Member:
+    rid: bytes
+    role: str
+    rank: int
+    host: str
+    port: int | None
+    pid: int
+    last_seen: float
+    state: str = "running"        # running | lost | left
+
+    def describe(self) -> str:
+        where = f"{self.host}:{self.port}" if self.port else self.host
+        return f"{self.role} {self.rank} ({where}, pid {self.pid})"
+
+    def as_dict(self, now: float) -> dict[str, Any]:
+        return {"role": self.role, "rank": self.rank, "host": self.host, "port": self.port,
+                "pid": self.pid, "state": self.state, "last_seen_s": round(now - self.last_seen, 3)}
+
+
+@dataclass
+class Job:
+    id: str
+    world_size: int
+    num_servers: int
+    partition_bytes: int
+    start_timeout_s: float
+    first_seen: float
+    workers: dict[int, Member] = field(default_factory=dict)
+    started: bool = False
+    servers: list[Member] = field(default_factory=list)
+    placement: Placement | None = None
+    tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    barriers: dict[str, set[int]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: Config):
+        self.config = config
+        self.log = setup_process_logging("scheduler")
+        self.ctx = zmq.Context()
+        self.sock = make_socket(self.ctx, zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if config.port:
+            self.sock.bind(f"tcp://{config.host}:{config.port}")
+        self.port = config.port or self.sock.bind_to_random_port(f"tcp://{config.host}")
+        self.members: dict[bytes, Member] = {}
+        self.servers: list[Member] = []
+        self.job: Job | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    # ------------------------------------------------------------------ loop
+
+    def serve_forever(self) -> None:
+        write_ready_file(self.config.ready_file,
+                         {"host": self.config.host, "port": self.port, "pid": os.getpid()})
+        self.log.info("serving on %s", self.address)
+        poll_ms = int(self.config.heartbeat_interval_s * 1000)
+        try:
+            while True:
+                if self.sock.poll(poll_ms, zmq.POLLIN):
+                    self._drain()
+                self._check_liveness()
+                self._check_start_deadline()
+        finally:
+            self.sock.close(0)
+            self.ctx.term()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                frames = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            rid, body = frames[0], frames[1:]
+            try:
+                msg_type, msg = P.parse_control(body)
+                self._handle(rid, msg_type, msg)
+            except P.ProtocolError as exc:
+                self.log.warning("rejected a malformed message: %s", exc)
+                self._send(rid, P.ERROR, {"message": f"scheduler rejected message: {exc}"})
+
+    def _send(self, rid: bytes, msg_type: int, body: dict[str, Any]) -> None:
+        try:
+            self.sock.send_multipart([rid, *P.control(msg_type, body)], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass    # the peer is gone; liveness checks report it
+
+    def _handle(self, rid: bytes, msg_type: int, msg: dict[str, Any]) -> None:
+        member = self.members.get(rid)
+        if member is not None:
+            member.last_seen = time.monotonic()
+        if msg_type == P.REGISTER:
+            self._register(rid, msg)
+        elif msg_type == P.STATUS:
+            self._status(rid, msg)
+        elif member is None:
+            if msg_type not in (P.HEARTBEAT, P.LEAVE):     # late words of an ended job's worker
+                self._send(rid, P.ERROR, {"message": "not registered with the scheduler"})
+        elif msg_type == P.HEARTBEAT:
+            pass
+        elif msg_type == P.DECLARE:
+            self._declare(member, msg)
+        elif msg_type == P.BARRIER:
+            self._barrier(member, msg)
+        elif msg_type == P.LEAVE:
+            self._leave(member)
+        else:
+            self._send(rid, P.ERROR, {"message": f"unexpected message type {msg_type}"})
+
+    # ------------------------------------------------------------------ registration
+
+    def _register(self, rid: bytes, msg: dict[str, Any]) -> None:
+        if not secret_ok(self.config.secret, msg.get("secret")):
+            self.log.warning("refused a registration without the cluster secret from pid %s",
+                             msg.get("pid"))
+            self._send(rid, P.ERROR, {"message": "the scheduler refused registration: wrong cluster "
+                                      "secret (BPSCTL_SECRET; `bpsctl run` sets it from the cluster state)"})
+            return
+        if msg.get("version") != __version__:
+            self._send(rid, P.ERROR, {"message": f"version mismatch: this process runs bpsctl "
+                                      f"{msg.get('version')}, the scheduler runs {__version__}"})
+            return
+        role = msg.get("role")
+        now = time.monotonic()
+        common = dict(rid=rid, role=role, host=str(msg.get("host")), pid=int(msg.get("pid", 0)),
+                      last_seen=now)
+        if role == "server":
+            member = Member(rank=len(self.servers), port=int(msg["port"]), **common)
+            self.servers.append(member)
+            self.members[rid] = member
+            self.log.info("registered %s", member.describe())
+            self._send(rid, P.REGISTERED, {"rank": member.rank})
+        elif role == "worker":
+            self._register_worker(rid, msg, common)
+        else:
+            self._send(rid, P.ERROR, {"message": f"unknown role {role!r}"})
+
+    def _register_worker(self, rid: bytes, msg: dict[str, Any], common: dict[str, Any]) -> None:
+        job_id, world_size = str(msg.get("job")), int(msg.get("world_size", 0))
+        job = self.job
+        if job is not None and job.id != job_id:
+            self._send(rid, P.ERROR, {"message": f"the cluster is busy with job {job.id!r} "
+                                      f"({job.world_size} workers); wait for it to end or run `bpsctl down`"})
+            return
+        if job is None:
+            live = [s for s in self.servers if s.state == "running"]
+            wanted = int(msg.get("num_servers") or 0) or len(live)
+            if not live:
+                self._send(rid, P.ERROR, {"message": "no server has registered with the scheduler "
+                                          f"at {self.address}; start the cluster with `bpsctl up --servers K`"})
+                return
+            if wanted > len(live):
+                self._send(rid, P.ERROR, {"message": f"the job asks for {wanted} servers "
+                                          f"(BPSCTL_NUM_SERVERS) but only {len(live)} are running"})
+                return
+            job = self.job = Job(id=job_id, world_size=world_size, num_servers=wanted,
+                                 partition_bytes=int(msg["partition_bytes"]),
+                                 start_timeout_s=float(msg["start_timeout_s"]),
+                                 first_seen=time.monotonic())
+        if world_size != job.world_size:
+            self._send(rid, P.ERROR, {"message": f"job {job.id!r}: this worker says world size "
+                                      f"{world_size}, the first worker said {job.world_size}"})
+            return
+        if job.started:
+            self._send(rid, P.ERROR, {"message": f"job {job.id!r} has already started with all "
+                                      f"{job.world_size} workers"})
+            return
+        rank = int(msg.get("rank", -1))
+        if rank == -1:
+            rank = min(set(range(job.world_size)) - set(job.workers))
+        if rank in job.workers:
+            other = job.workers[rank]
+            self._send(rid, P.ERROR, {"message": f"job {job.id!r}: rank {rank} is already taken by "
+                                      f"{other.describe()}"})
+            return
+        member = Member(rank=rank, port=None, **common)
+        job.workers[rank] = member
+        self.members[rid] = member
+        if len(job.workers) == job.world_size:
+            self._start_job(job)
+
+    def _start_job(self, job: Job) -> None:
+        job.started = True
+        job.servers = [s for s in self.servers if s.state == "running"][:job.num_servers]
+        job.placement = Placement(len(job.servers))
+        book = [{"rank": s.rank, "host": s.host, "port": s.port} for s in job.servers]
+        for rank, worker in job.workers.items():
+            self._send(worker.rid, P.REGISTERED, {"rank": rank, "servers": book,
+                                                  "world_size": job.world_size})
+        self.log.info("job %s started: %d workers, %d servers", job.id, job.world_size,
+                      len(job.servers))
+
+    def _check_start_deadline(self) -> None:
+        job = self.job
+        if job is None or job.started:
+            return
+        if time.monotonic() - job.first_seen > job.start_timeout_s:
+            missing = sorted(set(range(job.world_size)) - set(job.workers))
+            message = (f"job {job.id!r}: worker rank(s) {missing} never registered within "
+                       f"{job.start_timeout_s:g} s (raise it with BPSCTL_START_TIMEOUT / --start-timeout)")
+            self.log.warning(message)
+            self._end_job(message, notify=job.workers.values())
+
+    # ------------------------------------------------------------------ tensors
+
+    def _declare(self, member: Member, msg: dict[str, Any]) -> None:
+        job = self.job
+        if job is None or not job.started or job.workers.get(member.rank) is not member:
+            self._send(member.rid, P.ERROR, {"message": "declare outside a running job"})
+            return
+        answers = []
+        for spec in msg.get("tensors", []):
+            name, dtype, shape = spec["name"], spec["dtype"], list(spec["shape"])
+            known = job.tensors.get(name)
+            if known is None:
+                itemsize = np.dtype(dtype).itemsize
+                nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+                parts = job.placement.place(nbytes, itemsize, job.partition_bytes)
+                known = job.tensors[name] = {
+                    "name": name, "key": len(job.tensors), "dtype": dtype, "shape": shape,
+                    "rank": member.rank,
+                    "parts": [[p.part_id, p.server, p.offset, p.length] for p in parts]}
+            elif known["dtype"] != dtype or known["shape"] != shape:
+                message = (f"workers disagree on tensor {name!r}: rank {known['rank']} has "
+                           f"{known['dtype']}{tuple(known['shape'])}, rank {member.rank} has "
+                           f"{dtype}{tuple(shape)}")
+                self.log.warning(message)
+                for worker in job.workers.values():
+                    self._send(worker.rid, P.ERROR, {"message": message, "name": name})
+                continue
+            answers.append({k: known[k] for k in ("name", "key", "parts")})
+        self._send(member.rid, P.DECLARED, {"tensors": answers})
+
+    def _barrier(self, member: Member, msg: dict[str, Any]) -> None:
+        job = self.job
+        if job is None or not job.started:
+            self._send(member.rid, P.ERROR, {"message": "barrier outside a running job"})
+            return
+        name = str(msg.get("name"))
+        arrived = job.barriers.setdefault(name, set())
+        arrived.add(member.rank)
+        if len(arrived) == job.world_size:
+            del job.barriers[name]
+            for worker in job.workers.values():
+                self._send(worker.rid, P.BARRIER_DONE, {"name": name})
+
+    # ------------------------------------------------------------------ endings
+
+    def _leave(self, member: Member) -> None:
+        member.state = "left"
+        self.members.pop(member.rid, None)
+        job = self.job
+        if job is not None and all(w.state == "left" for w in job.workers.values()) \
+                and len(job.workers) == job.world_size:
+            self.log.info("job %s finished", job.id)
+            self._end_job(None, notify=())
+
+    def _end_job(self, message: str | None, notify: Any) -> None:
+        job = self.job
+        self.job = None
+        if job is None:
+            return
+        for worker in notify:
+            if worker.state == "running":
+                self._send(worker.rid, P.ERROR, {"message": message})
+        for worker in job.workers.values():
+            self.members.pop(worker.rid, None)
+        for server in self.servers:
+            if server.state == "running":
+                self._send(server.rid, P.JOB_END, {"job": job.id})
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        for member in list(self.members.values()):
+            if member.state != "running" or now - member.last_seen <= self.config.heartbeat_timeout_s:
+                continue
+            member.state = "lost"
+            reason = f"no heartbeat for {now - member.last_seen:.1f} s"
+            self.log.warning("lost %s: %s", member.describe(), reason)
+            lost = {"role": member.role, "rank": member.rank, "host": member.host,
+                    "port": member.port, "pid": member.pid, "reason": reason,
+                    "message": f"lost {member.describe()}: {reason}"}
+            job = self.job
+            if job is None:
+                continue
+            others = [w for w in job.workers.values() if w is not member and w.state == "running"]
+            for worker in others:
+                self._send(worker.rid, P.MEMBER_LOST, lost)
+            if member.role == "worker" and job.workers.get(member.rank) is member:
+                self._end_job(None, notify=())
+
+    def _status(self, rid: bytes, msg: dict[str, Any]) -> None:
+        if not secret_ok(self.config.secret, msg.get("secret")):
+            self._send(rid, P.ERROR, {"message": "status refused: wrong cluster secret"})
+            return
+        now = time.monotonic()
+        job = self.job
+        workers = sorted(job.workers.values(), key=lambda w: w.rank) if job else []
+        self._send(rid, P.STATUS_REPLY, {
+            "servers": [s.as_dict(now) for s in self.servers],
+            "workers": [w.as_dict(now) for w in workers],
+            "job": {"id": job.id, "world_size": job.world_size, "started": job.started} if job else None,
+        })
+
+
+def main() -> None:
+    exit_on_sigterm()
+    config = Config.from_env(role="scheduler")
+    scheduler = Scheduler(config)
+    try:
+        scheduler.serve_forever()
+    except KeyboardInterrupt:
+        scheduler.log.info("stopped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,324 @@
+"""The summation server: sums each partition's pushes from all workers, answers with the sum.
+
+One ROUTER socket carries everything from workers. Per partition, a round goes:
+
+1. each worker pushes its bytes (header + zero-copy payload); the server acknowledges at
+   once so the worker can release credit, unless this push completes the round;
+2. the pushes are summed into one of two preallocated buffers (rounds alternate, so a
+   buffer is never rewritten while a previous round's answer may still be on the wire).
+   The first push is kept as it arrived and summed with the second in one pass;
+   with a single worker the push itself is the answer, without a copy;
+3. when every worker has pushed, the sum goes to all of them, zero-copy.
+
+Large partitions are summed on summation threads (NumPy releases the GIL), each
+partition pinned to one thread so its pushes are summed in order without locks; small
+ones are summed inline, where a thread hop would cost more than the add.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import zmq
+
+from .. import __version__
+from ..config import Config
+from . import protocol as P
+from .common import (EngineError, exit_on_sigterm, make_socket, monitor, monitor_events,
+                     secret_ok, setup_process_logging, write_ready_file)
+
+#: partitions at least this large are summed on a summation thread
+THREADED_SUM_BYTES = 256 * 1024
+_PART_ID = struct.Struct("<I")
+
+
+class PartitionState:
+    """One partition's round in progress. ``received``/``waiting`` belong to the I/O thread;
+    ``summed``/``first``/``buffers``/``result`` to the partition's summation thread."""
+
+    __slots__ = ("part", "dtype", "dtype_code", "nbytes", "round", "received", "waiting",
+                 "summed", "first", "buffers", "result", "thread")
+
+    def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int):
+        self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
+        self.dtype = P.DTYPES[dtype_code]
+        self.round = 0
+        self.received = 0
+        self.waiting: list[bytes] = []
+        self.summed = 0
+        self.first: np.ndarray | None = None
+        self.buffers: list[np.ndarray] | None = None
+        self.result: Any = None
+
+    def accumulate(self, payload: Any, num_workers: int) -> bool:
+        """Add one push; return True when the round's sum is complete (in ``result``)."""
+        arr = np.frombuffer(payload, dtype=self.dtype)
+        if self.summed == 0:
+            self.first = arr
+        else:
+            if self.buffers is None:
+                count = self.nbytes // self.dtype.itemsize
+                self.buffers = [np.empty(count, self.dtype), np.empty(count, self.dtype)]
+            out = self.buffers[self.round & 1]
+            if self.summed == 1:
+                np.add(self.first, arr, out=out)
+                self.first = None
+            else:
+                np.add(out, arr, out=out)
+        self.summed += 1
+        if self.summed < num_workers:
+            return False
+        self.result = self.first if num_workers == 1 else self.buffers[self.round & 1]
+        self.first = None
+        return True
+
+
+class Server:
+    def __init__(self, config: Config):
+        self.config = config
+        self.log = setup_process_logging("server")
+        self.ctx = zmq.Context()
+        self.sock = make_socket(self.ctx, zmq.ROUTER)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if config.port:
+            self.sock.bind(f"tcp://{config.host}:{config.port}")
+        self.port = config.port or self.sock.bind_to_random_port(f"tcp://{config.host}")
+        self.rank = -1
+        self.scheduler_address = config.scheduler
+        self.sched = make_socket(self.ctx, zmq.DEALER)
+        self.sched_monitor = monitor(self.sched)
+        self.sched.connect(f"tcp://{config.scheduler}")
+
+        self.job_id: str | None = None
+        self.num_workers = 0
+        self.peers: dict[bytes, int] = {}           # worker routing id -> rank
+        self.parts: dict[int, PartitionState] = {}
+
+        # summation threads report completed partitions through an inproc socket
+        self.done_endpoint = f"inproc://bps-done-{id(self)}"
+        self.done = make_socket(self.ctx, zmq.PULL)
+        self.done.bind(self.done_endpoint)
+        self.queues: list[queue.SimpleQueue] = [queue.SimpleQueue()
+                                                for _ in range(config.server_threads)]
+        self.threads = [threading.Thread(target=self._sum_loop, args=(q,), daemon=True,
+                                         name=f"bps-sum-{i}") for i, q in enumerate(self.queues)]
+
+    # ------------------------------------------------------------------ startup
+
+    def register(self) -> None:
+        """Register with the scheduler; raise EngineError by the start deadline."""
+        self.sched.send_multipart(P.control(P.REGISTER, {
+            "role": "server", "host": self.config.host, "port": self.port, "pid": os.getpid(),
+            "secret": self.config.secret, "version": __version__}))
+        deadline = time.monotonic() + self.config.start_timeout_s
+        connected = False
+        while time.monotonic() < deadline:
+            connected |= zmq.EVENT_CONNECTED in monitor_events(self.sched_monitor)
+            if self.sched.poll(100, zmq.POLLIN):
+                msg_type, msg = P.parse_control(self.sched.recv_multipart())
+                if msg_type == P.REGISTERED:
+                    self.rank = int(msg["rank"])
+                    self.log = setup_process_logging(f"server {self.rank}")
+                    return
+                raise EngineError(f"the scheduler at {self.scheduler_address} refused this server: "
+                                  f"{msg.get('message')}")
+        if not connected:
+            raise EngineError(f"cannot reach the scheduler at {self.scheduler_address} within "
+                              f"{self.config.start_timeout_s:g} s: nothing is listening there. Start "
+                              "the cluster with `bpsctl up`, or set BPSCTL_SCHEDULER")
+        raise EngineError(f"the scheduler at {self.scheduler_address} did not answer the "
+                          f"registration within {self.config.start_timeout_s:g} s (BPSCTL_START_TIMEOUT)")
+
+    # ------------------------------------------------------------------ loop
+
+    def serve_forever(self) -> None:
+        self.register()
+        for thread in self.threads:
+            thread.start()
+        write_ready_file(self.config.ready_file, {"host": self.config.host, "port": self.port,
+                                                  "pid": os.getpid(), "rank": self.rank})
+        self.log.info("serving on %s:%d with %d summation threads", self.config.host, self.port,
+                      len(self.threads))
+        poller = zmq.Poller()
+        for sock in (self.sock, self.done, self.sched, self.sched_monitor):
+            poller.register(sock, zmq.POLLIN)
+        interval = self.config.heartbeat_interval_s
+        next_heartbeat = time.monotonic() + interval
+        try:
+            while True:
+                ready = dict(poller.poll(int(interval * 1000)))
+                if self.sock in ready:
+                    self._drain_workers()
+                if self.done in ready:
+                    self._drain_done()
+                if self.sched in ready:
+                    self._drain_scheduler()
+                if self.sched_monitor in ready and \
+                        zmq.EVENT_DISCONNECTED in monitor_events(self.sched_monitor):
+                    raise EngineError(f"lost the scheduler at {self.scheduler_address}; "
+                                      "the cluster cannot go on without it")
+                now = time.monotonic()
+                if now >= next_heartbeat:
+                    self.sched.send_multipart(P.control(P.HEARTBEAT))
+                    next_heartbeat = now + interval
+        finally:
+            for q in self.queues:
+                q.put(None)
+            self.ctx.destroy(linger=0)
+
+    def _drain_workers(self) -> None:
+        sock = self.sock
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            rid = frames[0].bytes
+            try:
+                if len(frames) < 2:
+                    raise P.ProtocolError("message without a header")
+                msg_type, dtype, _, rank, part, round_, nbytes = P.unpack_header(frames[1].buffer)
+                if msg_type == P.PUSH:
+                    self._push(rid, dtype, part, round_, nbytes, frames)
+                elif msg_type == P.HELLO:
+                    self._hello(rid, P.parse_control([frames[1].buffer, frames[2].buffer])[1]
+                                if len(frames) == 3 else {})
+                else:
+                    raise P.ProtocolError(f"unexpected message type {msg_type}")
+            except P.ProtocolError as exc:
+                self._error(rid, f"server {self.rank} rejected a message: {exc}")
+
+    def _error(self, rid: bytes, message: str) -> None:
+        self.log.warning(message)
+        try:
+            self.sock.send_multipart([rid, *P.control(P.ERROR, {"message": message})], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+
+    def _hello(self, rid: bytes, msg: dict[str, Any]) -> None:
+        if not secret_ok(self.config.secret, msg.get("secret")):
+            self._error(rid, f"server {self.rank} refused a worker without the cluster secret")
+            return
+        if msg.get("version") != __version__:
+            self._error(rid, f"version mismatch: worker runs bpsctl {msg.get('version')}, "
+                             f"server {self.rank} runs {__version__}")
+            return
+        if msg.get("job") != self.job_id:
+            self._reset(str(msg.get("job")), int(msg.get("world_size", 0)))
+        self.peers[rid] = int(msg.get("rank", -1))
+
+    def _reset(self, job_id: str | None, num_workers: int) -> None:
+        self.job_id, self.num_workers = job_id, num_workers
+        self.peers = {}
+        self.parts = {}
+
+    def _push(self, rid: bytes, dtype: int, part: int, round_: int, nbytes: int,
+              frames: list[zmq.Frame]) -> None:
+        rank = self.peers.get(rid)
+        if rank is None:
+            raise P.ProtocolError("push from a worker that has not said HELLO with the cluster secret")
+        if len(frames) != 3 or len(frames[2]) != nbytes:
+            raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
+                                  f"{len(frames[2]) if len(frames) == 3 else 'no payload'}")
+        if dtype >= len(P.DTYPES) or nbytes % P.DTYPES[dtype].itemsize:
+            raise P.ProtocolError(f"push of partition {part} has a bad dtype code {dtype} for {nbytes} bytes")
+        state = self.parts.get(part)
+        if state is None:
+            thread = part % len(self.queues) if nbytes >= THREADED_SUM_BYTES else -1
+            state = self.parts[part] = PartitionState(part, dtype, nbytes, thread)
+        elif state.dtype_code != dtype or state.nbytes != nbytes:
+            raise P.ProtocolError(
+                f"partition {part}: rank {rank} pushed {nbytes} bytes of {P.DTYPES[dtype]} but "
+                f"earlier pushes had {state.nbytes} bytes of {state.dtype}")
+        if round_ != state.round:
+            raise P.ProtocolError(f"partition {part}: rank {rank} pushed round {round_}, "
+                                  f"the server is at round {state.round}")
+        state.received += 1
+        state.waiting.append(rid)
+        if state.received < self.num_workers:
+            self.sock.send(rid, zmq.SNDMORE)
+            self.sock.send(P.pack_header(P.ACK, part=part, round=round_))
+        if state.thread < 0:
+            if state.accumulate(frames[2], self.num_workers):
+                self._complete(state)
+        else:
+            self.queues[state.thread].put((state, frames[2], self.num_workers))
+
+    def _sum_loop(self, work: queue.SimpleQueue) -> None:
+        done = make_socket(self.ctx, zmq.PUSH)
+        done.connect(self.done_endpoint)
+        try:
+            while (item := work.get()) is not None:
+                state, payload, num_workers = item
+                if state.accumulate(payload, num_workers):
+                    done.send(_PART_ID.pack(state.part))
+        finally:
+            done.close(0)
+
+    def _drain_done(self) -> None:
+        while True:
+            try:
+                part, = _PART_ID.unpack(self.done.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            state = self.parts.get(part)
+            if state is not None and state.result is not None:
+                self._complete(state)
+
+    def _complete(self, state: PartitionState) -> None:
+        header = P.pack_header(P.RESULT, dtype=state.dtype_code, part=state.part,
+                               round=state.round, nbytes=state.nbytes)
+        result = state.result
+        for rid in state.waiting:
+            try:
+                self.sock.send(rid, zmq.SNDMORE)
+                self.sock.send(header, zmq.SNDMORE)
+                self.sock.send(result, copy=False)
+            except zmq.ZMQError:
+                pass    # that worker is gone; the scheduler tells the others
+        state.waiting.clear()
+        state.received = 0
+        state.summed = 0
+        state.result = None
+        state.round += 1
+
+    def _drain_scheduler(self) -> None:
+        while True:
+            try:
+                frames = self.sched.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg_type, msg = P.parse_control(frames)
+            if msg_type == P.JOB_END and msg.get("job") == self.job_id:
+                self.log.info("job %s ended; freeing its %d partitions", self.job_id, len(self.parts))
+                self._reset(None, 0)
+            elif msg_type == P.ERROR:
+                self.log.warning("scheduler: %s", msg.get("message"))
+
+
+def main() -> None:
+    exit_on_sigterm()
+    config = Config.from_env(role="server")
+    if not config.scheduler:
+        print("bpsctl server: BPSCTL_SCHEDULER is not set; a server must know the scheduler's "
+              "host:port (`bpsctl up` sets it)", file=sys.stderr)
+        sys.exit(2)
+    server = Server(config)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        server.log.info("stopped")
+    except EngineError as exc:
+        server.log.error("%s", exc)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,527 @@
+"""The worker side of the engine: declare, partition, prioritize, push and pull.
+
+A :class:`Worker` owns one background I/O thread and all of its sockets (ZeroMQ sockets
+are not thread-safe). Callers hand it work through a deque and a wake-up pipe, and wait on
+the returned :class:`Handle`.
+
+Path of one ``push_pull``:
+
+1. the tensor's name is declared to the scheduler once; the scheduler answers with its
+   partitions (at most ``partition_bytes`` each) and the server of each;
+2. every partition goes into one priority queue (higher ``priority`` first, then FIFO);
+3. partitions are pushed, zero-copy from the caller's array, while the bytes pushed and not
+   yet acknowledged stay within ``credit_bytes`` — so a late high-priority tensor waits
+   behind at most ``credit_bytes``, not behind a whole model;
+4. each partition's sum arrives as soon as every worker has pushed it, and is copied (or
+   divided, when averaging) straight into the output; pushes of later partitions go on
+   meanwhile, so both directions of the link stay busy.
+"""
+from __future__ import annotations
+
+import collections
+import heapq
+import itertools
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import zmq
+
+from .. import __version__
+from ..config import Config, ConfigError
+from . import protocol as P
+from .common import EngineError, make_socket, monitor, monitor_events
+
+
+class Handle:
+    """An asynchronous push_pull in progress; pass it to ``poll`` or ``synchronize``."""
+
+    __slots__ = ("name", "output", "_done", "error", "_task")
+
+    def __init__(self, name: str, output: np.ndarray):
+        self.name = name
+        self.output = output
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+        self._task: _Task | None = None
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout_s: float | None) -> np.ndarray:
+        if not self._done.wait(timeout_s):
+            raise EngineError(f"push_pull of {self.name!r} did not finish within {timeout_s:g} s")
+        if self.error is not None:
+            raise self.error
+        return self.output
+
+
+class _Task:
+    """The I/O thread's record of one push_pull."""
+
+    __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
+                 "remaining", "deadline", "parts")
+
+    def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
+                 divisor: int | None, deadline: float):
+        self.handle = handle
+        self.name = handle.name
+        self.src = src.reshape(-1).view(np.uint8)        # bytes to push
+        self.dst = dst.reshape(-1)                       # typed, written by results
+        self.dtype = dst.dtype
+        self.shape = list(dst.shape)
+        self.priority = priority
+        self.divisor = divisor
+        self.remaining = 0
+        self.deadline = deadline
+        self.parts: list[list[int]] = []
+
+
+_WAKE = b"\0"
+
+
+class Worker:
+    """One worker process's connection to a bpsctl cluster (see module docstring)."""
+
+    def __init__(self, config: Config | None = None, *, scheduler: str | None = None,
+                 secret: str | None = None):
+        self.config = config if config is not None else Config.from_env(role="worker")
+        self.scheduler_address, self.secret = self._locate_cluster(scheduler, secret)
+        self.rank = self.config.rank
+        self.size = self.config.world_size
+        self.local_rank = self.config.local_rank
+        self.local_size = self.config.local_size
+
+        self._ctx = zmq.Context()
+        self._sched = make_socket(self._ctx, zmq.DEALER)
+        self._sched_monitor = monitor(self._sched)
+        self._sched.connect(f"tcp://{self.scheduler_address}")
+        self._servers: list[dict[str, Any]] = []
+        self._server_socks: list[zmq.Socket] = []
+        self._server_monitors: list[zmq.Socket] = []
+        try:
+            self._register()
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+
+        # shared with callers
+        self._commands: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._signaled = False
+        self._lock = threading.Lock()          # guards names in flight and the broken flag
+        self._in_flight_names: set[str] = set()
+        self._broken: EngineError | None = None
+        self._noname_counter = itertools.count()
+        self._barrier_counter = itertools.count()
+        self._closed = False
+
+        # owned by the I/O thread
+        self._tensors: dict[str, dict[str, Any]] = {}         # name -> {key, parts, dtype, shape}
+        self._awaiting_declare: dict[str, tuple[dict[str, Any], list[_Task]]] = {}  # name -> (spec, tasks)
+        self._queue: list[tuple[int, int, _Task, list[int]]] = []
+        self._seq = itertools.count()
+        self._inflight_bytes = 0
+        self._unacked: dict[int, int] = {}                     # part id -> bytes
+        self._active: dict[int, tuple[_Task, list[int]]] = {}  # part id -> (task, part)
+        self._rounds: dict[int, int] = {}                      # part id -> round
+        self._tasks: set[_Task] = set()
+        self._barriers: dict[str, Handle] = {}
+        self._stop = False
+
+        self._thread = threading.Thread(target=self._io_loop, name=f"bps-worker-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ startup
+
+    def _locate_cluster(self, scheduler: str | None, secret: str | None) -> tuple[str, str]:
+        """The scheduler's address and secret: arguments, then config, then `bpsctl up`'s state."""
+        address = scheduler or self.config.scheduler
+        secret = secret if secret is not None else self.config.secret
+        if not address:
+            state_file = self.config.state_dir / "cluster.json"
+            try:
+                state = json.loads(state_file.read_text())
+                address = state["scheduler"]
+                secret = secret or state.get("secret", "")
+            except FileNotFoundError:
+                raise EngineError("no scheduler to connect to: BPSCTL_SCHEDULER is not set and no "
+                                  f"cluster is recorded in {state_file}. Start one with `bpsctl up`, "
+                                  "or launch this script with `bpsctl run`") from None
+            except (ValueError, KeyError, TypeError) as exc:
+                raise EngineError(f"cannot read the cluster state in {state_file}: {exc}; "
+                                  "run `bpsctl down` and `bpsctl up` again") from None
+        return address, secret
+
+    def _register(self) -> None:
+        cfg = self.config
+        self._sched.send_multipart(P.control(P.REGISTER, {
+            "role": "worker", "rank": cfg.rank, "world_size": cfg.world_size, "job": cfg.job_id,
+            "host": socket.gethostname(), "pid": os.getpid(), "secret": self.secret,
+            "version": __version__, "num_servers": cfg.num_servers,
+            "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s}))
+        # the scheduler enforces the start timeout and names missing ranks; our own deadline
+        # (a little later) is a backstop for a scheduler that never answers
+        start = time.monotonic()
+        connect_deadline = start + cfg.start_timeout_s
+        reply_deadline = connect_deadline + 2 * cfg.heartbeat_interval_s + 1
+        next_heartbeat = start + cfg.heartbeat_interval_s
+        connected = False
+        while True:
+            now = time.monotonic()
+            if now >= reply_deadline or (not connected and now >= connect_deadline):
+                break
+            events = monitor_events(self._sched_monitor)
+            connected |= zmq.EVENT_CONNECTED in events
+            if zmq.EVENT_DISCONNECTED in events:
+                raise EngineError(f"lost the scheduler at {self.scheduler_address} during registration")
+            if now >= next_heartbeat and connected:
+                self._sched.send_multipart(P.control(P.HEARTBEAT))
+                next_heartbeat = now + cfg.heartbeat_interval_s
+            if not self._sched.poll(50, zmq.POLLIN):
+                continue
+            msg_type, msg = P.parse_control(self._sched.recv_multipart())
+            if msg_type == P.ERROR:
+                raise EngineError(f"rank {cfg.rank}: {msg.get('message')}")
+            if msg_type == P.REGISTERED:
+                self.rank = int(msg["rank"])
+                self.size = int(msg["world_size"])
+                self._servers = msg["servers"]
+                break
+        if not self._servers:
+            if not connected:
+                raise EngineError(f"cannot reach the scheduler at {self.scheduler_address} within "
+                                  f"{cfg.start_timeout_s:g} s: nothing is listening there. Start a "
+                                  "cluster with `bpsctl up` (or set BPSCTL_SCHEDULER to a running "
+                                  "scheduler's host:port)")
+            raise EngineError(f"the scheduler at {self.scheduler_address} did not start the job "
+                              f"within {cfg.start_timeout_s:g} s (BPSCTL_START_TIMEOUT)")
+        hello = P.control(P.HELLO, {"secret": self.secret, "job": cfg.job_id, "rank": self.rank,
+                                    "world_size": self.size, "version": __version__})
+        for server in self._servers:
+            sock = make_socket(self._ctx, zmq.DEALER)
+            self._server_monitors.append(monitor(sock))
+            sock.connect(f"tcp://{server['host']}:{server['port']}")
+            sock.send_multipart(hello)
+            self._server_socks.append(sock)
+
+    # ------------------------------------------------------------------ caller API
+
+    def push_pull_async(self, array: Any, name: str | None = None, average: bool = True,
+                        priority: int = 0, out: np.ndarray | None = None) -> Handle:
+        """Start summing ``array`` across all workers; the result lands in ``out``."""
+        src = np.asarray(array)
+        dtype_code = P.dtype_code(src.dtype)           # raises TypeError naming supported dtypes
+        if not src.flags.c_contiguous:
+            src = np.ascontiguousarray(src)
+        if out is None:
+            out = np.empty_like(src)
+        elif out.shape != src.shape or out.dtype != src.dtype or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous {src.dtype} array of shape {src.shape}, "
+                             f"got {out.dtype} {out.shape}")
+        if average and src.dtype.kind != "f":
+            raise TypeError(f"average=True needs a floating-point tensor, got {src.dtype} "
+                            f"for {name!r}; pass average=False to sum")
+        divisor = self.size if average and self.size > 1 else None
+        del dtype_code
+        if name is None:
+            name = f"push_pull.noname.{next(self._noname_counter)}"
+        handle = Handle(name, out)
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            if self._closed:
+                raise EngineError("the engine is shut down; call init() again")
+            if name in self._in_flight_names:
+                raise ValueError(f"a push_pull of {name!r} is already in flight; synchronize it "
+                                 "before starting another with the same name")
+            self._in_flight_names.add(name)
+        task = _Task(handle, src, out, priority, divisor,
+                     time.monotonic() + self.config.op_timeout_s)
+        handle._task = task
+        self._command("task", task)
+        return handle
+
+    def push_pull(self, array: Any, name: str | None = None, average: bool = True,
+                  priority: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+        return self.synchronize(self.push_pull_async(array, name, average, priority, out))
+
+    def poll(self, handle: Handle) -> bool:
+        return handle.done()
+
+    def synchronize(self, handle: Handle, timeout_s: float | None = None) -> np.ndarray:
+        # the I/O thread fails overdue tasks itself; this backstop covers a dead I/O thread
+        limit = timeout_s if timeout_s is not None else self.config.op_timeout_s + 10
+        return handle.wait(limit)
+
+    def declare(self, name: str, shape: tuple[int, ...], dtype: Any) -> None:
+        """Declare a tensor ahead of its first push_pull (optional; saves a round trip later)."""
+        spec = {"name": name, "dtype": str(np.dtype(dtype)), "shape": [int(d) for d in shape]}
+        self._command("declare", spec)
+
+    def barrier(self, timeout_s: float | None = None) -> None:
+        """Wait until every worker of the job has called barrier()."""
+        name = f"barrier.{next(self._barrier_counter)}"
+        handle = Handle(name, np.empty(0))
+        self._command("barrier", handle)
+        handle.wait(timeout_s if timeout_s is not None else self.config.op_timeout_s)
+
+    def shutdown(self) -> None:
+        """Leave the job; outstanding push_pulls fail. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._command("stop", None)
+        self._thread.join(timeout=10)
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        self._ctx.destroy(linger=0)
+
+    def _command(self, kind: str, payload: Any) -> None:
+        self._commands.append((kind, payload))
+        if not self._signaled:
+            self._signaled = True
+            try:
+                os.write(self._wake_w, _WAKE)
+            except OSError:
+                pass
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._sched, zmq.POLLIN)
+        poller.register(self._sched_monitor, zmq.POLLIN)
+        handlers: dict[Any, Callable[[], None]] = {
+            self._wake_r: self._drain_commands,
+            self._sched: self._drain_scheduler,
+            self._sched_monitor: self._check_scheduler_link,
+        }
+        for index, (sock, mon) in enumerate(zip(self._server_socks, self._server_monitors)):
+            poller.register(sock, zmq.POLLIN)
+            poller.register(mon, zmq.POLLIN)
+            handlers[sock] = lambda s=sock: self._drain_server(s)
+            handlers[mon] = lambda i=index: self._check_server_link(i)
+        interval = self.config.heartbeat_interval_s
+        next_tick = time.monotonic() + interval
+        try:
+            while not self._stop:
+                for sock, _ in poller.poll(int(interval * 1000)):
+                    handlers[sock]()
+                self._send_pushes()
+                now = time.monotonic()
+                if now >= next_tick:
+                    self._sched.send_multipart(P.control(P.HEARTBEAT))
+                    self._fail_overdue(now)
+                    next_tick = now + interval
+        except Exception as exc:    # a bug here must not leave callers waiting forever
+            self._fail_all(EngineError(f"worker {self.rank}: engine I/O thread crashed: {exc!r}"))
+            raise
+        finally:
+            self._fail_all(EngineError("the engine was shut down"), broken=False)
+
+    def _drain_commands(self) -> None:
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass
+        self._signaled = False
+        declares: list[dict[str, Any]] = []
+        while self._commands:
+            kind, payload = self._commands.popleft()
+            if kind == "task":
+                self._start_task(payload, declares)
+            elif kind == "declare":
+                if payload["name"] not in self._tensors and payload["name"] not in self._awaiting_declare:
+                    self._awaiting_declare[payload["name"]] = (payload, [])
+                    declares.append(payload)
+            elif kind == "barrier":
+                self._barriers[payload.name] = payload
+                self._sched.send_multipart(P.control(P.BARRIER, {"name": payload.name}))
+            elif kind == "stop":
+                self._sched.send_multipart(P.control(P.LEAVE))
+                self._stop = True
+        if declares:
+            self._sched.send_multipart(P.control(P.DECLARE, {"tensors": declares}))
+
+    def _start_task(self, task: _Task, declares: list[dict[str, Any]]) -> None:
+        if self._broken is not None:
+            self._finish(task, self._broken)
+            return
+        self._tasks.add(task)
+        info = self._tensors.get(task.name)
+        if info is None:
+            pending = self._awaiting_declare.get(task.name)
+            if pending is None:
+                spec = {"name": task.name, "dtype": str(task.dtype), "shape": task.shape}
+                self._awaiting_declare[task.name] = pending = (spec, [])
+                declares.append(spec)
+            pending[1].append(task)
+            return
+        self._enqueue(task, info)
+
+    def _enqueue(self, task: _Task, info: dict[str, Any]) -> None:
+        if info["dtype"] != str(task.dtype) or info["shape"] != task.shape:
+            self._finish(task, ValueError(
+                f"tensor {task.name!r} was declared as {info['dtype']}{tuple(info['shape'])} but "
+                f"push_pull got {task.dtype}{tuple(task.shape)}; use another name for another tensor"))
+            return
+        task.parts = info["parts"]
+        task.remaining = len(task.parts)
+        order = -task.priority
+        for part in task.parts:
+            heapq.heappush(self._queue, (order, next(self._seq), task, part))
+
+    def _send_pushes(self) -> None:
+        queue, credit = self._queue, self.config.credit_bytes
+        while queue:
+            part = queue[0][3]
+            length = part[3]
+            if self._inflight_bytes and self._inflight_bytes + length > credit:
+                return
+            _, _, task, part = heapq.heappop(queue)
+            if task.handle.error is not None:       # failed meanwhile (e.g. a key error)
+                continue
+            part_id, server, offset = part[0], part[1], part[2]
+            sock = self._server_socks[server]
+            sock.send(P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[task.dtype], rank=self.rank,
+                                    part=part_id, round=self._rounds.get(part_id, 0),
+                                    nbytes=length), zmq.SNDMORE)
+            sock.send(task.src[offset:offset + length], copy=False)
+            self._inflight_bytes += length
+            self._unacked[part_id] = length
+            self._active[part_id] = (task, part)
+
+    def _drain_server(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            msg_type, _, _, _, part_id, round_, nbytes = P.unpack_header(frames[0].buffer)
+            if msg_type == P.ACK:
+                self._inflight_bytes -= self._unacked.pop(part_id, 0)
+            elif msg_type == P.RESULT:
+                self._inflight_bytes -= self._unacked.pop(part_id, 0)
+                self._result(part_id, round_, frames[1])
+            elif msg_type == P.ERROR:
+                _, msg = P.parse_control([frames[0].buffer, frames[1].buffer])
+                self._fail_all(EngineError(f"worker {self.rank}: {msg.get('message')}"))
+
+    def _result(self, part_id: int, round_: int, payload: zmq.Frame) -> None:
+        entry = self._active.pop(part_id, None)
+        if entry is None:
+            return                                 # its task already failed
+        task, part = entry
+        self._rounds[part_id] = round_ + 1
+        if task.handle.error is None:
+            itemsize = task.dtype.itemsize
+            start = part[2] // itemsize
+            dst = task.dst[start:start + part[3] // itemsize]
+            src = np.frombuffer(payload, dtype=task.dtype)
+            if task.divisor is None:
+                np.copyto(dst, src)
+            else:
+                np.divide(src, task.divisor, out=dst)
+        task.remaining -= 1
+        if task.remaining == 0:
+            self._finish(task, None)
+
+    def _finish(self, task: _Task, error: BaseException | None) -> None:
+        self._tasks.discard(task)
+        handle = task.handle
+        if handle.done():
+            return
+        if handle.error is None:
+            handle.error = error
+        with self._lock:
+            self._in_flight_names.discard(task.name)
+        handle._done.set()
+
+    def _drain_scheduler(self) -> None:
+        while True:
+            try:
+                frames = self._sched.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg_type, msg = P.parse_control(frames)
+            if msg_type == P.DECLARED:
+                for info in msg["tensors"]:
+                    self._declared(info)
+            elif msg_type == P.BARRIER_DONE:
+                handle = self._barriers.pop(msg["name"], None)
+                if handle is not None:
+                    handle._done.set()
+            elif msg_type == P.MEMBER_LOST:
+                self._fail_all(EngineError(f"worker {self.rank}: {msg['message']}"))
+            elif msg_type == P.ERROR:
+                name = msg.get("name")
+                error = EngineError(f"worker {self.rank}: {msg.get('message')}")
+                if name is not None:
+                    self._fail_name(name, error)
+                else:
+                    self._fail_all(error)
+
+    def _declared(self, info: dict[str, Any]) -> None:
+        name = info["name"]
+        spec, waiting = self._awaiting_declare.pop(name, (None, []))
+        if spec is None:
+            return                                  # failed meanwhile
+        self._tensors[name] = {"key": info["key"], "parts": info["parts"],
+                               "dtype": spec["dtype"], "shape": spec["shape"]}
+        for task in waiting:
+            self._enqueue(task, self._tensors[name])
+
+    def _fail_name(self, name: str, error: BaseException) -> None:
+        self._awaiting_declare.pop(name, None)
+        for task in [t for t in self._tasks if t.name == name]:
+            self._finish(task, error)
+
+    def _check_scheduler_link(self) -> None:
+        if zmq.EVENT_DISCONNECTED in monitor_events(self._sched_monitor) and not self._stop:
+            self._fail_all(EngineError(f"worker {self.rank}: lost the scheduler at "
+                                       f"{self.scheduler_address}"))
+
+    def _check_server_link(self, index: int) -> None:
+        if zmq.EVENT_DISCONNECTED in monitor_events(self._server_monitors[index]) and not self._stop:
+            server = self._servers[index]
+            self._fail_all(EngineError(
+                f"worker {self.rank}: lost server {server['rank']} at {server['host']}:{server['port']} "
+                "(its process died or its link went down)"))
+
+    def _fail_overdue(self, now: float) -> None:
+        for task in [t for t in self._tasks if t.deadline < now]:
+            servers = sorted({self._servers[p[1]]["rank"] for p in task.parts
+                              if p[0] in self._active})
+            self._finish(task, EngineError(
+                f"worker {self.rank}: push_pull of {task.name!r} did not complete within "
+                f"{self.config.op_timeout_s:g} s (BPSCTL_OP_TIMEOUT); still waiting on server(s) "
+                f"{servers or 'none: not yet declared'} for the other workers' pushes"))
+
+    def _fail_all(self, error: EngineError, broken: bool = True) -> None:
+        if broken:
+            with self._lock:
+                if self._broken is None:
+                    self._broken = error
+        for task in list(self._tasks):
+            self._finish(task, error)
+        for _, waiting in self._awaiting_declare.values():
+            for task in waiting:
+                self._finish(task, error)
+        self._awaiting_declare.clear()
+        self._queue.clear()
+        self._active.clear()
+        self._unacked.clear()
+        self._inflight_bytes = 0
+        for handle in self._barriers.values():
+            handle.error = error
+            handle._done.set()
+        self._barriers.clear()
