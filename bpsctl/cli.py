@@ -1,0 +1,245 @@
+"""The ``bpsctl`` command: parses flags into a :class:`Config` and calls the package APIs.
+
+Exit codes: 0 success, 2 usage or configuration error, 1 runtime failure; ``run`` exits with
+its first failing worker's code. Human output goes to stderr, ``--json`` output to stdout.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any, Iterator, List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from bpsctl import launch
+from bpsctl.config import Config, ConfigError
+
+app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False, rich_markup_mode="markdown",
+                  pretty_exceptions_show_locals=False,      # locals would show the secret
+                  help="Launch, benchmark and tune data-parallel training around an embedded "
+                       "parameter server. With no --hosts everything runs on this machine.")
+err_console = Console(stderr=True)
+
+_KNOBS = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def knob_option(knob_name: str, *flags: str, **option_kwargs: Any) -> Any:
+    """A ``typer.Option`` for the Config knob ``knob_name``: its env var and help, default None
+    so that an unset flag leaves the knob to the environment or Config's default."""
+    knob = _KNOBS[knob_name]
+    help_text = knob.metadata["help"]
+    return typer.Option(None, *flags, envvar=knob.metadata["env"], show_envvar=True,
+                        show_default=str(knob.default), help=help_text[0].upper() + help_text[1:],
+                        **option_kwargs)
+
+
+def build_config(ctx: typer.Context, flags: dict[str, tuple[Any, str]]) -> Config:
+    """Config from the environment, overridden by the flags given.
+
+    ``flags`` maps a knob to (value or None, the flag that sets it), so that an invalid value
+    is reported under the flag's name as well as the env var's.
+    """
+    overrides = {name: value for name, (value, _) in flags.items() if value is not None}
+    state_dir = ctx.obj.get("state_dir") if ctx.obj else None
+    if state_dir is not None:
+        overrides["state_dir"] = Path(state_dir).expanduser()
+    try:
+        return Config.from_env(**overrides)
+    except ConfigError as exc:
+        message = str(exc)
+        for name, (_, flag) in {**flags, "state_dir": (None, "--state-dir")}.items():
+            env = _KNOBS[name].metadata["env"]
+            if message.startswith(f"{env}:"):
+                message = f"{flag} / {message}"
+        raise ConfigError(message) from None
+
+
+@contextlib.contextmanager
+def cli_errors() -> Iterator[None]:
+    """Report bpsctl's own errors in one line and exit 2 (usage, config) or 1 (runtime)."""
+    try:
+        yield
+    except ConfigError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(2) from None
+    except launch.LaunchError as exc:
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt as exc:     # launch.Interrupted carries SIGINT or SIGTERM
+        signum = getattr(exc, "signum", signal.SIGINT)
+        err_console.print(f"interrupted ({signal.Signals(signum).name}); stopped what was started")
+        raise typer.Exit(128 + signum) from None
+
+
+@app.callback()
+def root(ctx: typer.Context,
+         state_dir: Optional[Path] = knob_option("state_dir", "--state-dir")) -> None:
+    ctx.obj = {"state_dir": state_dir}
+
+
+# --------------------------------------------------------------------------- up
+
+@app.command()
+def up(ctx: typer.Context,
+       servers: int = typer.Option(1, "--servers", min=1, help="Summation servers to start."),
+       port: Optional[int] = knob_option("port", "--port"),
+       start_timeout_s: Optional[float] = knob_option("start_timeout_s", "--start-timeout"),
+       ) -> None:
+    """Start a scheduler and summation servers on this machine."""
+    with cli_errors():
+        config = build_config(ctx, {"port": (port, "--port"),
+                                    "start_timeout_s": (start_timeout_s, "--start-timeout")})
+        with err_console.status(f"starting the scheduler and {servers} server(s)"):
+            cluster = launch.up_local(config, servers)
+        err_console.print(f"cluster [bold]{cluster.name}[/] is up, scheduler at "
+                          f"{cluster.scheduler}", highlight=False)
+        _print_processes(launch.status(config.state_dir)["processes"])
+        err_console.print("next: bpsctl run -np N -- python train.py   (bpsctl down stops it)",
+                          highlight=False)
+
+
+# --------------------------------------------------------------------------- run
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(ctx: typer.Context,
+        np: Optional[int] = knob_option("world_size", "-np", min=1),
+        servers: int = typer.Option(1, "--servers", min=1,
+                                    help="Servers of the private cluster started when none is up."),
+        start_timeout_s: Optional[float] = knob_option("start_timeout_s", "--start-timeout"),
+        cmd: List[str] = typer.Argument(..., metavar="CMD",
+                                        help="The worker command, e.g. python train.py."),
+        ) -> None:
+    """Run N workers of CMD on the cluster that `up` started, or on a private one.
+
+    Each worker's output is prefixed with its rank. When a worker fails the others are
+    stopped and bpsctl exits with the failing worker's exit code.
+    """
+    with cli_errors():
+        config = build_config(ctx, {"world_size": (np, "-np"),
+                                    "start_timeout_s": (start_timeout_s, "--start-timeout")})
+        result = launch.run_local(cmd, config.world_size, config, servers=servers)
+    if result.failures:
+        _print_failures(result)
+    elif result.exit_code:
+        err_console.print(f"bpsctl run: stopped every worker (exit code {result.exit_code})")
+    raise typer.Exit(result.exit_code)
+
+
+def _print_failures(result: launch.RunResult) -> None:
+    root_cause = result.failures[0]
+    table = Table(title=f"bpsctl run failed: worker {root_cause.rank} exited with code "
+                        f"{root_cause.exit_code}; the other workers were stopped",
+                  title_justify="left", show_lines=True)
+    for column in ("", "rank", "pid", "exit code", "last output"):
+        table.add_column(column, overflow="fold")
+    for index, failure in enumerate(result.failures):
+        exit_code = str(failure.exit_code)
+        if failure.signal_name:
+            exit_code += f" ({failure.signal_name})"
+        table.add_row("root cause" if index == 0 else "", str(failure.rank), str(failure.pid),
+                      exit_code, "\n".join(failure.last_lines[-8:]) or "(no output)")
+    err_console.print(table, highlight=False)
+
+
+# --------------------------------------------------------------------------- status, logs, down
+
+@app.command()
+def status(ctx: typer.Context,
+           json_output: bool = typer.Option(False, "--json", help="Print only JSON, on stdout."),
+           ) -> None:
+    """Show the cluster's processes: running, lost (silent to the scheduler) or exited.
+
+    Exits 1 if the scheduler or a server is not running.
+    """
+    with cli_errors():
+        config = build_config(ctx, {})
+        info = launch.status(config.state_dir)
+    if json_output:
+        typer.echo(json.dumps(info, indent=2))
+    elif info["cluster"] is None:
+        err_console.print(f"no cluster is up (state dir {config.state_dir}); `bpsctl up` starts one",
+                          highlight=False)
+    else:
+        err_console.print(f"cluster [bold]{info['cluster']}[/], scheduler at {info['scheduler']}",
+                          highlight=False)
+        _print_processes(info["processes"])
+        if info["scheduler_error"]:
+            err_console.print(f"[yellow]warning:[/] {info['scheduler_error']}", highlight=False)
+    unhealthy = [p for p in info["processes"]
+                 if p["role"] != "worker" and p["state"] != "running"]
+    raise typer.Exit(1 if unhealthy else 0)
+
+
+def _print_processes(processes: list[dict[str, Any]]) -> None:
+    table = Table()
+    for column in ("role", "rank", "address", "pid", "state"):
+        table.add_column(column)
+    colors = {"running": "green", "lost": "red", "exited": "yellow"}
+    for process in processes:
+        address = process["host"] + (f":{process['port']}" if process["port"] else "")
+        state = process["state"]
+        table.add_row(process["role"], str(process["rank"]), address, str(process["pid"]),
+                      f"[{colors.get(state, 'white')}]{state}[/]")
+    err_console.print(table, highlight=False)
+
+
+@app.command()
+def logs(ctx: typer.Context,
+         role: Optional[str] = typer.Argument(
+             None, metavar="[ROLE]",
+             help="scheduler | server | server:N | worker | worker:N (default: all logs)."),
+         ) -> None:
+    """Print the logs of the cluster's processes and of the last run's workers."""
+    with cli_errors():
+        config = build_config(ctx, {})
+        text = launch.logs(config.state_dir, role)
+    sys.stdout.write(text)
+
+
+@app.command()
+def down(ctx: typer.Context) -> None:
+    """Stop the cluster that `up` started (its logs are kept)."""
+    with cli_errors():
+        config = build_config(ctx, {})
+        report = launch.down(config.state_dir)
+    if report.cluster is None:
+        err_console.print(f"no cluster is up (state dir {config.state_dir}); nothing to stop",
+                          highlight=False)
+        return
+    if report.survivors:
+        survivors = ", ".join(f"{p.name} (pid {p.pid})" for p in report.survivors)
+        err_console.print(f"[bold red]error:[/] could not stop {survivors}; run `bpsctl down` "
+                          "again or kill them by PID", highlight=False)
+        raise typer.Exit(1)
+    err_console.print(f"stopped cluster {report.cluster} ({len(report.stopped)} processes); "
+                      f"logs are in {launch.logs_dir(config.state_dir)}", highlight=False)
+
+
+# --------------------------------------------------------------------------- sub-apps
+
+def _mount_bench() -> None:
+    # bpsctl/bench/cli.py is written separately; until it exists the rest of the CLI works.
+    try:
+        from bpsctl.bench.cli import bench_app
+    except ModuleNotFoundError as exc:
+        if exc.name != "bpsctl.bench.cli":
+            raise
+        return
+    app.add_typer(bench_app, name="bench")
+
+
+_mount_bench()
+
+
+def main() -> None:
+    app(prog_name="bpsctl")
+
+
+if __name__ == "__main__":
+    main()
