@@ -169,10 +169,8 @@ def _is_live(cluster: ClusterState) -> bool:
 
 def _child_env(config: Config, extra: dict[str, str] | None = None) -> dict[str, str]:
     # Children inherit our environment (PATH, virtualenv, ...) but every BPSCTL_* knob comes
-    # from ``config``; they import the same bpsctl as this launcher.
-    env = {**os.environ, **config.to_env(), **(extra or {})}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PACKAGE_ROOT), env.get("PYTHONPATH")]))
-    return env
+    # from ``config``.
+    return {**os.environ, **config.to_env(), **(extra or {})}
 
 
 def _log_tail(path: Path | str, lines: int = _LOG_TAIL_LINES) -> str:
@@ -209,8 +207,10 @@ def _start_child(role: str, index: int, config: Config, state_dir: Path) -> _Chi
     ready_path.unlink(missing_ok=True)
     log_path = logs_dir(state_dir) / f"{stem}.log"
     env = _child_env(config.replace(ready_file=str(ready_path)))
+    # Run from the directory holding bpsctl/, so that `python -m` imports the very bpsctl this
+    # launcher runs, installed or not.
     process, identity = start_process([sys.executable, "-m", f"bpsctl.engine.{role}"], env,
-                                      log_path=log_path)
+                                      log_path=log_path, cwd=_PACKAGE_ROOT)
     return _Child(role, process, identity, log_path, ready_path)
 
 
@@ -278,7 +278,9 @@ def up_local(config: Config, servers: int) -> ClusterState:
     """
     if servers < 1:
         raise ConfigError(f"--servers: expected at least 1, got {servers}")
-    state_dir = Path(config.state_dir)
+    # absolute: children run elsewhere, and the state file must name the same place for everyone
+    state_dir = Path(config.state_dir).resolve()
+    config = config.replace(state_dir=state_dir)
     with _state_lock(state_dir), stop_signals_recorded() as stop_signals:
         existing = load_state(state_dir)
         if existing is not None:
@@ -307,11 +309,13 @@ def up_local(config: Config, servers: int) -> ClusterState:
         except BaseException:
             _stop_children(started)
             raise
-        records = [_record(scheduler, "scheduler", 0, ready)]
+        server_records = []
         for child, info in zip(server_children, server_ready):
             rank = int(info["rank"])
             child.log_path = child.log_path.rename(logs_dir(state_dir) / f"server-{rank}.log")
-            records.append(_record(child, "server", rank, info))
+            server_records.append(_record(child, "server", rank, info))
+        records = [_record(scheduler, "scheduler", 0, ready),
+                   *sorted(server_records, key=lambda r: r.rank)]
         for child in started:
             child.ready_path.unlink(missing_ok=True)
         cluster = ClusterState(name=f"local-{secrets.token_hex(3)}", scheduler=address,

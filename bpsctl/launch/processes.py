@@ -34,8 +34,8 @@ class ProcessIdentity:
 
 
 def start_process(argv: Sequence[str], env: dict[str, str], log_path: Path | None = None,
-                  stdout: int | IO | None = None, stderr: int | IO | None = None
-                  ) -> tuple[subprocess.Popen, ProcessIdentity]:
+                  stdout: int | IO | None = None, stderr: int | IO | None = None,
+                  cwd: Path | None = None) -> tuple[subprocess.Popen, ProcessIdentity]:
     """Start ``argv`` as the leader of a new process group (so the whole group can be stopped).
 
     With ``log_path`` stdout and stderr both go to that file; otherwise to ``stdout``/``stderr``.
@@ -43,10 +43,10 @@ def start_process(argv: Sequence[str], env: dict[str, str], log_path: Path | Non
     if log_path is not None:
         with open(log_path, "wb") as log:
             process = subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                       stderr=subprocess.STDOUT, start_new_session=True)
+                                       stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
     else:
         process = subprocess.Popen(list(argv), env=env, stdin=subprocess.DEVNULL, stdout=stdout,
-                                   stderr=stderr, start_new_session=True)
+                                   stderr=stderr, cwd=cwd, start_new_session=True)
     return process, identify(process.pid)
 
 
@@ -126,6 +126,7 @@ def stop_groups(identities: Iterable[ProcessIdentity], grace_s: float) -> list[P
     identities = list(identities)
     for identity in identities:
         signal_group(identity, signal.SIGTERM)
+        signal_group(identity, signal.SIGCONT)     # a stopped (Ctrl-Z, SIGSTOP) process too
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(is_running(i) for i in identities):
         time.sleep(_POLL_INTERVAL_S)

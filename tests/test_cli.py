@@ -1,0 +1,180 @@
+"""The ``bpsctl`` command as users run it: a process of its own, with the real engine.
+
+Usage errors are checked in-process with typer's CliRunner (no cluster is started).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from typer.testing import CliRunner
+
+from bpsctl.cli import app
+from bpsctl.launch import api
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+COMMAND_TIMEOUT_S = 30
+
+
+def gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie counts: PID 1 here does not reap orphans)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.fixture
+def state_dir(tmp_path, monkeypatch):
+    """A private BPSCTL_STATE_DIR; whatever cluster a test leaves in it is stopped by PID."""
+    path = tmp_path / "state"
+    monkeypatch.setenv("BPSCTL_STATE_DIR", str(path))
+    yield path
+    cluster = api.load_state(path)
+    if cluster is not None:
+        api.down(path)
+        for record in cluster.processes:
+            if not gone(record.pid):
+                os.kill(record.pid, signal.SIGKILL)
+
+
+def bpsctl(*args: str, timeout_s: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env, text=True,
+                          capture_output=True, timeout=timeout_s)
+
+
+def test_up_status_down(state_dir):
+    up = bpsctl("up", "--servers", "2")
+    assert up.returncode == 0, up.stderr
+    assert "is up" in up.stderr
+
+    status = bpsctl("status", "--json")
+    assert status.returncode == 0, status.stderr
+    info = json.loads(status.stdout)                     # nothing but JSON on stdout
+    processes = info["processes"]
+    assert info["cluster"] and info["scheduler"].startswith("127.0.0.1:")
+    assert [(p["role"], p["rank"], p["state"]) for p in processes] == [
+        ("scheduler", 0, "running"), ("server", 0, "running"), ("server", 1, "running")]
+    assert all(p["pid"] > 0 and p["port"] > 0 and p["host"] == "127.0.0.1" for p in processes)
+
+    human = bpsctl("status")
+    assert human.returncode == 0 and human.stdout == "" and "running" in human.stderr
+
+    logs = bpsctl("logs", "scheduler")
+    assert logs.returncode == 0 and "serving on" in logs.stdout
+
+    again = bpsctl("up")
+    assert again.returncode == 1 and "bpsctl down" in again.stderr
+
+    down = bpsctl("down")
+    assert down.returncode == 0, down.stderr
+    assert all(gone(p["pid"]) for p in processes)
+    second_down = bpsctl("down")
+    assert second_down.returncode == 0 and "no cluster" in second_down.stderr
+
+    after = bpsctl("status", "--json")
+    assert after.returncode == 0 and json.loads(after.stdout)["processes"] == []
+
+
+def test_run_prefixes_each_ranks_output(state_dir):
+    run = bpsctl("run", "-np", "3", "--", sys.executable, "-c",
+                 "import os; print('hello from', os.environ['RANK'])")
+    assert run.returncode == 0, run.stderr
+    lines = sorted(run.stdout.splitlines())
+    assert lines == ["[0] hello from 0", "[1] hello from 1", "[2] hello from 2"]
+    assert "hello from 2" in bpsctl("logs", "worker:2").stdout
+
+
+def test_run_exits_with_the_first_failure_and_stops_the_others(state_dir, tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    worker = (
+        "import os, sys, time\n"
+        "rank = os.environ['RANK']\n"
+        f"open(os.path.join({str(pid_dir)!r}, rank), 'w').write(str(os.getpid()))\n"
+        "if rank == '1':\n"
+        f"    while len(os.listdir({str(pid_dir)!r})) < 2: time.sleep(0.01)\n"
+        "    print('rank 1 fails', flush=True); sys.exit(3)\n"
+        "time.sleep(60)\n")
+    try:
+        started = time.monotonic()
+        run = bpsctl("run", "-np", "2", "--", sys.executable, "-c", worker)
+        assert time.monotonic() - started < 20
+        assert run.returncode == 3, run.stderr
+        assert "root cause" in run.stderr and "rank 1 fails" in run.stderr
+        sleeper = int((pid_dir / "0").read_text())
+        assert gone(sleeper)
+    finally:
+        for pid_file in pid_dir.iterdir():
+            pid = int(pid_file.read_text())
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_every_worker(state_dir, tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    worker = ("import os, time\n"
+              f"open(os.path.join({str(pid_dir)!r}, os.environ['RANK']), 'w')"
+              ".write(str(os.getpid()))\n"
+              "time.sleep(60)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    launcher = subprocess.Popen([sys.executable, "-m", "bpsctl.cli", "run", "-np", "2", "--",
+                                 sys.executable, "-c", worker], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(p.read_text()) for p in pid_dir.iterdir()]
+        assert len(pids) == 2
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=15) == 128 + signal.SIGINT
+        assert all(gone(pid) for pid in pids)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid_file in pid_dir.iterdir():
+            pid = int(pid_file.read_text())
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["up", "--bogus"], "--bogus"),
+    (["run", "-np", "0", "--", "true"], "-np"),
+    (["up", "--servers", "abc"], "--servers"),
+    (["run", "--servers", "0", "--", "true"], "--servers"),
+    (["up", "--start-timeout", "-1"], "--start-timeout"),
+    (["up", "--port", "70000"], "--port"),
+    (["logs", "servers"], "ROLE"),
+])
+def test_usage_errors_exit_2_and_name_the_flag(state_dir, args, flag):
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert flag in result.output
+    assert api.load_state(state_dir) is None
+
+
+def test_bad_environment_is_a_config_error(state_dir, monkeypatch):
+    monkeypatch.setenv("BPSCTL_HEARTBEAT_INTERVAL", "soon")
+    result = CliRunner().invoke(app, ["up"])
+    assert result.exit_code == 2 and "BPSCTL_HEARTBEAT_INTERVAL" in result.output
+
+
+def test_status_without_a_cluster(state_dir):
+    result = CliRunner().invoke(app, ["status", "--json"])
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["cluster"] is None
