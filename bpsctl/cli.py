@@ -20,7 +20,8 @@ from rich.table import Table
 from bpsctl import launch
 from bpsctl.config import Config, ConfigError
 
-app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False, rich_markup_mode="markdown",
+app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
+                  rich_markup_mode="markdown",              # re-flows docstring paragraphs
                   pretty_exceptions_show_locals=False,      # locals would show the secret
                   help="Launch, benchmark and tune data-parallel training around an embedded "
                        "parameter server. With no --hosts everything runs on this machine.")
@@ -163,8 +164,8 @@ def status(ctx: typer.Context,
     if json_output:
         typer.echo(json.dumps(info, indent=2))
     elif info["cluster"] is None:
-        err_console.print(f"no cluster is up (state dir {config.state_dir}); `bpsctl up` starts one",
-                          highlight=False)
+        err_console.print(f"no cluster is up (state dir {config.state_dir}); "
+                          "`bpsctl up` starts one", highlight=False)
     else:
         err_console.print(f"cluster [bold]{info['cluster']}[/], scheduler at {info['scheduler']}",
                           highlight=False)

@@ -28,7 +28,7 @@ from typing import IO, Any, Iterator
 from bpsctl.config import Config, ConfigError
 from bpsctl.launch.output import OutputRelay
 from bpsctl.launch.processes import (Interrupted, ProcessIdentity, StopSignals, is_running,
-                                     reap_if_child, start_process, stop_groups,
+                                     pid_running, reap_if_child, start_process, stop_groups,
                                      stop_signals_recorded)
 
 STATE_FILE_NAME = "cluster.json"
@@ -79,7 +79,7 @@ class ClusterState:
     created: float              # seconds since the epoch
 
     def to_json(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "processes": [dataclasses.asdict(p) for p in self.processes]}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ClusterState":
@@ -237,7 +237,7 @@ def _wait_servers_registered(scheduler: _Child, servers: list[_Child], address: 
     from bpsctl.engine import EngineError
     from bpsctl.engine.client import scheduler_status
 
-    registered = 0
+    registered, last_error = 0, ""
     while True:
         stop_signals.check()
         for child in (scheduler, *servers):
@@ -248,10 +248,13 @@ def _wait_servers_registered(scheduler: _Child, servers: list[_Child], address: 
         if remaining_s <= 0:
             raise scheduler.failure(
                 f"saw {registered} of {len(servers)} servers register within {timeout_s:g} s "
-                "(raise --start-timeout / BPSCTL_START_TIMEOUT if the machine is slow)")
+                f"{last_error}(raise --start-timeout / BPSCTL_START_TIMEOUT if the machine is "
+                "slow)")
         try:
             view = scheduler_status(address, secret, timeout_s=min(1.0, remaining_s))
-        except EngineError:
+        except EngineError as exc:
+            last_error = f"({exc}) "
+            time.sleep(_POLL_INTERVAL_S)
             continue
         registered = sum(1 for s in view["servers"] if s["state"] == "running")
         if registered >= len(servers):
@@ -306,22 +309,24 @@ def up_local(config: Config, servers: int) -> ClusterState:
                             for c in server_children]
             _wait_servers_registered(scheduler, server_children, address, secret, deadline,
                                      config.start_timeout_s, stop_signals)
+            server_records = []
+            for child, info in zip(server_children, server_ready):
+                rank = int(info["rank"])
+                child.log_path = child.log_path.rename(logs_dir(state_dir) / f"server-{rank}.log")
+                server_records.append(_record(child, "server", rank, info))
+            cluster = ClusterState(
+                name=f"local-{secrets.token_hex(3)}", scheduler=address, secret=secret,
+                state_dir=str(state_dir), created=time.time(),
+                processes=(_record(scheduler, "scheduler", 0, ready),
+                           *sorted(server_records, key=lambda r: r.rank)))
+            _write_state(cluster)
         except BaseException:
+            # until the state file names them, nobody else could ever stop these processes
             _stop_children(started)
             raise
-        server_records = []
-        for child, info in zip(server_children, server_ready):
-            rank = int(info["rank"])
-            child.log_path = child.log_path.rename(logs_dir(state_dir) / f"server-{rank}.log")
-            server_records.append(_record(child, "server", rank, info))
-        records = [_record(scheduler, "scheduler", 0, ready),
-                   *sorted(server_records, key=lambda r: r.rank)]
-        for child in started:
-            child.ready_path.unlink(missing_ok=True)
-        cluster = ClusterState(name=f"local-{secrets.token_hex(3)}", scheduler=address,
-                               secret=secret, state_dir=str(state_dir),
-                               processes=tuple(records), created=time.time())
-        _write_state(cluster)
+        finally:
+            for child in started:
+                child.ready_path.unlink(missing_ok=True)
         return cluster
 
 
@@ -410,11 +415,13 @@ def status(state_dir: Path | str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[s
             state = "lost"
         processes.append({"role": record.role, "rank": record.rank, "host": record.host,
                           "port": record.port, "pid": record.pid, "state": state})
-    # members the scheduler knows that `up` did not start: other launchers' servers, workers
-    for member in [*seen_servers.values(), *(view["workers"] if view else [])]:
-        role = "server" if member in seen_servers.values() else "worker"
+    # members the scheduler knows that `up` did not start: the workers of a job, and servers
+    # some other launcher started
+    unrecorded = [("server", member) for member in seen_servers.values()]
+    unrecorded += [("worker", member) for member in (view["workers"] if view else [])]
+    for role, member in unrecorded:
         state = {"running": "running", "lost": "lost"}.get(member["state"], "exited")
-        if state == "running" and _is_local(member["host"]) and not _pid_running(member["pid"]):
+        if state == "running" and _is_local(member["host"]) and not pid_running(member["pid"]):
             state = "exited"
         processes.append({"role": role, "rank": member["rank"], "host": member["host"],
                           "port": member["port"], "pid": member["pid"], "state": state})
@@ -425,14 +432,6 @@ def status(state_dir: Path | str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[s
 
 def _is_local(host: str) -> bool:
     return host in ("127.0.0.1", "localhost", "::1", socket.gethostname())
-
-
-def _pid_running(pid: int) -> bool:
-    import psutil
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except (psutil.NoSuchProcess, psutil.ZombieProcess):
-        return False
 
 
 LOG_ROLES = ("scheduler", "server", "worker")
@@ -536,21 +535,28 @@ class _Worker:
     process: subprocess.Popen
     identity: ProcessIdentity
     relay: OutputRelay
-    exit_code: int | None = None        # seen before we stopped anyone: the worker's own doing
+    # seen before we stopped anyone, so the worker's own doing
+    exit_code: int | None = None
+    signal_name: str | None = None
 
 
-def _exit_code_without_reaping(pid: int) -> int | None:
-    """The shell-style exit code of our child ``pid`` if it has exited, else None.
+def _check_exit(worker: _Worker) -> None:
+    """Note the shell-style exit code of a worker that has exited, without reaping it.
 
-    WNOWAIT leaves it a zombie, so its process group ID cannot be reused until we signal the
-    group (to stop its descendants) and reap it.
+    WNOWAIT leaves it a zombie, so its process group ID cannot be reused until we have
+    signalled the group (to stop its descendants) and reaped it.
     """
-    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    info = os.waitid(os.P_PID, worker.identity.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
     if info is None or info.si_pid == 0:
-        return None
+        return
     if info.si_code == os.CLD_EXITED:
-        return info.si_status
-    return 128 + info.si_status
+        worker.exit_code = info.si_status
+    else:
+        worker.exit_code = 128 + info.si_status
+        try:
+            worker.signal_name = signal.Signals(info.si_status).name
+        except ValueError:          # a real-time signal has no name of its own
+            worker.signal_name = f"signal {info.si_status}"
 
 
 def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
@@ -584,7 +590,7 @@ def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
             stop_signals.check()
             for worker in workers:
                 if worker.exit_code is None:
-                    worker.exit_code = _exit_code_without_reaping(worker.process.pid)
+                    _check_exit(worker)
                     if worker.exit_code:
                         failed_order.append(worker)
             if failed_order or all(w.exit_code is not None for w in workers):
@@ -603,10 +609,6 @@ def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
 
 
 def _failure(worker: _Worker) -> WorkerFailure:
-    exit_code = worker.exit_code or 0
-    signal_name = None
-    if exit_code > 128:
-        with contextlib.suppress(ValueError):
-            signal_name = signal.Signals(exit_code - 128).name
-    return WorkerFailure(rank=worker.rank, pid=worker.identity.pid, exit_code=exit_code,
-                         signal_name=signal_name, last_lines=tuple(worker.relay.last_lines()))
+    return WorkerFailure(rank=worker.rank, pid=worker.identity.pid, exit_code=worker.exit_code,
+                         signal_name=worker.signal_name,
+                         last_lines=tuple(worker.relay.last_lines()))

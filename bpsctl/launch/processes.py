@@ -73,6 +73,14 @@ def is_running(identity: ProcessIdentity) -> bool:
         return True
 
 
+def pid_running(pid: int) -> bool:
+    """True while some process (not a zombie) has this PID; for PIDs we did not record."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return False
+
+
 def _group_members(pgid: int) -> list[int]:
     members = []
     for pid in psutil.pids():
