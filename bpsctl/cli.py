@@ -15,6 +15,7 @@ from typing import Any, Iterator, List, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from bpsctl import launch
@@ -24,7 +25,7 @@ app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                   rich_markup_mode="markdown",              # re-flows docstring paragraphs
                   pretty_exceptions_show_locals=False,      # locals would show the secret
                   help="Launch, benchmark and tune data-parallel training around an embedded "
-                       "parameter server. With no --hosts everything runs on this machine.")
+                       "parameter server. Everything runs on this machine as local processes.")
 err_console = Console(stderr=True)
 
 _KNOBS = {f.name: f for f in dataclasses.fields(Config)}
@@ -61,16 +62,21 @@ def build_config(ctx: typer.Context, flags: dict[str, tuple[Any, str]]) -> Confi
         raise ConfigError(message) from None
 
 
+def _print_error(exc: Exception) -> None:
+    # soft_wrap: long paths and quoted log lines stay whole, to copy and paste
+    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+
+
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
     """Report bpsctl's own errors in one line and exit 2 (usage, config) or 1 (runtime)."""
     try:
         yield
     except ConfigError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _print_error(exc)
         raise typer.Exit(2) from None
     except launch.LaunchError as exc:
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        _print_error(exc)
         raise typer.Exit(1) from None
     except KeyboardInterrupt as exc:     # launch.Interrupted carries SIGINT or SIGTERM
         signum = getattr(exc, "signum", signal.SIGINT)
@@ -134,9 +140,10 @@ def run(ctx: typer.Context,
 
 def _print_failures(result: launch.RunResult) -> None:
     root_cause = result.failures[0]
-    table = Table(title=f"bpsctl run failed: worker {root_cause.rank} exited with code "
-                        f"{root_cause.exit_code}; the other workers were stopped",
-                  title_justify="left", show_lines=True)
+    err_console.print(f"[bold red]error:[/] worker {root_cause.rank} exited with code "
+                      f"{root_cause.exit_code}; the remaining workers were stopped",
+                      highlight=False)
+    table = Table(show_lines=True)
     for column in ("", "rank", "pid", "exit code", "last output"):
         table.add_column(column, overflow="fold")
     for index, failure in enumerate(result.failures):
@@ -144,7 +151,7 @@ def _print_failures(result: launch.RunResult) -> None:
         if failure.signal_name:
             exit_code += f" ({failure.signal_name})"
         table.add_row("root cause" if index == 0 else "", str(failure.rank), str(failure.pid),
-                      exit_code, "\n".join(failure.last_lines[-8:]) or "(no output)")
+                      exit_code, escape("\n".join(failure.last_lines[-8:])) or "(no output)")
     err_console.print(table, highlight=False)
 
 
@@ -171,7 +178,8 @@ def status(ctx: typer.Context,
                           highlight=False)
         _print_processes(info["processes"])
         if info["scheduler_error"]:
-            err_console.print(f"[yellow]warning:[/] {info['scheduler_error']}", highlight=False)
+            err_console.print(f"[yellow]warning:[/] {escape(info['scheduler_error'])}",
+                              highlight=False)
     unhealthy = [p for p in info["processes"]
                  if p["role"] != "worker" and p["state"] != "running"]
     raise typer.Exit(1 if unhealthy else 0)

@@ -244,21 +244,20 @@ def _wait_servers_registered(scheduler: _Child, servers: list[_Child], address: 
             exit_code = child.process.poll()
             if exit_code is not None:
                 raise child.failure(f"exited with code {exit_code} while starting")
-        remaining_s = deadline - time.monotonic()
-        if remaining_s <= 0:
+        # ask at least once, even when the ready files used up the deadline
+        remaining_s = max(deadline - time.monotonic(), 0.2)
+        try:
+            view = scheduler_status(address, secret, timeout_s=min(1.0, remaining_s))
+            registered = sum(1 for s in view["servers"] if s["state"] == "running")
+            if registered >= len(servers):
+                return
+        except EngineError as exc:
+            last_error = f"({exc}) "
+        if time.monotonic() > deadline:
             raise scheduler.failure(
                 f"saw {registered} of {len(servers)} servers register within {timeout_s:g} s "
                 f"{last_error}(raise --start-timeout / BPSCTL_START_TIMEOUT if the machine is "
                 "slow)")
-        try:
-            view = scheduler_status(address, secret, timeout_s=min(1.0, remaining_s))
-        except EngineError as exc:
-            last_error = f"({exc}) "
-            time.sleep(_POLL_INTERVAL_S)
-            continue
-        registered = sum(1 for s in view["servers"] if s["state"] == "running")
-        if registered >= len(servers):
-            return
         time.sleep(_POLL_INTERVAL_S)
 
 
