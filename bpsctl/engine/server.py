@@ -3,7 +3,7 @@
 One ROUTER socket carries everything from workers. Per partition, a round goes:
 
 1. each worker pushes its bytes (header + zero-copy payload); the server acknowledges at
-   once so the worker can release credit, unless this push completes the round;
+   once, so the worker can release credit before the round completes;
 2. the pushes are summed into one of two preallocated buffers (rounds alternate, so a
    buffer is never rewritten while a previous round's answer may still be on the wire).
    The first push is kept as it arrived and summed with the second in one pass;
@@ -31,7 +31,7 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import (EngineError, exit_on_sigterm, make_socket, monitor, monitor_events,
+from .common import (EngineError, exit_on_sigterm, keep_large_buffers, make_socket, monitor, monitor_events,
                      secret_ok, setup_process_logging, write_ready_file)
 
 #: partitions at least this large are summed on a summation thread
@@ -84,6 +84,7 @@ class Server:
     def __init__(self, config: Config):
         self.config = config
         self.log = setup_process_logging("server")
+        keep_large_buffers()
         self.ctx = zmq.Context()
         self.sock = make_socket(self.ctx, zmq.ROUTER)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -242,9 +243,8 @@ class Server:
                                   f"the server is at round {state.round}")
         state.received += 1
         state.waiting.append(rid)
-        if state.received < self.num_workers:
-            self.sock.send(rid, zmq.SNDMORE)
-            self.sock.send(P.pack_header(P.ACK, part=part, round=round_))
+        self.sock.send(rid, zmq.SNDMORE)
+        self.sock.send(P.pack_header(P.ACK, part=part, round=round_))
         if state.thread < 0:
             if state.accumulate(frames[2], self.num_workers):
                 self._complete(state)

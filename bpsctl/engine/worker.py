@@ -34,7 +34,7 @@ import zmq
 from .. import __version__
 from ..config import Config, ConfigError
 from . import protocol as P
-from .common import EngineError, make_socket, monitor, monitor_events
+from .common import EngineError, keep_large_buffers, make_socket, monitor, monitor_events
 
 
 class Handle:
@@ -96,6 +96,7 @@ class Worker:
         self.local_rank = self.config.local_rank
         self.local_size = self.config.local_size
 
+        keep_large_buffers()
         self._ctx = zmq.Context()
         self._sched = make_socket(self._ctx, zmq.DEALER)
         self._sched_monitor = monitor(self._sched)
