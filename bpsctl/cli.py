@@ -5,85 +5,23 @@ its first failing worker's code. Human output goes to stderr, ``--json`` output 
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
-import signal
 import sys
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, List, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from bpsctl import launch
-from bpsctl.config import Config, ConfigError
+from bpsctl.cliutil import build_config, cli_errors, err_console, knob_option
 
 app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                   rich_markup_mode="markdown",              # re-flows docstring paragraphs
                   pretty_exceptions_show_locals=False,      # locals would show the secret
                   help="Launch, benchmark and tune data-parallel training around an embedded "
                        "parameter server. Everything runs on this machine as local processes.")
-err_console = Console(stderr=True)
-
-_KNOBS = {f.name: f for f in dataclasses.fields(Config)}
-
-
-def knob_option(knob_name: str, *flags: str, **option_kwargs: Any) -> Any:
-    """A ``typer.Option`` for the Config knob ``knob_name``: its env var and help, default None
-    so that an unset flag leaves the knob to the environment or Config's default."""
-    knob = _KNOBS[knob_name]
-    help_text = knob.metadata["help"]
-    return typer.Option(None, *flags, envvar=knob.metadata["env"], show_envvar=True,
-                        show_default=str(knob.default), help=help_text[0].upper() + help_text[1:],
-                        **option_kwargs)
-
-
-def build_config(ctx: typer.Context, flags: dict[str, tuple[Any, str]]) -> Config:
-    """Config from the environment, overridden by the flags given.
-
-    ``flags`` maps a knob to (value or None, the flag that sets it), so that an invalid value
-    is reported under the flag's name as well as the env var's.
-    """
-    overrides = {name: value for name, (value, _) in flags.items() if value is not None}
-    state_dir = ctx.obj.get("state_dir") if ctx.obj else None
-    if state_dir is not None:
-        overrides["state_dir"] = Path(state_dir).expanduser()
-    try:
-        return Config.from_env(**overrides)
-    except ConfigError as exc:
-        message = str(exc)
-        for name, (_, flag) in {**flags, "state_dir": (None, "--state-dir")}.items():
-            env = _KNOBS[name].metadata["env"]
-            if message.startswith(f"{env}:"):
-                message = f"{flag} / {message}"
-        raise ConfigError(message) from None
-
-
-def _print_error(exc: Exception) -> None:
-    # soft_wrap: long paths and quoted log lines stay whole, to copy and paste
-    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-
-
-@contextlib.contextmanager
-def cli_errors() -> Iterator[None]:
-    """Report bpsctl's own errors in one line and exit 2 (usage, config) or 1 (runtime)."""
-    try:
-        yield
-    except ConfigError as exc:
-        _print_error(exc)
-        raise typer.Exit(2) from None
-    except launch.LaunchError as exc:
-        _print_error(exc)
-        raise typer.Exit(1) from None
-    except KeyboardInterrupt as exc:     # launch.Interrupted carries SIGINT or SIGTERM
-        signum = getattr(exc, "signum", signal.SIGINT)
-        err_console.print(f"interrupted ({signal.Signals(signum).name}); stopped what was started")
-        raise typer.Exit(128 + signum) from None
-
-
 @app.callback()
 def root(ctx: typer.Context,
          state_dir: Optional[Path] = knob_option("state_dir", "--state-dir")) -> None:
