@@ -1,0 +1,70 @@
+"""`bpsctl bench comm` end to end on the embedded default, and its bad input."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+
+def _bpsctl(args: list[str], state_dir, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    env = {**__import__("os").environ, "BPSCTL_STATE_DIR": str(state_dir)}
+    return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env, text=True,
+                          capture_output=True, timeout=timeout_s)
+
+
+@pytest.mark.timeout(180)
+def test_comm_bench_reports_design_keys_and_leaves_nothing(tmp_path):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = tmp_path / "comm.json"
+    result = _bpsctl(["bench", "comm", "--workers", "2", "--servers", "2", "--size", "2MiB",
+                      "--tensors", "3", "--warmup", "1", "--repeats", "3", "--partition-bytes",
+                      "256KiB", "--json", str(out)], tmp_path / "state")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["kind"] == "comm"
+    assert (report["workers"], report["servers"]) == (2, 2)
+    assert report["nic_mbit"] is None
+    assert report["size_bytes"] == 2 * 1024 * 1024
+    assert report["partition_bytes"] == 256 * 1024
+    systems = {r["system"]: r for r in report["results"]}
+    assert set(systems) == {"bpsctl", "zmq_raw"}
+    ours = systems["bpsctl"]
+    assert len(ours["seconds_all"]) == 3
+    assert ours["seconds"] > 0
+    assert ours["algbw_MBps"] == pytest.approx(report["size_bytes"] / ours["seconds"] / 1e6)
+    assert ours["busbw_MBps"] == pytest.approx(ours["algbw_MBps"])   # 2(n-1)/n = 1 at n = 2
+    assert ours["nic_fraction"] is None
+    assert 0 < report["fraction_of_raw"] == pytest.approx(
+        ours["algbw_MBps"] / systems["zmq_raw"]["algbw_MBps"])
+    assert "bpsctl" in result.stderr and "zmq_raw" in result.stderr   # the table
+    assert result.stdout == ""                                        # JSON went to the file
+    leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not leftovers
+
+
+@pytest.mark.timeout(120)
+def test_comm_bench_json_to_stdout_is_only_json(tmp_path):
+    result = _bpsctl(["bench", "comm", "--workers", "1", "--size", "64KiB", "--tensors", "2",
+                      "--warmup", "0", "--repeats", "2", "--no-raw", "--json", "-"],
+                     tmp_path / "state")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [r["system"] for r in report["results"]] == ["bpsctl"]
+    assert "fraction_of_raw" not in report
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--size", "lots"], "--size"),
+    (["--partition-bytes", "4QB"], "--partition-bytes"),
+    (["--workers", "0"], "--workers"),
+    (["--tensors", "abc"], "--tensors"),
+    (["--bogus"], "--bogus"),
+])
+@pytest.mark.timeout(60)
+def test_comm_bench_bad_flags_exit_2_naming_the_flag(tmp_path, args, flag):
+    result = _bpsctl(["bench", "comm", *args], tmp_path / "state")
+    assert result.returncode == 2
+    assert flag in result.stderr
