@@ -1,0 +1,365 @@
+"""Failures a user meets, with real worker processes: each must end in a clear error, in time.
+
+Every test owns its cluster (some kill part of it), bounds its run time, and checks with psutil
+that no process it started is left running.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+import bpsctl
+from bpsctl.config import Config
+from bpsctl.engine import EngineError, Worker
+from bpsctl.engine import protocol as P
+from bpsctl.launch import api
+from conftest import cluster_config, gone, kill_pids, run_job, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+#: the engine's promise: a failure is reported within this many seconds
+REPORT_WITHIN_S = 10.0
+
+# Shared by the worker scripts: on an engine error, print it with the time it was seen, then
+# wait (bounded) until every rank has reported, so the launcher stops nobody before it speaks.
+REPORT_PRELUDE = """
+import os, sys, time
+import numpy as np
+import bpsctl.engine as bps
+from bpsctl.engine import EngineError
+
+REPORT_DIR = sys.argv[1]
+RANK = int(os.environ["RANK"])
+WORLD = int(os.environ["WORLD_SIZE"])
+EXPECTED_REPORTS = int(os.environ.get("TEST_EXPECTED_REPORTS", WORLD))
+open(os.path.join(REPORT_DIR, f"pid-{RANK}"), "w").write(str(os.getpid()))
+
+
+def report(exc):
+    print(f"ERROR at {time.monotonic():.3f}: {type(exc).__name__}: {exc}", flush=True)
+    open(os.path.join(REPORT_DIR, f"error-{RANK}"), "w").write(str(exc))
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and sum(
+            name.startswith("error-") for name in os.listdir(REPORT_DIR)) < EXPECTED_REPORTS:
+        time.sleep(0.02)
+    sys.exit(1)
+"""
+
+
+def worker_script(tmp_path: Path, body: str) -> list[str]:
+    path = tmp_path / "worker.py"
+    path.write_text(textwrap.dedent(REPORT_PRELUDE) + textwrap.dedent(body))
+    report_dir = tmp_path / "reports"
+    report_dir.mkdir(exist_ok=True)
+    return [sys.executable, str(path), str(report_dir)]
+
+
+def report_dir(tmp_path: Path) -> Path:
+    return tmp_path / "reports"
+
+
+def worker_pids(tmp_path: Path) -> list[int]:
+    return [int(p.read_text()) for p in report_dir(tmp_path).glob("pid-*")]
+
+
+def errors_seen(output: str) -> dict[int, tuple[float, str]]:
+    """rank -> (monotonic time, message) of each ``ERROR at T: ...`` line in prefixed output."""
+    seen = {}
+    for line in output.splitlines():
+        prefix, _, rest = line.partition("] ERROR at ")
+        if rest:
+            at, _, message = rest.partition(": ")
+            seen[int(prefix.lstrip("["))] = (float(at), message)
+    return seen
+
+
+def prefixed(rank: int, output: str) -> str:
+    """Output of a worker started directly, prefixed as run_local prefixes it."""
+    return "".join(f"[{rank}] {line}\n" for line in output.splitlines())
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """A private cluster of two servers that notices silence within 2 s."""
+    with api.local_cluster(cluster_config(heartbeat_timeout_s=2.0), servers=2) as state:
+        pids = [p.pid for p in state.processes]
+        try:
+            yield state
+        finally:
+            kill_pids(worker_pids(tmp_path) if report_dir(tmp_path).exists() else [])
+    wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster's processes to exit")
+
+
+def run_config(cluster: api.ClusterState, **knobs) -> Config:
+    """What `bpsctl run` would give the workers of a job on ``cluster``."""
+    return cluster_config(**{"state_dir": Path(cluster.state_dir), "start_timeout_s": 10.0,
+                             "op_timeout_s": 60.0, "heartbeat_interval_s": 0.2,
+                             "heartbeat_timeout_s": 2.0, **knobs})
+
+
+class Workers:
+    """Worker processes started directly (not by run_local), always killed and reaped."""
+
+    def __init__(self):
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, cmd: list[str], config: Config, **extra_env: str) -> subprocess.Popen:
+        env = {**os.environ, **config.to_env(), **extra_env, "RANK": str(config.rank),
+               "WORLD_SIZE": str(config.world_size), "PYTHONUNBUFFERED": "1",
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                            os.environ.get("PYTHONPATH")]))}
+        process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                   text=True)
+        self.processes.append(process)
+        return process
+
+    def outputs(self, timeout_s: float) -> list[tuple[int, str]]:
+        """(exit code, output) of each process, waiting at most ``timeout_s`` for all."""
+        deadline = time.monotonic() + timeout_s
+        outputs = [p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
+                   for p in self.processes]
+        return [(p.returncode, output) for p, output in zip(self.processes, outputs)]
+
+    def kill_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+        assert all(gone(p.pid) for p in self.processes)
+
+
+@pytest.fixture
+def workers():
+    started = Workers()
+    try:
+        yield started
+    finally:
+        started.kill_all()
+
+
+# --------------------------------------------------------------------------- disagreements
+
+def test_workers_disagreeing_on_a_shape_all_fail_naming_it(cluster, tmp_path):
+    cmd = worker_script(tmp_path, """
+        bps.init()
+        shape = (4,) if RANK == 0 else (5,)
+        try:
+            bps.push_pull(np.ones(shape, np.float32), name="layer3.weight")
+        except EngineError as exc:
+            report(exc)
+        print("no error", flush=True)
+    """)
+    out = io.StringIO()
+    started = time.monotonic()
+    result = api.run_local(cmd, 2, run_config(cluster), stdout=out, stderr=out)
+    elapsed = time.monotonic() - started
+    output = out.getvalue()
+
+    assert result.exit_code == 1, output
+    seen = errors_seen(output)
+    assert sorted(seen) == [0, 1], output
+    for rank, (at, message) in seen.items():
+        assert message.startswith(f"EngineError: worker {rank}: workers disagree on tensor "
+                                  "'layer3.weight': rank "), message
+        assert "float32(4,)" in message and "float32(5,)" in message, message
+        assert "rank 0 has" in message and "rank 1 has" in message, message
+    assert "no error" not in output
+    assert elapsed < REPORT_WITHIN_S + 5, f"took {elapsed:.1f} s (including two interpreters)"
+    assert all(gone(pid) for pid in worker_pids(tmp_path))
+
+
+# --------------------------------------------------------------------------- deaths
+
+def test_a_server_killed_mid_round_fails_every_worker_naming_it(cluster, tmp_path):
+    victim = next(p for p in cluster.processes if p.role == "server" and p.rank == 1)
+    running_dir = tmp_path / "running"
+    running_dir.mkdir()
+    cmd = worker_script(tmp_path, f"""
+        bps.init()
+        grad = np.ones(256 * 1024, np.float32)       # 1 MiB in 64 KiB pieces: on both servers
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:
+                bps.push_pull(grad, name="grad", average=False)
+                open(os.path.join({str(running_dir)!r}, str(RANK)), "w").close()
+        except EngineError as exc:
+            report(exc)
+        print("no error", flush=True)
+    """)
+    out, results = io.StringIO(), []
+    config = run_config(cluster, partition_bytes=64 * 1024)
+    runner = threading.Thread(target=lambda: results.append(
+        api.run_local(cmd, 2, config, stdout=out, stderr=out)), daemon=True)
+    runner.start()
+    try:
+        wait_until(lambda: len(os.listdir(running_dir)) == 2, 20, "both workers to be pushing")
+        killed_at = time.monotonic()
+        os.kill(victim.pid, signal.SIGKILL)
+    finally:
+        runner.join(REPORT_WITHIN_S + 10)
+    assert not runner.is_alive(), "run_local did not return after the server died"
+    output = out.getvalue()
+
+    assert results[0].exit_code == 1, output
+    seen = errors_seen(output)
+    assert sorted(seen) == [0, 1], output
+    for rank, (at, message) in seen.items():
+        assert message.startswith(f"EngineError: worker {rank}: lost server 1"), message
+        assert f"{victim.host}:{victim.port}" in message, message
+        assert at - killed_at < REPORT_WITHIN_S, f"rank {rank} took {at - killed_at:.1f} s"
+    assert "no error" not in output
+    assert gone(victim.pid)
+    assert all(gone(pid) for pid in worker_pids(tmp_path))
+
+
+def test_a_worker_killed_mid_round_fails_the_others_naming_it(cluster, tmp_path, workers):
+    running_dir = tmp_path / "running"
+    running_dir.mkdir()
+    cmd = worker_script(tmp_path, f"""
+        bps.init()
+        deadline = time.monotonic() + 30
+        try:
+            while time.monotonic() < deadline:
+                bps.push_pull(np.ones(1000, np.float32), name="grad")
+                open(os.path.join({str(running_dir)!r}, str(RANK)), "w").close()
+        except EngineError as exc:
+            report(exc)
+    """)
+    config = run_config(cluster, world_size=3, job_id=uuid.uuid4().hex)
+    # no launcher here stops the others early, so nobody needs to wait for the others' reports
+    processes = [workers.start(cmd, config.replace(rank=rank), TEST_EXPECTED_REPORTS="0")
+                 for rank in range(3)]
+    wait_until(lambda: len(os.listdir(running_dir)) == 3, 20, "all three workers to be pushing")
+    killed_at = time.monotonic()
+    processes[2].kill()
+    (code0, out0), (code1, out1), _ = workers.outputs(timeout_s=REPORT_WITHIN_S + 5)
+
+    for rank, code, output in ((0, code0, out0), (1, code1, out1)):
+        assert code == 1, output
+        (at, message), = errors_seen(prefixed(rank, output)).values()
+        assert message.startswith(f"EngineError: worker {rank}: lost worker 2 ("), message
+        assert f"pid {processes[2].pid}" in message, message
+        assert at - killed_at < REPORT_WITHIN_S, f"rank {rank} took {at - killed_at:.1f} s"
+
+
+# --------------------------------------------------------------------------- never started
+
+def test_no_scheduler_fails_init_within_the_start_timeout_saying_how_to_start_one(tmp_path, workers):
+    port = free_port()
+    cmd = worker_script(tmp_path, """
+        started = time.monotonic()
+        try:
+            bps.init()
+        except EngineError as exc:
+            print(f"elapsed {time.monotonic() - started:.2f}", flush=True)
+            print(f"message {exc}", flush=True)
+            sys.exit(1)
+        print("joined", flush=True)
+    """)
+    config = Config(scheduler=f"127.0.0.1:{port}", secret="s", start_timeout_s=2.0,
+                    heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, state_dir=tmp_path)
+    workers.start(cmd, config.replace(rank=0))
+    (code, output), = workers.outputs(timeout_s=15)
+
+    assert code == 1, output
+    assert f"message cannot reach the scheduler at 127.0.0.1:{port} within 2 s" in output, output
+    assert "`bpsctl up`" in output and "BPSCTL_SCHEDULER" in output, output
+    elapsed = float(output.split("elapsed ")[1].split()[0])
+    assert 1.9 <= elapsed < 4.0, output
+
+
+def test_no_scheduler_recorded_fails_at_once_saying_how_to_start_one(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"no scheduler to connect to: BPSCTL_SCHEDULER is not "
+                                          r"set .*Start one with `bpsctl up`"):
+        Worker(Config(state_dir=tmp_path / "nothing-here"))
+    assert time.monotonic() - started < 1
+
+
+def test_a_worker_that_never_arrives_is_named_after_the_start_timeout(cluster, tmp_path, workers):
+    cmd = worker_script(tmp_path, """
+        started = time.monotonic()
+        try:
+            bps.init()
+        except EngineError as exc:
+            print(f"elapsed {time.monotonic() - started:.2f}", flush=True)
+            print(f"message {exc}", flush=True)
+            sys.exit(1)
+        print("joined", flush=True)
+    """)
+    config = run_config(cluster, world_size=3, job_id=uuid.uuid4().hex, start_timeout_s=2.0)
+    for rank in (0, 1):                                    # rank 2 never starts
+        workers.start(cmd, config.replace(rank=rank))
+    outputs = workers.outputs(timeout_s=20)
+
+    for rank, (code, output) in enumerate(outputs):
+        assert code == 1, output
+        assert (f"message rank {rank}: job {config.job_id!r}: worker rank(s) [2] never registered "
+                "within 2 s (raise it with BPSCTL_START_TIMEOUT") in output, output
+        elapsed = float(output.split("elapsed ")[1].split()[0])
+        assert 1.5 <= elapsed < 2.0 + 3.0, output
+    # the scheduler forgot the failed job: a complete one runs on the same cluster
+    assert run_job(cluster, 2, 2, lambda w: w.push_pull(np.ones(3), name="x", average=False)
+                   .tolist()) == [[2.0] * 3] * 2
+
+
+# --------------------------------------------------------------------------- secrets
+
+def test_a_wrong_secret_is_refused_at_once(cluster):
+    config = Config(rank=0, world_size=1, job_id=uuid.uuid4().hex, scheduler=cluster.scheduler,
+                    secret="not-the-secret", start_timeout_s=5.0)
+    started = time.monotonic()
+    with pytest.raises(EngineError, match=r"rank 0: the scheduler refused registration: wrong "
+                                          r"cluster secret \(BPSCTL_SECRET"):
+        Worker(config)
+    assert time.monotonic() - started < 2
+
+
+def test_a_server_refuses_pushes_without_the_secret(cluster):
+    server = next(p for p in cluster.processes if p.role == "server" and p.rank == 0)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+
+    def error_reply() -> str:
+        msg_type, body = P.parse_control(sock.recv_multipart())
+        assert msg_type == P.ERROR
+        return body["message"]
+
+    try:
+        sock.connect(f"tcp://{server.host}:{server.port}")
+        sock.send_multipart(P.control(P.HELLO, {"secret": "guess", "job": "intruder", "rank": 0,
+                                                "world_size": 1, "version": bpsctl.__version__}))
+        assert error_reply() == "server 0 refused a worker without the cluster secret"
+        payload = np.ones(4, np.float32).tobytes()
+        sock.send_multipart([P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[np.dtype("float32")],
+                                           part=0, nbytes=len(payload)), payload])
+        assert "push from a worker that has not said HELLO with the cluster secret" in error_reply()
+        sock.send_multipart([b"not a header"])
+        assert "server 0 rejected a message" in error_reply()
+    finally:
+        sock.close(0)
+        ctx.term()
+    # the server still serves jobs that have the secret
+    assert run_job(cluster, 1, 1, lambda w: w.push_pull(np.ones(2), name="x").tolist()) == [[1.0, 1.0]]
