@@ -1,0 +1,103 @@
+"""Cutting tensors into partitions and placing them on servers (pure functions)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bpsctl.engine.partition import Partition, Placement, split
+
+ITEMSIZES = [1, 2, 4, 8]
+
+
+def assert_covers_exactly(pieces: list[tuple[int, int]], nbytes: int) -> None:
+    offset = 0
+    for start, length in pieces:
+        assert start == offset, f"gap or overlap at byte {offset}: {pieces}"
+        offset += length
+    assert offset == nbytes
+
+
+@pytest.mark.parametrize("itemsize", ITEMSIZES)
+@pytest.mark.parametrize("partition_bytes", [8, 9, 10, 1000, 4096, 4096000])
+@pytest.mark.parametrize("elements", [1, 2, 3, 7, 125, 1000, 4097, 20_011])
+def test_pieces_cover_the_tensor_on_element_boundaries(itemsize, partition_bytes, elements):
+    nbytes = elements * itemsize
+    pieces = split(nbytes, itemsize, partition_bytes)
+    assert_covers_exactly(pieces, nbytes)
+    for offset, length in pieces:
+        assert offset % itemsize == 0 and length % itemsize == 0
+        assert 0 < length <= partition_bytes
+    # as few pieces as element-aligned pieces of at most partition_bytes allow
+    per_piece = partition_bytes // itemsize * itemsize
+    assert len(pieces) == -(-nbytes // per_piece)
+
+
+def test_examples():
+    assert split(10, 1, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert split(24, 8, 20) == [(0, 16), (16, 8)]          # 20 is cut down to whole elements
+    assert split(8, 4, 4096000) == [(0, 8)]
+
+
+@pytest.mark.parametrize("itemsize", ITEMSIZES)
+def test_a_zero_byte_tensor_gets_one_empty_piece(itemsize):
+    assert split(0, itemsize, 4096) == [(0, 0)]
+    parts = Placement(3).place(0, itemsize, 4096)
+    assert parts == [Partition(part_id=0, server=0, offset=0, length=0)]
+
+
+def test_placement_numbers_partitions_job_wide_and_keeps_their_pieces():
+    placement = Placement(3)
+    first = placement.place(1000, 4, 400)
+    second = placement.place(24, 8, 400)
+    assert [p.part_id for p in first + second] == list(range(len(first) + len(second)))
+    assert [(p.offset, p.length) for p in first] == split(1000, 4, 400)
+    assert [(p.offset, p.length) for p in second] == split(24, 8, 400)
+    assert all(0 <= p.server < 3 for p in first + second)
+
+
+def server_bytes(parts: list[Partition], num_servers: int) -> list[int]:
+    loads = [0] * num_servers
+    for part in parts:
+        loads[part.server] += part.length
+    return loads
+
+
+@pytest.mark.parametrize("num_servers", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("seed", range(3))
+def test_servers_carry_bytes_within_one_partition_of_each_other(num_servers, seed):
+    rng = random.Random(seed)
+    partition_bytes = rng.choice([256, 1000, 4096])
+    placement, parts = Placement(num_servers), []
+    for _ in range(100):                                  # a model's worth of tensors
+        itemsize = rng.choice(ITEMSIZES)
+        parts += placement.place(rng.randint(0, 5000) * itemsize, itemsize, partition_bytes)
+    loads = server_bytes(parts, num_servers)
+    assert max(loads) - min(loads) <= partition_bytes, loads
+    assert sum(loads) == sum(p.length for p in parts)
+
+
+def test_a_big_tensor_is_spread_over_every_server():
+    parts = Placement(4).place(100 * 4096, 4, 4096)
+    assert server_bytes(parts, 4) == [25 * 4096] * 4
+
+
+def test_many_small_tensors_are_spread_too():
+    placement = Placement(3)
+    parts = [p for _ in range(30) for p in placement.place(4, 4, 4096)]
+    assert [p.server for p in parts] == [0, 1, 2] * 10
+
+
+def test_placement_is_deterministic():
+    def plan(num_servers: int) -> list[Partition]:
+        placement = Placement(num_servers)
+        return [p for size in (4000, 12, 0, 99_999 * 4, 8, 65_536)
+                for p in placement.place(size, 4, 4096)]
+    assert plan(3) == plan(3)
+    assert plan(4) == plan(4)
+    assert plan(3) != plan(4)
+
+
+def test_a_placement_needs_a_server():
+    with pytest.raises(ValueError, match="at least one server"):
+        Placement(0)
