@@ -363,3 +363,31 @@ def test_a_server_refuses_pushes_without_the_secret(cluster):
         ctx.term()
     # the server still serves jobs that have the secret
     assert run_job(cluster, 1, 1, lambda w: w.push_pull(np.ones(2), name="x").tolist()) == [[1.0, 1.0]]
+
+
+# --------------------------------------------------------------------------- deadlines
+
+def test_a_push_pull_the_others_never_join_times_out_and_a_retry_is_never_wrong(cluster):
+    """Rank 0's push_pull times out; its retry must not be summed with its own first push."""
+    retried = threading.Event()
+
+    def body(w: Worker):
+        if w.rank == 1:
+            assert retried.wait(20)
+            time.sleep(0.3)                       # rank 0's retry has reached the server
+            return w.push_pull(np.full(4, 2.0), name="x", average=False)
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=r"^worker 0: push_pull of 'x' did not complete "
+                                              r"within 1 s \(BPSCTL_OP_TIMEOUT\); still waiting "
+                                              r"on server\(s\) \[0\]"):
+            w.push_pull(np.ones(4), name="x", average=False)
+        timed_out_after = time.monotonic() - started
+        retried.set()
+        with pytest.raises(EngineError, match=r"rank 0 pushed round 0 twice"):
+            w.push_pull(np.ones(4), name="x", average=False)
+        return timed_out_after
+
+    timed_out_after, rank1_sum = run_job(cluster, 2, 1, body, op_timeout_s=1.0)
+    assert 0.9 <= timed_out_after < 2.0
+    # rank 1 completes the round rank 0 started: rank 0's first push plus its own
+    np.testing.assert_array_equal(rank1_sum, np.full(4, 3.0))

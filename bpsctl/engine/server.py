@@ -241,6 +241,10 @@ class Server:
         if round_ != state.round:
             raise P.ProtocolError(f"partition {part}: rank {rank} pushed round {round_}, "
                                   f"the server is at round {state.round}")
+        if rid in state.waiting:
+            # counted twice it would complete the round without another worker's push
+            raise P.ProtocolError(f"partition {part}: rank {rank} pushed round {round_} twice "
+                                  "(a push_pull retried after it failed?)")
         state.received += 1
         state.waiting.append(rid)
         self.sock.send(rid, zmq.SNDMORE)
