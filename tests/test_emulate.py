@@ -355,9 +355,19 @@ def test_shaped_nics_full_duplex_fair_and_capped(cluster_id, tmp_path):
                 assert pair == pytest.approx(expected / 3, rel=0.25), \
                     f"{source} -> {receiver}: {pair:.1f} Mbit/s"
 
+        # one flow alone gets all of R: the per-peer classes borrow up to their ceil
         reports = run_everywhere(network, script, {"w0": ["s0"]}, warmup_s=0.5,
                                  duration_s=1.5, port=5202)
-        sent, received = rates_mbit(network, reports, 1.5)["w0"][0], \
-            rates_mbit(network, reports, 1.5)["s0"][1]
+        sent = rates_mbit(network, reports, 1.5)["w0"][0]
         print(f"one flow w0 -> s0: {sent:.1f} Mbit/s")
         assert sent == pytest.approx(expected, rel=0.10)
+
+        # incast: three senders into one receiver share its R evenly
+        reports = run_everywhere(network, script, {"w0": ["s0"], "w1": ["s0"], "s1": ["s0"]},
+                                 warmup_s=0.5, duration_s=1.5, port=5203)
+        flows = {source: nbytes * 8 / 1.5 / 1e6
+                 for source, nbytes in reports["s0"]["received"].items()}
+        print("incast into s0: " + ", ".join(f"{mbit:.1f}" for mbit in flows.values()) + " Mbit/s")
+        assert sum(flows.values()) == pytest.approx(expected, rel=0.10)
+        for source, mbit in flows.items():
+            assert mbit == pytest.approx(expected / 3, rel=0.15), f"{source} -> s0: {mbit:.1f}"
