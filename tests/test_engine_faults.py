@@ -188,6 +188,21 @@ def test_workers_disagreeing_on_a_shape_all_fail_naming_it(cluster, tmp_path):
     assert all(gone(pid) for pid in worker_pids(tmp_path))
 
 
+def test_a_worker_reaching_the_tensor_after_the_disagreement_fails_too(cluster):
+    def body(w: Worker):
+        if w.rank == 2:
+            time.sleep(0.5)                  # ranks 0 and 1 have disagreed by now
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=rf"^worker {w.rank}: workers disagree on tensor 'x': "
+                                              r"rank \d has float64\(\d,\), rank \d has"):
+            w.push_pull(np.ones((5,) if w.rank == 1 else (4,)), name="x", average=False)
+        return time.monotonic() - started
+
+    # rank 2's shape agrees with rank 0's, but its push_pull can never complete
+    waited = run_job(cluster, 3, 1, body, op_timeout_s=30.0)
+    assert max(waited) < 3, waited
+
+
 # --------------------------------------------------------------------------- deaths
 
 def test_a_server_killed_mid_round_fails_every_worker_naming_it(cluster, tmp_path):

@@ -248,11 +248,17 @@ class Scheduler:
                     "name": name, "key": len(job.tensors), "dtype": dtype, "shape": shape,
                     "rank": member.rank,
                     "parts": [[p.part_id, p.server, p.offset, p.length] for p in parts]}
+            elif "conflict" in known:
+                # a worker that reaches the tensor after the disagreement must not wait for
+                # pushes that will never come
+                self._send(member.rid, P.ERROR, {"message": known["conflict"], "name": name})
+                continue
             elif known["dtype"] != dtype or known["shape"] != shape:
                 message = (f"workers disagree on tensor {name!r}: rank {known['rank']} has "
                            f"{known['dtype']}{tuple(known['shape'])}, rank {member.rank} has "
                            f"{dtype}{tuple(shape)}")
                 self.log.warning(message)
+                known["conflict"] = message
                 for worker in job.workers.values():
                     self._send(worker.rid, P.ERROR, {"message": message, "name": name})
                 continue
