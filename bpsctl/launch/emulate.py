@@ -134,10 +134,14 @@ def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
     Workers get addresses .10, .11, ... and servers .130, .131, ... of 10.77.0.0/24, so an
     address does not depend on how many hosts of the other role there are.
     """
-    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise ConfigError(f"--workers: expected 1 to {MAX_WORKERS} emulated worker hosts, got {workers!r}")
-    if isinstance(servers, bool) or not isinstance(servers, int) or not 0 <= servers <= MAX_SERVERS:
-        raise ConfigError(f"--servers: expected 0 to {MAX_SERVERS} emulated server hosts, got {servers!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) \
+            or not 1 <= workers <= MAX_WORKERS:
+        raise ConfigError(f"--workers: expected 1 to {MAX_WORKERS} emulated worker hosts, "
+                          f"got {workers!r}")
+    if isinstance(servers, bool) or not isinstance(servers, int) \
+            or not 0 <= servers <= MAX_SERVERS:
+        raise ConfigError(f"--servers: expected 0 to {MAX_SERVERS} emulated server hosts, "
+                          f"got {servers!r}")
     if nic is None:
         nic_mbit = None
     elif isinstance(nic, (int, float)) and not isinstance(nic, bool):
@@ -304,9 +308,9 @@ def create(plan: NetworkPlan) -> EmulatedNetwork:
                 if ns.startswith(namespace_name(plan.cluster_id, ""))]
     if existing:
         raise EmulationUnavailable(
-            f"emulated cluster {plan.cluster_id} already exists (namespaces: {', '.join(existing)});"
-            f" tear it down first (bpsctl down), or remove leftovers of a crashed run with "
-            f"remove_leftovers()")
+            f"emulated cluster {plan.cluster_id} already exists "
+            f"(namespaces: {', '.join(existing)}); tear it down first (bpsctl down), or "
+            f"remove leftovers of a crashed run with remove_leftovers()")
     started = time.monotonic()
     try:
         _build(plan)
