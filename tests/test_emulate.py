@@ -373,3 +373,21 @@ def test_shaped_nics_full_duplex_fair_and_capped(cluster_id, tmp_path):
         assert sum(flows.values()) == pytest.approx(expected, rel=0.10)
         for source, mbit in flows.items():
             assert mbit == pytest.approx(expected / 3, rel=0.15), f"{source} -> s0: {mbit:.1f}"
+
+
+@pytest.mark.timeout(30)
+@root_only
+def test_failed_create_removes_what_it_built(cluster_id, monkeypatch):
+    real_run = emulate._run
+
+    def failing_tc(argv, **kwargs):
+        if argv[0] == "tc":
+            raise emulate.EmulationError(f"`{' '.join(argv)}` failed (exit 2): injected")
+        return real_run(argv, **kwargs)
+
+    monkeypatch.setattr(emulate, "_run", failing_tc)
+    plan = emulate.plan_network(2, 1, "100mbit", cluster_id=cluster_id)
+    with pytest.raises(emulate.EmulationError, match="injected"):
+        emulate.create(plan)
+    assert our_namespaces(cluster_id) == []
+    assert not any((emulate.NETNS_ETC / ns).exists() for ns in plan.namespaces)
