@@ -25,6 +25,7 @@ import bpsctl
 from bpsctl.config import Config
 from bpsctl.engine import EngineError, Worker
 from bpsctl.engine import protocol as P
+from bpsctl.engine.client import scheduler_status
 from bpsctl.launch import api
 from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 
@@ -275,6 +276,31 @@ def test_a_worker_killed_mid_round_fails_the_others_naming_it(cluster, tmp_path,
         assert message.startswith(f"EngineError: worker {rank}: lost worker 2 ("), message
         assert f"pid {processes[2].pid}" in message, message
         assert at - killed_at < REPORT_WITHIN_S, f"rank {rank} took {at - killed_at:.1f} s"
+
+
+def test_a_worker_killed_before_the_job_starts_is_named_to_the_others(cluster, tmp_path, workers):
+    cmd = worker_script(tmp_path, """
+        try:
+            bps.init()
+        except EngineError as exc:
+            report(exc)
+        print("joined", flush=True)
+    """)
+    config = run_config(cluster, world_size=3, job_id=uuid.uuid4().hex, start_timeout_s=30.0)
+    processes = [workers.start(cmd, config.replace(rank=rank), TEST_EXPECTED_REPORTS="0")
+                 for rank in (0, 1)]                          # rank 2 is still to come
+    wait_until(lambda: len(scheduler_status(cluster.scheduler, cluster.secret)["workers"]) == 2,
+               20, "ranks 0 and 1 to register")
+    killed_at = time.monotonic()
+    processes[0].kill()
+    _, (code, output) = workers.outputs(timeout_s=REPORT_WITHIN_S + 5)
+
+    assert code == 1, output
+    (at, message), = errors_seen(prefixed(1, output)).values()
+    assert message.startswith(f"EngineError: rank 1: lost worker 0 ("), message
+    assert f"pid {processes[0].pid}" in message and "before the job started" in message, message
+    # the heartbeat timeout (2 s) names it, long before the start timeout (30 s)
+    assert at - killed_at < REPORT_WITHIN_S, f"took {at - killed_at:.1f} s"
 
 
 # --------------------------------------------------------------------------- never started

@@ -190,6 +190,9 @@ class Worker:
             msg_type, msg = P.parse_control(self._sched.recv_multipart())
             if msg_type == P.ERROR:
                 raise EngineError(f"rank {cfg.rank}: {msg.get('message')}")
+            if msg_type == P.MEMBER_LOST and msg.get("role") == "worker":
+                # the scheduler has dropped the job: it can never start
+                raise EngineError(f"rank {cfg.rank}: {msg.get('message')} before the job started")
             if msg_type == P.REGISTERED:
                 self.rank = int(msg["rank"])
                 self.size = int(msg["world_size"])
