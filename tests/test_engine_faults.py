@@ -303,6 +303,38 @@ def test_a_worker_killed_before_the_job_starts_is_named_to_the_others(cluster, t
     assert at - killed_at < REPORT_WITHIN_S, f"took {at - killed_at:.1f} s"
 
 
+def test_the_scheduler_killed_mid_round_fails_every_worker_and_stops_the_servers(cluster):
+    scheduler = next(p for p in cluster.processes if p.role == "scheduler")
+    servers = [p.pid for p in cluster.processes if p.role == "server"]
+    pushing = threading.Barrier(3)
+    killed_at: list[float] = []
+
+    def body(w: Worker):
+        rounds = 0
+        with pytest.raises(EngineError) as failure:
+            while rounds < 100_000:
+                w.push_pull(np.ones(100_000, np.float32), name="g")
+                rounds += 1
+                if rounds == 3:
+                    pushing.wait(20)
+        return time.monotonic() - killed_at[0], str(failure.value)
+
+    def kill_scheduler() -> None:
+        pushing.wait(20)
+        killed_at.append(time.monotonic())
+        os.kill(scheduler.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_scheduler, daemon=True)
+    killer.start()
+    results = run_job(cluster, 2, 2, body, partition_bytes=64 * 1024)
+    killer.join(5)
+    for rank, (after_s, message) in enumerate(results):
+        assert message == f"worker {rank}: lost the scheduler at {cluster.scheduler}", message
+        assert after_s < REPORT_WITHIN_S
+    # servers cannot go on without it either
+    wait_until(lambda: all(gone(pid) for pid in servers), REPORT_WITHIN_S, "the servers to exit")
+
+
 # --------------------------------------------------------------------------- never started
 
 def test_no_scheduler_fails_init_within_the_start_timeout_saying_how_to_start_one(tmp_path, workers):
