@@ -229,6 +229,9 @@ class Worker:
         elif out.shape != src.shape or out.dtype != src.dtype or not out.flags.c_contiguous:
             raise ValueError(f"out must be a C-contiguous {src.dtype} array of shape {src.shape}, "
                              f"got {out.dtype} {out.shape}")
+        elif not out.flags.writeable:
+            # caught here, not when the I/O thread writes the result (that would break the engine)
+            raise ValueError(f"out must be writable, got a read-only array for {name!r}")
         if average and src.dtype.kind != "f":
             raise TypeError(f"average=True needs a floating-point tensor, got {src.dtype} "
                             f"for {name!r}; pass average=False to sum")
