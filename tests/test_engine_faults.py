@@ -464,3 +464,40 @@ def test_a_push_pull_the_others_never_join_times_out_and_a_retry_is_never_wrong(
     assert 0.9 <= timed_out_after < 2.0
     # rank 1 completes the round rank 0 started: rank 0's first push plus its own
     np.testing.assert_array_equal(rank1_sum, np.full(4, 3.0))
+
+
+# --------------------------------------------------------------------------- registration mistakes
+
+def test_a_taken_rank_a_busy_cluster_and_too_many_servers_are_refused_at_once(cluster):
+    def config(**knobs) -> Config:
+        return run_config(cluster, scheduler=cluster.scheduler, secret=cluster.secret,
+                          **{"world_size": 2, "rank": 0, "job_id": "first", **knobs})
+
+    outcome: list[BaseException] = []
+
+    def first_worker() -> None:          # waits for a rank 1 that never comes
+        try:
+            Worker(config(start_timeout_s=3.0)).shutdown()
+        except EngineError as exc:
+            outcome.append(exc)
+
+    waiting = threading.Thread(target=first_worker, daemon=True)
+    waiting.start()
+    try:
+        wait_until(lambda: len(scheduler_status(cluster.scheduler, cluster.secret)["workers"]) == 1,
+                   10, "the first worker to register")
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=r"^rank 0: job 'first': rank 0 is already taken by "
+                                              rf"worker 0 \(.*, pid {os.getpid()}\)"):
+            Worker(config())
+        with pytest.raises(EngineError, match=r"^rank 0: the cluster is busy with job 'first' "
+                                              r"\(2 workers\); wait for it to end or run `bpsctl down`"):
+            Worker(config(job_id="second"))
+        assert time.monotonic() - started < 2
+    finally:
+        waiting.join(10)
+    assert len(outcome) == 1 and "worker rank(s) [1] never registered" in str(outcome[0])
+
+    with pytest.raises(EngineError, match=r"^rank 0: the job asks for 3 servers "
+                                          r"\(BPSCTL_NUM_SERVERS\) but only 2 are running"):
+        Worker(config(world_size=1, job_id="third", num_servers=3))
