@@ -91,12 +91,21 @@ def _str(text: str, what: str) -> str:
     return text
 
 
+def _bool(text: str, what: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{what}: expected true or false (1/0, yes/no), got {text!r}")
+
+
 def _path(text: str, what: str) -> Path:
     return Path(text).expanduser()
 
 
 _PARSERS: dict[str, Callable[[str, str], Any]] = {
-    "int": _int, "float": _float, "str": _str, "size": parse_size, "path": _path,
+    "int": _int, "float": _float, "str": _str, "size": parse_size, "path": _path, "bool": _bool,
 }
 
 
@@ -134,6 +143,13 @@ class Config:
                            "where `bpsctl up` records the cluster (state file, logs)", "path")
     ready_file: str = knob("", "BPSCTL_READY_FILE",
                            "a scheduler or server writes its bound address here once serving", "str")
+
+    # emulated cluster (root): network namespaces with shaped NICs on this machine
+    emulate: bool = knob(False, "BPSCTL_EMULATE",
+                         "build an emulated cluster: one network namespace per host (root)", "bool")
+    nic: str = knob("", "BPSCTL_NIC",
+                    "each emulated host's full-duplex NIC rate, e.g. 500mbit or 1gbit (empty: unshaped)",
+                    "str")
 
     # data path
     partition_bytes: int = knob(4096000, "BPSCTL_PARTITION_BYTES",
@@ -184,6 +200,12 @@ class Config:
                 raise ConfigError(f"{env}: expected {expected}, got {value!r}")
         if self.scheduler:
             parse_address(self.scheduler, "BPSCTL_SCHEDULER")
+        if self.nic:
+            parse_rate_mbit(self.nic, "BPSCTL_NIC")
+
+    @property
+    def nic_mbit(self) -> float | None:
+        return parse_rate_mbit(self.nic, "BPSCTL_NIC") if self.nic else None
 
     # ---------------------------------------------------------------- building
 

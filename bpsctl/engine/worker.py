@@ -23,7 +23,6 @@ import heapq
 import itertools
 import json
 import os
-import socket
 import threading
 import time
 from typing import Any, Callable
@@ -32,7 +31,7 @@ import numpy as np
 import zmq
 
 from .. import __version__
-from ..config import Config, ConfigError
+from ..config import Config
 from . import protocol as P
 from .common import EngineError, keep_large_buffers, make_socket, monitor, monitor_events
 
@@ -164,7 +163,7 @@ class Worker:
         cfg = self.config
         self._sched.send_multipart(P.control(P.REGISTER, {
             "role": "worker", "rank": cfg.rank, "world_size": cfg.world_size, "job": cfg.job_id,
-            "host": socket.gethostname(), "pid": os.getpid(), "secret": self.secret,
+            "host": cfg.host, "pid": os.getpid(), "secret": self.secret,
             "version": __version__, "num_servers": cfg.num_servers,
             "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s}))
         # the scheduler enforces the start timeout and names missing ranks; our own deadline

@@ -77,6 +77,9 @@ class ClusterState:
     state_dir: str
     processes: tuple[ProcessRecord, ...]
     created: float              # seconds since the epoch
+    # an emulated cluster's network (see launch/emulate.py): {"cluster_id", "nic_mbit",
+    # "workers": [{"name", "namespace", "address", "interface"}], "servers": [...]}
+    emulation: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -200,7 +203,8 @@ class _Child:
                            f"{self.log_path}:\n{_log_tail(self.log_path)}")
 
 
-def _start_child(role: str, index: int, config: Config, state_dir: Path) -> _Child:
+def _start_child(role: str, index: int, config: Config, state_dir: Path,
+                 prefix: tuple[str, ...] = ()) -> _Child:
     # A server learns its rank when it registers; until then its log is named by start order.
     stem = "scheduler-0" if role == "scheduler" else f"{role}-starting-{index}"
     ready_path = state_dir / f"{stem}.ready"
@@ -209,7 +213,8 @@ def _start_child(role: str, index: int, config: Config, state_dir: Path) -> _Chi
     env = _child_env(config.replace(ready_file=str(ready_path)))
     # Run from the directory holding bpsctl/, so that `python -m` imports the very bpsctl this
     # launcher runs, installed or not.
-    process, identity = start_process([sys.executable, "-m", f"bpsctl.engine.{role}"], env,
+    # ``prefix`` places the process elsewhere, e.g. in an emulated host's network namespace.
+    process, identity = start_process([*prefix, sys.executable, "-m", f"bpsctl.engine.{role}"], env,
                                       log_path=log_path, cwd=_PACKAGE_ROOT)
     return _Child(role, process, identity, log_path, ready_path)
 
@@ -278,6 +283,42 @@ def up_local(config: Config, servers: int) -> ClusterState:
     Returns once the scheduler reports every server registered. On any failure everything
     started is stopped and :class:`LaunchError` names the process and quotes its log.
     """
+    return _up(config, servers, network=None)
+
+
+def up_emulated(config: Config, workers: int, servers: int) -> ClusterState:
+    """Build an emulated cluster on this machine (root): ``workers`` worker hosts and ``servers``
+    server hosts, each a network namespace with a NIC shaped to ``config.nic`` (see
+    launch/emulate.py), then start the scheduler (beside the first server) and one server per
+    server host. Workers of later runs go to the worker hosts. On any failure, everything built
+    or started is removed again.
+    """
+    from bpsctl.launch import emulate
+
+    plan = emulate.plan_network(workers, servers, config.nic or None)   # checks the flags
+    emulate.check_prerequisites()
+    state_dir = Path(config.state_dir).resolve()
+    existing = load_state(state_dir)
+    if existing is not None and _is_live(existing):
+        raise LaunchError(f"cluster {existing.name} (scheduler {existing.scheduler}) is already "
+                          f"running from {state_dir}; run `bpsctl down` first")
+    network = emulate.create(plan)
+    try:
+        return _up(config, servers, network=network)
+    except BaseException:
+        emulate.destroy(network)
+        raise
+
+
+def _emulation_record(network: Any) -> dict[str, Any]:
+    def hosts(role: str) -> list[dict[str, Any]]:
+        return [{"name": h.name, "namespace": h.namespace, "address": h.address,
+                 "interface": h.interface} for h in network.hosts if h.role == role]
+    return {"cluster_id": network.cluster_id, "nic_mbit": network.plan.nic_mbit,
+            "workers": hosts("worker"), "servers": hosts("server")}
+
+
+def _up(config: Config, servers: int, network: Any) -> ClusterState:
     if servers < 1:
         raise ConfigError(f"--servers: expected at least 1, got {servers}")
     # absolute: children run elsewhere, and the state file must name the same place for everyone
@@ -295,14 +336,26 @@ def up_local(config: Config, servers: int) -> ClusterState:
         deadline = time.monotonic() + config.start_timeout_s
         started: list[_Child] = []
         try:
-            scheduler = _start_child("scheduler", 0, config.replace(role="scheduler",
-                                                                    secret=secret), state_dir)
+            scheduler_config = config.replace(role="scheduler", secret=secret)
+            scheduler_prefix: tuple[str, ...] = ()
+            if network is not None:
+                host = network.plan.scheduler_host
+                scheduler_config = scheduler_config.replace(host=host.address)
+                scheduler_prefix = tuple(network.command(host.name, []))
+            scheduler = _start_child("scheduler", 0, scheduler_config, state_dir, scheduler_prefix)
             started.append(scheduler)
             ready = _wait_ready(scheduler, deadline, config.start_timeout_s, stop_signals)
             address = f"{ready['host']}:{ready['port']}"
             server_config = config.replace(role="server", scheduler=address, secret=secret, port=0)
-            server_children = [_start_child("server", i, server_config, state_dir)
-                               for i in range(servers)]
+            server_children = []
+            for i in range(servers):
+                if network is None:
+                    server_children.append(_start_child("server", i, server_config, state_dir))
+                else:
+                    host = network.plan.servers[i]
+                    server_children.append(_start_child(
+                        "server", i, server_config.replace(host=host.address), state_dir,
+                        tuple(network.command(host.name, []))))
             started.extend(server_children)
             server_ready = [_wait_ready(c, deadline, config.start_timeout_s, stop_signals)
                             for c in server_children]
@@ -314,10 +367,13 @@ def up_local(config: Config, servers: int) -> ClusterState:
                 child.log_path = child.log_path.rename(logs_dir(state_dir) / f"server-{rank}.log")
                 server_records.append(_record(child, "server", rank, info))
             cluster = ClusterState(
-                name=f"local-{secrets.token_hex(3)}", scheduler=address, secret=secret,
+                name=(f"emulated-{network.cluster_id}" if network is not None
+                      else f"local-{secrets.token_hex(3)}"),
+                scheduler=address, secret=secret,
                 state_dir=str(state_dir), created=time.time(),
                 processes=(_record(scheduler, "scheduler", 0, ready),
-                           *sorted(server_records, key=lambda r: r.rank)))
+                           *sorted(server_records, key=lambda r: r.rank)),
+                emulation=_emulation_record(network) if network is not None else None)
             _write_state(cluster)
         except BaseException:
             # until the state file names them, nobody else could ever stop these processes
@@ -360,6 +416,9 @@ def down(state_dir: Path | str) -> DownReport:
             reap_if_child(record.pid)      # ours when `up` ran in this process (bench, tests)
         surviving_pids = {s.pid for s in survivors}
         if not surviving_pids:
+            if cluster.emulation is not None:
+                from bpsctl.launch import emulate
+                emulate.destroy(cluster.emulation["cluster_id"])
             state_file(state_dir).unlink(missing_ok=True)
         return DownReport(
             cluster=cluster.name,
@@ -368,11 +427,20 @@ def down(state_dir: Path | str) -> DownReport:
 
 
 @contextlib.contextmanager
-def local_cluster(config: Config, servers: int = 1) -> Iterator[ClusterState]:
-    """A private cluster in a temporary state dir, always stopped and removed on exit."""
+def local_cluster(config: Config, servers: int = 1, workers: int | None = None
+                  ) -> Iterator[ClusterState]:
+    """A private cluster in a temporary state dir, always stopped and removed on exit.
+
+    With ``config.emulate`` it is an emulated cluster of ``workers`` worker hosts (root).
+    """
     state_dir = Path(tempfile.mkdtemp(prefix="bpsctl-cluster-"))
     try:
-        cluster = up_local(config.replace(state_dir=state_dir), servers)
+        if config.emulate:
+            if workers is None:
+                raise ConfigError("--workers: an emulated cluster needs the number of worker hosts")
+            cluster = up_emulated(config.replace(state_dir=state_dir), workers, servers)
+        else:
+            cluster = up_local(config.replace(state_dir=state_dir), servers)
         try:
             yield cluster
         finally:
@@ -558,27 +626,63 @@ def _check_exit(worker: _Worker) -> None:
             worker.signal_name = f"signal {info.si_status}"
 
 
+@dataclass(frozen=True)
+class WorkerSlot:
+    """Where one worker rank runs: its host, its place on it, and how to start it there."""
+
+    rank: int
+    host: str                   # address the worker is reached at
+    local_rank: int
+    local_size: int
+    prefix: tuple[str, ...] = ()     # e.g. `ip netns exec <ns>` on an emulated host
+    interface: str | None = None     # the host's NIC, for GLOO_SOCKET_IFNAME
+
+
+def worker_slots(cluster: ClusterState, np: int) -> list[WorkerSlot]:
+    """Ranks to hosts: all local on the embedded default; on an emulated cluster, contiguous
+    blocks of ranks per worker host, as even as possible, in host order."""
+    if cluster.emulation is None:
+        return [WorkerSlot(rank, "127.0.0.1", rank, np) for rank in range(np)]
+    hosts = cluster.emulation["workers"]
+    slots, rank = [], 0
+    for index, host in enumerate(hosts):
+        count = np // len(hosts) + (1 if index < np % len(hosts) else 0)
+        for local_rank in range(count):
+            slots.append(WorkerSlot(rank, host["address"], local_rank, count,
+                                    ("ip", "netns", "exec", host["namespace"]),
+                                    host["interface"]))
+            rank += 1
+    return slots
+
+
 def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
                  stdout: IO[str], stderr: IO[str], stop_grace_s: float,
                  stop_signals: StopSignals) -> RunResult:
     job_id = uuid.uuid4().hex
     master_port = _free_port()
     worker_config = config.replace(role="worker", scheduler=cluster.scheduler,
-                                   secret=cluster.secret, world_size=np, local_size=np,
-                                   job_id=job_id)
+                                   secret=cluster.secret, world_size=np, job_id=job_id)
+    slots = worker_slots(cluster, np)
     workers: list[_Worker] = []
     failed_order: list[_Worker] = []
     try:
-        for rank in range(np):
+        for slot in slots:
+            rank = slot.rank
             stop_signals.check()
-            env = _child_env(worker_config.replace(rank=rank, local_rank=rank), {
-                "RANK": str(rank), "WORLD_SIZE": str(np), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(np), "MASTER_ADDR": "127.0.0.1",
+            extra = {
+                "RANK": str(rank), "WORLD_SIZE": str(np), "LOCAL_RANK": str(slot.local_rank),
+                "LOCAL_WORLD_SIZE": str(slot.local_size), "MASTER_ADDR": slots[0].host,
                 "MASTER_PORT": str(master_port),
                 "PYTHONUNBUFFERED": "1",     # so output streams line by line, not at exit
-            })
+            }
+            if slot.interface:
+                extra["GLOO_SOCKET_IFNAME"] = slot.interface
+            env = _child_env(worker_config.replace(rank=rank, local_rank=slot.local_rank,
+                                                   local_size=slot.local_size, host=slot.host),
+                             extra)
             try:
-                process, identity = start_process(cmd, env, stdout=subprocess.PIPE,
+                process, identity = start_process([*slot.prefix, *cmd], env,
+                                                  stdout=subprocess.PIPE,
                                                   stderr=subprocess.PIPE)
             except OSError as exc:
                 raise LaunchError(f"cannot start worker {rank}: {cmd[0]}: {exc.strerror}") from None
