@@ -141,6 +141,9 @@ class Config:
                        "str")
     state_dir: Path = knob(Path("~/.bpsctl").expanduser(), "BPSCTL_STATE_DIR",
                            "where `bpsctl up` records the cluster (state file, logs)", "path")
+    control_socket: str = knob("", "BPSCTL_CONTROL_SOCKET",
+                               "a socket file the scheduler also listens on, so that tools on "
+                               "this machine reach it from any network namespace", "str")
     ready_file: str = knob("", "BPSCTL_READY_FILE",
                            "a scheduler or server writes its bound address here once serving", "str")
 

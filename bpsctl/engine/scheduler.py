@@ -68,6 +68,8 @@ class Scheduler:
         if config.port:
             self.sock.bind(f"tcp://{config.host}:{config.port}")
         self.port = config.port or self.sock.bind_to_random_port(f"tcp://{config.host}")
+        if config.control_socket:
+            self.sock.bind(f"ipc://{config.control_socket}")
         self.members: dict[bytes, Member] = {}
         self.servers: list[Member] = []
         self.job: Job | None = None

@@ -16,7 +16,6 @@ ones are summed inline, where a thread hop would cost more than the add.
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
 import struct
@@ -43,12 +42,16 @@ class PartitionState:
     """One partition's round in progress. ``received``/``waiting`` belong to the I/O thread;
     ``summed``/``first``/``buffers``/``result`` to the partition's summation thread."""
 
-    __slots__ = ("part", "dtype", "dtype_code", "nbytes", "round", "received", "waiting",
-                 "summed", "first", "buffers", "result", "thread")
+    __slots__ = ("part", "dtype", "dtype_code", "nbytes", "expected", "round", "received",
+                 "waiting", "summed", "first", "buffers", "result", "thread", "wide")
 
-    def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int):
+    def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int):
         self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
-        self.dtype = P.DTYPES[dtype_code]
+        self.expected = expected        # pushes per round: workers, or hosts when host-reduced
+        # bfloat16 travels as its uint16 bits and is summed in float32 (``wide``: the sum
+        # and a scratch, allocated once per partition), then rounded into ``buffers``
+        self.dtype = np.dtype(np.uint16) if dtype_code == P.BFLOAT16_CODE else P.DTYPES[dtype_code]
+        self.wide: tuple[np.ndarray, np.ndarray] | None = None
         self.round = 0
         self.received = 0
         self.waiting: list[bytes] = []
@@ -60,6 +63,8 @@ class PartitionState:
     def accumulate(self, payload: Any, num_workers: int) -> bool:
         """Add one push; return True when the round's sum is complete (in ``result``)."""
         arr = np.frombuffer(payload, dtype=self.dtype)
+        if self.dtype_code == P.BFLOAT16_CODE and num_workers > 1:
+            return self._accumulate_bf16(arr, num_workers)
         if self.summed == 0:
             self.first = arr
         else:
@@ -77,6 +82,23 @@ class PartitionState:
             return False
         self.result = self.first if num_workers == 1 else self.buffers[self.round & 1]
         self.first = None
+        return True
+
+    def _accumulate_bf16(self, arr: np.ndarray, num_workers: int) -> bool:
+        if self.wide is None:
+            count = self.nbytes // 2
+            self.wide = (np.empty(count, np.float32), np.empty(count, np.float32))
+            self.buffers = [np.empty(count, np.uint16), np.empty(count, np.uint16)]
+        total, scratch = self.wide
+        if self.summed == 0:
+            P.bf16_widen(arr, total)
+        else:
+            np.add(total, P.bf16_widen(arr, scratch), out=total)
+        self.summed += 1
+        if self.summed < num_workers:
+            return False
+        out = self.buffers[self.round & 1]
+        self.result = P.bf16_round(total, scratch.view(np.uint32), out)
         return True
 
 
@@ -99,6 +121,7 @@ class Server:
 
         self.job_id: str | None = None
         self.num_workers = 0
+        self.num_hosts = 0                          # pushes per round of host-reduced partitions
         self.peers: dict[bytes, int] = {}           # worker routing id -> rank
         self.parts: dict[int, PartitionState] = {}
 
@@ -185,9 +208,9 @@ class Server:
             try:
                 if len(frames) < 2:
                     raise P.ProtocolError("message without a header")
-                msg_type, dtype, _, rank, part, round_, nbytes = P.unpack_header(frames[1].buffer)
+                msg_type, dtype, flags, rank, part, round_, nbytes = P.unpack_header(frames[1].buffer)
                 if msg_type == P.PUSH:
-                    self._push(rid, dtype, part, round_, nbytes, frames)
+                    self._push(rid, dtype, flags, part, round_, nbytes, frames)
                 elif msg_type == P.HELLO:
                     self._hello(rid, P.parse_control([frames[1].buffer, frames[2].buffer])[1]
                                 if len(frames) == 3 else {})
@@ -212,15 +235,16 @@ class Server:
                              f"server {self.rank} runs {__version__}")
             return
         if msg.get("job") != self.job_id:
-            self._reset(str(msg.get("job")), int(msg.get("world_size", 0)))
+            self._reset(str(msg.get("job")), int(msg.get("world_size", 0)),
+                        int(msg.get("hosts", msg.get("world_size", 0))))
         self.peers[rid] = int(msg.get("rank", -1))
 
-    def _reset(self, job_id: str | None, num_workers: int) -> None:
-        self.job_id, self.num_workers = job_id, num_workers
+    def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0) -> None:
+        self.job_id, self.num_workers, self.num_hosts = job_id, num_workers, num_hosts
         self.peers = {}
         self.parts = {}
 
-    def _push(self, rid: bytes, dtype: int, part: int, round_: int, nbytes: int,
+    def _push(self, rid: bytes, dtype: int, flags: int, part: int, round_: int, nbytes: int,
               frames: list[zmq.Frame]) -> None:
         rank = self.peers.get(rid)
         if rank is None:
@@ -230,14 +254,16 @@ class Server:
                                   f"{len(frames[2]) if len(frames) == 3 else 'no payload'}")
         if dtype >= len(P.DTYPES) or nbytes % P.DTYPES[dtype].itemsize:
             raise P.ProtocolError(f"push of partition {part} has a bad dtype code {dtype} for {nbytes} bytes")
+        expected = self.num_hosts if flags & P.FLAG_HOST_REDUCED else self.num_workers
         state = self.parts.get(part)
         if state is None:
             thread = part % len(self.queues) if nbytes >= THREADED_SUM_BYTES else -1
-            state = self.parts[part] = PartitionState(part, dtype, nbytes, thread)
-        elif state.dtype_code != dtype or state.nbytes != nbytes:
+            state = self.parts[part] = PartitionState(part, dtype, nbytes, thread, expected)
+        elif state.dtype_code != dtype or state.nbytes != nbytes or state.expected != expected:
             raise P.ProtocolError(
-                f"partition {part}: rank {rank} pushed {nbytes} bytes of {P.DTYPES[dtype]} but "
-                f"earlier pushes had {state.nbytes} bytes of {state.dtype}")
+                f"partition {part}: rank {rank} pushed {nbytes} bytes of {P.DTYPES[dtype]} "
+                f"(host-reduced: {bool(flags & P.FLAG_HOST_REDUCED)}) but earlier pushes had "
+                f"{state.nbytes} bytes of {P.DTYPES[state.dtype_code]} from {state.expected} pushers")
         if round_ != state.round:
             raise P.ProtocolError(f"partition {part}: rank {rank} pushed round {round_}, "
                                   f"the server is at round {state.round}")
@@ -250,10 +276,10 @@ class Server:
         self.sock.send(rid, zmq.SNDMORE)
         self.sock.send(P.pack_header(P.ACK, part=part, round=round_))
         if state.thread < 0:
-            if state.accumulate(frames[2], self.num_workers):
+            if state.accumulate(frames[2], expected):
                 self._complete(state)
         else:
-            self.queues[state.thread].put((state, frames[2], self.num_workers))
+            self.queues[state.thread].put((state, frames[2], expected))
 
     def _sum_loop(self, work: queue.SimpleQueue) -> None:
         done = make_socket(self.ctx, zmq.PUSH)

@@ -129,6 +129,17 @@ def logs_dir(state_dir: Path | str) -> Path:
     return Path(state_dir) / "logs"
 
 
+def control_socket(state_dir: Path | str) -> Path:
+    """The scheduler's socket file: reachable from this machine whatever network namespace
+    the scheduler runs in (its TCP address may exist only inside an emulated host)."""
+    return Path(state_dir) / "scheduler.sock"
+
+
+def _control_address(cluster: ClusterState) -> str:
+    path = control_socket(cluster.state_dir)
+    return f"ipc://{path}" if path.exists() else cluster.scheduler
+
+
 def load_state(state_dir: Path | str) -> ClusterState | None:
     """The cluster recorded in ``state_dir``, or None if there is none."""
     path = state_file(state_dir)
@@ -336,7 +347,8 @@ def _up(config: Config, servers: int, network: Any) -> ClusterState:
         deadline = time.monotonic() + config.start_timeout_s
         started: list[_Child] = []
         try:
-            scheduler_config = config.replace(role="scheduler", secret=secret)
+            scheduler_config = config.replace(role="scheduler", secret=secret,
+                                              control_socket=str(control_socket(state_dir)))
             scheduler_prefix: tuple[str, ...] = ()
             if network is not None:
                 host = network.plan.scheduler_host
@@ -359,7 +371,8 @@ def _up(config: Config, servers: int, network: Any) -> ClusterState:
             started.extend(server_children)
             server_ready = [_wait_ready(c, deadline, config.start_timeout_s, stop_signals)
                             for c in server_children]
-            _wait_servers_registered(scheduler, server_children, address, secret, deadline,
+            _wait_servers_registered(scheduler, server_children,
+                                     f"ipc://{control_socket(state_dir)}", secret, deadline,
                                      config.start_timeout_s, stop_signals)
             server_records = []
             for child, info in zip(server_children, server_ready):
@@ -468,7 +481,7 @@ def status(state_dir: Path | str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[s
         from bpsctl.engine import EngineError
         from bpsctl.engine.client import scheduler_status
         try:
-            view = scheduler_status(cluster.scheduler, cluster.secret, timeout_s=timeout_s)
+            view = scheduler_status(_control_address(cluster), cluster.secret, timeout_s=timeout_s)
         except EngineError as exc:
             scheduler_error = str(exc)
     else:
