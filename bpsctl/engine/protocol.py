@@ -48,12 +48,22 @@ RESULT = 23         # server -> worker: header + summed partition bytes
 TYPE_NAMES = {v: k for k, v in dict(globals()).items() if isinstance(v, int) and k.isupper()
               and k not in ("PROTOCOL_VERSION", "HEADER_SIZE")}
 
-#: dtype codes on the wire; summation is done in the dtype itself (as BytePS does)
+#: bfloat16, which NumPy lacks: two opaque bytes per element (``|V2``; view a bf16 tensor's
+#: bits as this). Servers sum it by widening to float32 and rounding back to nearest-even.
+BFLOAT16 = np.dtype("V2")
+
+#: dtype codes on the wire; summation is done in the dtype itself (as BytePS does), except
+#: bfloat16 (see above)
 DTYPES: list[np.dtype] = [np.dtype(name) for name in (
     "uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64",
-    "float16", "float32", "float64")]
+    "float16", "float32", "float64")] + [BFLOAT16]
 DTYPE_CODES: dict[np.dtype, int] = {dt: code for code, dt in enumerate(DTYPES)}
+BFLOAT16_CODE = DTYPE_CODES[BFLOAT16]
 NO_DTYPE = 255
+
+#: PUSH flag: the payload is already summed over the pusher's host (intra-node stage), so the
+#: round completes after one push per host instead of one per worker
+FLAG_HOST_REDUCED = 1
 
 
 class ProtocolError(ValueError):
@@ -64,9 +74,35 @@ def dtype_code(dtype: np.dtype) -> int:
     try:
         return DTYPE_CODES[np.dtype(dtype)]
     except KeyError:
-        supported = ", ".join(str(d) for d in DTYPES)
+        supported = ", ".join(str(d) if d != BFLOAT16 else "bfloat16 (as |V2)" for d in DTYPES)
         raise TypeError(f"dtype {np.dtype(dtype)} is not supported by push_pull; "
                         f"use one of: {supported}") from None
+
+
+def bf16_widen(bits: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) -> float32 ``out``, exactly, without allocating a buffer."""
+    halves = out.view(np.uint16)        # little-endian: [low, high] per float32
+    halves[0::2] = 0
+    halves[1::2] = bits
+    return out
+
+
+def bf16_round(values: np.ndarray, scratch: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """float32 ``values`` -> bfloat16 bits in ``out`` (uint16), rounding to nearest-even as
+    torch does; ``values`` is overwritten and ``scratch`` is a uint32 array of the same length.
+
+    NaNs need no special case here: sums and quotients of widened bfloat16 values are NaNs
+    whose low 16 bits are zero (x86 keeps the operand's payload, or makes the default NaN),
+    so rounding cannot carry into their high half.
+    """
+    bits = values.view(np.uint32)
+    np.right_shift(bits, 16, out=scratch)
+    np.bitwise_and(scratch, 1, out=scratch)
+    np.add(scratch, 0x7FFF, out=scratch)
+    np.add(bits, scratch, out=bits)
+    np.right_shift(bits, 16, out=scratch)
+    np.copyto(out, scratch, casting="unsafe")
+    return out
 
 
 def pack_header(msg_type: int, *, dtype: int = NO_DTYPE, flags: int = 0, rank: int = 0,

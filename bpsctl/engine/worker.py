@@ -63,10 +63,10 @@ class _Task:
     """The I/O thread's record of one push_pull."""
 
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
-                 "remaining", "deadline", "parts")
+                 "remaining", "deadline", "parts", "flags")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
-                 divisor: int | None, deadline: float):
+                 divisor: int | None, deadline: float, flags: int = 0):
         self.handle = handle
         self.name = handle.name
         self.src = src.reshape(-1).view(np.uint8)        # bytes to push
@@ -78,9 +78,17 @@ class _Task:
         self.remaining = 0
         self.deadline = deadline
         self.parts: list[list[int]] = []
+        self.flags = flags
 
 
 _WAKE = b"\0"
+
+
+def _divide_bf16(bits: np.ndarray, divisor: int, out: np.ndarray) -> None:
+    """out = bits / divisor, for bfloat16 bits, through float32 (as the server sums)."""
+    wide = P.bf16_widen(bits, np.empty(len(bits), np.float32))
+    np.divide(wide, divisor, out=wide)
+    P.bf16_round(wide, np.empty(len(bits), np.uint32), out)
 
 
 class Worker:
@@ -205,8 +213,11 @@ class Worker:
                                   "scheduler's host:port)")
             raise EngineError(f"the scheduler at {self.scheduler_address} did not start the job "
                               f"within {cfg.start_timeout_s:g} s (BPSCTL_START_TIMEOUT)")
+        # pushes of a host-reduced partition per round: one per host (see push_pull_async)
+        self.hosts = self.size // self.local_size if self.size % self.local_size == 0 else self.size
         hello = P.control(P.HELLO, {"secret": self.secret, "job": cfg.job_id, "rank": self.rank,
-                                    "world_size": self.size, "version": __version__})
+                                    "world_size": self.size, "hosts": self.hosts,
+                                    "version": __version__})
         for server in self._servers:
             sock = make_socket(self._ctx, zmq.DEALER)
             self._server_monitors.append(monitor(sock))
@@ -217,8 +228,13 @@ class Worker:
     # ------------------------------------------------------------------ caller API
 
     def push_pull_async(self, array: Any, name: str | None = None, average: bool = True,
-                        priority: int = 0, out: np.ndarray | None = None) -> Handle:
-        """Start summing ``array`` across all workers; the result lands in ``out``."""
+                        priority: int = 0, out: np.ndarray | None = None, *,
+                        host_reduced: bool = False) -> Handle:
+        """Start summing ``array`` across all workers; the result lands in ``out``.
+
+        ``host_reduced=True`` (the intra-node stage): ``array`` already holds the sum over this
+        host's workers, and only one worker per host pushes this name; the sum is over hosts.
+        """
         src = np.asarray(array)
         dtype_code = P.dtype_code(src.dtype)           # raises TypeError naming supported dtypes
         if not src.flags.c_contiguous:
@@ -231,7 +247,7 @@ class Worker:
         elif not out.flags.writeable:
             # caught here, not when the I/O thread writes the result (that would break the engine)
             raise ValueError(f"out must be writable, got a read-only array for {name!r}")
-        if average and src.dtype.kind != "f":
+        if average and src.dtype.kind != "f" and src.dtype != P.BFLOAT16:
             raise TypeError(f"average=True needs a floating-point tensor, got {src.dtype} "
                             f"for {name!r}; pass average=False to sum")
         divisor = self.size if average and self.size > 1 else None
@@ -249,7 +265,8 @@ class Worker:
                                  "before starting another with the same name")
             self._in_flight_names.add(name)
         task = _Task(handle, src, out, priority, divisor,
-                     time.monotonic() + self.config.op_timeout_s)
+                     time.monotonic() + self.config.op_timeout_s,
+                     P.FLAG_HOST_REDUCED if host_reduced else 0)
         handle._task = task
         self._command("task", task)
         return handle
@@ -398,7 +415,8 @@ class Worker:
                 continue
             part_id, server, offset = part[0], part[1], part[2]
             sock = self._server_socks[server]
-            sock.send(P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[task.dtype], rank=self.rank,
+            sock.send(P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[task.dtype], flags=task.flags,
+                                    rank=self.rank,
                                     part=part_id, round=self._rounds.get(part_id, 0),
                                     nbytes=length), zmq.SNDMORE)
             sock.send(task.src[offset:offset + length], copy=False)
@@ -435,6 +453,8 @@ class Worker:
             src = np.frombuffer(payload, dtype=task.dtype)
             if task.divisor is None:
                 np.copyto(dst, src)
+            elif task.dtype == P.BFLOAT16:
+                _divide_bf16(src.view(np.uint16), task.divisor, dst.view(np.uint16))
             else:
                 np.divide(src, task.divisor, out=dst)
         task.remaining -= 1
