@@ -1,18 +1,28 @@
-"""Benchmarks as functions: what `bpsctl bench` runs, and what tests call directly."""
+"""Benchmarks as functions: what `bpsctl bench` runs, and what tests call directly.
+
+Every figure of one report comes from one run on one cluster: bpsctl's push_pull, the
+baselines (`--compare`) and the raw ZeroMQ limit are measured side by side, with the same
+bytes, hosts, warm-up and repeats.
+"""
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable, Iterator
 
 from .. import __version__, launch
-from ..config import Config
+from ..config import Config, ConfigError
 from .comm import zmq_pair_seconds
+
+#: TCP goodput as a share of an emulated NIC's configured rate (shared/ENVIRONMENT.md)
+GOODPUT_SHARE = 0.957
+COMM_BASELINES = ("allreduce",)
 
 
 class BenchError(RuntimeError):
@@ -23,70 +33,154 @@ class BenchError(RuntimeError):
 class CommSettings:
     workers: int = 2
     servers: int = 2
-    size_bytes: int = 64 * 1024 * 1024
+    sizes: tuple[int, ...] = (64 * 1024 * 1024,)
     tensors: int = 8
     warmup: int = 3
     repeats: int = 10
-    raw: bool = True             # also measure raw ZeroMQ in the same run
+    raw: bool = True                     # also measure raw ZeroMQ (embedded default only)
+    compare: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.compare if c not in COMM_BASELINES]
+        if unknown:
+            raise ConfigError(f"--compare: {', '.join(unknown)} is not a baseline of bench comm; "
+                              f"choose from {', '.join(COMM_BASELINES)} (horovod and ddp are "
+                              "baselines of the training benchmarks)")
+        if "allreduce" in self.compare:
+            try:
+                import torch.distributed  # noqa: F401
+            except ImportError:
+                raise ConfigError("--compare allreduce needs torch: pip install torch==2.13.0 "
+                                  "(the CPU build; a plain `pip install torch` pulls CUDA)") from None
 
 
-def _mbps(size_bytes: int, seconds: float) -> float:
-    return size_bytes / seconds / 1e6
+def ideal_seconds(system: str, size_bytes: int, workers: int, servers: int,
+                  nic_mbit: float) -> float:
+    """The NIC-bound time of one round (shared/DESIGN.md §4): a parameter server moves S out
+    and S in through each worker's NIC (and n·S/K through each server's); ring allreduce moves
+    2(n-1)/n · S each way."""
+    goodput_bytes_s = nic_mbit * 1e6 / 8 * GOODPUT_SHARE
+    if system == "allreduce":
+        return 2 * (workers - 1) / workers * size_bytes / goodput_bytes_s
+    return max(size_bytes, workers * size_bytes / servers) / goodput_bytes_s
 
 
-def run_comm(config: Config, settings: CommSettings, worker_output: IO[str] | None = None) -> dict[str, Any]:
-    """push_pull of ``size_bytes`` (over ``tensors`` tensors) with N workers and K servers,
-    beside the raw ZeroMQ throughput of this machine for the same bytes and message size.
+@contextlib.contextmanager
+def bench_cluster(config: Config, workers: int, servers: int) -> Iterator[tuple[Config, float | None]]:
+    """The cluster to measure on: the one `bpsctl up` started, or a private one (emulated
+    with ``config.emulate``). Yields a config whose state dir names it, and the NIC rate."""
+    live = launch.load_state(config.state_dir)
+    if live is not None and launch.status(config.state_dir)["scheduler_error"] is None:
+        if config.emulate:
+            raise ConfigError("--emulate: a cluster is already up in "
+                              f"{config.state_dir}; bench uses it as it is (drop --emulate), "
+                              "or run `bpsctl down` first")
+        nic = live.emulation["nic_mbit"] if live.emulation else None
+        yield config, nic
+        return
+    with launch.local_cluster(config, servers=servers, workers=workers) as cluster:
+        yield config.replace(state_dir=Path(cluster.state_dir)), config.nic_mbit if config.emulate else None
 
-    Returns the JSON of shared/DESIGN.md (``kind: comm``). Uses the cluster that `bpsctl up`
-    started if there is one, otherwise a private one.
-    """
-    worker_output = worker_output if worker_output is not None else sys.stderr
-    n, k = settings.workers, settings.servers
+
+def _run_workers(config: Config, module: str, args: list[str], workers: int, servers: int,
+                 output: IO[str]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bpsctl-bench-") as tmp:
-        out_file = Path(tmp) / "comm.json"
-        cmd = [sys.executable, "-m", "bpsctl.bench.comm", "--size", str(settings.size_bytes),
-               "--tensors", str(settings.tensors), "--warmup", str(settings.warmup),
-               "--repeats", str(settings.repeats), "--out", str(out_file)]
-        result = launch.run_local(cmd, n, config.replace(num_servers=k), servers=k,
-                                  stdout=worker_output, stderr=worker_output)
+        out_file = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", module, *args, "--out", str(out_file)]
+        result = launch.run_local(cmd, workers, config.replace(num_servers=servers),
+                                  servers=servers, stdout=output, stderr=output)
         if result.exit_code != 0:
             detail = ""
             if result.failures:
                 failure = result.failures[0]
                 detail = f": worker {failure.rank} exited {failure.exit_code}: " + \
                     " | ".join(failure.last_lines[-3:])
-            raise BenchError(f"the comm benchmark's workers failed{detail}")
-        measured = json.loads(out_file.read_text())
-    seconds = measured["seconds"]
-    size = measured["size_bytes"]
+            raise BenchError(f"{module}'s workers failed{detail}")
+        return json.loads(out_file.read_text())
+
+
+def _row(system: str, version: str, seconds: list[float], size: int, workers: int,
+         servers: int, nic_mbit: float | None) -> dict[str, Any]:
     median = statistics.median(seconds)
-    algbw = _mbps(size, median)
-    bus_factor = 2 * (n - 1) / n if n > 1 else 1.0     # nccl-tests' allreduce busbw
-    results: list[dict[str, Any]] = [{
-        "system": "bpsctl", "version": __version__, "seconds": median, "seconds_all": seconds,
-        "algbw_MBps": algbw, "busbw_MBps": algbw * bus_factor, "nic_fraction": None,
-        "push_pulls_per_s": measured["tensors"] / median,
-    }]
+    algbw = size / median / 1e6
+    bus_factor = 2 * (workers - 1) / workers if workers > 1 else 1.0     # nccl-tests' allreduce
+    fraction = None
+    if nic_mbit is not None:
+        fraction = ideal_seconds(system, size, workers, servers, nic_mbit) / median
+    return {"system": system, "version": version, "seconds": median, "seconds_all": seconds,
+            "algbw_MBps": algbw, "busbw_MBps": algbw * bus_factor, "nic_fraction": fraction}
+
+
+def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: float | None,
+               output: IO[str]) -> dict[str, Any]:
+    """One size on the cluster named by ``config``: bpsctl, then each baseline, then raw ZeroMQ."""
+    n, k = settings.workers, settings.servers
+    common = ["--size", str(size), "--warmup", str(settings.warmup),
+              "--repeats", str(settings.repeats)]
+    ours = _run_workers(config, "bpsctl.bench.comm", [*common, "--tensors", str(settings.tensors)],
+                        n, k, output)
+    size = ours["size_bytes"]
+    row = _row("bpsctl", __version__, ours["seconds"], size, n, k, nic_mbit)
+    row["push_pulls_per_s"] = ours["tensors"] / row["seconds"]
+    results = [row]
+    speedup: dict[str, float] = {}
+    if "allreduce" in settings.compare:
+        theirs = _run_workers(config, "bpsctl.bench.allreduce", common, n, k, output)
+        results.append(_row("allreduce", theirs["version"], theirs["seconds"], size, n, k, nic_mbit))
+        speedup["allreduce"] = results[-1]["seconds"] / row["seconds"]
     report: dict[str, Any] = {
-        "kind": "comm", "workers": n, "servers": k, "nic_mbit": None, "size_bytes": size,
-        "tensors": measured["tensors"], "partition_bytes": config.partition_bytes,
+        "kind": "comm", "workers": n, "servers": k, "nic_mbit": nic_mbit, "size_bytes": size,
+        "tensors": ours["tensors"], "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "warmup": settings.warmup,
         "repeats": settings.repeats, "host": socket.gethostname(), "results": results,
-        "speedup": {},
+        "speedup": speedup,
     }
-    if settings.raw:
+    if n > 1:
+        report["theory_speedup"] = 2 * (n - 1) / n
+    if settings.raw and nic_mbit is None:
         raw_seconds = zmq_pair_seconds(size, min(config.partition_bytes, size),
                                        repeats=max(5, settings.repeats))
-        raw_median = statistics.median(raw_seconds)
         import zmq
-        results.append({
-            "system": "zmq_raw", "version": f"pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}",
-            "seconds": raw_median, "seconds_all": raw_seconds,
-            "algbw_MBps": _mbps(size, raw_median), "busbw_MBps": _mbps(size, raw_median),
-            "nic_fraction": None,
-            "what": "one-way PUSH->PULL of the same bytes in partition-sized zero-copy frames, "
-                    "between two processes over loopback TCP: this machine's ZeroMQ limit",
-        })
-        report["fraction_of_raw"] = algbw / _mbps(size, raw_median)
+        raw = _row("zmq_raw", f"pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}",
+                   raw_seconds, size, 2, 1, None)
+        raw["busbw_MBps"] = raw["algbw_MBps"]
+        raw["what"] = ("one-way PUSH->PULL of the same bytes in partition-sized zero-copy frames, "
+                       "between two processes over loopback TCP: this machine's ZeroMQ limit")
+        results.append(raw)
+        report["fraction_of_raw"] = row["algbw_MBps"] / raw["algbw_MBps"]
     return report
+
+
+def run_comm(config: Config, settings: CommSettings, output: IO[str] | None = None,
+             progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The comm benchmark on one cluster. One size gives the JSON of shared/DESIGN.md
+    (``kind: comm``); several give ``{"kind": "comm", "sizes": [that, ...]}``."""
+    output = output if output is not None else sys.stderr
+    progress = progress or (lambda message: None)
+    with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
+        reports = []
+        for size in settings.sizes:
+            progress(f"{size} bytes")
+            reports.append(comm_point(cluster_config, settings, size, nic, output))
+    if len(reports) == 1:
+        return reports[0]
+    return {"kind": "comm", "workers": settings.workers, "servers": settings.servers,
+            "nic_mbit": reports[0]["nic_mbit"], "sizes": reports}
+
+
+def run_sweep(config: Config, settings: CommSettings, worker_counts: list[int],
+              servers: int | None, output: IO[str] | None = None,
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`--sweep workers=2,4,...`: a fresh cluster per worker count (servers = workers unless
+    given), bpsctl against allreduce at each, and the theory 2(n-1)/n beside it."""
+    points = []
+    for n in worker_counts:
+        point_settings = CommSettings(workers=n, servers=servers or n, sizes=settings.sizes[:1],
+                                      tensors=settings.tensors, warmup=settings.warmup,
+                                      repeats=settings.repeats, raw=False,
+                                      compare=tuple(sorted({*settings.compare, "allreduce"})))
+        if progress:
+            progress(f"{n} workers")
+        points.append(run_comm(config, point_settings, output))
+    return {"kind": "comm_sweep", "nic_mbit": points[0]["nic_mbit"],
+            "size_bytes": points[0]["size_bytes"], "points": points}

@@ -1,4 +1,4 @@
-"""`bpsctl bench ...`: flags in, figures out (a table on stderr, JSON to a file)."""
+"""`bpsctl bench ...`: flags in, figures out (a table on stderr, JSON and PNG to files)."""
 from __future__ import annotations
 
 import json
@@ -6,22 +6,39 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.table import Table
 
 from bpsctl.cliutil import build_config, cli_errors, err_console, knob_option
-from bpsctl.config import ConfigError, format_bytes, parse_size
+from bpsctl.config import ConfigError, parse_size
 
-from .api import BenchError, CommSettings, run_comm
+from .api import BenchError, CommSettings, run_comm, run_sweep
+from .report import plot_comm, print_comm
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
                         help="Benchmarks, measured side by side in one run.")
 
 
-def _size(text: str, flag: str) -> int:
+def _sizes(text: str) -> tuple[int, ...]:
+    sizes = tuple(parse_size(part, "--size") for part in text.split(",") if part.strip())
+    if not sizes:
+        raise ConfigError(f"--size: expected sizes such as 64MiB or 1MiB,16MiB, got {text!r}")
+    return sizes
+
+
+def _names(text: Optional[str]) -> tuple[str, ...]:
+    return tuple(part.strip() for part in (text or "").split(",") if part.strip())
+
+
+def _sweep(text: Optional[str]) -> list[int] | None:
+    if text is None:
+        return None
+    key, sep, values = text.partition("=")
     try:
-        return parse_size(text, flag)
-    except ConfigError as exc:
-        raise ConfigError(str(exc)) from None
+        counts = [int(v) for v in values.split(",")]
+    except ValueError:
+        counts = []
+    if key.strip() != "workers" or not sep or not counts or min(counts) < 1:
+        raise ConfigError(f"--sweep: expected workers=2,4,6,8, got {text!r}")
+    return counts
 
 
 def _write_json(path: Optional[Path], report: dict[str, Any]) -> None:
@@ -36,57 +53,68 @@ def _write_json(path: Optional[Path], report: dict[str, Any]) -> None:
 
 @bench_app.command()
 def comm(ctx: typer.Context,
-         workers: int = typer.Option(2, "--workers", "-n", min=1, help="Worker processes."),
+         workers: int = typer.Option(2, "--workers", "-n", min=1,
+                                     help="Worker processes (with --emulate: worker hosts)."),
          servers: Optional[int] = typer.Option(None, "--servers", min=1,
                                                help="Summation servers (default: as many as workers)."),
          size: str = typer.Option("64MiB", "--size", help="Bytes each worker push_pulls per round "
-                                  "(64MiB, 4MB, 4096000)."),
+                                  "(64MiB, 4MB, 4096000), or several: 1MiB,16MiB,64MiB,256MiB."),
          tensors: int = typer.Option(8, "--tensors", min=1, help="Tensors the bytes are spread over."),
          warmup: int = typer.Option(3, "--warmup", min=0, help="Untimed rounds first."),
          repeats: int = typer.Option(10, "--repeats", min=1, help="Timed rounds (the median is reported)."),
+         compare: Optional[str] = typer.Option(None, "--compare",
+                                               help="Baselines in the same run: allreduce "
+                                                    "(torch.distributed gloo ring allreduce)."),
+         emulate: Optional[bool] = knob_option("emulate", "--emulate"),
+         nic: Optional[str] = knob_option("nic", "--nic"),
+         sweep: Optional[str] = typer.Option(None, "--sweep", metavar="workers=2,4,6,8",
+                                             help="A cluster per worker count; speedup over "
+                                                  "allreduce against the theory 2(n-1)/n."),
          partition_bytes: Optional[str] = knob_option("partition_bytes", "--partition-bytes"),
          credit_bytes: Optional[str] = knob_option("credit_bytes", "--credit-bytes"),
          raw: bool = typer.Option(True, "--raw/--no-raw",
-                                  help="Also measure raw ZeroMQ throughput for the same bytes."),
+                                  help="Also measure raw ZeroMQ for the same bytes (loopback only)."),
          json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
                                                   help="Write the results as JSON (- for stdout)."),
+         plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
+                                                  help="Draw the results as a PNG."),
          ) -> None:
-    """push_pull throughput of N workers and K servers on this machine, beside raw ZeroMQ."""
+    """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
         flags = {"partition_bytes": (None if partition_bytes is None
-                                     else _size(partition_bytes, "--partition-bytes"), "--partition-bytes"),
+                                     else parse_size(partition_bytes, "--partition-bytes"),
+                                     "--partition-bytes"),
                  "credit_bytes": (None if credit_bytes is None
-                                  else _size(credit_bytes, "--credit-bytes"), "--credit-bytes")}
+                                  else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
+                 "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")}
         config = build_config(ctx, flags)
-        settings = CommSettings(workers=workers, servers=servers or workers,
-                                size_bytes=_size(size, "--size"), tensors=tensors,
-                                warmup=warmup, repeats=repeats, raw=raw)
-        if settings.size_bytes < 4 * tensors:
-            raise ConfigError(f"--size: {size} is too small for {tensors} float32 tensors "
-                              f"(at least {4 * tensors} bytes)")
-        with err_console.status(f"bench comm: {workers} worker(s), {settings.servers} server(s), "
-                                f"{format_bytes(settings.size_bytes)} in {tensors} tensors"):
+        if config.nic and not config.emulate:
+            raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
+        settings = CommSettings(workers=workers, servers=servers or workers, sizes=_sizes(size),
+                                tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
+                                compare=_names(compare))
+        too_small = [s for s in settings.sizes if s < 4 * tensors]
+        if too_small:
+            raise ConfigError(f"--size: {too_small[0]} bytes is too small for {tensors} float32 "
+                              f"tensors (at least {4 * tensors} bytes)")
+        worker_counts = _sweep(sweep)
+        if plot_file is not None:
+            from .report import _pyplot
+            _pyplot()                       # a missing matplotlib is a usage error, said up front
+        where = f"emulated NIC {config.nic or 'unshaped'}" if config.emulate else "this machine"
+        with err_console.status(f"bench comm on {where}") as status:
+            def progress(message: str) -> None:
+                status.update(f"bench comm on {where}: {message}")
             try:
-                report = run_comm(config, settings)
+                if worker_counts is None:
+                    report = run_comm(config, settings, progress=progress)
+                else:
+                    report = run_sweep(config, settings, worker_counts, servers, progress=progress)
             except BenchError as exc:
                 err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
                 raise typer.Exit(1) from None
-    _print_comm(report)
-    _write_json(json_file, report)
-
-
-def _print_comm(report: dict[str, Any]) -> None:
-    table = Table(title=f"bench comm: {report['workers']} workers x {report['servers']} servers, "
-                        f"{format_bytes(report['size_bytes'])} in {report['tensors']} tensors, "
-                        f"median of {report['repeats']}")
-    for column in ("system", "seconds", "algbw MB/s", "busbw MB/s", "push_pulls/s"):
-        table.add_column(column, justify="right" if column != "system" else "left")
-    for row in report["results"]:
-        per_s = row.get("push_pulls_per_s")
-        table.add_row(row["system"], f"{row['seconds']:.4f}", f"{row['algbw_MBps']:.0f}",
-                      f"{row['busbw_MBps']:.0f}", f"{per_s:.0f}" if per_s else "")
-    err_console.print(table)
-    if "fraction_of_raw" in report:
-        err_console.print(f"bpsctl algbw is {report['fraction_of_raw']:.0%} of raw ZeroMQ "
-                          "one-way throughput (push_pull moves the bytes both ways)",
-                          highlight=False)
+        print_comm(err_console, report)
+        _write_json(json_file, report)
+        if plot_file is not None:
+            plot_comm(report, plot_file)
+            err_console.print(f"wrote {plot_file}", highlight=False)

@@ -1,0 +1,59 @@
+"""The ring-allreduce baseline of `bench comm --compare allreduce`: torch.distributed with gloo.
+
+Runs inside each worker process (``python -m bpsctl.bench.allreduce``), started by the same
+launcher on the same hosts as the bpsctl workers, reading the standard RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT. It allreduces one flat float32 buffer of the same bytes — the
+baseline's best case (no per-tensor calls) — and rank 0 writes the round times as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+from ..config import parse_size
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(prog="python -m bpsctl.bench.allreduce")
+    parser.add_argument("--size", default="64MiB")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="env://",
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    numel = max(1, parse_size(args.size) // 4)
+    buffer = torch.full((numel,), float(rank + 1), dtype=torch.float32)
+
+    def one_round() -> float:
+        buffer.fill_(float(rank + 1))
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        return time.perf_counter() - start
+
+    for _ in range(args.warmup):
+        one_round()
+    seconds = [one_round() for _ in range(args.repeats)]
+    expected = size * (size + 1) / 2          # integer-valued: exact in float32
+    if float(buffer[0]) != expected or float(buffer[-1]) != expected:
+        raise SystemExit(f"rank {rank}: allreduce gave {float(buffer[0])}, expected {expected}")
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({
+            "seconds": seconds, "size_bytes": numel * 4,
+            "version": f"torch {torch.__version__} gloo"}))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Showing benchmark results: rich tables on the terminal, PNG plots (matplotlib)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..config import ConfigError, format_bytes
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def comm_reports(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The per-size reports inside any comm result (one size, several, or a sweep)."""
+    if report["kind"] == "comm_sweep":
+        return [r for point in report["points"] for r in comm_reports(point)]
+    return report.get("sizes", [report])
+
+
+def print_comm(console: Console, report: dict[str, Any]) -> None:
+    first = comm_reports(report)[0]
+    nic = f", NIC {first['nic_mbit']:g} Mbit/s" if first["nic_mbit"] else ", loopback"
+    table = Table(title=f"bench comm: median of {first['repeats']} rounds{nic}")
+    for column in ("workers", "servers", "size", "system", "seconds", "algbw MB/s",
+                   "busbw MB/s", "NIC fraction", "speedup"):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    for r in comm_reports(report):
+        for row in r["results"]:
+            speedup = r["speedup"].get(row["system"])
+            table.add_row(str(r["workers"]), str(r["servers"]), format_bytes(r["size_bytes"]),
+                          row["system"], f"{row['seconds']:.4f}", f"{row['algbw_MBps']:.0f}",
+                          f"{row['busbw_MBps']:.0f}", _fmt(row["nic_fraction"], ".2f"),
+                          "" if speedup is None else f"bpsctl {speedup:.2f}x")
+    console.print(table)
+    for r in comm_reports(report):
+        if "fraction_of_raw" in r:
+            console.print(f"{format_bytes(r['size_bytes'])}: bpsctl algbw is "
+                          f"{r['fraction_of_raw']:.0%} of raw ZeroMQ one-way throughput "
+                          "(push_pull moves the bytes both ways)", highlight=False)
+        if "allreduce" in r["speedup"] and "theory_speedup" in r:
+            console.print(f"{r['workers']} workers, {format_bytes(r['size_bytes'])}: speedup over "
+                          f"ring allreduce {r['speedup']['allreduce']:.2f}x "
+                          f"(theory 2(n-1)/n = {r['theory_speedup']:.2f}x)", highlight=False)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'bpsctl[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_comm(report: dict[str, Any], path: Path) -> None:
+    """algbw per system against size; for a sweep, speedup against workers with the theory."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if report["kind"] == "comm_sweep":
+        points = [p if "results" in p else p["sizes"][0] for p in report["points"]]
+        workers = [p["workers"] for p in points]
+        measured = [p["speedup"].get("allreduce") for p in points]
+        theory = [2 * (n - 1) / n for n in workers]
+        ax.plot(workers, theory, "--", color="gray", label="theory 2(n-1)/n")
+        ax.plot(workers, measured, "o-", label="measured: allreduce time / bpsctl time")
+        ax.set_xlabel("workers (servers = workers)")
+        ax.set_ylabel("speedup over ring allreduce")
+        nic = report.get("nic_mbit")
+        ax.set_title(f"bpsctl vs gloo allreduce, {format_bytes(report['size_bytes'])}"
+                     + (f", NIC {nic:g} Mbit/s" if nic else ""))
+    else:
+        reports = comm_reports(report)
+        systems = [row["system"] for row in reports[0]["results"]]
+        sizes = [r["size_bytes"] / 2**20 for r in reports]
+        for system in systems:
+            values = [next(row["algbw_MBps"] for row in r["results"] if row["system"] == system)
+                      for r in reports]
+            ax.plot(sizes, values, "o-", label=system)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per worker (MiB)")
+        ax.set_ylabel("algbw (MB/s)")
+        first = reports[0]
+        ax.set_title(f"bench comm: {first['workers']} workers x {first['servers']} servers"
+                     + (f", NIC {first['nic_mbit']:g} Mbit/s" if first["nic_mbit"] else ""))
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
