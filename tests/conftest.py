@@ -69,6 +69,22 @@ def engine_cluster():
     assert all(gone(pid) for pid in pids), "the test cluster outlived its fixture"
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI as root, a test marked ``root`` that skips has failed (see .ci/run).
+
+    Without root those tests skip, saying why; with root (as CI runs) nothing should stop them.
+    """
+    outcome = yield
+    report = outcome.get_result()
+    if (report.skipped and item.get_closest_marker("root") is not None
+            and os.environ.get("CI", "").lower() not in ("", "0", "false")
+            and os.geteuid() == 0):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"a root test skipped under CI as root: {reason}"
+
+
 class JobFailed(AssertionError):
     pass
 
