@@ -166,12 +166,13 @@ class Config:
                              "intra-node stage of the torch plugin when several workers share a "
                              "host: auto (reduce-scatter before push, all-gather after pull) or off",
                              "str")
-    master_addr: str = knob("127.0.0.1", "BPSCTL_MASTER_ADDR",
+    # the standard names, not BPSCTL_*: launchers (bpsctl run, torchrun) set these per job,
+    # after the BPSCTL_* variables of their own config
+    master_addr: str = knob("127.0.0.1", "MASTER_ADDR",
                             "rendezvous host of the intra-node stage's torch.distributed groups",
-                            "str", ("MASTER_ADDR",))
-    master_port: int = knob(0, "BPSCTL_MASTER_PORT",
-                            "rendezvous port of the intra-node stage (0: no stage)", "int",
-                            ("MASTER_PORT",))
+                            "str")
+    master_port: int = knob(0, "MASTER_PORT",
+                            "rendezvous port of the intra-node stage (0: none)", "int")
 
     # deadlines
     start_timeout_s: float = knob(30.0, "BPSCTL_START_TIMEOUT",
@@ -203,7 +204,7 @@ class Config:
             (1 <= self.server_threads <= 64, "BPSCTL_SERVER_THREADS", "1..64", self.server_threads),
             (self.local_reduce in ("auto", "off"), "BPSCTL_LOCAL_REDUCE", "auto or off",
              self.local_reduce),
-            (0 <= self.master_port < 65536, "BPSCTL_MASTER_PORT", "0..65535", self.master_port),
+            (0 <= self.master_port < 65536, "MASTER_PORT", "0..65535", self.master_port),
             (self.start_timeout_s > 0, "BPSCTL_START_TIMEOUT", "more than 0 s", self.start_timeout_s),
             (self.op_timeout_s > 0, "BPSCTL_OP_TIMEOUT", "more than 0 s", self.op_timeout_s),
             (self.heartbeat_interval_s > 0, "BPSCTL_HEARTBEAT_INTERVAL", "more than 0 s",

@@ -1,0 +1,506 @@
+"""PyTorch plugin: a drop-in for ``byteps.torch`` and ``horovod.torch``.
+
+    import bpsctl.engine.torch as bps
+    bps.init()
+    model = ...; optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * bps.size())
+    optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=bps.Compression.fp16)
+    bps.broadcast_parameters(model.state_dict(), root_rank=0)
+    bps.broadcast_optimizer_state(optimizer, root_rank=0)
+
+CPU tensors enter the engine as NumPy views of their storage (no copy); CUDA tensors are
+staged through pinned host buffers, copied on a side stream. When several workers share a
+host (``local_size() > 1``) and ``BPSCTL_LOCAL_REDUCE`` is ``auto``, push_pulls go through
+the intra-node stage (:mod:`bpsctl.engine.intranode`). Handles are integers, as in Horovod.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import pickle
+import threading
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .. import engine as _engine
+from ..config import Config
+from . import protocol as P
+from .common import EngineError
+from .intranode import LocalOp, LocalStage, _as_array
+
+__all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+           "push_pull", "push_pull_async", "push_pull_inplace", "push_pull_async_inplace",
+           "poll", "synchronize", "declare", "broadcast_parameters", "broadcast_optimizer_state",
+           "broadcast_object", "Compression", "DistributedOptimizer", "DistributedDataParallel",
+           "EngineError"]
+
+
+# --------------------------------------------------------------------------- compression
+
+class Compressor:
+    """Turns a tensor into what travels, and back (Horovod's interface)."""
+
+    @staticmethod
+    def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    pass
+
+
+def _cast_compressor(wire_dtype: torch.dtype) -> type[Compressor]:
+    class CastCompressor(Compressor):
+        """Floating-point tensors travel as ``wire_dtype``; others as they are."""
+
+        @staticmethod
+        def compress(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+            if tensor.dtype.is_floating_point and tensor.dtype != wire_dtype:
+                return tensor.to(wire_dtype), tensor.dtype
+            return tensor, None
+
+        @staticmethod
+        def decompress(tensor: torch.Tensor, ctx: Any) -> torch.Tensor:
+            return tensor if ctx is None else tensor.to(ctx)
+    return CastCompressor
+
+
+FP16Compressor = _cast_compressor(torch.float16)
+BF16Compressor = _cast_compressor(torch.bfloat16)
+
+
+class Compression:
+    """``none``, ``fp16`` (float16 on the wire), ``bf16`` (bfloat16, summed in float32)."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+    bf16 = BF16Compressor
+
+
+# --------------------------------------------------------------------------- state
+
+class _Op:
+    """One push_pull from the plugin's side: what to give back, and how."""
+
+    __slots__ = ("name", "output", "wire_out", "ctx", "compression", "wait", "done", "device_out",
+                 "keep")
+
+    def __init__(self, name: str, output: torch.Tensor, wire_out: torch.Tensor, ctx: Any,
+                 compression: type[Compressor]):
+        self.name, self.output, self.wire_out = name, output, wire_out
+        self.ctx, self.compression = ctx, compression
+        self.wait: Any = None           # callable(timeout_s) that raises on failure
+        self.done: Any = None           # callable() -> bool
+        self.device_out: torch.Tensor | None = None
+        self.keep: Any = None           # inputs that must outlive the transfer
+
+
+class _Plugin:
+    def __init__(self, config: Config | None):
+        _engine.init(config)
+        self.worker = _engine._w()
+        self.config = self.worker.config
+        self.ops: dict[int, _Op] = {}
+        self.handles = itertools.count(1)
+        self.noname = itertools.count()
+        self.lock = threading.Lock()
+        self.stage: LocalStage | None = None
+        self.copy_stream: Any = None
+        self.pinned: dict[str, torch.Tensor] = {}
+        w, cfg = self.worker, self.config
+        if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0):
+            if not cfg.master_port:
+                raise EngineError("the intra-node stage needs a rendezvous port: MASTER_PORT is not "
+                                  "set; launch with `bpsctl run`, or set BPSCTL_LOCAL_REDUCE=off")
+            self.stage = LocalStage(w, cfg.master_addr, cfg.master_port, cfg.op_timeout_s)
+
+    def close(self) -> None:
+        if self.stage is not None:
+            self.stage.close()
+        _engine.shutdown()
+
+
+_plugin: _Plugin | None = None
+
+
+def init(config: Config | None = None) -> None:
+    """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent."""
+    global _plugin
+    if _plugin is None:
+        _plugin = _Plugin(config)
+
+
+def shutdown() -> None:
+    global _plugin
+    if _plugin is not None:
+        plugin, _plugin = _plugin, None
+        plugin.close()
+
+
+def is_initialized() -> bool:
+    return _plugin is not None
+
+
+def _p() -> _Plugin:
+    if _plugin is None:
+        raise EngineError("bpsctl is not initialized: call bpsctl.engine.torch.init() first")
+    return _plugin
+
+
+def size() -> int:
+    return _p().worker.size
+
+
+def rank() -> int:
+    return _p().worker.rank
+
+
+def local_size() -> int:
+    return _p().worker.local_size
+
+
+def local_rank() -> int:
+    return _p().worker.local_rank
+
+
+def declare(name: str, shape: Iterable[int] | None = None, dtype: torch.dtype | None = None) -> None:
+    """Declare a tensor ahead of its first push_pull. BytePS's ``declare(name)`` (no shape) is
+    accepted and does nothing: bpsctl needs no declaration order."""
+    plugin = _p()
+    if shape is not None and dtype is not None and plugin.stage is None:
+        wire = P.BFLOAT16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+        plugin.worker.declare(name, tuple(shape), wire)
+
+
+# --------------------------------------------------------------------------- push_pull
+
+def _pinned(plugin: _Plugin, key: str, like: torch.Tensor) -> torch.Tensor:
+    buf = plugin.pinned.get(key)
+    if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+        buf = plugin.pinned[key] = torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+    return buf
+
+
+def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
+           compression: type[Compressor], inplace: bool) -> int:
+    plugin = _p()
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"push_pull expects a torch.Tensor, got {type(tensor).__name__}")
+    if name is None:
+        name = f"push_pull.noname.{next(plugin.noname)}"
+    source = tensor.detach()
+    output = source if inplace else torch.empty_like(source)
+    wire, ctx = compression.compress(source)
+    op = _Op(name, output, wire, ctx, compression)
+    if wire.is_cuda:
+        # stage through pinned host memory; the copy runs on a side stream after the work
+        # that produced the tensor, and the engine starts once it has landed
+        if plugin.copy_stream is None:
+            plugin.copy_stream = torch.cuda.Stream(device=wire.device)
+        stream = plugin.copy_stream
+        host_in = _pinned(plugin, name + "/in", wire)
+        host_out = _pinned(plugin, name + "/out", wire)
+        stream.wait_stream(torch.cuda.current_stream(wire.device))
+        with torch.cuda.stream(stream):
+            host_in.copy_(wire, non_blocking=True)
+        stream.synchronize()
+        op.keep, op.device_out, wire, op.wire_out = wire, wire, host_in, host_out
+    else:
+        if not wire.is_contiguous():
+            wire = wire.contiguous()
+        if wire is source and inplace:
+            op.wire_out = wire                          # the engine writes the result in place
+        elif wire is source or wire.data_ptr() == source.data_ptr():
+            op.wire_out = torch.empty_like(wire)
+        else:
+            op.wire_out = wire                          # a private copy: reuse it for the result
+    if plugin.stage is not None:
+        local = plugin.stage.submit(LocalOp(name, wire, op.wire_out, average, priority))
+        op.wait, op.done = local.wait, local.done.is_set
+        op.keep = (op.keep, wire)
+    else:
+        handle = plugin.worker.push_pull_async(_as_array(wire), name=name, average=average,
+                                               priority=priority, out=_as_array(op.wire_out))
+        op.wait = lambda timeout_s: handle.wait(timeout_s)
+        op.done = handle.done
+        op.keep = (op.keep, wire)
+    with plugin.lock:
+        number = next(plugin.handles)
+        plugin.ops[number] = op
+    return number
+
+
+def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+                    priority: int = 0, compression: type[Compressor] = Compression.none) -> int:
+    """Start summing (or averaging) ``tensor`` across workers; returns a handle for ``poll`` and
+    ``synchronize``, which returns a new tensor. Larger ``priority`` goes first."""
+    return _start(tensor, average, name, priority, compression, inplace=False)
+
+
+def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+                            priority: int = 0,
+                            compression: type[Compressor] = Compression.none) -> int:
+    """As :func:`push_pull_async`, but the result is written into ``tensor``."""
+    return _start(tensor, average, name, priority, compression, inplace=True)
+
+
+def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+              priority: int = 0, compression: type[Compressor] = Compression.none) -> torch.Tensor:
+    """Sum (or average) ``tensor`` across workers; returns a new tensor."""
+    return synchronize(push_pull_async(tensor, average, name, priority, compression))
+
+
+def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
+                      priority: int = 0,
+                      compression: type[Compressor] = Compression.none) -> torch.Tensor:
+    """Sum (or average) ``tensor`` across workers in place; returns ``tensor``."""
+    return synchronize(push_pull_async_inplace(tensor, average, name, priority, compression))
+
+
+def poll(handle: int) -> bool:
+    """True once the push_pull behind ``handle`` has finished (``synchronize`` will not block)."""
+    op = _p().ops.get(handle)
+    if op is None:
+        raise ValueError(f"unknown push_pull handle {handle!r} (already synchronized?)")
+    return op.done()
+
+
+def synchronize(handle: int) -> torch.Tensor:
+    """Wait for the push_pull behind ``handle``; return its output tensor."""
+    plugin = _p()
+    with plugin.lock:
+        op = plugin.ops.pop(handle, None)
+    if op is None:
+        raise ValueError(f"unknown push_pull handle {handle!r} (already synchronized?)")
+    op.wait(plugin.config.op_timeout_s + 10)
+    result = op.compression.decompress(op.wire_out, op.ctx)
+    if op.device_out is not None:                       # CUDA: back to the device
+        stream = plugin.copy_stream
+        with torch.cuda.stream(stream):
+            op.device_out.copy_(result, non_blocking=True)
+        torch.cuda.current_stream(op.device_out.device).wait_stream(stream)
+        result = op.compression.decompress(op.device_out, op.ctx)
+    if result.data_ptr() != op.output.data_ptr():
+        op.output.copy_(result.reshape(op.output.shape))
+    return op.output
+
+
+# --------------------------------------------------------------------------- broadcast
+
+def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int, prefix: str) -> None:
+    """Broadcast by summation: every rank but the root contributes zeros (as BytePS does)."""
+    handles = []
+    with torch.no_grad():
+        for name, tensor in named:
+            if rank() != root_rank:
+                tensor.zero_()
+            handles.append(push_pull_async_inplace(tensor, average=False, name=f"{prefix}.{name}"))
+    for handle in handles:
+        synchronize(handle)
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Copy ``params`` (a ``state_dict()`` or ``named_parameters()``) from ``root_rank`` to all."""
+    if isinstance(params, dict):
+        named = sorted(params.items())
+    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
+        named = list(params)
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}: expected a dict "
+                         "(state_dict) or (name, tensor) pairs (named_parameters)")
+    tensors = []
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"parameter {name!r} is a {type(tensor).__name__}, not a tensor")
+        if tensor.dtype == torch.bool:
+            raise TypeError(f"parameter {name!r}: bool tensors cannot be broadcast; "
+                            "use broadcast_object")
+        tensors.append((name, tensor))
+    _check_root(root_rank)
+    _broadcast_tensors(tensors, root_rank, "Parameter")
+
+
+_object_counter = itertools.count()
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """Return ``obj`` from ``root_rank`` on every rank (pickled; all ranks must call it)."""
+    _check_root(root_rank)
+    key = f"broadcast_object.{name or 'object'}.{next(_object_counter)}"
+    me = rank() == root_rank
+    data = pickle.dumps(obj) if me else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    _broadcast_tensors([("length", length)], root_rank, key)
+    payload = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if me:
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    _broadcast_tensors([("data", payload)], root_rank, key)
+    return obj if me else pickle.loads(payload.numpy().tobytes())
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+    """Copy ``optimizer``'s state (and hyper-parameters) from ``root_rank`` to all ranks."""
+    buffer = io.BytesIO()
+    if rank() == root_rank:
+        torch.save(optimizer.state_dict(), buffer)
+    state = broadcast_object(buffer.getvalue(), root_rank, name="optimizer_state")
+    if rank() != root_rank:
+        optimizer.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
+
+
+def _check_root(root_rank: int) -> None:
+    if not 0 <= root_rank < size():
+        raise ValueError(f"root_rank {root_rank} is not a rank of this job (0..{size() - 1})")
+
+
+# --------------------------------------------------------------------------- gradients
+
+class _GradientSync:
+    """Per-parameter hooks that push each gradient as soon as autograd has accumulated it.
+
+    Priorities follow layer order (the first parameter highest), since the next forward pass
+    needs the first layers first and the engine sends larger priority first.
+    """
+
+    def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], prefix: str,
+                 compression: type[Compressor], passes_per_step: int,
+                 before_first_push: Callable[[], None] | None = None):
+        if passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step: expected at least 1, got {passes_per_step}")
+        names = [name for name, _ in named_parameters]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+        self.params = [p for _, p in named_parameters if p.requires_grad]
+        self.names = {p: f"{prefix}.{name}" for name, p in named_parameters}
+        self.index = {p: i for i, p in enumerate(self.params)}
+        self.compression = compression
+        self.passes_per_step = passes_per_step
+        self.delay = {p: passes_per_step for p in self.params}
+        self.handles: dict[torch.nn.Parameter, int] = {}
+        self.enabled = True
+        self.before_first_push = before_first_push
+        self.hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+
+    def _hook(self, p: torch.nn.Parameter) -> None:
+        if not self.enabled:
+            return
+        if p in self.handles:
+            raise AssertionError(
+                "gradients were computed more than backward_passes_per_step times before "
+                "step() or synchronize(); increase backward_passes_per_step to accumulate "
+                "gradients locally")
+        self.delay[p] -= 1
+        if self.delay[p] == 0:
+            if not self.handles and self.before_first_push is not None:
+                self.before_first_push()
+            self._push(p)
+
+    def _push(self, p: torch.nn.Parameter) -> None:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        self.handles[p] = push_pull_async_inplace(p.grad, average=True, name=self.names[p],
+                                                  priority=-self.index[p],
+                                                  compression=self.compression)
+
+    def synchronize(self) -> None:
+        # parameters whose hook did not fire (unused this step) still take part, so every
+        # worker pushes the same tensors
+        for p in self.params:
+            if p not in self.handles:
+                self._push(p)
+        for p, handle in list(self.handles.items()):
+            synchronize(handle)
+            self.delay[p] = self.passes_per_step
+        self.handles.clear()
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step):
+        super(self.__class__, self).__init__(params)
+        all_params = [p for group in self.param_groups for p in group["params"]]
+        if named_parameters is not None:
+            named = list(named_parameters)
+        else:
+            named = [(f"param.{i}", p) for i, p in enumerate(all_params)]
+        unnamed = {id(p) for p in all_params} - {id(p) for _, p in named}
+        if unnamed:
+            raise ValueError("named_parameters does not cover every parameter of the optimizer "
+                             f"({len(unnamed)} missing); pass model.named_parameters()")
+        self._sync = _GradientSync(named, "DistributedOptimizer.grad", compression,
+                                   backward_passes_per_step)
+        self._should_synchronize = True
+        self._synchronized = False
+
+    def synchronize(self) -> None:
+        """Wait for every gradient's push_pull (pushing any that has not started)."""
+        self._sync.synchronize()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """``step()`` inside this block does not synchronize (call ``synchronize()`` first)."""
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        if self._should_synchronize:
+            self.synchronize()
+        self._synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._sync.handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize()")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression: type[Compressor] = Compression.none,
+                         backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so each gradient is averaged across workers from a per-parameter hook
+    the moment it is ready; ``step()`` waits only for what is still outstanding."""
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step)
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Like ``torch.nn.parallel.DistributedDataParallel``: parameters are broadcast from rank 0
+    at construction, and after each ``backward()`` every gradient holds the workers' average.
+    Inside ``no_sync()`` gradients accumulate locally and are averaged at the next backward
+    outside it."""
+
+    def __init__(self, module: torch.nn.Module,
+                 compression: type[Compressor] = Compression.none):
+        super().__init__()
+        self.module = module
+        broadcast_parameters(module.state_dict(), root_rank=0)
+        # the first push of a backward pass queues the wait for all of them at its end
+        self._sync = _GradientSync(
+            list(module.named_parameters()), "DistributedDataParallel.grad", compression, 1,
+            before_first_push=lambda: torch.autograd.Variable._execution_engine.queue_callback(
+                self._sync.synchronize))
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        enabled = self._sync.enabled
+        self._sync.enabled = False
+        try:
+            yield
+        finally:
+            self._sync.enabled = enabled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
