@@ -195,7 +195,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
     if name is None:
         name = f"push_pull.noname.{next(plugin.noname)}"
     source = tensor.detach()
-    output = source if inplace else torch.empty_like(source)
+    output = tensor if inplace else torch.empty_like(source)
     wire, ctx = compression.compress(source)
     op = _Op(name, output, wire, ctx, compression)
     if wire.is_cuda:
@@ -287,7 +287,7 @@ def synchronize(handle: int) -> torch.Tensor:
         torch.cuda.current_stream(op.device_out.device).wait_stream(stream)
         result = op.compression.decompress(op.device_out, op.ctx)
     if result.data_ptr() != op.output.data_ptr():
-        op.output.copy_(result.reshape(op.output.shape))
+        op.output.detach().copy_(result.reshape(op.output.shape))
     return op.output
 
 
