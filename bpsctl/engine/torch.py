@@ -197,6 +197,9 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
     source = tensor.detach()
     output = tensor if inplace else torch.empty_like(source)
     wire, ctx = compression.compress(source)
+    if wire.dtype != source.dtype:
+        # a name is bound to one dtype in the engine: the compressed form gets its own
+        name = f"{name}:{str(wire.dtype).replace('torch.', '')}"
     op = _Op(name, output, wire, ctx, compression)
     if wire.is_cuda:
         # stage through pinned host memory; the copy runs on a side stream after the work
