@@ -11,7 +11,8 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import psutil
 import pytest
@@ -23,8 +24,8 @@ from bpsctl.launch import api
 #: servers in the module-scoped cluster; a job uses the first ``num_servers`` of them
 CLUSTER_SERVERS = 4
 #: deadlines for worker threads: short enough that a hang fails the test quickly
-WORKER_DEADLINES = dict(start_timeout_s=10.0, heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0,
-                        op_timeout_s=30.0)
+WORKER_DEADLINES = {"start_timeout_s": 10.0, "heartbeat_interval_s": 0.2,
+                    "heartbeat_timeout_s": 5.0, "op_timeout_s": 30.0}
 JOB_TIMEOUT_S = 60.0
 
 

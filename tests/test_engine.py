@@ -227,7 +227,8 @@ def test_out_receives_the_result_and_a_wrong_out_is_refused(job):
 def test_a_read_only_out_is_refused_and_a_read_only_input_is_fine(job):
     def body(w: Worker):
         read_only = np.frombuffer(np.full(3, w.rank + 1.0).tobytes(), dtype=np.float64)
-        with pytest.raises(ValueError, match=r"out must be writable, got a read-only array for 'r'"):
+        with pytest.raises(ValueError, match=r"out must be writable, got a read-only array "
+                                             r"for 'r'"):
             w.push_pull(read_only, name="r", average=False, out=read_only)
         # the refusal broke nothing: the input itself may be read-only
         return w.push_pull(read_only, name="r", average=False)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
+from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 
 import bpsctl
 from bpsctl.config import Config
@@ -27,7 +28,6 @@ from bpsctl.engine import EngineError, Worker
 from bpsctl.engine import protocol as P
 from bpsctl.engine.client import scheduler_status
 from bpsctl.launch import api
-from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -297,7 +297,7 @@ def test_a_worker_killed_before_the_job_starts_is_named_to_the_others(cluster, t
 
     assert code == 1, output
     (at, message), = errors_seen(prefixed(1, output)).values()
-    assert message.startswith(f"EngineError: rank 1: lost worker 0 ("), message
+    assert message.startswith("EngineError: rank 1: lost worker 0 ("), message
     assert f"pid {processes[0].pid}" in message and "before the job started" in message, message
     # the heartbeat timeout (2 s) names it, long before the start timeout (30 s)
     assert at - killed_at < REPORT_WITHIN_S, f"took {at - killed_at:.1f} s"
@@ -328,8 +328,13 @@ def test_the_scheduler_killed_mid_round_fails_every_worker_and_stops_the_servers
     killer.start()
     results = run_job(cluster, 2, 2, body, partition_bytes=64 * 1024)
     killer.join(5)
+    # Servers exit when they lose the scheduler; on a loaded machine a worker occasionally sees
+    # that consequence before the scheduler's own disconnect, and names the server instead.
+    named_server = [f"worker {{rank}}: lost server {p.rank} at {p.host}:{p.port} (its process died"
+                    for p in cluster.processes if p.role == "server"]
     for rank, (after_s, message) in enumerate(results):
-        assert message == f"worker {rank}: lost the scheduler at {cluster.scheduler}", message
+        assert message == f"worker {rank}: lost the scheduler at {cluster.scheduler}" or any(
+            message.startswith(prefix.format(rank=rank)) for prefix in named_server), message
         assert after_s < REPORT_WITHIN_S
     # servers cannot go on without it either
     wait_until(lambda: all(gone(pid) for pid in servers), REPORT_WITHIN_S, "the servers to exit")
@@ -337,7 +342,8 @@ def test_the_scheduler_killed_mid_round_fails_every_worker_and_stops_the_servers
 
 # --------------------------------------------------------------------------- never started
 
-def test_no_scheduler_fails_init_within_the_start_timeout_saying_how_to_start_one(tmp_path, workers):
+def test_no_scheduler_fails_init_within_the_start_timeout_saying_how_to_start_one(tmp_path,
+                                                                                   workers):
     port = free_port()
     cmd = worker_script(tmp_path, """
         started = time.monotonic()
@@ -435,7 +441,8 @@ def test_a_server_refuses_pushes_without_the_secret(cluster):
         sock.close(0)
         ctx.term()
     # the server still serves jobs that have the secret
-    assert run_job(cluster, 1, 1, lambda w: w.push_pull(np.ones(2), name="x").tolist()) == [[1.0, 1.0]]
+    summed = run_job(cluster, 1, 1, lambda w: w.push_pull(np.ones(2), name="x").tolist())
+    assert summed == [[1.0, 1.0]]
 
 
 # --------------------------------------------------------------------------- deadlines
@@ -491,7 +498,8 @@ def test_a_taken_rank_a_busy_cluster_and_too_many_servers_are_refused_at_once(cl
                                               rf"worker 0 \(.*, pid {os.getpid()}\)"):
             Worker(config())
         with pytest.raises(EngineError, match=r"^rank 0: the cluster is busy with job 'first' "
-                                              r"\(2 workers\); wait for it to end or run `bpsctl down`"):
+                                              r"\(2 workers\); wait for it to end or run "
+                                              r"`bpsctl down`"):
             Worker(config(job_id="second"))
         assert time.monotonic() - started < 2
     finally:
