@@ -45,7 +45,13 @@ def parse_size(text: str | int, what: str = "size") -> int:
     unit = m.group(2).lower() if m else None
     if not m or unit not in _SIZE_UNITS:
         raise ConfigError(f"{what}: expected a size such as 4096000, 4MB or 64MiB, got {text!r}")
-    return int(float(m.group(1)) * _SIZE_UNITS[unit])
+    number, scale = m.group(1), _SIZE_UNITS[unit]
+    if "." not in number:
+        return int(number) * scale                     # exact, however large
+    value = float(number) * scale
+    if value != int(value):
+        raise ConfigError(f"{what}: {text!r} is not a whole number of bytes")
+    return int(value)
 
 
 _RATE_UNITS = {"kbit": 1e-3, "mbit": 1.0, "gbit": 1e3, "tbit": 1e6,

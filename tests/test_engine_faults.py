@@ -509,3 +509,35 @@ def test_a_taken_rank_a_busy_cluster_and_too_many_servers_are_refused_at_once(cl
     with pytest.raises(EngineError, match=r"^rank 0: the job asks for 3 servers "
                                           r"\(BPSCTL_NUM_SERVERS\) but only 2 are running"):
         Worker(config(world_size=1, job_id="third", num_servers=3))
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_that_leaves_early_is_named_within_seconds(engine_cluster):
+    """Under torchrun nobody stops the others: a peer that shuts down cleanly while they
+    still need its pushes must be named at once, not after the 300 s op timeout."""
+    job_id = f"left-{uuid.uuid4().hex[:8]}"
+    made: dict[int, Worker] = {}
+
+    def join(rank: int) -> None:
+        made[rank] = Worker(Config(rank=rank, world_size=2, job_id=job_id, num_servers=1,
+                                   scheduler=engine_cluster.scheduler, secret=engine_cluster.secret,
+                                   start_timeout_s=10, heartbeat_interval_s=0.2,
+                                   heartbeat_timeout_s=2.0, op_timeout_s=300))
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(20)
+        handles = [made[r].push_pull_async(np.ones(4, np.float32), name="warm", average=False)
+                   for r in range(2)]
+        for r, h in enumerate(handles):
+            assert list(made[r].synchronize(h, timeout_s=20)) == [2.0] * 4
+        made[1].shutdown()
+        start = time.monotonic()
+        with pytest.raises(EngineError, match=r"worker 1 .*left the job"):
+            made[0].push_pull(np.ones(4, np.float32), name="after", average=False)
+        assert time.monotonic() - start < 10
+    finally:
+        for worker in made.values():
+            worker.shutdown()

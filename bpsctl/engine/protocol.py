@@ -39,6 +39,7 @@ MEMBER_LOST = 10    # scheduler -> members: {role, rank, host, port, pid, reason
 LEAVE = 11          # worker -> scheduler: {} (clean shutdown)
 JOB_END = 12        # scheduler -> servers: {job}
 ERROR = 13          # anyone -> anyone: {message, name?}
+MEMBER_LEFT = 14    # scheduler -> workers: {rank, message} (a peer shut down while others run)
 # --- data plane
 HELLO = 20          # worker -> server: {secret, job, rank, world_size, version}
 PUSH = 21           # worker -> server: header + partition bytes

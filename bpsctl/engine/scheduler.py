@@ -286,10 +286,20 @@ class Scheduler:
         member.state = "left"
         self.members.pop(member.rid, None)
         job = self.job
-        if job is not None and all(w.state == "left" for w in job.workers.values()) \
+        if job is None or job.workers.get(member.rank) is not member:
+            return
+        if all(w.state == "left" for w in job.workers.values()) \
                 and len(job.workers) == job.world_size:
             self.log.info("job %s finished", job.id)
             self._end_job(None, notify=())
+            return
+        # The others may still wait for this worker's pushes: they give in-flight results a
+        # moment to arrive, then fail naming it instead of waiting out the op timeout.
+        left = {"rank": member.rank, "message": f"{member.describe()} left the job (it shut "
+                f"down) while this push_pull still needed its pushes"}
+        for worker in job.workers.values():
+            if worker.state == "running":
+                self._send(worker.rid, P.MEMBER_LEFT, left)
 
     def _end_job(self, message: str | None, notify: Any) -> None:
         job = self.job

@@ -140,6 +140,7 @@ class Worker:
         self._rounds: dict[int, int] = {}                      # part id -> round
         self._tasks: set[_Task] = set()
         self._barriers: dict[str, Handle] = {}
+        self._peer_left = ""                                    # why later ops cannot complete
         self._stop = False
 
         self._thread = threading.Thread(target=self._io_loop, name=f"bps-worker-{self.rank}",
@@ -380,6 +381,8 @@ class Worker:
             self._finish(task, self._broken)
             return
         self._tasks.add(task)
+        if self._peer_left:
+            task.deadline = min(task.deadline, time.monotonic() + self.config.heartbeat_timeout_s)
         info = self._tensors.get(task.name)
         if info is None:
             pending = self._awaiting_declare.get(task.name)
@@ -488,6 +491,13 @@ class Worker:
                     handle._done.set()
             elif msg_type == P.MEMBER_LOST:
                 self._fail_all(EngineError(f"worker {self.rank}: {msg['message']}"))
+            elif msg_type == P.MEMBER_LEFT:
+                # results already on their way still land; what is left over after a grace
+                # period waits for the leaver in vain
+                self._peer_left = str(msg["message"])
+                grace_deadline = time.monotonic() + self.config.heartbeat_timeout_s
+                for task in self._tasks:
+                    task.deadline = min(task.deadline, grace_deadline)
             elif msg_type == P.ERROR:
                 name = msg.get("name")
                 error = EngineError(f"worker {self.rank}: {msg.get('message')}")
@@ -525,6 +535,10 @@ class Worker:
 
     def _fail_overdue(self, now: float) -> None:
         for task in [t for t in self._tasks if t.deadline < now]:
+            if self._peer_left:
+                self._finish(task, EngineError(f"worker {self.rank}: push_pull of {task.name!r} "
+                                               f"did not complete: {self._peer_left}"))
+                continue
             servers = sorted({self._servers[p[1]]["rank"] for p in task.parts
                               if p[0] in self._active})
             self._finish(task, EngineError(
