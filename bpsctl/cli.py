@@ -16,6 +16,7 @@ from rich.table import Table
 
 from bpsctl import launch
 from bpsctl.cliutil import build_config, cli_errors, err_console, knob_option
+from bpsctl.config import ConfigError
 
 app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                   rich_markup_mode="markdown",              # re-flows docstring paragraphs
@@ -28,6 +29,31 @@ def root(ctx: typer.Context,
     ctx.obj = {"state_dir": state_dir}
 
 
+# --------------------------------------------------------------------------- --hosts (SSH)
+
+def _hosts_option() -> Any:
+    return typer.Option(None, "--hosts", envvar="BPSCTL_HOSTS", show_envvar=True,
+                        help="hosts.yaml, a `host slots=N` hostfile or h1:4,h2:4: launch over "
+                             "SSH on those hosts instead of this machine.")
+
+
+def _ship_option() -> Any:
+    return typer.Option(False, "--ship", help="Install this bpsctl (as a wheel) into every "
+                                              "host's `python:` before starting (with --hosts).")
+
+
+def _ssh(hosts: Optional[str], state_dir: Path) -> Any:
+    """The SSH launcher when --hosts is given or an SSH cluster is recorded, else None."""
+    if not hosts and not (Path(state_dir) / "ssh-cluster.json").exists():
+        return None
+    try:
+        from bpsctl.launch import ssh
+    except ImportError as exc:
+        raise ConfigError(f"--hosts needs the [ssh] extra ({exc}); pip install 'bpsctl[ssh]'"
+                          ) from None
+    return ssh
+
+
 # --------------------------------------------------------------------------- up
 
 @app.command()
@@ -35,11 +61,48 @@ def up(ctx: typer.Context,
        servers: int = typer.Option(1, "--servers", min=1, help="Summation servers to start."),
        port: Optional[int] = knob_option("port", "--port"),
        start_timeout_s: Optional[float] = knob_option("start_timeout_s", "--start-timeout"),
+       hosts: Optional[str] = _hosts_option(),
+       ship: bool = _ship_option(),
+       emulate: Optional[bool] = knob_option("emulate", "--emulate"),
+       workers: int = typer.Option(2, "--workers", min=1,
+                                   help="With --emulate: worker hosts to build."),
+       nic: Optional[str] = knob_option("nic", "--nic"),
        ) -> None:
-    """Start a scheduler and summation servers on this machine."""
+    """Start a scheduler and summation servers on this machine (or over SSH with --hosts).
+
+    With --emulate (root), each server and worker gets a host of its own: a network namespace
+    whose NIC is shaped to --nic, so the cluster behaves like machines on a real network.
+    """
     with cli_errors():
         config = build_config(ctx, {"port": (port, "--port"),
-                                    "start_timeout_s": (start_timeout_s, "--start-timeout")})
+                                    "start_timeout_s": (start_timeout_s, "--start-timeout"),
+                                    "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")})
+        if config.nic and not config.emulate:
+            raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
+        if config.emulate:
+            if hosts:
+                raise ConfigError("--emulate builds its own hosts; drop --hosts")
+            with err_console.status(f"building {workers} worker and {servers} server host(s)"):
+                cluster = launch.up_emulated(config, workers, servers)
+            err_console.print(f"emulated cluster [bold]{cluster.name}[/] is up, scheduler at "
+                              f"{cluster.scheduler}, NIC {config.nic or 'unshaped'}",
+                              highlight=False)
+            _print_processes(launch.status(config.state_dir)["processes"])
+            err_console.print(f"next: bpsctl run -np {workers} -- python train.py   (workers go to "
+                              "the worker hosts; bpsctl down removes everything)", highlight=False)
+            return
+        if hosts:
+            ssh = _ssh(hosts, config.state_dir)
+            with err_console.status("starting over SSH") as spinner:
+                cluster = ssh.up_ssh(hosts, config, ship_wheel=ship,
+                                     progress=lambda text: spinner.update(text))
+            err_console.print(f"cluster [bold]{cluster.name}[/] is up, scheduler at "
+                              f"{cluster.scheduler}", highlight=False)
+            _print_processes([{"role": p.role, "rank": p.rank, "host": p.host, "port": p.port,
+                               "pid": p.pid, "state": "running"} for p in cluster.processes])
+            err_console.print("next: bpsctl run -- python train.py   (bpsctl down stops it)",
+                              highlight=False)
+            return
         with err_console.status(f"starting the scheduler and {servers} server(s)"):
             cluster = launch.up_local(config, servers)
         err_console.print(f"cluster [bold]{cluster.name}[/] is up, scheduler at "
@@ -59,6 +122,8 @@ def run(ctx: typer.Context,
         start_timeout_s: Optional[float] = knob_option("start_timeout_s", "--start-timeout"),
         cmd: List[str] = typer.Argument(..., metavar="CMD",
                                         help="The worker command, e.g. python train.py."),
+        hosts: Optional[str] = _hosts_option(),
+        ship: bool = _ship_option(),
         ) -> None:
     """Run N workers of CMD on the cluster that `up` started, or on a private one.
 
@@ -68,7 +133,11 @@ def run(ctx: typer.Context,
     with cli_errors():
         config = build_config(ctx, {"world_size": (np, "-np"),
                                     "start_timeout_s": (start_timeout_s, "--start-timeout")})
-        result = launch.run_local(cmd, config.world_size, config, servers=servers)
+        ssh = _ssh(hosts, config.state_dir)
+        if ssh is not None:     # one worker per slot of the hosts file
+            result = ssh.run_ssh(cmd, config, hosts, ship_wheel=ship)
+        else:
+            result = launch.run_local(cmd, config.world_size, config, servers=servers)
     if result.failures:
         _print_failures(result)
     elif result.exit_code:
@@ -78,7 +147,8 @@ def run(ctx: typer.Context,
 
 def _print_failures(result: launch.RunResult) -> None:
     root_cause = result.failures[0]
-    err_console.print(f"[bold red]error:[/] worker {root_cause.rank} exited with code "
+    where = f" on {root_cause.host}" if getattr(root_cause, "host", "") else ""
+    err_console.print(f"[bold red]error:[/] worker {root_cause.rank}{where} exited with code "
                       f"{root_cause.exit_code}; the remaining workers were stopped",
                       highlight=False)
     table = Table(show_lines=True)
@@ -98,6 +168,7 @@ def _print_failures(result: launch.RunResult) -> None:
 @app.command()
 def status(ctx: typer.Context,
            json_output: bool = typer.Option(False, "--json", help="Print only JSON, on stdout."),
+           hosts: Optional[str] = _hosts_option(),
            ) -> None:
     """Show the cluster's processes: running, lost (silent to the scheduler) or exited.
 
@@ -105,7 +176,8 @@ def status(ctx: typer.Context,
     """
     with cli_errors():
         config = build_config(ctx, {})
-        info = launch.status(config.state_dir)
+        ssh = _ssh(hosts, config.state_dir)
+        info = ssh.status_ssh(config.state_dir) if ssh else launch.status(config.state_dir)
     if json_output:
         typer.echo(json.dumps(info, indent=2))
     elif info["cluster"] is None:
@@ -141,26 +213,30 @@ def logs(ctx: typer.Context,
          role: Optional[str] = typer.Argument(
              None, metavar="[ROLE]",
              help="scheduler | server | server:N | worker | worker:N (default: all logs)."),
+         hosts: Optional[str] = _hosts_option(),
          ) -> None:
     """Print the logs of the cluster's processes and of the last run's workers."""
     with cli_errors():
         config = build_config(ctx, {})
-        text = launch.logs(config.state_dir, role)
+        ssh = _ssh(hosts, config.state_dir)
+        text = ssh.logs_ssh(config.state_dir, role) if ssh else launch.logs(config.state_dir, role)
     sys.stdout.write(text)
 
 
 @app.command()
-def down(ctx: typer.Context) -> None:
+def down(ctx: typer.Context, hosts: Optional[str] = _hosts_option()) -> None:
     """Stop the cluster that `up` started (its logs are kept)."""
     with cli_errors():
         config = build_config(ctx, {})
-        report = launch.down(config.state_dir)
+        ssh = _ssh(hosts, config.state_dir)
+        report = ssh.down_ssh(config.state_dir) if ssh else launch.down(config.state_dir)
     if report.cluster is None:
         err_console.print(f"no cluster is up (state dir {config.state_dir}); nothing to stop",
                           highlight=False)
         return
     if report.survivors:
-        survivors = ", ".join(f"{p.name} (pid {p.pid})" for p in report.survivors)
+        survivors = ", ".join(p if isinstance(p, str) else f"{p.name} (pid {p.pid})"
+                              for p in report.survivors)     # SSH: "what on host: why"
         err_console.print(f"[bold red]error:[/] could not stop {survivors}; run `bpsctl down` "
                           "again or kill them by PID", highlight=False)
         raise typer.Exit(1)

@@ -1,0 +1,483 @@
+"""hosts.yaml (shared/DESIGN.md §1), Horovod's ``-H h1:4,h2:4`` and ``host slots=N`` hostfiles.
+
+:func:`load_hosts` turns any of them into a validated, frozen :class:`HostsSpec`. The YAML form
+is checked with pydantic models (unknown keys, wrong types, ``slots: 0``); every error names
+the file, the line, the key and the form expected, as a :class:`~bpsctl.config.ConfigError`.
+"""
+from __future__ import annotations
+
+import getpass
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from bpsctl.config import ConfigError
+
+DEFAULT_SSH_PORT = 22
+DEFAULT_SCHEDULER_PORT = 9000
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_PYTHON = "python3"
+DEFAULT_WORKDIR = "~/.bpsctl/remote"
+DEFAULT_CONNECT_TIMEOUT_S = 10.0
+DEFAULT_RETRIES = 2
+
+_HOROVOD_RE = re.compile(r"^\s*[^\s,:]+(:\d+)?(\s*,\s*[^\s,:]+(:\d+)?)*\s*$")
+
+
+# --------------------------------------------------------------------------- the spec (frozen)
+
+@dataclass(frozen=True)
+class SshOptions:
+    """How to reach one host over SSH."""
+
+    user: str
+    port: int = DEFAULT_SSH_PORT
+    key: str | None = None                  # None: the SSH agent and ~/.ssh keys
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    retries: int = DEFAULT_RETRIES         # extra connection attempts after the first
+
+
+@dataclass(frozen=True)
+class HostSpec:
+    """One entry of the file: a machine and what runs on it.
+
+    ``count`` is servers on the host for a server entry, worker processes (slots) for a worker
+    entry, 1 for the scheduler. ``port`` is the first port a scheduler/server entry binds.
+    """
+
+    role: str                               # scheduler | server | worker
+    host: str                               # what SSH connects to
+    count: int
+    ssh: SshOptions
+    port: int | None = None
+    interface: str | None = None            # bind/advertise this NIC's IPv4 address
+    address: str | None = None              # or this address (default: ``host``)
+    line: int | None = None                 # where the entry is in its file
+
+
+@dataclass(frozen=True)
+class HostsSpec:
+    """A whole validated hosts file; rank order follows the file."""
+
+    source: str                             # the file (or -H text) it came from
+    python: str
+    workdir: str                            # logs and pid files on each host
+    scheduler: HostSpec
+    servers: tuple[HostSpec, ...]
+    workers: tuple[HostSpec, ...]
+    master_port: int = DEFAULT_MASTER_PORT
+    env: tuple[tuple[str, str], ...] = field(default=())   # extra environment for every role
+
+    @property
+    def entries(self) -> tuple[HostSpec, ...]:
+        return (self.scheduler, *self.servers, *self.workers)
+
+    def ssh_hosts(self) -> dict[str, SshOptions]:
+        """Every distinct SSH target, in file order."""
+        found: dict[str, SshOptions] = {}
+        for entry in self.entries:
+            found.setdefault(entry.host, entry.ssh)
+        return found
+
+    @property
+    def world_size(self) -> int:
+        return sum(w.count for w in self.workers)
+
+    def to_json(self) -> dict[str, Any]:
+        import dataclasses
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "HostsSpec":
+        def entry(d: dict[str, Any]) -> HostSpec:
+            return HostSpec(**{**d, "ssh": SshOptions(**d["ssh"])})
+        return cls(source=data["source"], python=data["python"], workdir=data["workdir"],
+                   scheduler=entry(data["scheduler"]),
+                   servers=tuple(entry(s) for s in data["servers"]),
+                   workers=tuple(entry(w) for w in data["workers"]),
+                   master_port=data["master_port"],
+                   env=tuple(tuple(kv) for kv in data["env"]))
+
+
+# --------------------------------------------------------------------------- schema (pydantic)
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+_Port = Field(ge=1, le=65535)
+
+
+class _SshModel(_Model):
+    user: Optional[str] = None
+    port: Optional[int] = Field(default=None, ge=1, le=65535)
+    key: Optional[str] = None
+    connect_timeout_s: Optional[Union[float, int]] = Field(default=None, gt=0)
+    retries: Optional[int] = Field(default=None, ge=0, le=20)
+
+
+class _SchedulerModel(_Model):
+    host: str = Field(min_length=1)
+    port: int = Field(default=DEFAULT_SCHEDULER_PORT, ge=1, le=65535)
+    interface: Optional[str] = None
+    address: Optional[str] = None
+    ssh: Optional[_SshModel] = None
+
+
+class _ServerModel(_Model):
+    host: str = Field(min_length=1)
+    count: int = Field(default=1, ge=1, le=256)
+    port: Optional[int] = Field(default=None, ge=1, le=65535)
+    interface: Optional[str] = None
+    address: Optional[str] = None
+    ssh: Optional[_SshModel] = None
+
+
+class _WorkerModel(_Model):
+    host: str = Field(min_length=1)
+    slots: int = Field(default=1, ge=1, le=1024)
+    interface: Optional[str] = None
+    address: Optional[str] = None
+    ssh: Optional[_SshModel] = None
+
+
+class _HostsModel(_Model):
+    ssh: Optional[_SshModel] = None
+    python: str = Field(default=DEFAULT_PYTHON, min_length=1)
+    workdir: str = Field(default=DEFAULT_WORKDIR, min_length=1)
+    master_port: int = Field(default=DEFAULT_MASTER_PORT, ge=1, le=65535)
+    env: dict[str, str] = Field(default_factory=dict)
+    scheduler: Optional[_SchedulerModel] = None
+    servers: Optional[list[_ServerModel]] = None
+    workers: list[_WorkerModel]
+
+
+_EXPECTED = {
+    "ssh": "a mapping such as {user: ubuntu, port: 22, key: ~/.ssh/id_ed25519}",
+    "scheduler": "a mapping such as {host: 10.0.0.5, port: 9000}",
+    "servers": "a list such as [{host: 10.0.0.5, count: 2}]",
+    "workers": "a list such as [{host: 10.0.0.1, slots: 8}], a Horovod list \"h1:4,h2:4\" "
+               "or {hostfile: path}",
+    "env": "a mapping of variable names to strings",
+}
+
+
+# --------------------------------------------------------------------------- loading
+
+def load_hosts(source: str | Path) -> HostsSpec:
+    """A :class:`HostsSpec` from a hosts.yaml, a ``host slots=N`` hostfile, or ``h1:4,h2:4``.
+
+    Files ending in .yaml/.yml (or starting with a YAML mapping) are hosts.yaml; other files
+    are hostfiles; text that is not a file and looks like ``h1:4,h2:4`` is Horovod's ``-H``.
+    Raises :class:`ConfigError` naming the file, line, key and expected form.
+    """
+    path = Path(str(source)).expanduser()
+    if not path.exists():
+        if isinstance(source, str) and _HOROVOD_RE.match(source) and "/" not in source \
+                and not source.endswith((".yaml", ".yml")):
+            return _from_workers(str(source), _parse_horovod(str(source), str(source)))
+        raise ConfigError(f"--hosts: {source}: no such file (expected a hosts.yaml, a hostfile "
+                          "of `host slots=N` lines, or Horovod's h1:4,h2:4)")
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"--hosts: {path}: cannot read it ({exc.strerror})") from None
+    if path.suffix in (".yaml", ".yml") or _looks_like_yaml_mapping(text):
+        return parse_hosts_yaml(text, str(path))
+    return _from_workers(str(path), parse_hostfile(text, str(path)))
+
+
+def _looks_like_yaml_mapping(text: str) -> bool:
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            return bool(re.match(r"^[A-Za-z_]+\s*:(\s|$)", stripped))
+    return False
+
+
+def parse_hostfile(text: str, where: str) -> list[tuple[str, int, int]]:
+    """``host slots=N`` lines (MPI/DeepSpeed) -> [(host, slots, line)]; comments and blank
+    lines are skipped; a host without ``slots=`` has 1."""
+    found = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        parts = line.split()
+        slots = 1
+        for option in parts[1:]:
+            key, sep, value = option.partition("=")
+            if key in ("slots", "max_slots", "max-slots") and sep:
+                if not value.isdigit() or int(value) < 1:
+                    raise ConfigError(f"{where}:{number}: slots: expected a whole number of at "
+                                      f"least 1, as in `{parts[0]} slots=4`, got {value!r}")
+                if key == "slots":
+                    slots = int(value)
+            else:
+                raise ConfigError(f"{where}:{number}: expected `host slots=N`, got {raw.strip()!r}")
+        found.append((parts[0], slots, number))
+    if not found:
+        raise ConfigError(f"{where}: no hosts (expected lines such as `10.0.0.1 slots=4`)")
+    return found
+
+
+def _parse_horovod(text: str, where: str, line: int | None = None) -> list[tuple[str, int, int]]:
+    found = []
+    for item in text.split(","):
+        host, sep, slots = item.strip().partition(":")
+        if not host or (sep and (not slots.isdigit() or int(slots) < 1)):
+            at = f"{where}:{line}" if line else where
+            raise ConfigError(f"{at}: workers: expected Horovod's host:slots list such as "
+                              f"h1:4,h2:4 (slots at least 1), got {item.strip()!r}")
+        found.append((host, int(slots) if sep else 1, line or 0))
+    return found
+
+
+def _from_workers(source: str, workers: list[tuple[str, int, int]]) -> HostsSpec:
+    """Only workers given: the scheduler on the first host, one server on each worker host."""
+    ssh = SshOptions(user=getpass.getuser())
+    raw = {"workers": [{"host": h, "slots": s} for h, s, _ in workers]}
+    lines = {("workers", i): ln for i, (_, _, ln) in enumerate(workers) if ln}
+    return _build(_HostsModel.model_validate(raw), source, lines, ssh)
+
+
+class _LineLoader(yaml.SafeLoader):
+    pass
+
+
+def _yaml_tree(text: str, where: str) -> tuple[Any, dict[tuple, int]]:
+    """The YAML document, and the 1-based line of every key and list item by path."""
+    try:
+        loader = _LineLoader(text)
+        try:
+            node = loader.get_single_node()
+        finally:
+            loader.dispose()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f"{where}:{mark.line + 1}" if mark else where
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{at}: not valid YAML ({problem})") from None
+    lines: dict[tuple, int] = {}
+
+    def walk(n: Any, path: tuple) -> Any:
+        if isinstance(n, yaml.MappingNode):
+            result = {}
+            for key_node, value_node in n.value:
+                key = walk(key_node, path)
+                if not isinstance(key, str):
+                    raise ConfigError(f"{where}:{key_node.start_mark.line + 1}: expected a text "
+                                      f"key, got {key!r}")
+                if key in result:
+                    raise ConfigError(f"{where}:{key_node.start_mark.line + 1}: "
+                                      f"{_dotted(path + (key,))}: duplicate key")
+                lines[path + (key,)] = key_node.start_mark.line + 1
+                result[key] = walk(value_node, path + (key,))
+            return result
+        if isinstance(n, yaml.SequenceNode):
+            items = []
+            for index, item in enumerate(n.value):
+                lines[path + (index,)] = item.start_mark.line + 1
+                items.append(walk(item, path + (index,)))
+            return items
+        return yaml.SafeLoader.construct_object(_scalar_loader, n)
+
+    if node is None:
+        raise ConfigError(f"{where}: empty (expected a hosts.yaml mapping with at least "
+                          "`workers:`)")
+    return walk(node, ()), lines
+
+
+_scalar_loader = yaml.SafeLoader("")
+
+
+def _dotted(path: tuple) -> str:
+    text = ""
+    for part in path:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or "(top level)"
+
+
+def _line_of(lines: dict[tuple, int], path: tuple) -> int | None:
+    for end in range(len(path), -1, -1):
+        if path[:end] in lines:
+            return lines[path[:end]]
+    return None
+
+
+def _where(where: str, lines: dict[tuple, int], path: tuple) -> str:
+    line = _line_of(lines, path)
+    return f"{where}:{line}" if line else where
+
+
+def parse_hosts_yaml(text: str, where: str = "hosts.yaml") -> HostsSpec:
+    """Validate hosts.yaml text; ``where`` names it in errors."""
+    data, lines = _yaml_tree(text, where)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}:1: expected a mapping with at least `workers:` "
+                          f"(see examples/hosts.yaml), got {type(data).__name__}")
+    data = {**data, "workers": _expand_workers(data.get("workers"), where, lines)}
+    try:
+        model = _HostsModel.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, data, where, lines)) from None
+    return _build(model, where, lines, None)
+
+
+def _expand_workers(value: Any, where: str, lines: dict[tuple, int]) -> Any:
+    """``workers: "h1:4,h2:4"`` and ``workers: {hostfile: path}`` as the list form."""
+    line = _line_of(lines, ("workers",))
+    if isinstance(value, str):
+        parsed = _parse_horovod(value, where, line)
+    elif isinstance(value, dict) and set(value) == {"hostfile"} and isinstance(value["hostfile"], str):
+        hostfile = Path(value["hostfile"]).expanduser()
+        if not hostfile.is_absolute():
+            hostfile = Path(where).resolve().parent / hostfile
+        try:
+            parsed = parse_hostfile(hostfile.read_text(), str(hostfile))
+        except OSError as exc:
+            raise ConfigError(f"{where}:{line}: workers.hostfile: cannot read {hostfile} "
+                              f"({exc.strerror})") from None
+    else:
+        return value
+    for index in range(len(parsed)):
+        lines[("workers", index)] = line or 0
+    return [{"host": h, "slots": s} for h, s, _ in parsed]
+
+
+def _explain(exc: ValidationError, data: dict[str, Any], where: str,
+             lines: dict[tuple, int]) -> str:
+    messages = []
+    seen = set()
+    for error in exc.errors():
+        loc = tuple(error["loc"])
+        key = _dotted(loc)
+        kind = error["type"]
+        value = error.get("input")
+        if kind == "missing":
+            text = f"{key}: missing (required)"
+            if len(loc) == 1 and loc[0] == "workers":
+                text += "; expected " + _EXPECTED["workers"]
+        elif kind == "extra_forbidden":
+            text = f"{key}: unknown key{_did_you_mean(loc)}"
+        elif kind in ("int_type", "int_parsing"):
+            text = f"{key}: expected a whole number, got {value!r}"
+        elif kind in ("string_type",):
+            text = f"{key}: expected text, got {value!r}"
+        elif kind in ("float_type",):
+            text = f"{key}: expected a number, got {value!r}"
+        elif kind in ("greater_than_equal", "greater_than", "less_than_equal", "less_than"):
+            bound = {"greater_than_equal": "at least", "greater_than": "more than",
+                     "less_than_equal": "at most", "less_than": "less than"}[kind]
+            limit = next(iter(error.get("ctx", {}).values()), "")
+            text = f"{key}: expected {bound} {limit}, got {value!r}"
+        elif kind in ("dict_type", "model_type", "list_type", "model_attributes_type"):
+            name = next((p for p in reversed(loc) if isinstance(p, str)), "")
+            expected = _EXPECTED.get(name, "a mapping" if kind != "list_type" else "a list")
+            text = f"{key}: expected {expected}, got {value!r}"
+        elif kind == "string_too_short":
+            text = f"{key}: must not be empty"
+        else:
+            text = f"{key}: {error['msg']}, got {value!r}"
+        message = f"{_where(where, lines, loc)}: {text}"
+        if message not in seen:
+            seen.add(message)
+            messages.append(message)
+    return "\n".join(messages)
+
+
+def _did_you_mean(loc: tuple) -> str:
+    models = {"ssh": _SshModel, "scheduler": _SchedulerModel, "servers": _ServerModel,
+              "workers": _WorkerModel}
+    parent = [p for p in loc[:-1] if isinstance(p, str)]
+    model = _HostsModel
+    if parent:
+        model = _SshModel if parent[-1] == "ssh" else models.get(parent[0], _HostsModel)
+    return f" (expected one of: {', '.join(model.model_fields)})"
+
+
+def _ssh(model: Optional[_SshModel], base: SshOptions) -> SshOptions:
+    if model is None:
+        return base
+    return SshOptions(
+        user=model.user if model.user is not None else base.user,
+        port=model.port if model.port is not None else base.port,
+        key=str(Path(model.key).expanduser()) if model.key is not None else base.key,
+        connect_timeout_s=float(model.connect_timeout_s) if model.connect_timeout_s is not None
+        else base.connect_timeout_s,
+        retries=model.retries if model.retries is not None else base.retries)
+
+
+def _build(model: _HostsModel, where: str, lines: dict[tuple, int],
+           base: SshOptions | None) -> HostsSpec:
+    base = _ssh(model.ssh, base or SshOptions(user=getpass.getuser()))
+    workers_models = model.workers
+    if not workers_models:
+        raise ConfigError(f"{_where(where, lines, ('workers',))}: workers: expected at least one "
+                          "worker host")
+    workers = tuple(HostSpec(role="worker", host=w.host, count=w.slots, ssh=_ssh(w.ssh, base),
+                             interface=w.interface, address=w.address,
+                             line=_line_of(lines, ("workers", i)))
+                    for i, w in enumerate(workers_models))
+    sched_model = model.scheduler or _SchedulerModel(host=workers[0].host)
+    scheduler = HostSpec(role="scheduler", host=sched_model.host, count=1,
+                         ssh=_ssh(sched_model.ssh, base), port=sched_model.port,
+                         interface=sched_model.interface, address=sched_model.address,
+                         line=_line_of(lines, ("scheduler",)))
+    if model.servers is None:
+        # BytePS's colocated default: one server on each worker host
+        server_models = [_ServerModel(host=w.host, interface=w.interface, address=w.address)
+                         for w in workers]
+    else:
+        server_models = model.servers
+    if not server_models:
+        raise ConfigError(f"{_where(where, lines, ('servers',))}: servers: expected at least "
+                          "one server (leave `servers:` out for one on each worker host)")
+    # Ports: each host's servers take consecutive ports after the scheduler's (or after the
+    # entry's own `port:`), so nothing collides unless the file says so.
+    next_port: dict[str, int] = {scheduler.host: scheduler.port + 1}
+    default_first = scheduler.port + 1
+    servers = []
+    used: dict[tuple[str, int], str] = {(scheduler.host, scheduler.port): "scheduler.port"}
+    for i, s in enumerate(server_models):
+        first = s.port if s.port is not None else next_port.get(s.host, default_first)
+        if first + s.count - 1 > 65535:
+            raise ConfigError(f"{_where(where, lines, ('servers', i))}: servers[{i}].port: "
+                              f"{s.count} ports from {first} go past 65535")
+        for port in range(first, first + s.count):
+            clash = used.get((s.host, port))
+            if clash:
+                raise ConfigError(f"{_where(where, lines, ('servers', i))}: servers[{i}]: "
+                                  f"duplicate host and port {s.host}:{port} (also {clash}); "
+                                  "expected a distinct `port:` for each entry on one host")
+            used[(s.host, port)] = f"servers[{i}]"
+        next_port[s.host] = first + s.count
+        servers.append(HostSpec(role="server", host=s.host, count=s.count, ssh=_ssh(s.ssh, base),
+                                port=first, interface=s.interface, address=s.address,
+                                line=_line_of(lines, ("servers", i))))
+    seen_workers: dict[str, int] = {}
+    for i, w in enumerate(workers):
+        if w.host in seen_workers:
+            raise ConfigError(f"{_where(where, lines, ('workers', i))}: workers[{i}].host: "
+                              f"duplicate host {w.host} (also workers[{seen_workers[w.host]}]); "
+                              "expected each worker host once, with `slots:` for more processes")
+        seen_workers[w.host] = i
+    for (host, port), owner in used.items():
+        if port == model.master_port and host == workers[0].host:
+            raise ConfigError(f"{where}: master_port {port} is also {owner} on {host}; expected "
+                              "a port of its own")
+    for name in model.env:
+        if not re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name):
+            raise ConfigError(f"{_where(where, lines, ('env', name))}: env.{name}: expected a "
+                              "variable name (letters, digits, _)")
+    return HostsSpec(source=where, python=model.python, workdir=model.workdir,
+                     scheduler=scheduler, servers=tuple(servers), workers=workers,
+                     master_port=model.master_port, env=tuple(sorted(model.env.items())))
+
+
+__all__ = ["HostSpec", "HostsSpec", "SshOptions", "load_hosts", "parse_hostfile",
+           "parse_hosts_yaml"]

@@ -1,0 +1,121 @@
+"""The role plan: a pure function from a hosts file to every process's place and environment.
+
+``plan(hosts, config)`` says which host runs the scheduler, each server and each worker, with
+ranks, ports and the environment each process starts with (``BPSCTL_*`` from
+:meth:`Config.to_env` plus torch's ``RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT``). Worker ranks follow the file: host by host, slot by slot.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from bpsctl.config import Config
+from bpsctl.launch.hosts import HostSpec, HostsSpec
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One process of the cluster.
+
+    For a server ``rank`` is its place in the file; the scheduler gives it its real rank when
+    it registers (in the order servers arrive).
+    """
+
+    role: str                   # scheduler | server | worker
+    rank: int
+    host: str                   # the SSH target
+    address: str                # what it binds and advertises
+    port: int | None            # scheduler and servers
+    local_rank: int
+    local_size: int
+    entry: HostSpec
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.rank}"
+
+    def to_env(self, config: Config, plan: "Plan") -> dict[str, str]:
+        """Everything this process needs in its environment (no other variable is read)."""
+        common = dict(scheduler=plan.scheduler_address, secret=plan.secret, host=self.address,
+                      state_dir=plan.workdir, job_id=plan.job_id)
+        if self.role == "worker":
+            process_config = config.replace(
+                role="worker", rank=self.rank, world_size=plan.world_size,
+                local_rank=self.local_rank, local_size=self.local_size, port=0,
+                # the intra-node stage rendezvous on this host, beside the job-wide MASTER_*
+                master_addr=self.address, master_port=plan.master_port + 1, **common)
+            torch_env = {"RANK": str(self.rank), "WORLD_SIZE": str(plan.world_size),
+                         "LOCAL_RANK": str(self.local_rank),
+                         "LOCAL_WORLD_SIZE": str(self.local_size),
+                         "MASTER_ADDR": plan.master_addr, "MASTER_PORT": str(plan.master_port),
+                         "PYTHONUNBUFFERED": "1"}
+        else:
+            process_config = config.replace(role=self.role, rank=-1, world_size=1, local_rank=0,
+                                            local_size=1, port=self.port or 0, **common)
+            torch_env = {}
+        return {**dict(plan.extra_env), **process_config.to_env(), **torch_env}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole cluster: scheduler, servers and workers, in rank order."""
+
+    scheduler: Assignment
+    servers: tuple[Assignment, ...]
+    workers: tuple[Assignment, ...]
+    secret: str
+    job_id: str
+    workdir: str
+    master_addr: str
+    master_port: int
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"{self.scheduler.address}:{self.scheduler.port}"
+
+    @property
+    def world_size(self) -> int:
+        return len(self.workers)
+
+    @property
+    def assignments(self) -> tuple[Assignment, ...]:
+        return (self.scheduler, *self.servers, *self.workers)
+
+
+def plan(hosts: HostsSpec, config: Config | None = None, *, secret: str = "",
+         job_id: str = "default", addresses: Mapping[str, str] | None = None) -> Plan:
+    """Assign every role of ``hosts`` (pure: same arguments, same plan).
+
+    ``addresses`` maps an SSH target to the address its processes bind, as preflight found it
+    (from the entry's ``interface:``); otherwise an entry's ``address:``, else its ``host``.
+    """
+    config = config or Config()
+    addresses = addresses or {}
+
+    def address_of(entry: HostSpec) -> str:
+        return addresses.get(entry.host) or entry.address or entry.host
+
+    s = hosts.scheduler
+    scheduler = Assignment(role="scheduler", rank=0, host=s.host, address=address_of(s),
+                           port=s.port, local_rank=0, local_size=1, entry=s)
+    servers = []
+    for entry in hosts.servers:
+        for index in range(entry.count):
+            servers.append(Assignment(role="server", rank=len(servers), host=entry.host,
+                                      address=address_of(entry), port=(entry.port or 0) + index,
+                                      local_rank=index, local_size=entry.count, entry=entry))
+    workers = []
+    for entry in hosts.workers:
+        for slot in range(entry.count):
+            workers.append(Assignment(role="worker", rank=len(workers), host=entry.host,
+                                      address=address_of(entry), port=None, local_rank=slot,
+                                      local_size=entry.count, entry=entry))
+    return Plan(scheduler=scheduler, servers=tuple(servers), workers=tuple(workers),
+                secret=secret, job_id=job_id, workdir=hosts.workdir,
+                master_addr=workers[0].address, master_port=hosts.master_port,
+                extra_env=hosts.env)
+
+
+__all__ = ["Assignment", "Plan", "plan"]
