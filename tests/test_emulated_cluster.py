@@ -114,3 +114,31 @@ def test_bench_comm_compares_with_allreduce_on_emulated_hosts(tmp_path):
     assert report["speedup"]["allreduce"] == pytest.approx(
         systems["allreduce"]["seconds"] / systems["bpsctl"]["seconds"])
     assert not set(emulate.list_namespaces()) - before      # its hosts are torn down
+
+
+@pytest.mark.timeout(120)
+def test_down_removes_the_network_of_a_crashed_emulated_up(tmp_path):
+    """A launcher killed while building its hosts leaves namespaces and no state file;
+    `bpsctl down` finds them through the claim `up` wrote first, and removes them."""
+    state_dir = tmp_path / "state"
+    script = textwrap.dedent(f"""
+        import os, signal
+        from bpsctl.config import Config
+        from bpsctl.launch import api, emulate
+        real_up = api._up
+        def crash(*args, **kwargs):          # the hosts exist; die before anything is recorded
+            os.kill(os.getpid(), signal.SIGKILL)
+        api._up = crash
+        api.up_emulated(Config(state_dir={str(state_dir)!r}, emulate=True, nic="100mbit"), 1, 1)
+    """)
+    crashed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                             timeout=60)
+    assert crashed.returncode == -9, crashed.stderr
+    claim = (state_dir / "emulation.claim").read_text().strip()
+    assert _namespaces(claim)
+    result = subprocess.run([sys.executable, "-m", "bpsctl.cli", "down"], capture_output=True,
+                            text=True, timeout=60,
+                            env={**os.environ, "BPSCTL_STATE_DIR": str(state_dir)})
+    assert result.returncode == 0, result.stderr
+    assert claim in result.stderr and "removed" in result.stderr
+    assert not _namespaces(claim)

@@ -117,6 +117,9 @@ class DownReport:
     cluster: str | None
     stopped: tuple[ProcessRecord, ...] = ()
     survivors: tuple[ProcessRecord, ...] = ()
+    # emulated clusters of crashed runs: removed, or left alone because processes still run there
+    removed_leftovers: tuple[str, ...] = ()
+    busy_leftovers: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- state file
@@ -313,12 +316,47 @@ def up_emulated(config: Config, workers: int, servers: int) -> ClusterState:
     if existing is not None and _is_live(existing):
         raise LaunchError(f"cluster {existing.name} (scheduler {existing.scheduler}) is already "
                           f"running from {state_dir}; run `bpsctl down` first")
-    network = emulate.create(plan)
+    # claimed before it exists: if this process dies mid-way, `bpsctl down` knows what to remove
+    _make_state_dir(state_dir)
+    claim = _emulation_claim(state_dir)
+    claim.write_text(plan.cluster_id)
+    network = None
     try:
+        network = emulate.create(plan)
         return _up(config, servers, network=network)
     except BaseException:
-        emulate.destroy(network)
+        if network is not None:
+            emulate.destroy(network)
         raise
+    finally:
+        claim.unlink(missing_ok=True)      # the state file (or nothing) records it from now on
+
+
+def _emulation_claim(state_dir: Path) -> Path:
+    return Path(state_dir) / "emulation.claim"
+
+
+def _remove_leftovers(state_dir: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Emulated clusters left by crashed runs: this state dir's claim, and any other whose
+    namespaces have no process left (one with processes may be someone's live cluster)."""
+    from bpsctl.launch import emulate
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return (), ()
+    removed, busy = [], []
+    claim = _emulation_claim(state_dir)
+    if claim.exists():
+        cluster_id = claim.read_text().strip()
+        emulate.destroy(cluster_id)
+        claim.unlink(missing_ok=True)
+        removed.append(cluster_id)
+    for leftover in emulate.find_leftovers():
+        running = any(emulate.namespace_pids(ns) for ns in leftover.namespaces)
+        if running:
+            busy.append(leftover.cluster_id)
+        else:
+            emulate.destroy(leftover.cluster_id)
+            removed.append(leftover.cluster_id)
+    return tuple(removed), tuple(busy)
 
 
 def _emulation_record(network: Any) -> dict[str, Any]:
@@ -418,7 +456,8 @@ def down(state_dir: Path | str) -> DownReport:
     """
     state_dir = Path(state_dir)
     if not state_file(state_dir).exists():
-        return DownReport(cluster=None)
+        removed, busy = _remove_leftovers(state_dir)
+        return DownReport(cluster=None, removed_leftovers=removed, busy_leftovers=busy)
     # Ctrl-C is recorded and ignored: stopping half the cluster would help nobody.
     with _state_lock(state_dir), stop_signals_recorded():
         cluster = load_state(state_dir)

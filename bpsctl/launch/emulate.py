@@ -398,9 +398,13 @@ def _remove_cluster(cluster_id: str, *, stop_processes: bool = True) -> None:
                              + "; ".join(failures))
 
 
+def namespace_pids(namespace: str) -> list[int]:
+    """Processes running inside a namespace."""
+    return [int(p) for p in _run(["ip", "netns", "pids", namespace]).split() if p.isdigit()]
+
+
 def _kill_namespace_processes(namespace: str) -> None:
-    pids = [int(p) for p in _run(["ip", "netns", "pids", namespace]).split() if p.isdigit()]
-    for pid in pids:
+    for pid in namespace_pids(namespace):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
 
