@@ -320,7 +320,8 @@ def parse_hosts_yaml(text: str, where: str = "hosts.yaml") -> HostsSpec:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}:1: expected a mapping with at least `workers:` "
                           f"(see examples/hosts.yaml), got {type(data).__name__}")
-    data = {**data, "workers": _expand_workers(data.get("workers"), where, lines)}
+    if "workers" in data:
+        data = {**data, "workers": _expand_workers(data["workers"], where, lines)}
     try:
         model = _HostsModel.model_validate(data)
     except ValidationError as exc:
