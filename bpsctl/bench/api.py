@@ -184,3 +184,116 @@ def run_sweep(config: Config, settings: CommSettings, worker_counts: list[int],
         points.append(run_comm(config, point_settings, output))
     return {"kind": "comm_sweep", "nic_mbit": points[0]["nic_mbit"],
             "size_bytes": points[0]["size_bytes"], "points": points}
+
+
+# --------------------------------------------------------------------------- training
+
+TRAIN_BASELINES = ("horovod", "ddp")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """`bench vgg16|resnet50`: Horovod's synthetic benchmark, the same for every system."""
+
+    model: str = "vgg16"
+    workers: int = 2
+    servers: int = 2
+    batch_size: int = 4
+    image_size: int = 32
+    num_classes: int = 1000
+    warmup: int = 2
+    iters: int = 5
+    batches_per_iter: int = 1
+    compare: tuple[str, ...] = field(default=())
+    timeout_s: float = 900.0             # per system; a hung worker exits after it
+
+    def __post_init__(self) -> None:
+        from .models import MODELS
+        if self.model not in MODELS:
+            raise ConfigError(f"model: expected one of {', '.join(MODELS)}, got {self.model!r}")
+        unknown = [c for c in self.compare if c not in TRAIN_BASELINES]
+        if unknown:
+            raise ConfigError(f"--compare: {', '.join(unknown)} is not a baseline of bench "
+                              f"{self.model}; choose from {', '.join(TRAIN_BASELINES)}")
+        for name, value, least in (("--batch-size", self.batch_size, 1),
+                                   ("--image-size", self.image_size, 32),
+                                   ("--warmup", self.warmup, 1), ("--iters", self.iters, 1),
+                                   ("--batches-per-iter", self.batches_per_iter, 1)):
+            if value < least:
+                raise ConfigError(f"{name}: expected at least {least}, got {value}"
+                                  + (" (the warm-up declares every tensor before timing)"
+                                     if name == "--warmup" else ""))
+
+
+def _host_plan(config: Config, workers: int) -> tuple[list[tuple[str, int]], tuple[str, ...]]:
+    """Worker hosts with their slot counts in rank order (Horovod's -H), and how to run a
+    command on the first of them."""
+    cluster = launch.load_state(config.state_dir)
+    if cluster is None:
+        raise BenchError(f"no cluster recorded in {config.state_dir}")
+    slots = launch.worker_slots(cluster, workers)
+    hosts: list[tuple[str, int]] = []
+    for slot in slots:
+        if hosts and hosts[-1][0] == slot.host:
+            hosts[-1] = (slot.host, hosts[-1][1] + 1)
+        else:
+            hosts.append((slot.host, 1))
+    return hosts, slots[0].prefix
+
+
+def train_system(config: Config, settings: TrainSettings, system: str,
+                 output: IO[str]) -> dict[str, Any]:
+    """One system's run of the training loop on the cluster named by ``config``."""
+    n, k = settings.workers, settings.servers
+    args = ["--system", system, "--model", settings.model,
+            "--batch-size", str(settings.batch_size), "--image-size", str(settings.image_size),
+            "--num-classes", str(settings.num_classes), "--warmup", str(settings.warmup),
+            "--iters", str(settings.iters), "--batches-per-iter", str(settings.batches_per_iter),
+            "--timeout", str(settings.timeout_s)]
+    if system != "horovod":
+        return _run_workers(config, "bpsctl.bench.train", args, n, k, output)
+    from .horovod import rendezvous
+    hosts, prefix = _host_plan(config, n)
+    with rendezvous(hosts, prefix) as port:
+        args += ["--horovod-hosts", ",".join(f"{h}:{c}" for h, c in hosts),
+                 "--rendezvous-addr", hosts[0][0], "--rendezvous-port", str(port)]
+        return _run_workers(config, "bpsctl.bench.train", args, n, k, output)
+
+
+def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = None,
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """bpsctl, then each baseline of ``settings.compare``, training ``settings.model`` on
+    synthetic data on one cluster; the JSON of shared/DESIGN.md (``kind: train``).
+
+    A baseline that is not installed is a :class:`ConfigError` raised before anything starts:
+    there is no silent substitute."""
+    output = output if output is not None else sys.stderr
+    progress = progress or (lambda message: None)
+    if "horovod" in settings.compare:
+        from .horovod import installed_version, missing_message
+        if installed_version() is None:
+            raise ConfigError(missing_message())
+    from .models import build
+    model = build(settings.model, settings.num_classes)
+    params = [p.numel() for p in model.parameters()]
+    del model
+    results = []
+    with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
+        for system in ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare]):
+            progress(system)
+            row = train_system(cluster_config, settings, system, output)
+            results.append({"system": system, **{key: value for key, value in row.items()
+                                                 if key != "system"}})
+    ours = results[0]["img_per_sec"]
+    return {
+        "kind": "train", "model": settings.model, "workers": settings.workers,
+        "servers": settings.servers, "batch_size": settings.batch_size, "nic_mbit": nic,
+        "image_size": settings.image_size, "num_classes": settings.num_classes,
+        "warmup": settings.warmup, "iters": settings.iters,
+        "batches_per_iter": settings.batches_per_iter,
+        "partition_bytes": config.partition_bytes, "credit_bytes": config.credit_bytes,
+        "parameters": sum(params), "gradient_tensors": len(params),
+        "gradient_bytes": 4 * sum(params), "host": socket.gethostname(),
+        "results": results,
+        "speedup": {r["system"]: ours / r["img_per_sec"] for r in results[1:]},
+    }

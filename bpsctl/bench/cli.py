@@ -10,8 +10,8 @@ import typer
 from bpsctl.cliutil import build_config, cli_errors, err_console, knob_option
 from bpsctl.config import ConfigError, parse_size
 
-from .api import BenchError, CommSettings, run_comm, run_sweep
-from .report import plot_comm, print_comm
+from .api import BenchError, CommSettings, TrainSettings, run_comm, run_sweep, run_train
+from .report import plot_comm, plot_train, print_comm, print_train
 
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
                         help="Benchmarks, measured side by side in one run.")
@@ -118,3 +118,81 @@ def comm(ctx: typer.Context,
         if plot_file is not None:
             plot_comm(report, plot_file)
             err_console.print(f"wrote {plot_file}", highlight=False)
+
+
+def _train(ctx: typer.Context, model: str, workers: int, servers: Optional[int], batch_size: int,
+           image_size: int, num_classes: int, warmup: int, iters: int, batches_per_iter: int,
+           compare: Optional[str], emulate: Optional[bool], nic: Optional[str],
+           partition_bytes: Optional[str], credit_bytes: Optional[str],
+           json_file: Optional[Path], plot_file: Optional[Path]) -> None:
+    with cli_errors():
+        flags = {"partition_bytes": (None if partition_bytes is None
+                                     else parse_size(partition_bytes, "--partition-bytes"),
+                                     "--partition-bytes"),
+                 "credit_bytes": (None if credit_bytes is None
+                                  else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
+                 "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")}
+        config = build_config(ctx, flags)
+        if config.nic and not config.emulate:
+            raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
+        settings = TrainSettings(model=model, workers=workers, servers=servers or workers,
+                                 batch_size=batch_size, image_size=image_size,
+                                 num_classes=num_classes, warmup=warmup, iters=iters,
+                                 batches_per_iter=batches_per_iter, compare=_names(compare))
+        if plot_file is not None:
+            from .report import _pyplot
+            _pyplot()
+        where = f"emulated NIC {config.nic or 'unshaped'}" if config.emulate else "this machine"
+        with err_console.status(f"bench {model} on {where}") as status:
+            def progress(message: str) -> None:
+                status.update(f"bench {model} on {where}: training with {message}")
+            try:
+                report = run_train(config, settings, progress=progress)
+            except BenchError as exc:
+                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+                raise typer.Exit(1) from None
+        print_train(err_console, report)
+        _write_json(json_file, report)
+        if plot_file is not None:
+            plot_train(report, plot_file)
+            err_console.print(f"wrote {plot_file}", highlight=False)
+
+
+def _train_command(model: str, title: str) -> None:
+    def command(ctx: typer.Context,
+                workers: int = typer.Option(2, "--workers", "-n", min=1,
+                                            help="Worker processes (with --emulate: worker hosts)."),
+                servers: Optional[int] = typer.Option(None, "--servers", min=1,
+                                                      help="Summation servers (default: as many as workers)."),
+                batch_size: int = typer.Option(4, "--batch-size", min=1, help="Images per worker per batch."),
+                image_size: int = typer.Option(32, "--image-size", min=32,
+                                               help="Side of the square synthetic images (pixels)."),
+                num_classes: int = typer.Option(1000, "--num-classes", min=2, help="Output classes."),
+                warmup: int = typer.Option(2, "--warmup", min=1,
+                                           help="Untimed batches first (they declare every tensor)."),
+                iters: int = typer.Option(5, "--iters", min=1, help="Timed iterations."),
+                batches_per_iter: int = typer.Option(1, "--batches-per-iter", min=1,
+                                                     help="Batches per timed iteration."),
+                compare: Optional[str] = typer.Option(
+                    None, "--compare", help="Baselines in the same run: horovod (Horovod with "
+                    "Gloo; `bpsctl install horovod`), ddp (torch DDP, gloo, 25 MB buckets)."),
+                emulate: Optional[bool] = knob_option("emulate", "--emulate"),
+                nic: Optional[str] = knob_option("nic", "--nic"),
+                partition_bytes: Optional[str] = knob_option("partition_bytes", "--partition-bytes"),
+                credit_bytes: Optional[str] = knob_option("credit_bytes", "--credit-bytes"),
+                json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                                         help="Write the results as JSON (- for stdout)."),
+                plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
+                                                         help="Draw img/sec per system as a PNG."),
+                ) -> None:
+        _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
+               batches_per_iter, compare, emulate, nic, partition_bytes, credit_bytes,
+               json_file, plot_file)
+
+    command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
+                       "DDP, same hosts and settings, one run.")
+    bench_app.command(name=model)(command)
+
+
+_train_command("vgg16", "VGG16")
+_train_command("resnet50", "ResNet50")

@@ -92,3 +92,44 @@ def plot_comm(report: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def print_train(console: Console, report: dict[str, Any]) -> None:
+    nic = f", NIC {report['nic_mbit']:g} Mbit/s" if report["nic_mbit"] else ", loopback"
+    table = Table(title=f"bench {report['model']}: {report['workers']} workers, "
+                        f"{report['servers']} servers{nic}, batch {report['batch_size']}, "
+                        f"{report['image_size']}x{report['image_size']} images, "
+                        f"{report['iters']} iters x {report['batches_per_iter']} batches")
+    for column in ("system", "img/sec", "± 1.96σ", "per worker", "s/step", "speedup", "version"):
+        table.add_column(column, justify="left" if column in ("system", "version") else "right")
+    for row in report["results"]:
+        speedup = report["speedup"].get(row["system"])
+        table.add_row(row["system"], f"{row['img_per_sec']:.2f}", f"{row['img_per_sec_ci95']:.2f}",
+                      f"{row['img_per_sec_per_worker']:.2f}", f"{row['step_seconds']:.3f}",
+                      "" if speedup is None else f"bpsctl {speedup:.2f}x", row.get("version", ""))
+    console.print(table)
+
+
+def plot_train(report: dict[str, Any], path: Path) -> None:
+    """img/sec of the whole job per system, with its ± 1.96σ interval."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    systems = [row["system"] for row in report["results"]]
+    values = [row["img_per_sec"] for row in report["results"]]
+    errors = [row["img_per_sec_ci95"] for row in report["results"]]
+    bars = ax.bar(systems, values, yerr=errors, capsize=6,
+                  color=["tab:blue", "tab:orange", "tab:green", "tab:gray"][:len(systems)])
+    for bar, system in zip(bars, systems):
+        speedup = report["speedup"].get(system)
+        if speedup is not None:
+            ax.annotate(f"bpsctl {speedup:.2f}x", (bar.get_x() + bar.get_width() / 2,
+                                                   bar.get_height()),
+                        ha="center", va="bottom", xytext=(0, 4), textcoords="offset points")
+    nic = f", NIC {report['nic_mbit']:g} Mbit/s" if report["nic_mbit"] else ", loopback"
+    ax.set_title(f"{report['model']}: {report['workers']} workers x {report['servers']} servers"
+                 f"{nic}, batch {report['batch_size']}")
+    ax.set_ylabel("img/sec (whole job), ± 1.96σ")
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

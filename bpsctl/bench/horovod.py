@@ -1,0 +1,183 @@
+"""The Horovod baseline: building it (`bpsctl install horovod`) and starting its workers
+without horovodrun (which needs SSH to reach other hosts).
+
+Workers are started by bpsctl's own launcher, the way horovodrun's gloo launcher does it
+(horovod/runner/gloo_run.py): a RendezvousServer holds the host plan, and each worker gets
+HOROVOD_RANK/SIZE/LOCAL_*/CROSS_*, HOROVOD_HOSTNAME, HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT,
+HOROVOD_CONTROLLER=gloo, HOROVOD_CPU_OPERATIONS=gloo and HOROVOD_GLOO_IFACE (see
+:func:`bpsctl.bench.train.horovod_env`). The rendezvous server runs in the first worker host's
+network namespace, since an emulated cluster's addresses exist only inside the namespaces.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import select
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+HOROVOD_VERSION = "0.28.1"
+INSTALL_COMMAND = "bpsctl install horovod"
+BUILD_ENV = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1",
+             "HOROVOD_WITHOUT_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1"}
+# the sdist asks for C++14; torch 2.13's headers need C++17 (fixed upstream, never released)
+_CXX_PATCH_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
+
+
+class HorovodError(RuntimeError):
+    """Horovod could not be built or started; the message says why."""
+
+
+def installed_version(python: str = sys.executable, timeout_s: float = 60.0) -> str | None:
+    """Horovod's version if ``import horovod.torch`` works in ``python``, else None. Checked in
+    a fresh interpreter: a build against another torch fails only when its extension loads."""
+    try:
+        done = subprocess.run([python, "-c", "import horovod, horovod.torch; print(horovod.__version__)"],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else None
+
+
+def missing_message() -> str:
+    return (f"--compare horovod: Horovod is not installed (or does not load with torch here). "
+            f"Build it with `{INSTALL_COMMAND}` (Horovod {HOROVOD_VERSION} with PyTorch and Gloo, "
+            "about 150 s; needs cmake and g++), or drop horovod from --compare")
+
+
+def patch_cxx_standard(source: Path) -> list[Path]:
+    """Raise ``CMAKE_CXX_STANDARD 14`` to 17 in the sdist's CMake files; returns those changed."""
+    changed = []
+    for relative in _CXX_PATCH_FILES:
+        path = source / relative
+        text = path.read_text()
+        patched = re.sub(r"set\(CMAKE_CXX_STANDARD 14\)", "set(CMAKE_CXX_STANDARD 17)", text)
+        if patched != text:
+            path.write_text(patched)
+            changed.append(path)
+    return changed
+
+
+def _run(cmd: list[str], output: IO[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+    output.write("$ " + " ".join(cmd) + "\n")
+    output.flush()
+    done = subprocess.run(cmd, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    if done.returncode != 0:
+        raise HorovodError(f"`{' '.join(cmd)}` exited {done.returncode} (its output is above)")
+
+
+def install(version: str = HOROVOD_VERSION, output: IO[str] | None = None,
+            force: bool = False, python: str = sys.executable) -> str:
+    """Build and install Horovod ``version`` from its sdist with PyTorch and Gloo (no MPI,
+    TensorFlow or MXNet) into ``python``'s environment; returns the installed version."""
+    output = output if output is not None else sys.stderr
+    current = installed_version(python)
+    if current == version and not force:
+        output.write(f"horovod {current} is already installed and loads with torch\n")
+        return current
+    for tool in ("cmake", "g++"):
+        if shutil.which(tool) is None:
+            raise HorovodError(f"building Horovod needs {tool}: apt-get install -y "
+                               f"{'cmake' if tool == 'cmake' else 'g++'}")
+    with tempfile.TemporaryDirectory(prefix="bpsctl-horovod-") as tmp:
+        work = Path(tmp)
+        _run([python, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+              f"horovod=={version}", "-d", str(work)], output)
+        archives = sorted(work.glob("horovod-*.tar.gz"))
+        if not archives:
+            raise HorovodError(f"pip download gave no horovod sdist in {work}")
+        with tarfile.open(archives[0]) as archive:
+            archive.extractall(work, filter="data")
+        source = work / f"horovod-{version}"
+        changed = patch_cxx_standard(source)
+        output.write(f"patched CMAKE_CXX_STANDARD 14 -> 17 in {len(changed)} file(s)\n")
+        _run([python, "-m", "pip", "install", "--no-build-isolation", str(source)], output,
+             env={**os.environ, **BUILD_ENV})
+    current = installed_version(python)
+    if current is None:
+        raise HorovodError("Horovod was built but `import horovod.torch` fails; "
+                           f"run `{python} -c 'import horovod.torch'` to see why")
+    return current
+
+
+# --------------------------------------------------------------------------- rendezvous
+
+def rendezvous_main(plan_json: str) -> None:
+    """Inside a worker host: serve Horovod's rendezvous for the plan [(host, slots)], print
+    the port, and serve until stdin closes (the launcher going away ends it too)."""
+    from horovod.runner.common.util.hosts import SlotInfo
+    from horovod.runner.http.http_server import RendezvousServer
+
+    from .train import horovod_env
+
+    hosts = [(host, int(count)) for host, count in json.loads(plan_json)]
+    size = sum(count for _, count in hosts)
+    plan = []
+    for rank in range(size):
+        env = horovod_env(rank, hosts, "", 0, "", 0)
+        plan.append(SlotInfo(hostname=env["HOROVOD_HOSTNAME"], rank=rank,
+                             local_rank=int(env["HOROVOD_LOCAL_RANK"]),
+                             cross_rank=int(env["HOROVOD_CROSS_RANK"]), size=size,
+                             local_size=int(env["HOROVOD_LOCAL_SIZE"]),
+                             cross_size=int(env["HOROVOD_CROSS_SIZE"])))
+    server = RendezvousServer(verbose=0)
+    port = server.start()
+    server.init(plan)
+    print(port, flush=True)
+    sys.stdin.read()
+    server.stop()
+
+
+@contextlib.contextmanager
+def rendezvous(hosts: list[tuple[str, int]], prefix: tuple[str, ...] = (),
+               timeout_s: float = 60.0) -> Iterator[int]:
+    """A Horovod rendezvous server for ``hosts`` (run with ``prefix``, e.g. inside the first
+    worker host's namespace); yields its port, and stops it on exit."""
+    process = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "bpsctl.bench.horovod", "rendezvous", json.dumps(hosts)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        line = ""
+        while not line:
+            left = deadline - time.monotonic()
+            if process.poll() is not None or left <= 0:
+                error = process.stderr.read() if process.poll() is not None else ""
+                raise HorovodError("Horovod's rendezvous server did not start"
+                                   + (f": {error.strip().splitlines()[-1]}" if error.strip() else
+                                      f" within {timeout_s:g} s"))
+            ready, _, _ = select.select([process.stdout], [], [], min(left, 0.5))
+            if ready:
+                line = process.stdout.readline().strip()
+                if not line:
+                    continue
+        yield int(line)
+    finally:
+        with contextlib.suppress(OSError):
+            process.stdin.close()
+        try:
+            process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 9)
+            process.wait()
+        process.stdout.close()
+        process.stderr.close()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "rendezvous":
+        rendezvous_main(sys.argv[2])
+    else:
+        raise SystemExit("usage: python -m bpsctl.bench.horovod rendezvous PLAN_JSON")

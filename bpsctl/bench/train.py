@@ -1,0 +1,169 @@
+"""The synthetic training loop of `bpsctl bench vgg16|resnet50`, for bpsctl and its baselines.
+
+Runs inside each worker process (``python -m bpsctl.bench.train --system bpsctl|horovod|ddp``),
+started by the same launcher on the same hosts for every system, reading the standard RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. The loop is Horovod's
+``pytorch_synthetic_benchmark.py``: random images and labels made once, ``--warmup`` untimed
+batches (which also declare every gradient tensor with the system, so nothing is declared
+while timing), then ``--iters`` timed iterations of ``--batches-per-iter`` batches each. Rank 0
+writes each iteration's img/sec (its own; steps are synchronous, so every worker's is the same)
+as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import faulthandler
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+SYSTEMS = ("bpsctl", "horovod", "ddp")
+
+
+def horovod_env(rank: int, hosts: list[tuple[str, int]], rendezvous_addr: str,
+                rendezvous_port: int, iface: str, timeout_s: float) -> dict[str, str]:
+    """What horovodrun's gloo launcher (horovod/runner/gloo_run.py: ``create_slot_env_vars``
+    and ``create_run_env_vars``) gives the worker of ``rank``; ``hosts`` lists (host, slots)
+    in rank order, ranks filling each host in turn, as ``get_host_assignments`` does."""
+    size = sum(count for _, count in hosts)
+    first = 0
+    for index, (host, count) in enumerate(hosts):
+        if rank < first + count:
+            local_rank = rank - first
+            # cross ranks: the hosts that have a slot at this local rank, in host order
+            crossing = [i for i, (_, c) in enumerate(hosts) if c > local_rank]
+            return {
+                "HOROVOD_HOSTNAME": host, "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size),
+                "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": str(count),
+                "HOROVOD_CROSS_RANK": str(crossing.index(index)),
+                "HOROVOD_CROSS_SIZE": str(len(crossing)),
+                "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr,
+                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
+                "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+                "HOROVOD_GLOO_IFACE": iface, "NCCL_SOCKET_IFNAME": iface,
+                "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout_s)),
+            }
+        first += count
+    raise ValueError(f"rank {rank} is not in the host plan {hosts} ({size} slots)")
+
+
+def parse_hosts(text: str) -> list[tuple[str, int]]:
+    """``addr:slots,addr:slots`` (Horovod's -H) into [(addr, slots)]."""
+    hosts = []
+    for part in text.split(","):
+        host, _, count = part.rpartition(":")
+        hosts.append((host, int(count)))
+    return hosts
+
+
+def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
+           ) -> tuple[Any, Any, int, int, str, Callable[[], None]]:
+    """Initialise ``system``; returns (model, optimizer, rank, size, version, shutdown)."""
+    import torch
+
+    if system == "bpsctl":
+        import bpsctl
+        import bpsctl.engine.torch as bps
+        bps.init()
+        bps.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        return model, optimizer, bps.rank(), bps.size(), f"bpsctl {bpsctl.__version__}", bps.shutdown
+    if system == "ddp":
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method="env://",
+                                timeout=datetime.timedelta(seconds=args.timeout))
+        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+        return (model, optimizer, dist.get_rank(), dist.get_world_size(),
+                f"torch {torch.__version__} DDP gloo (bucket {args.bucket_mb:g} MB)",
+                dist.destroy_process_group)
+    if system == "horovod":
+        rank = int(os.environ["RANK"])
+        iface = os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
+        os.environ.update(horovod_env(rank, parse_hosts(args.horovod_hosts), args.rendezvous_addr,
+                                      args.rendezvous_port, iface, args.timeout))
+        import horovod
+        import horovod.torch as hvd
+        hvd.init()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        return (model, optimizer, hvd.rank(), hvd.size(), f"horovod {horovod.__version__} gloo",
+                hvd.shutdown)
+    raise ValueError(f"unknown system {system!r}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bpsctl.bench.train")
+    parser.add_argument("--system", choices=SYSTEMS, required=True)
+    parser.add_argument("--model", default="vgg16")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--num-classes", type=int, default=1000)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--batches-per-iter", type=int, default=1)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds the whole run may take; a hung worker exits after it")
+    parser.add_argument("--horovod-hosts", default="")
+    parser.add_argument("--rendezvous-addr", default="")
+    parser.add_argument("--rendezvous-port", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+
+    # a hang (a peer gone, a rendezvous never answered) ends in a traceback and exit, not forever
+    faulthandler.dump_traceback_later(args.timeout, exit=True)
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from .models import build
+
+    # several workers share this machine's cores (Horovod's and DDP's runs alike)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build(args.model, args.num_classes)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model, optimizer, rank, size, version, shutdown = _setup(args.system, args, model, optimizer)
+
+    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
+    target = torch.randint(0, args.num_classes, (args.batch_size,))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(data), target)
+        loss.backward()
+        optimizer.step()
+
+    def timed(batches: int) -> float:
+        start = time.perf_counter()
+        for _ in range(batches):
+            step()
+        return time.perf_counter() - start
+
+    timed(args.warmup)
+    img_secs = []
+    for i in range(args.iters):
+        seconds = timed(args.batches_per_iter)
+        img_secs.append(args.batch_size * args.batches_per_iter / seconds)
+        if rank == 0:
+            print(f"{args.system} iter {i + 1}/{args.iters}: {img_secs[-1]:.2f} img/sec per worker "
+                  f"({seconds / args.batches_per_iter:.3f} s/step)", flush=True)
+    if rank == 0:
+        mean, std = float(np.mean(img_secs)), float(np.std(img_secs))
+        Path(args.out).write_text(json.dumps({
+            "system": args.system, "version": version, "workers": size,
+            "img_secs_per_worker": img_secs,
+            "img_per_sec_per_worker": mean, "img_per_sec_per_worker_ci95": 1.96 * std,
+            "img_per_sec": size * mean, "img_per_sec_ci95": size * 1.96 * std,
+            "step_seconds": args.batch_size / mean}))
+    shutdown()
+    faulthandler.cancel_dump_traceback_later()
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
