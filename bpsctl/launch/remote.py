@@ -52,6 +52,8 @@ def _interfaces() -> list[str]:
 
 def _bind_problem(address: str, port: int) -> str | None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # as ZeroMQ binds: connections of an earlier cluster in TIME_WAIT do not block the port
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((address, port))
         return None
@@ -101,6 +103,7 @@ def cmd_listen(spec: dict[str, Any]) -> None:
     problems = []
     for port in spec["ports"]:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((spec["address"], int(port)))
             sock.listen(64)

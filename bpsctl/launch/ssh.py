@@ -405,20 +405,22 @@ def preflight(session: Hosts, hosts: HostsSpec) -> dict[str, str]:
             problems.setdefault(host, []).extend(problems_here)
         elif value.get("address"):
             addresses[host] = value["address"]
-    if not problems:
-        _check_reachability(session, hosts, addresses, problems)
+    # hosts that already failed are left out; the others are still checked, so that every
+    # problem is reported in one go
+    _check_reachability(session, hosts, addresses, problems, skip=set(problems))
     if problems:
         raise PreflightError(problems)
     return addresses
 
 
 def _check_reachability(session: Hosts, hosts: HostsSpec, addresses: dict[str, str],
-                        problems: dict[str, list[str]]) -> None:
+                        problems: dict[str, list[str]], skip: set[str]) -> None:
     """Hold the scheduler's and servers' ports open; every worker host connects to each."""
     the_plan = plan(hosts, addresses=addresses)
     listeners: dict[str, list[int]] = {}
     for a in (the_plan.scheduler, *the_plan.servers):
-        listeners.setdefault(a.host, []).append(a.port)
+        if a.host not in skip:
+            listeners.setdefault(a.host, []).append(a.port)
     channels: dict[str, Any] = {}
     try:
         def listen(host: str) -> Any:
@@ -439,12 +441,14 @@ def _check_reachability(session: Hosts, hosts: HostsSpec, addresses: dict[str, s
                 problems.setdefault(host, []).append(value)
             elif value.get("problems"):
                 problems.setdefault(host, []).extend(value["problems"])
-        if problems:
+        listening = {h for h in listeners if h not in problems}
+        targets = [[a.address, a.port, f"the scheduler ({a.host})" if a.role == "scheduler"
+                    else f"server {a.rank} ({a.host})"]
+                   for a in (the_plan.scheduler, *the_plan.servers) if a.host in listening]
+        worker_hosts = list(dict.fromkeys(w.host for w in the_plan.workers
+                                          if w.host not in skip))
+        if not targets:
             return
-        targets = [[the_plan.scheduler.address, the_plan.scheduler.port,
-                    f"the scheduler ({the_plan.scheduler.host})"]]
-        targets += [[s.address, s.port, f"server {s.rank} ({s.host})"] for s in the_plan.servers]
-        worker_hosts = list(dict.fromkeys(w.host for w in the_plan.workers))
 
         def connect(host: str) -> dict[str, Any]:
             return session.agent(host, "connect", {"targets": targets,

@@ -1,0 +1,386 @@
+"""`bpsctl up/run/status/logs/down --hosts` on emulated hosts, each with a real sshd (root only).
+
+One network namespace per host (bpsctl.launch.emulate), one ``sshd -D`` per namespace started
+by PID and stopped by PID, a throw-away client key and host key. The launcher runs inside the
+``launcher`` host's namespace (the "laptop"), so it reaches the hosts only over the emulated
+network, as on a real cluster.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from bpsctl.launch import emulate
+
+SSHD = "/usr/sbin/sshd"
+SSHD_READY_TIMEOUT_S = 10.0
+
+
+def skip_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "emulated hosts need root (network namespaces); run the tests as root, CI does"
+    if not Path(SSHD).exists() or shutil.which("ssh-keygen") is None:
+        return ("sshd is not installed: apt-get update && apt-get install -y openssh-server")
+    try:
+        import fabric  # noqa: F401
+        import yaml  # noqa: F401
+    except ImportError:
+        return "the [ssh] extra is not installed: pip install -e '.[ssh]'"
+    return None
+
+
+@dataclass
+class SshHosts:
+    network: emulate.EmulatedNetwork
+    directory: Path
+    key: Path
+    sshd: dict[str, subprocess.Popen] = field(default_factory=dict)
+    launcher: str = ""
+
+    def address(self, name: str) -> str:
+        return self.network.address(name)
+
+    def namespace(self, name: str) -> str:
+        return self.network.host(name).namespace
+
+    def start_sshd(self, name: str) -> None:
+        host = self.network.host(name)
+        conf = self.directory / f"sshd-{name}.conf"
+        log = self.directory / f"sshd-{name}.log"
+        conf.write_text(textwrap.dedent(f"""\
+            Port 22
+            ListenAddress {host.address}
+            HostKey {self.directory / 'host_key'}
+            PidFile {self.directory / f'sshd-{name}.pid'}
+            AuthorizedKeysFile {self.directory / 'authorized_keys'}
+            PermitRootLogin prohibit-password
+            PasswordAuthentication no
+            KbdInteractiveAuthentication no
+            UsePAM no
+            StrictModes no
+            Subsystem sftp internal-sftp
+            """))
+        log.write_text("")
+        process = subprocess.Popen(self.network.command(name, [SSHD, "-D", "-e", "-f", str(conf),
+                                                                "-E", str(log)]),
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, start_new_session=True)
+        self.sshd[name] = process
+        deadline = time.monotonic() + SSHD_READY_TIMEOUT_S
+        while "Server listening" not in log.read_text():
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"sshd on {name} did not start: {log.read_text()}")
+            time.sleep(0.02)
+
+    def stop_sshd(self, name: str) -> None:
+        process = self.sshd.pop(name, None)
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        if process is not None:
+            process.wait()
+
+    def pids(self, name: str) -> list[int]:
+        out = subprocess.run(["ip", "netns", "pids", self.namespace(name)], capture_output=True,
+                             text=True, check=True).stdout
+        return [int(p) for p in out.split()]
+
+    def foreign_pids(self, name: str) -> list[tuple[int, str]]:
+        """Processes in the host's namespace other than its sshd (zombies do not count)."""
+        sshd = self.sshd.get(name)
+        found = []
+        for pid in self.pids(name):
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if stat.rsplit(")", 1)[1].split()[0] == "Z" or (sshd and pid == sshd.pid):
+                continue
+            if cmdline.startswith("sshd:"):     # a session that is closing
+                continue
+            found.append((pid, cmdline))
+        return found
+
+    def bpsctl(self, *args: str, timeout_s: float = 90, cwd: str | None = None
+               ) -> subprocess.CompletedProcess:
+        """``bpsctl ARGS`` run on the launcher host."""
+        argv = self.network.command(self.launcher, [sys.executable, "-m", "bpsctl.cli", *args])
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
+
+    def hosts_yaml(self, path: Path, *, python: str | None = None, key: str | None = None,
+                   servers_on: str = "s0", servers: int = 2, workers: tuple[str, ...] = ("w0", "w1"),
+                   slots: int = 2, extra: str = "", port: int = 9000) -> Path:
+        lines = [f"ssh: {{user: root, key: {key or self.key}, connect_timeout_s: 3, retries: 1}}",
+                 f"python: {python or sys.executable}",
+                 f"workdir: {self.directory / 'remote'}",
+                 f"scheduler: {{host: {self.address(servers_on)}, port: {port}}}",
+                 "servers:",
+                 f"  - {{host: {self.address(servers_on)}, count: {servers}}}",
+                 "workers:"]
+        lines += [f"  - {{host: {self.address(w)}, slots: {slots}, interface: eth0}}"
+                  for w in workers]
+        path.write_text("\n".join(lines) + "\n" + extra)
+        return path
+
+
+@contextlib.contextmanager
+def ssh_hosts(directory: Path, workers: int = 3, servers: int = 1) -> Iterator[SshHosts]:
+    """Hosts w0..w{N-1} and s0..; the last worker host is the launcher. Always torn down:
+    sshds by PID, then the namespaces (which kills anything left in them)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    key = directory / "id_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)], check=True)
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f",
+                    str(directory / "host_key")], check=True)
+    shutil.copy(directory / "id_ed25519.pub", directory / "authorized_keys")
+    os.chmod(directory, 0o755)
+    Path("/run/sshd").mkdir(parents=True, exist_ok=True)
+    plan = emulate.plan_network(workers, servers)
+    with emulate.emulated_network(plan) as network:
+        hosts = SshHosts(network=network, directory=directory, key=key,
+                         launcher=f"w{workers - 1}")
+        try:
+            for host in network.hosts:
+                hosts.start_sshd(host.name)
+            yield hosts
+        finally:
+            for name in list(hosts.sshd):
+                hosts.stop_sshd(name)
+
+
+# --------------------------------------------------------------------------- tests
+
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+REASON = skip_reason()
+pytestmark = [pytest.mark.root, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+HOSTS_WITH_BPSCTL = ("w0", "w1", "s0")
+
+
+@pytest.fixture(scope="module")
+def cluster_hosts(tmp_path_factory):
+    """w0, w1 (workers, 2 slots each), s0 (scheduler + 2 servers), w2 (the launcher)."""
+    with ssh_hosts(tmp_path_factory.mktemp("sshhosts")) as hosts:
+        yield hosts
+
+
+@pytest.fixture
+def state(tmp_path, cluster_hosts):
+    """A state dir for one test; whatever the test left up is brought down afterwards."""
+    state_dir = tmp_path / "state"
+    yield ["--state-dir", str(state_dir)]
+    if (state_dir / "ssh-cluster.json").exists():
+        cluster_hosts.bpsctl("--state-dir", str(state_dir), "down")
+
+
+def _nothing_left(hosts: SshHosts) -> None:
+    deadline = time.monotonic() + 5
+    while True:
+        left = {name: hosts.foreign_pids(name) for name in HOSTS_WITH_BPSCTL}
+        if not any(left.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert not any(left.values()), f"left behind: {left}"
+
+
+@pytest.mark.timeout(150)
+def test_up_run_status_logs_down_on_three_hosts(cluster_hosts, state, tmp_path):
+    hosts = cluster_hosts
+    hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
+    up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+    assert up.returncode == 0, up.stderr
+    assert "is up" in up.stderr
+
+    run = hosts.bpsctl(*state, "run", "--", sys.executable, str(EXAMPLES / "push_pull.py"))
+    assert run.returncode == 0, run.stderr + run.stdout
+    lines = run.stdout.splitlines()
+    w0, w1 = hosts.address("w0"), hosts.address("w1")
+    for rank, host in enumerate([w0, w0, w1, w1]):
+        assert any(line.startswith(f"[{host}:{rank}] rank {rank} of 4") and "sum 10, expected 10"
+                   in line for line in lines), run.stdout
+
+    status = hosts.bpsctl(*state, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    info = json.loads(status.stdout)
+    assert [(p["role"], p["rank"], p["host"], p["port"], p["state"])
+            for p in info["processes"]] == [
+        ("scheduler", 0, hosts.address("s0"), 9000, "running"),
+        ("server", 0, hosts.address("s0"), 9001, "running"),
+        ("server", 1, hosts.address("s0"), 9002, "running")]
+    table = hosts.bpsctl(*state, "status")
+    assert table.returncode == 0 and "running" in table.stderr
+
+    logs = hosts.bpsctl(*state, "logs", "scheduler")
+    assert logs.returncode == 0 and "serving on" in logs.stdout, logs.stderr
+    worker_log = hosts.bpsctl(*state, "logs", "worker:3")
+    assert "rank 3 of 4" in worker_log.stdout
+
+    down = hosts.bpsctl(*state, "down")
+    assert down.returncode == 0, down.stderr
+    assert "stopped cluster" in down.stderr and "3 processes" in down.stderr
+    _nothing_left(hosts)
+    again = hosts.bpsctl(*state, "down")
+    assert again.returncode == 0 and "nothing to stop" in " ".join(again.stderr.split())
+
+
+JOB_UNTIL_STOPPED = """
+import os, sys, time, numpy as np, bpsctl.engine as bps
+bps.init()
+open(os.path.join(sys.argv[1], str(bps.rank())), "w").close()
+deadline = time.monotonic() + 60
+while time.monotonic() < deadline:
+    bps.push_pull(np.ones(1000, dtype=np.float32), name="x")
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.timeout(150)
+def test_a_server_killed_during_run_fails_it_fast_naming_the_server(cluster_hosts, state,
+                                                                      tmp_path):
+    hosts = cluster_hosts
+    hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
+    up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+    assert up.returncode == 0, up.stderr
+    cluster = json.loads((Path(state[1]) / "ssh-cluster.json").read_text())
+    server = next(p for p in cluster["processes"] if p["role"] == "server" and p["rank"] == 1)
+    script = tmp_path / "job.py"
+    script.write_text(JOB_UNTIL_STOPPED)
+    joined = tmp_path / "joined"
+    joined.mkdir()
+    argv = hosts.network.command(hosts.launcher, [sys.executable, "-m", "bpsctl.cli", *state,
+                                                  "run", "--", sys.executable, str(script),
+                                                  str(joined)])
+    runner = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(joined.iterdir())) < 4 and time.monotonic() < deadline:
+            assert runner.poll() is None, runner.communicate()
+            time.sleep(0.05)
+        assert len(list(joined.iterdir())) == 4
+        os.kill(server["pid"], signal.SIGKILL)
+        killed_at = time.monotonic()
+        out, err = runner.communicate(timeout=60)
+        took_s = time.monotonic() - killed_at
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+            runner.wait()
+    assert runner.returncode not in (0, None)
+    assert took_s < 20, f"run took {took_s:.1f} s to notice"
+    assert "server 1" in err and f"{hosts.address('s0')}:{server['port']}" in err, err
+    assert "root cause" in err
+    down = hosts.bpsctl(*state, "down")
+    assert down.returncode == 0, down.stderr
+    _nothing_left(hosts)
+
+
+@pytest.mark.timeout(120)
+def test_preflight_reports_a_stopped_sshd_and_a_cut_scheduler_port_together(
+        cluster_hosts, state, tmp_path):
+    hosts = cluster_hosts
+    hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
+    w0_ns, scheduler = hosts.namespace("w0"), hosts.address("s0")
+    hosts.stop_sshd("w1")
+    # policy routing: only w0's traffic to the scheduler's port goes into a blackhole
+    # (no netem/gact drop here); SSH to every host still works
+    ip = ["ip", "-n", w0_ns]
+    try:
+        subprocess.run([*ip, "route", "add", "blackhole", f"{scheduler}/32", "table", "77"],
+                       check=True)
+        subprocess.run([*ip, "rule", "add", "to", f"{scheduler}/32", "ipproto", "tcp", "dport",
+                        "9000", "table", "77"], check=True)
+        up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+    finally:
+        subprocess.run([*ip, "rule", "del", "to", f"{scheduler}/32", "ipproto", "tcp", "dport",
+                        "9000", "table", "77"])
+        subprocess.run([*ip, "route", "flush", "table", "77"])
+        hosts.start_sshd("w1")
+    assert up.returncode == 1, up.stderr
+    message = " ".join(up.stderr.split())
+    assert "preflight failed on 2 host(s), nothing was started" in message
+    assert (f"{hosts.address('w1')}: cannot connect over SSH to root@{hosts.address('w1')}:22"
+            in message)
+    assert (f"{hosts.address('w0')}: cannot open a TCP connection to the scheduler "
+            f"({scheduler}) at {scheduler}:9000" in message)
+    assert not (Path(state[1]) / "ssh-cluster.json").exists()
+    _nothing_left(hosts)
+
+
+def _script(path: Path, text: str) -> str:
+    path.write_text(text)
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.timeout(150)
+def test_remote_python_problems_are_named_per_host(cluster_hosts, state, tmp_path):
+    hosts = cluster_hosts
+    s0 = hosts.address("s0")
+    # -S: no site-packages, so no bpsctl; run from / so the source tree is not on the path
+    no_bpsctl = _script(tmp_path / "python-without-bpsctl",
+                        f"#!/bin/sh\ncd /\nexec {sys.executable} -S \"$@\"\n")
+    other_version = _script(tmp_path / "python-other-version", f"""#!{sys.executable}
+import runpy, sys
+import bpsctl
+bpsctl.__version__ = "0.0.9"
+sys.argv = sys.argv[2:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+""")
+    cases = [
+        (no_bpsctl, "bpsctl is not installed for"),
+        (other_version, "bpsctl 0.0.9 for"),
+        ("/nonexistent/python", "/nonexistent/python: not found on this host"),
+    ]
+    for python, expected in cases:
+        hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml", python=python)
+        up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+        message = " ".join(up.stderr.split())
+        assert up.returncode == 1, message
+        assert f"{s0}: {expected}" in message, message
+        assert "preflight failed on 3 host(s)" in message
+    _nothing_left(hosts)
+
+
+@pytest.mark.timeout(120)
+def test_wrong_key_and_port_in_use(cluster_hosts, state, tmp_path):
+    hosts = cluster_hosts
+    s0 = hosts.address("s0")
+    missing = hosts.hosts_yaml(tmp_path / "hosts.yaml", key=str(tmp_path / "no-such-key"))
+    up = hosts.bpsctl(*state, "up", "--hosts", str(missing))
+    assert up.returncode == 2, up.stderr
+    assert "no-such-key: no such file" in " ".join(up.stderr.split())
+
+    other_key = tmp_path / "other_key"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_key)],
+                   check=True)
+    wrong = hosts.hosts_yaml(tmp_path / "hosts.yaml", key=str(other_key))
+    up = hosts.bpsctl(*state, "up", "--hosts", str(wrong))
+    assert up.returncode == 1, up.stderr
+    assert f"{s0}: SSH authentication failed for root@{s0}:22 with key {other_key}" in \
+        " ".join(up.stderr.split())
+
+    listener = subprocess.Popen(hosts.network.command("s0", [
+        sys.executable, "-c", f"import socket, time; s = socket.create_server(('{s0}', 9001)); "
+                              "print('ok', flush=True); time.sleep(60)"]),
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "ok"
+        up = hosts.bpsctl(*state, "up", "--hosts", str(hosts.hosts_yaml(tmp_path / "h.yaml")))
+    finally:
+        listener.kill()
+        listener.wait()
+    assert up.returncode == 1, up.stderr
+    assert f"{s0}: port 9001 is in use on {s0}" in " ".join(up.stderr.split())
+    _nothing_left(hosts)
