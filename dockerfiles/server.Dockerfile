@@ -1,0 +1,18 @@
+# bpsctl summation server (and scheduler) image: slim Python, NumPy, pyzmq, bpsctl; no CUDA.
+#   docker build -f dockerfiles/server.Dockerfile -t bpsctl-server .
+FROM python:3.11-slim
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1
+
+WORKDIR /opt/bpsctl
+COPY pyproject.toml README.md ./
+COPY bpsctl ./bpsctl
+# bpsctl's own dependencies are NumPy, pyzmq, psutil, rich and typer
+RUN pip install .
+
+USER 1000:1000
+# a server by default; the scheduler is the same image with this changed to bpsctl.engine.scheduler
+ENTRYPOINT ["python", "-m"]
+CMD ["bpsctl.engine.server"]
