@@ -1,0 +1,104 @@
+"""`bpsctl bench vgg16|resnet50`: the models' shapes, the whole benchmark on emulated hosts at
+tiny scale against DDP (and Horovod when it is installed), and a missing baseline."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from bpsctl.bench import horovod as horovod_mod
+from bpsctl.bench.models import build
+from bpsctl.bench.train import horovod_env
+
+is_root = os.geteuid() == 0
+HOROVOD = horovod_mod.installed_version()
+
+
+def _bpsctl(args: list[str], state_dir, timeout_s: float = 150) -> subprocess.CompletedProcess:
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir)}
+    return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env, text=True,
+                          capture_output=True, timeout=timeout_s)
+
+
+@pytest.mark.parametrize("name, parameters, tensors", [("vgg16", 138_357_544, 32),
+                                                       ("resnet50", 25_557_032, 161)])
+def test_models_have_torchvisions_parameter_shapes(name, parameters, tensors):
+    params = list(build(name).parameters())
+    assert sum(p.numel() for p in params) == parameters
+    assert len(params) == tensors
+
+
+def test_horovod_env_follows_horovodruns_gloo_launcher():
+    hosts = [("10.77.0.1", 2), ("10.77.0.2", 1)]
+    env = horovod_env(2, hosts, "10.77.0.1", 1234, "eth0", 30)
+    assert env["HOROVOD_HOSTNAME"] == "10.77.0.2"
+    assert (env["HOROVOD_RANK"], env["HOROVOD_SIZE"]) == ("2", "3")
+    assert (env["HOROVOD_LOCAL_RANK"], env["HOROVOD_LOCAL_SIZE"]) == ("0", "1")
+    assert (env["HOROVOD_CROSS_RANK"], env["HOROVOD_CROSS_SIZE"]) == ("1", "2")
+    assert env["HOROVOD_CONTROLLER"] == env["HOROVOD_CPU_OPERATIONS"] == "gloo"
+    assert env["HOROVOD_GLOO_IFACE"] == "eth0"
+    second_slot = horovod_env(1, hosts, "10.77.0.1", 1234, "eth0", 30)
+    assert (second_slot["HOROVOD_CROSS_RANK"], second_slot["HOROVOD_CROSS_SIZE"]) == ("0", "1")
+
+
+def test_patch_raises_the_cxx_standard(tmp_path):
+    (tmp_path / "horovod" / "torch").mkdir(parents=True)
+    for relative in ("CMakeLists.txt", "horovod/torch/CMakeLists.txt"):
+        (tmp_path / relative).write_text("x\nset(CMAKE_CXX_STANDARD 14)\ny\n")
+    assert len(horovod_mod.patch_cxx_standard(tmp_path)) == 2
+    assert "set(CMAKE_CXX_STANDARD 17)" in (tmp_path / "CMakeLists.txt").read_text()
+    assert horovod_mod.patch_cxx_standard(tmp_path) == []
+
+
+def test_missing_horovod_says_how_to_install_and_exits_2(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from bpsctl.cli import app
+    monkeypatch.setenv("BPSCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(horovod_mod, "installed_version", lambda *a, **k: None)
+    result = CliRunner().invoke(app, ["bench", "resnet50", "--compare", "horovod,ddp"])
+    assert result.exit_code == 2, result.output
+    assert "bpsctl install horovod" in result.output
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
+
+
+def test_unknown_baseline_is_a_usage_error(tmp_path):
+    result = _bpsctl(["bench", "vgg16", "--compare", "allreduce"], tmp_path / "state", 60)
+    assert result.returncode == 2
+    assert "horovod, ddp" in result.stderr
+
+
+@pytest.mark.root
+@pytest.mark.skipif(not is_root, reason="emulated hosts need root (network namespaces)")
+@pytest.mark.timeout(170)
+def test_train_bench_on_emulated_hosts_against_the_baselines(tmp_path):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    compare = "horovod,ddp" if HOROVOD else "ddp"
+    out, plot = tmp_path / "train.json", tmp_path / "train.png"
+    result = _bpsctl(["bench", "resnet50", "--workers", "2", "--servers", "2", "--emulate",
+                      "--nic", "1gbit", "--batch-size", "2", "--image-size", "32",
+                      "--warmup", "1", "--iters", "2", "--compare", compare,
+                      "--json", str(out), "--plot", str(plot)], tmp_path / "state")
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["kind"] == "train" and report["model"] == "resnet50"
+    assert (report["workers"], report["servers"], report["batch_size"]) == (2, 2, 2)
+    assert report["nic_mbit"] == 1000
+    systems = [r["system"] for r in report["results"]]
+    assert systems == ["bpsctl", *compare.split(",")]
+    for row in report["results"]:
+        assert row["img_per_sec"] > 0 and row["img_per_sec_ci95"] >= 0
+        assert len(row["img_secs_per_worker"]) == 2
+        assert row["version"]
+    assert set(report["speedup"]) == set(compare.split(","))
+    ours = report["results"][0]["img_per_sec"]
+    for row in report["results"][1:]:
+        assert report["speedup"][row["system"]] == pytest.approx(ours / row["img_per_sec"])
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "speedup" in result.stderr               # the table
+    leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not leftovers
