@@ -230,9 +230,20 @@ def down(ctx: typer.Context, hosts: Optional[str] = _hosts_option()) -> None:
         config = build_config(ctx, {})
         ssh = _ssh(hosts, config.state_dir)
         report = ssh.down_ssh(config.state_dir) if ssh else launch.down(config.state_dir)
-    if report.cluster is None:
-        err_console.print(f"no cluster is up (state dir {config.state_dir}); nothing to stop",
+    removed = getattr(report, "removed_leftovers", ())
+    busy = getattr(report, "busy_leftovers", ())
+    if removed:
+        err_console.print(f"removed the network namespaces of crashed emulated cluster(s) "
+                          f"{', '.join(removed)}", highlight=False)
+    if busy:
+        err_console.print(f"[yellow]note:[/] emulated cluster(s) {', '.join(busy)} still have "
+                          "processes in their namespaces and were left alone (`ip netns pids "
+                          "bps-<id>-s0` lists them; stop them by PID, then run `bpsctl down` again)",
                           highlight=False)
+    if report.cluster is None:
+        if not removed:
+            err_console.print(f"no cluster is up (state dir {config.state_dir}); nothing to stop",
+                              highlight=False)
         return
     if report.survivors:
         survivors = ", ".join(p if isinstance(p, str) else f"{p.name} (pid {p.pid})"

@@ -22,19 +22,24 @@ def comm_reports(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def print_comm(console: Console, report: dict[str, Any]) -> None:
-    first = comm_reports(report)[0]
-    nic = f", NIC {first['nic_mbit']:g} Mbit/s" if first["nic_mbit"] else ", loopback"
-    table = Table(title=f"bench comm: median of {first['repeats']} rounds{nic}")
-    for column in ("workers", "servers", "size", "system", "seconds", "algbw MB/s",
-                   "busbw MB/s", "NIC fraction", "speedup"):
-        table.add_column(column, justify="left" if column == "system" else "right")
-    for r in comm_reports(report):
+    reports = comm_reports(report)
+    first = reports[0]
+    nic = f"NIC {first['nic_mbit']:g} Mbit/s" if first["nic_mbit"] else "loopback"
+    sweep = report["kind"] == "comm_sweep"
+    shape = "" if sweep else f"{first['workers']} workers x {first['servers']} servers, "
+    table = Table(title=f"bench comm: {shape}{nic}, median of {first['repeats']}")
+    columns = (["workers"] if sweep else []) + ["size", "system", "seconds", "algbw MB/s",
+                                                 "busbw MB/s", "NIC frac", "speedup"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "system" else "right", no_wrap=True)
+    for r in reports:
         for row in r["results"]:
             speedup = r["speedup"].get(row["system"])
-            table.add_row(str(r["workers"]), str(r["servers"]), format_bytes(r["size_bytes"]),
-                          row["system"], f"{row['seconds']:.4f}", f"{row['algbw_MBps']:.0f}",
-                          f"{row['busbw_MBps']:.0f}", _fmt(row["nic_fraction"], ".2f"),
-                          "" if speedup is None else f"bpsctl {speedup:.2f}x")
+            cells = ([str(r["workers"])] if sweep else []) + [
+                format_bytes(r["size_bytes"]), row["system"], f"{row['seconds']:.4f}",
+                f"{row['algbw_MBps']:.0f}", f"{row['busbw_MBps']:.0f}",
+                _fmt(row["nic_fraction"], ".2f"), "" if speedup is None else f"{speedup:.2f}x"]
+            table.add_row(*cells)
     console.print(table)
     for r in comm_reports(report):
         if "fraction_of_raw" in r:
