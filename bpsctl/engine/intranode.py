@@ -13,10 +13,25 @@ Collectives must be issued in the same order on every local rank, so steps 1 and
 on their own thread with their own process group (FIFO in submission order), and the
 submission order is the caller's (the order of push_pull calls, as in Horovod without its
 coordinator). Ranks on one host are contiguous: host ``h`` has ranks ``h*L .. h*L+L-1``.
+
+**CUDA tensors** (when every rank of the job has CUDA and torch has NCCL) take the same three
+steps on the GPU, through two NCCL process groups per host (one per thread, as the gloo pair):
+the reduce-scatter thread waits (on its own CUDA stream) for the event the caller recorded
+after producing the tensor, reduce-scatters with NCCL into the owned chunk, copies only that
+chunk into a pinned host buffer on the same side stream and waits for it (an event), then
+push_pulls it host-reduced; the all-gather thread waits for the engine, copies the summed chunk
+back (H2D, on its own side stream), all-gathers with NCCL into the output and divides there for
+averaging, then records an event the caller's stream waits on (``synchronize``). Every local
+rank must push_pull the same tensors on the same kind of device in the same order (as for the
+gloo path), and each local rank must use its own GPU: NCCL refuses two ranks on one device
+(set ``BPSCTL_LOCAL_REDUCE=off`` there). Nothing CUDA is touched until a CUDA tensor arrives,
+except the check (at start) whether NCCL groups can be made at all.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import itertools
 import queue
 import threading
 from typing import Any, Callable
@@ -36,18 +51,23 @@ class LocalOp:
     """One push_pull going through the stage; ``wait`` re-raises its failure."""
 
     __slots__ = ("name", "src", "dst", "average", "priority", "done", "error", "engine_handle",
-                 "buffers", "valid", "on_done")
+                 "buffers", "valid", "on_done", "ready", "finished")
 
     def __init__(self, name: str, src: torch.Tensor, dst: torch.Tensor, average: bool,
-                 priority: int, on_done: Callable[[], None] | None = None):
+                 priority: int, on_done: Callable[[], None] | None = None,
+                 ready: Any = None):
         self.name, self.src, self.dst = name, src, dst
         self.average, self.priority = average, priority
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.engine_handle: Any = None
-        self.buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.buffers: Any = None
         self.valid = 0
         self.on_done = on_done
+        # CUDA: ``ready`` is recorded by the caller after the work that produced ``src``;
+        # ``finished`` by the stage after the work that wrote ``dst`` (wait on it before use)
+        self.ready = ready
+        self.finished: Any = None
 
     def wait(self, timeout_s: float) -> None:
         if not self.done.wait(timeout_s):
@@ -81,6 +101,20 @@ class LocalStage:
             if h == host:
                 self.scatter_group, self.gather_group = scatter_group, gather_group
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # CUDA tensors: two NCCL groups of this host's ranks, made only where every rank of the
+        # job can (new_group is collective over the whole job, and must be called alike)
+        self.nccl_scatter_group = self.nccl_gather_group = None
+        if _all_ranks_agree(f"bpsctl/intranode/{next(_stage_counter)}/nccl", worker.rank,
+                            worker.size, _nccl_usable(), timeout_s):
+            timeout = datetime.timedelta(seconds=timeout_s)
+            for h in range(worker.size // self.local_size):
+                ranks = list(range(h * self.local_size, (h + 1) * self.local_size))
+                scatter_group = dist.new_group(ranks, timeout=timeout, backend="nccl")
+                gather_group = dist.new_group(ranks, timeout=timeout, backend="nccl")
+                if h == host:
+                    self.nccl_scatter_group, self.nccl_gather_group = scatter_group, gather_group
+        self._cuda_buffers: dict[str, _CudaBuffers] = {}
+        self._streams: dict[tuple[int, str], Any] = {}      # (device, thread) -> side stream
         self._scatter_q: queue.SimpleQueue = queue.SimpleQueue()
         self._gather_q: queue.SimpleQueue = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._scatter_loop, daemon=True, name="bps-local-rs"),
@@ -98,6 +132,17 @@ class LocalStage:
             thread.join(timeout=5)
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
+        elif self.nccl_scatter_group is not None and dist.is_initialized():
+            # the caller's default group lives on; ours are released (NCCL communicators)
+            for group in (self.nccl_scatter_group, self.nccl_gather_group):
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group(group)
+        self.nccl_scatter_group = self.nccl_gather_group = None
+
+    @property
+    def handles_cuda(self) -> bool:
+        """True when CUDA tensors go through NCCL here (else: staged to the host first)."""
+        return self.nccl_scatter_group is not None
 
     # ------------------------------------------------------------------ threads
 
@@ -114,6 +159,10 @@ class LocalStage:
 
     def _scatter_loop(self) -> None:
         while (op := self._scatter_q.get()) is not None:
+            if op.src.is_cuda:
+                self._scatter_cuda(op)
+                self._gather_q.put(op)
+                continue
             try:
                 padded, own, _ = op.buffers = self._buffers_for(op.name, op.src)
                 n, chunk = op.src.numel(), own.numel()
@@ -132,6 +181,12 @@ class LocalStage:
 
     def _gather_loop(self) -> None:
         while (op := self._gather_q.get()) is not None:
+            if op.src.is_cuda:
+                self._gather_cuda(op)
+                op.done.set()
+                if op.on_done is not None:
+                    op.on_done()
+                continue
             try:
                 if op.engine_handle is not None:
                     self.worker.synchronize(op.engine_handle)
@@ -150,6 +205,177 @@ class LocalStage:
             op.done.set()
             if op.on_done is not None:
                 op.on_done()
+
+
+    # ------------------------------------------------------------------ CUDA tensors (NCCL)
+
+    def _stream(self, device: torch.device, thread: str) -> Any:
+        """This thread's side stream on ``device`` (each key is used by one thread only)."""
+        key = (device.index, thread)
+        stream = self._streams.get(key)
+        if stream is None:
+            stream = self._streams[key] = torch.cuda.Stream(device=device)
+        return stream
+
+    def _cuda_buffers_for(self, name: str, src: torch.Tensor) -> _CudaBuffers:
+        """Per name, as ``_buffers_for``; called on the reduce-scatter side stream after it
+        waited for the caller, so memory handed back by a previous size is free there."""
+        n = src.numel()
+        cached = self._cuda_buffers.get(name)
+        if (cached is None or cached.numel != n or cached.own.dtype != src.dtype
+                or cached.own.device != src.device):
+            chunk, _, _ = chunk_layout(n, self.local_size, self.local_rank)
+            even = chunk * self.local_size == n    # then the tensors themselves are used
+            full = chunk * self.local_size
+            cached = _CudaBuffers(
+                n,
+                padded=None if even else torch.zeros(full, dtype=src.dtype, device=src.device),
+                own=torch.empty(chunk, dtype=src.dtype, device=src.device),
+                gathered=None if even else torch.empty(full, dtype=src.dtype, device=src.device),
+                host=torch.empty(chunk, dtype=src.dtype, pin_memory=True))
+            self._cuda_buffers[name] = cached
+        return cached
+
+    def _scatter_cuda(self, op: LocalOp) -> None:
+        """Step 1 on the GPU, then the push of the owned chunk through pinned host memory.
+        Failures go to ``op.error``; once ``op.buffers`` is set (the reduce-scatter is being
+        issued) the all-gather thread takes part whatever happens, as in the gloo path."""
+        try:
+            if self.nccl_scatter_group is None:
+                raise EngineError("the intra-node stage has no NCCL groups for CUDA tensors "
+                                  "(the plugin stages them through host memory instead)")
+            if not (op.src.is_contiguous() and op.dst.is_contiguous()
+                    and op.dst.device == op.src.device and op.dst.dtype == op.src.dtype):
+                raise ValueError(f"{op.name!r}: the stage needs contiguous CUDA tensors of one "
+                                 "device and dtype")
+            n = op.src.numel()
+            if n == 0:
+                return                              # nothing to sum: no collective, no push
+            device = op.src.device
+            stream = self._stream(device, "rs")
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                if op.ready is not None:
+                    stream.wait_event(op.ready)     # the caller's work that produced src
+                buffers = self._cuda_buffers_for(op.name, op.src)
+                _, _, op.valid = chunk_layout(n, self.local_size, self.local_rank)
+                if buffers.padded is None:
+                    source = op.src.reshape(-1)     # a view: n == chunk * L
+                else:
+                    buffers.padded[:n].copy_(op.src.reshape(-1))
+                    source = buffers.padded
+                op.buffers = buffers
+                # NCCL's stream waits for this thread's current stream (the side stream), and
+                # (async_op=False) the side stream then waits for NCCL: the copy below follows
+                _reduce_scatter(buffers.own, source, group=self.nccl_scatter_group)
+                host = buffers.host[:op.valid]
+                host.copy_(buffers.own[:op.valid], non_blocking=True)
+                copied = torch.cuda.Event(blocking=True)    # the wait below sleeps, not spins
+                copied.record(stream)
+            copied.synchronize()                    # the chunk is on the host
+            if op.average and not op.src.dtype.is_floating_point:
+                raise TypeError(f"average=True needs a floating-point tensor, got {op.src.dtype} "
+                                f"for {op.name!r}; pass average=False to sum")
+            piece = _as_array(host)
+            # the engine sums only; the division for averaging runs on the GPU after the gather
+            op.engine_handle = self.worker.push_pull_async(
+                piece, name=f"{op.name}@{self.local_rank}/{self.local_size}",
+                average=False, priority=op.priority, out=piece, host_reduced=True)
+        except BaseException as exc:     # noqa: BLE001 - handed to the caller
+            op.error = exc
+
+    def _gather_cuda(self, op: LocalOp) -> None:
+        """Step 3 on the GPU: the summed chunk back (H2D), all-gather into ``op.dst``, divide;
+        ``op.finished`` is recorded after all of it."""
+        try:
+            if op.engine_handle is not None:
+                self.worker.synchronize(op.engine_handle)
+        except BaseException as exc:     # noqa: BLE001
+            op.error = exc
+        buffers = op.buffers
+        if buffers is None:
+            return                                  # no reduce-scatter was issued
+        try:
+            device = op.src.device
+            stream = self._stream(device, "ag")
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                dst = op.dst.reshape(-1)            # contiguous: a view
+                if op.error is None:
+                    buffers.own[:op.valid].copy_(buffers.host[:op.valid], non_blocking=True)
+                    target = dst if buffers.gathered is None else buffers.gathered
+                else:
+                    # taken part in all the same (the other local ranks' collectives stay
+                    # matched), into scratch: the caller's output is left alone
+                    target = (buffers.gathered if buffers.gathered is not None
+                              else torch.empty_like(dst))
+                _all_gather(target, buffers.own, group=self.nccl_gather_group)
+                if op.error is None:
+                    if target is not dst:
+                        dst.copy_(target[:dst.numel()])
+                    if op.average and self.worker.size > 1:
+                        divide_exactly(dst, self.worker.size)
+                finished = torch.cuda.Event()
+                finished.record(stream)
+                op.finished = finished
+        except BaseException as exc:     # noqa: BLE001
+            op.error = op.error or exc
+
+
+class _CudaBuffers:
+    """A name's device buffers: ``padded``/``gathered`` (L*c) only when the tensor does not
+    split evenly, the owned chunk ``own`` (c) and its pinned host copy ``host`` (c)."""
+
+    __slots__ = ("numel", "padded", "own", "gathered", "host")
+
+    def __init__(self, numel: int, *, padded: torch.Tensor | None, own: torch.Tensor,
+                 gathered: torch.Tensor | None, host: torch.Tensor):
+        self.numel, self.padded, self.own, self.gathered, self.host = (
+            numel, padded, own, gathered, host)
+
+
+def chunk_layout(n: int, local_size: int, local_rank: int) -> tuple[int, int, int]:
+    """``(chunk, start, valid)``: of a tensor of ``n`` elements cut into ``local_size`` chunks of
+    ``ceil(n / local_size)``, local rank ``local_rank`` owns ``chunk`` elements from ``start``,
+    of which the first ``valid`` are the tensor's (the rest is padding)."""
+    chunk = -(-n // local_size)
+    start = local_rank * chunk
+    return chunk, start, max(0, min(chunk, n - start))
+
+
+def divide_exactly(tensor: torch.Tensor, divisor: int) -> None:
+    """``tensor /= divisor`` in place, rounded as the engine divides on the host: a true
+    division (torch multiplies by the reciprocal when the divisor is a Python scalar, which can
+    be an ulp off), float16 and bfloat16 through float32 and rounded once."""
+    if tensor.dtype in (torch.float16, torch.bfloat16):
+        wide = tensor.float()
+        wide.div_(torch.full((), divisor, dtype=torch.float32, device=tensor.device))
+        tensor.copy_(wide)
+    else:
+        tensor.div_(torch.full((), divisor, dtype=tensor.dtype, device=tensor.device))
+
+
+_stage_counter = itertools.count()
+
+
+def _nccl_usable() -> bool:
+    """NCCL is in this torch and a GPU is visible (a device count; no CUDA context is made)."""
+    return dist.is_nccl_available() and torch.cuda.is_available()
+
+
+def _all_ranks_agree(key: str, rank: int, size: int, mine: bool, timeout_s: float,
+                     store: Any = None) -> bool:
+    """True when ``mine`` is true on every rank, through the default group's store: each rank
+    publishes its own; a rank whose own is false knows the answer at once and does not wait."""
+    if store is None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+        except Exception:                # noqa: BLE001 - no store: the same on every rank
+            return False
+    store.set(f"{key}/{rank}", "1" if mine else "0")
+    if not mine:
+        return False
+    keys = [f"{key}/{r}" for r in range(size)]
+    store.wait(keys, datetime.timedelta(seconds=timeout_s))
+    return all(store.get(k) == b"1" for k in keys)
 
 
 def _as_array(tensor: torch.Tensor):

@@ -11,7 +11,10 @@
 CPU tensors enter the engine as NumPy views of their storage (no copy); CUDA tensors are
 staged through pinned host buffers, copied on a side stream. When several workers share a
 host (``local_size() > 1``) and ``BPSCTL_LOCAL_REDUCE`` is ``auto``, push_pulls go through
-the intra-node stage (:mod:`bpsctl.engine.intranode`). Handles are integers, as in Horovod.
+the intra-node stage (:mod:`bpsctl.engine.intranode`): gloo for host tensors; NCCL on the GPU
+for CUDA tensors where every rank has CUDA and NCCL (only each rank's owned chunk is staged
+through pinned memory), else they are staged whole and take the gloo path. Handles are
+integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed.
 """
 from __future__ import annotations
 
@@ -89,7 +92,7 @@ class _Op:
     """One push_pull from the plugin's side: what to give back, and how."""
 
     __slots__ = ("name", "output", "wire_out", "ctx", "compression", "wait", "done", "device_out",
-                 "keep")
+                 "keep", "local")
 
     def __init__(self, name: str, output: torch.Tensor, wire_out: torch.Tensor, ctx: Any,
                  compression: type[Compressor]):
@@ -99,6 +102,7 @@ class _Op:
         self.done: Any = None           # callable() -> bool
         self.device_out: torch.Tensor | None = None
         self.keep: Any = None           # inputs that must outlive the transfer
+        self.local: LocalOp | None = None   # CUDA through the stage's NCCL path
 
 
 class _Plugin:
@@ -187,6 +191,22 @@ def _pinned(plugin: _Plugin, key: str, like: torch.Tensor) -> torch.Tensor:
     return buf
 
 
+def _contiguous_output(op: _Op, wire: torch.Tensor, source: torch.Tensor,
+                       inplace: bool) -> torch.Tensor:
+    """Make ``wire`` contiguous and choose ``op.wire_out`` (same device and dtype, contiguous):
+    the caller's tensor itself for an in-place push_pull of a contiguous tensor, a private
+    copy of the input when there is one, else a new tensor. Returns the (contiguous) input."""
+    if not wire.is_contiguous():
+        wire = wire.contiguous()
+    if wire is source and inplace:
+        op.wire_out = wire                          # the result is written in place
+    elif wire is source or wire.data_ptr() == source.data_ptr():
+        op.wire_out = torch.empty_like(wire)
+    else:
+        op.wire_out = wire                          # a private copy: reuse it for the result
+    return wire
+
+
 def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
            compression: type[Compressor], inplace: bool) -> int:
     plugin = _p()
@@ -201,6 +221,21 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         # a name is bound to one dtype in the engine: the compressed form gets its own
         name = f"{name}:{str(wire.dtype).replace('torch.', '')}"
     op = _Op(name, output, wire, ctx, compression)
+    if wire.is_cuda and plugin.stage is not None and plugin.stage.handles_cuda:
+        # reduce-scatter / all-gather with NCCL on the GPU; only the owned chunk is staged
+        # through pinned host memory (intranode); the stage starts after the caller's stream
+        # has produced the tensor, and synchronize makes it wait for the result
+        wire = _contiguous_output(op, wire, source, inplace)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(wire.device))
+        local = plugin.stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
+                                            ready=ready))
+        op.wait, op.done, op.local = local.wait, local.done.is_set, local
+        op.keep = wire
+        with plugin.lock:
+            number = next(plugin.handles)
+            plugin.ops[number] = op
+        return number
     if wire.is_cuda:
         # stage through pinned host memory; the copy runs on a side stream after the work
         # that produced the tensor, and the engine starts once it has landed
@@ -215,14 +250,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         stream.synchronize()
         op.keep, op.device_out, wire, op.wire_out = wire, wire, host_in, host_out
     else:
-        if not wire.is_contiguous():
-            wire = wire.contiguous()
-        if wire is source and inplace:
-            op.wire_out = wire                          # the engine writes the result in place
-        elif wire is source or wire.data_ptr() == source.data_ptr():
-            op.wire_out = torch.empty_like(wire)
-        else:
-            op.wire_out = wire                          # a private copy: reuse it for the result
+        wire = _contiguous_output(op, wire, source, inplace)
     if plugin.stage is not None:
         local = plugin.stage.submit(LocalOp(name, wire, op.wire_out, average, priority))
         op.wait, op.done = local.wait, local.done.is_set
@@ -282,6 +310,9 @@ def synchronize(handle: int) -> torch.Tensor:
     if op is None:
         raise ValueError(f"unknown push_pull handle {handle!r} (already synchronized?)")
     op.wait(plugin.config.op_timeout_s + 10)
+    if op.local is not None and op.local.finished is not None:
+        # CUDA through NCCL: the caller's stream waits for the stage's last GPU work
+        torch.cuda.current_stream(op.wire_out.device).wait_event(op.local.finished)
     result = op.compression.decompress(op.wire_out, op.ctx)
     if op.device_out is not None:                       # CUDA: back to the device
         stream = plugin.copy_stream

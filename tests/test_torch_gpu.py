@@ -1,0 +1,326 @@
+"""CUDA tensors through the torch plugin, and the pure pieces of the intra-node stage's NCCL path.
+
+The tests marked ``gpu`` need CUDA; the ones through the NCCL intra-node stage need a GPU per
+local rank (two), since NCCL refuses two ranks on one device. Without them they skip, saying
+why. The rest (chunk layout, the GPU division's rounding, the job-wide agreement on NCCL groups,
+no CUDA touched by CPU users) runs everywhere: they test real code, not a stand-in for a GPU.
+"""
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.distributed as dist  # noqa: E402
+
+from bpsctl.config import Config  # noqa: E402
+from bpsctl.engine.intranode import (_all_ranks_agree, chunk_layout,  # noqa: E402
+                                     divide_exactly)
+from bpsctl.engine.worker import _divide_bf16  # noqa: E402
+from bpsctl.launch.api import run_local  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+GPUS = torch.cuda.device_count() if CUDA else 0
+
+needs_cuda = pytest.mark.skipif(
+    not CUDA, reason="torch.cuda.is_available() is False: no CUDA device (or a CPU-only torch)")
+needs_two_gpus = pytest.mark.skipif(
+    GPUS < 2, reason=f"the NCCL intra-node stage needs one GPU per local rank (NCCL refuses two "
+                     f"ranks on one device): 2 local ranks need 2 GPUs, {GPUS} visible")
+
+PRELUDE = textwrap.dedent('''
+    import json, os, sys, traceback
+    import torch
+    import bpsctl.engine.torch as bps
+    torch.set_num_threads(1)
+    bps.init()
+    R, N = bps.rank(), bps.size()
+    RESULTS, EXTRA = {}, {}
+    DEV = None
+    if torch.cuda.is_available():
+        DEV = torch.device("cuda", bps.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(DEV)
+        torch.backends.cuda.matmul.allow_tf32 = False
+
+    def check(fn):
+        try:
+            fn()
+            RESULTS[fn.__name__] = "ok"
+        except BaseException as exc:
+            RESULTS[fn.__name__] = "".join(traceback.format_exception(exc))[-1500:]
+        return fn
+
+    def save():
+        stage = bps._p().stage
+        with open(os.path.join(sys.argv[1], f"rank{R}.json"), "w") as f:
+            json.dump({"stage": stage is not None,
+                       "nccl": stage is not None and stage.handles_cuda,
+                       "cuda_initialized": torch.cuda.is_initialized(),
+                       "results": RESULTS, "extra": EXTRA}, f)
+''')
+
+
+def run_script(tmp_path: Path, body: str, np_: int, *args: str, **knobs) -> list[dict]:
+    """Run PRELUDE + body on ``np_`` worker processes of one host; each rank's record."""
+    script = tmp_path / "script.py"
+    script.write_text(PRELUDE + textwrap.dedent(body) + "\nsave()\nbps.shutdown()\n")
+    out_dir = tmp_path / "out"
+    out_dir.mkdir(exist_ok=True)
+    config = Config(state_dir=tmp_path / "state", heartbeat_interval_s=0.2, start_timeout_s=60.0,
+                    op_timeout_s=60.0, **knobs)
+    log = io.StringIO()
+    result = run_local([sys.executable, str(script), str(out_dir), *args], np_, config,
+                       servers=2, stdout=log, stderr=log)
+    assert result.exit_code == 0, f"workers failed:\n{log.getvalue()[-4000:]}"
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np_)]
+
+
+def assert_all_ok(records: list[dict]) -> None:
+    for rank, record in enumerate(records):
+        for check, outcome in record["results"].items():
+            assert outcome == "ok", f"rank {rank}, {check}: {outcome}"
+
+
+# --------------------------------------------------------------------------- on a GPU
+
+SUMS_SCRIPT = '''
+SHAPES = [(), (1,), (3,), (1001,), (257, 129), (4, 256), (0,)]   # fewer elements than ranks too
+FLOATS = [torch.float32, torch.float16, torch.bfloat16]
+
+def ranked(r, shape, dtype):
+    count = 1
+    for d in shape:
+        count *= d
+    return ((torch.arange(count, dtype=torch.int64).reshape(shape) % 5) + r).to(dtype)
+
+def total(shape, dtype):
+    return sum(ranked(r, shape, torch.int64) for r in range(N)).to(dtype)
+
+@check
+def exact_sums():
+    for dtype in FLOATS:
+        for shape in SHAPES:
+            x = ranked(R, shape, dtype).to(DEV)
+            got = bps.push_pull(x, average=False, name=f"s.{dtype}.{shape}")
+            assert got.device == DEV and got.dtype == dtype and got.shape == shape, got
+            assert torch.equal(got.cpu(), total(shape, dtype)), (dtype, shape)
+            assert torch.equal(x.cpu(), ranked(R, shape, dtype)), "the input changed"
+            y = x.clone()
+            assert bps.push_pull_inplace(y, average=False, name=f"s.{dtype}.{shape}") is y
+            assert torch.equal(y.cpu(), total(shape, dtype)), (dtype, shape)
+
+@check
+def exact_averages():
+    for dtype in FLOATS:
+        got = bps.push_pull(ranked(R, (33, 65), dtype).to(DEV), average=True, name=f"avg.{dtype}")
+        want = (total((33, 65), torch.float64) / N).to(dtype)
+        assert torch.equal(got.cpu(), want), dtype
+    # every rank pushes the same values: the average gives them back, bit for bit
+    x = torch.linspace(-1, 1, 10007, dtype=torch.float64).to(DEV)
+    for dtype in FLOATS:
+        got = bps.push_pull(x.to(dtype) * 3, average=True, name=f"same.{dtype}")
+        assert torch.equal(got.cpu(), (x.to(dtype) * 3).cpu()), dtype
+
+@check
+def not_contiguous_and_async_with_priorities():
+    y = ranked(R, (40, 30), torch.float32).to(DEV).t()
+    h = bps.push_pull_async_inplace(y, average=False, name="t")
+    assert bps.synchronize(h) is y and torch.equal(y.cpu(), total((40, 30), torch.float32).t())
+    handles = [bps.push_pull_async(torch.full((3001,), float(R), device=DEV), name=f"a.{i}",
+                                   priority=i) for i in range(8)]
+    for h in handles:
+        assert torch.equal(bps.synchronize(h).cpu(), torch.full((3001,), (N - 1) / 2))
+
+@check
+def produced_on_a_side_stream():
+    # the stage must wait for the caller's stream, and the caller's stream for the stage
+    side = torch.cuda.Stream()
+    a = torch.randn(2048, 2048, device=DEV)
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            b = a @ a                                          # slow work before the value
+        b = torch.full_like(b, float(R + 1))
+        got = bps.push_pull(b, average=False, name="side")
+        got.mul_(2)                                            # on the side stream, after
+    side.synchronize()
+    assert torch.equal(got.cpu(), torch.full((2048, 2048), float(N * (N + 1))))
+
+@check
+def fp16_compression_on_the_gpu():
+    x = torch.linspace(-3, 3, 1001, device=DEV) * (R + 1)
+    exact = sum(torch.linspace(-3, 3, 1001) * (r + 1) for r in range(N)) / N
+    got = bps.push_pull(x, name="c.fp16", compression=bps.Compression.fp16)
+    assert got.dtype == torch.float32 and got.device == DEV
+    assert torch.allclose(got.cpu(), exact, atol=1e-2, rtol=1e-2)
+'''
+
+TRAIN_COMMON = textwrap.dedent('''
+    import torch
+
+    def make_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                   torch.nn.Linear(64, 10))
+
+    def global_batch(step, workers, local_batch):
+        g = torch.Generator().manual_seed(1000 + step)
+        return (torch.randn(workers * local_batch, 32, generator=g),
+                torch.randint(0, 10, (workers * local_batch,), generator=g))
+
+    def make_optimizer(model):
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+''')
+
+TRAIN_SCRIPT = TRAIN_COMMON + '''
+STEPS, LOCAL_BATCH = int(sys.argv[2]), int(sys.argv[3])
+
+@check
+def train():
+    model = make_model().to(DEV)
+    opt = bps.DistributedOptimizer(make_optimizer(model), model.named_parameters())
+    for step in range(STEPS):
+        x, y = global_batch(step, N, LOCAL_BATCH)
+        x, y = x[R * LOCAL_BATCH:(R + 1) * LOCAL_BATCH], y[R * LOCAL_BATCH:(R + 1) * LOCAL_BATCH]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x.to(DEV)), y.to(DEV)).backward()
+        opt.step()
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()},
+               os.path.join(sys.argv[1], f"params.rank{R}.pt"))
+'''
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.timeout(180)
+def test_single_rank_cuda_push_pull(tmp_path):
+    """One worker, one GPU: CUDA tensors staged through pinned host memory (no stage)."""
+    records = run_script(tmp_path, SUMS_SCRIPT, 1)
+    assert records[0]["stage"] is False
+    assert_all_ok(records)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("local_reduce", ["auto", "off"])
+def test_cuda_sums_are_exact_with_the_stage_on_and_off(tmp_path, local_reduce):
+    records = run_script(tmp_path, SUMS_SCRIPT, 2, local_reduce=local_reduce,
+                         partition_bytes=4096)
+    for rank, record in enumerate(records):
+        assert record["stage"] is (local_reduce == "auto"), f"rank {rank}"
+        assert record["nccl"] is (local_reduce == "auto"), f"rank {rank}: NCCL groups"
+    assert_all_ok(records)
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("local_reduce", ["auto", "off"])
+def test_distributed_optimizer_on_a_cuda_model_matches_the_cpu(tmp_path, local_reduce):
+    steps, local_batch, workers = 10, 8, 2
+    records = run_script(tmp_path, TRAIN_SCRIPT, workers, str(steps), str(local_batch),
+                         local_reduce=local_reduce)
+    assert_all_ok(records)
+    namespace: dict = {}
+    exec(TRAIN_COMMON, namespace)                      # the reference: one CPU process
+    model = namespace["make_model"]()
+    opt = namespace["make_optimizer"](model)
+    for step in range(steps):
+        x, y = namespace["global_batch"](step, workers, local_batch)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    rank0 = torch.load(tmp_path / "out" / "params.rank0.pt")
+    for rank in range(workers):
+        params = torch.load(tmp_path / "out" / f"params.rank{rank}.pt")
+        for name, ref in model.state_dict().items():
+            assert torch.equal(params[name], rank0[name]), f"rank {rank} differs in {name}"
+            assert torch.allclose(params[name], ref, rtol=1e-4, atol=1e-5), \
+                f"{name}: max |diff| {(params[name] - ref).abs().max():.2e}"
+
+
+# --------------------------------------------------------------------------- everywhere
+
+@pytest.mark.parametrize("local_size", [1, 2, 3, 4, 8])
+def test_chunks_cover_the_tensor_once_in_rank_order(local_size):
+    for n in range(70):
+        covered, chunks = [], set()
+        for local_rank in range(local_size):
+            chunk, start, valid = chunk_layout(n, local_size, local_rank)
+            chunks.add(chunk)
+            assert 0 <= valid <= chunk
+            assert start == local_rank * chunk
+            covered.extend(range(start, start + valid))
+        assert covered == list(range(n)), (n, local_size)
+        (chunk,) = chunks                                     # one chunk size for all
+        assert n <= chunk * local_size < n + local_size       # padding below one per rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("divisor", [2, 3, 7, 12, 100, 1000])
+def test_the_division_for_averaging_rounds_as_the_engine_does(dtype, divisor):
+    """divide_exactly (run on the GPU after the all-gather) gives, bit for bit, what the
+    engine's host division gives (run here on CPU tensors: the rounding rule, not CUDA's)."""
+    gen = torch.Generator().manual_seed(divisor)
+    values = (torch.randn(20011, generator=gen, dtype=torch.float64) * 1e3).to(dtype)
+    got = values.clone()
+    divide_exactly(got, divisor)
+    if dtype == torch.bfloat16:
+        bits = values.view(torch.int16).numpy().view(np.uint16)
+        out = np.empty_like(bits)
+        _divide_bf16(bits, divisor, out)
+        want = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+    else:
+        want = torch.from_numpy(np.divide(values.numpy(), divisor))
+    assert got.dtype == dtype
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+def test_ranks_agree_on_nccl_only_when_all_can():
+    def run(flags, store):
+        answers = [None] * len(flags)
+
+        def one(rank):
+            answers[rank] = _all_ranks_agree("k", rank, len(flags), flags[rank], 10.0, store)
+        threads = [threading.Thread(target=one, args=(r,)) for r in range(len(flags))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+        return answers
+
+    assert run([True, True, True], dist.HashStore()) == [True, True, True]
+    assert run([True, False, True], dist.HashStore()) == [False, False, False]
+    assert run([False, False], dist.HashStore()) == [False, False]
+    # a rank that cannot answers at once, without waiting for the others
+    store = dist.HashStore()
+    assert _all_ranks_agree("k", 1, 4, False, 10.0, store) is False
+    assert store.get("k/1") == b"0"
+
+
+@pytest.mark.skipif(CUDA, reason="checks the CPU-only case; this machine has CUDA")
+def test_cpu_users_touch_no_cuda(tmp_path):
+    code = ("import torch, bpsctl.engine.torch, bpsctl.engine.intranode; "
+            "assert not torch.cuda.is_initialized()")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    # a job with the stage on: no NCCL groups, host tensors through gloo, no CUDA touched
+    records = run_script(tmp_path, '''
+@check
+def cpu_sums():
+    got = bps.push_pull(torch.full((1001,), float(R)), average=False, name="cpu")
+    assert torch.equal(got, torch.full((1001,), float(sum(range(N)))))
+''', 2)
+    for rank, record in enumerate(records):
+        assert record["stage"] and not record["nccl"], f"rank {rank}"
+        assert not record["cuda_initialized"], f"rank {rank}"
+    assert_all_ok(records)
