@@ -17,6 +17,7 @@ from rich.table import Table
 from bpsctl import launch
 from bpsctl.cliutil import build_config, cli_errors, err_console, knob_option
 from bpsctl.config import ConfigError
+from bpsctl.engine.common import exit_on_sigterm
 
 app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                   rich_markup_mode="markdown",              # re-flows docstring paragraphs
@@ -272,6 +273,9 @@ _mount_bench()
 
 
 def main() -> None:
+    # SIGTERM (e.g. `timeout`, a job scheduler) unwinds like Ctrl-C, so a private cluster a
+    # command started is stopped by its `finally` instead of left running
+    exit_on_sigterm()
     app(prog_name="bpsctl")
 
 

@@ -76,6 +76,8 @@ def _worker(rank: int, workers: int, scheduler: str, secret: str, job: str, repe
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bpsctl.engine.common import exit_on_sigterm
+    exit_on_sigterm()           # a SIGTERM unwinds, so the private cluster is stopped
     parser = argparse.ArgumentParser(prog="python -m bpsctl.bench.grads", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=2)
