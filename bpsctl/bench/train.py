@@ -132,11 +132,20 @@ def main(argv: list[str] | None = None) -> None:
     data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
     target = torch.randint(0, args.num_classes, (args.batch_size,))
 
+    # where a step's time goes (the profile behind a shortfall): forward + backward (DDP's
+    # allreduce runs inside backward), then optimizer.step() (bpsctl and Horovod wait there
+    # for the gradients still in flight)
+    phases = {"backward_seconds": 0.0, "step_seconds": 0.0}
+
     def step() -> None:
+        start = time.perf_counter()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(data), target)
         loss.backward()
+        middle = time.perf_counter()
         optimizer.step()
+        phases["backward_seconds"] += middle - start
+        phases["step_seconds"] += time.perf_counter() - middle
 
     def timed(batches: int) -> float:
         start = time.perf_counter()
@@ -145,6 +154,7 @@ def main(argv: list[str] | None = None) -> None:
         return time.perf_counter() - start
 
     timed(args.warmup)
+    phases.update(backward_seconds=0.0, step_seconds=0.0)
     img_secs = []
     for i in range(args.iters):
         seconds = timed(args.batches_per_iter)
@@ -159,7 +169,10 @@ def main(argv: list[str] | None = None) -> None:
             "img_secs_per_worker": img_secs,
             "img_per_sec_per_worker": mean, "img_per_sec_per_worker_ci95": 1.96 * std,
             "img_per_sec": size * mean, "img_per_sec_ci95": size * 1.96 * std,
-            "step_seconds": args.batch_size / mean}))
+            "step_seconds": args.batch_size / mean,
+            "phase_seconds_per_step": {
+                "forward_backward": phases["backward_seconds"] / (args.iters * args.batches_per_iter),
+                "optimizer_step": phases["step_seconds"] / (args.iters * args.batches_per_iter)}}))
     shutdown()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()
