@@ -1,0 +1,367 @@
+"""MXNet plugin: a drop-in for ``byteps.mxnet``.
+
+    import bpsctl.engine.mxnet as bps
+    bps.init()
+    net = ...; net.initialize(ctx=mx.cpu())
+    trainer = bps.DistributedTrainer(net.collect_params(), "sgd",
+                                     {"learning_rate": 0.1}, compression=bps.Compression.fp16)
+    ...; trainer.step(local_batch_size)        # parameters are broadcast from rank 0 first
+
+    # or, with the Module API / a hand-written loop:
+    opt = bps.DistributedOptimizer(mx.optimizer.create("sgd", learning_rate=0.1))
+    bps.broadcast_parameters(arg_params, root_rank=0)
+
+Where the bytes are copied: a CPU NDArray in the default (dense) storage enters the engine as
+a NumPy view of its own memory (``MXNDArrayGetData``), after MXNet's engine has finished every
+pending write to it (``wait_to_read``) and, for results written in place, every pending read
+(``MXNDArrayWaitToWrite``); no copy. Other dense NDArrays (GPU, empty) are copied out with
+``asnumpy()`` and back with ``_sync_copyfrom`` (two copies). fp16 compression adds one cast
+each way (``astype``), as in BytePS. A push_pull blocks the calling thread until the result is
+in place, so MXNet cannot schedule other work on the array meanwhile; the trainer and the
+optimizer start every gradient's push_pull before waiting for any.
+
+Names are bound to one shape and dtype for the whole job: gradients travel as
+``DistributedTrainer.grad.<parameter name>`` / ``DistributedOptimizer.grad.<index>``,
+broadcasts as ``Parameter.<name>``; a compressed tensor gets its own name (``...:float16``).
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+from typing import Any, Iterable
+
+import mxnet as mx
+import numpy as np
+from mxnet.base import _LIB, check_call
+
+from .. import engine as _engine
+from ..config import Config
+from .common import EngineError
+from .worker import Handle
+
+__all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
+           "byteps_declare_tensor", "byteps_push_pull", "broadcast_parameters", "Compression",
+           "DistributedOptimizer", "DistributedTrainer", "EngineError"]
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+def init(config: Config | None = None) -> None:
+    """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent."""
+    _engine.init(config)
+
+
+def shutdown() -> None:
+    _engine.shutdown()
+
+
+def is_initialized() -> bool:
+    return _engine.is_initialized()
+
+
+def size() -> int:
+    return _engine.size()
+
+
+def rank() -> int:
+    return _engine.rank()
+
+
+def local_size() -> int:
+    return _engine.local_size()
+
+
+def local_rank() -> int:
+    return _engine.local_rank()
+
+
+def byteps_declare_tensor(name: str, **kwargs: Any) -> None:
+    """Accepted for BytePS scripts; does nothing: bpsctl needs no declaration order."""
+    _engine._w()
+
+
+# --------------------------------------------------------------------------- compression
+
+class Compressor:
+    """Turns an NDArray into what travels, and back (BytePS's interface)."""
+
+    @staticmethod
+    def compress(tensor: mx.nd.NDArray) -> tuple[mx.nd.NDArray, Any]:
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: mx.nd.NDArray, ctx: Any) -> mx.nd.NDArray:
+        return tensor
+
+
+class NoneCompressor(Compressor):
+    pass
+
+
+class FP16Compressor(Compressor):
+    """Floating-point NDArrays travel as float16 (one cast each way); others as they are."""
+
+    @staticmethod
+    def compress(tensor: mx.nd.NDArray) -> tuple[mx.nd.NDArray, Any]:
+        dtype = np.dtype(tensor.dtype)
+        if dtype.kind == "f" and dtype != np.float16:
+            return tensor.astype(np.float16), dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor: mx.nd.NDArray, ctx: Any) -> mx.nd.NDArray:
+        return tensor if ctx is None else tensor.astype(ctx)
+
+
+class Compression:
+    """``none``, ``fp16`` (float16 on the wire)."""
+
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+# --------------------------------------------------------------------------- push_pull
+
+def _host_view(array: mx.nd.NDArray, writable: bool) -> np.ndarray | None:
+    """A NumPy view of ``array``'s own memory once MXNet is done with it, or None where there
+    is no such view (GPU or empty arrays)."""
+    if array.stype != "default":
+        raise TypeError(f"push_pull supports dense NDArrays only, got storage {array.stype!r}")
+    if not array.context.device_type.startswith("cpu") or array.size == 0:
+        return None
+    if writable:
+        check_call(_LIB.MXNDArrayWaitToWrite(array.handle))
+    else:
+        array.wait_to_read()
+    pointer = ctypes.c_void_p()
+    check_call(_LIB.MXNDArrayGetData(array.handle, ctypes.byref(pointer)))
+    dtype = np.dtype(array.dtype)
+    memory = (ctypes.c_char * (array.size * dtype.itemsize)).from_address(pointer.value)
+    return np.frombuffer(memory, dtype=dtype).reshape(array.shape)
+
+
+class _Op:
+    """One in-place push_pull of an NDArray: start it, then ``wait()``."""
+
+    __slots__ = ("array", "staged", "handle")
+
+    def __init__(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
+                 zero: bool = False):
+        if not isinstance(array, mx.nd.NDArray):
+            raise TypeError(f"push_pull expects an mxnet NDArray, got {type(array).__name__}")
+        self.array = array                      # keeps the memory behind the view alive
+        view = _host_view(array, writable=True)
+        self.staged = view is None
+        if self.staged:
+            view = np.zeros(array.shape, array.dtype) if zero else array.asnumpy()  # copy
+        elif zero:
+            view[...] = 0                       # no NaN * 0: memory may be uninitialized
+        self.handle: Handle = _engine._w().push_pull_async(view, name=name, average=average,
+                                                           priority=priority, out=view)
+
+    def wait(self) -> mx.nd.NDArray:
+        worker = _engine._w()
+        result = worker.synchronize(self.handle)
+        if self.staged:
+            self.array._sync_copyfrom(result)  # copy back
+        return self.array
+
+
+_noname = itertools.count()
+
+
+def _wire_name(name: str | None, wire: mx.nd.NDArray, source: mx.nd.NDArray) -> str:
+    if name is None:
+        name = f"push_pull.noname.{next(_noname)}"
+    if np.dtype(wire.dtype) != np.dtype(source.dtype):
+        # a name is bound to one dtype in the engine: the compressed form gets its own
+        name = f"{name}:{np.dtype(wire.dtype).name}"
+    return name
+
+
+def byteps_push_pull(tensor: mx.nd.NDArray, version: int = 0, priority: int = 0,
+                     name: str | None = None, is_average: bool = True) -> None:
+    """Sum (or, with ``is_average``, average) ``tensor`` across workers, in place. Larger
+    ``priority`` goes first; ``version`` is accepted and ignored, as in BytePS."""
+    del version
+    _Op(tensor, _wire_name(name, tensor, tensor), is_average, priority).wait()
+
+
+# --------------------------------------------------------------------------- broadcast
+
+def _check_root(root_rank: int) -> None:
+    if not 0 <= root_rank < size():
+        raise ValueError(f"root_rank {root_rank} is not a rank of this job (0..{size() - 1})")
+
+
+def _broadcast_arrays(named: list[tuple[str, mx.nd.NDArray]], root_rank: int) -> None:
+    """Broadcast by summation: every rank but the root contributes zeros (as BytePS does)."""
+    _check_root(root_rank)
+    me = rank() == root_rank
+    ops = [_Op(array, f"Parameter.{name}", average=False, priority=0, zero=not me)
+           for name, array in named]
+    for op in ops:
+        op.wait()
+
+
+def _parameter_arrays(name: str, param: mx.gluon.Parameter) -> list[mx.nd.NDArray]:
+    if param._data is None:
+        raise ValueError(f"parameter {name!r} is not initialized (deferred shape?): call "
+                         "initialize() and run one forward pass before broadcasting it, or let "
+                         "DistributedTrainer broadcast it at its first step")
+    return param.list_data()
+
+
+def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
+    """Copy ``params`` from ``root_rank`` to every rank, in place.
+
+    ``params``: a dict of name -> NDArray (the Module API's ``arg_params``), or a Gluon
+    ``ParameterDict`` / dict of name -> ``Parameter`` (every copy on every context is
+    overwritten). Names are taken in sorted order, so insertion order does not matter.
+    """
+    if isinstance(params, mx.gluon.ParameterDict) or isinstance(params, dict):
+        named = sorted(params.items())
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}: expected a dict of "
+                         "NDArrays or a Gluon ParameterDict")
+    first: list[tuple[str, mx.nd.NDArray]] = []
+    copies: list[tuple[mx.nd.NDArray, list[mx.nd.NDArray]]] = []
+    for name, value in named:
+        if isinstance(value, mx.gluon.Parameter):
+            arrays = _parameter_arrays(name, value)
+            first.append((name, arrays[0]))
+            copies.append((arrays[0], arrays[1:]))
+        elif isinstance(value, mx.nd.NDArray):
+            first.append((name, value))
+        else:
+            raise ValueError(f"parameter {name!r} is a {type(value).__name__}, not an NDArray "
+                             "or a Gluon Parameter")
+    _broadcast_arrays(first, root_rank)
+    for source, others in copies:
+        for other in others:
+            source.copyto(other)
+
+
+# --------------------------------------------------------------------------- optimizer
+
+def _push_pull_all(ops: list[_Op]) -> None:
+    for op in ops:
+        op.wait()
+
+
+class DistributedOptimizer(mx.optimizer.Optimizer):
+    """Wraps an ``mx.optimizer.Optimizer``: ``update`` first averages the gradient(s) across
+    workers (in place), then lets the wrapped optimizer update. Every other attribute is the
+    wrapped optimizer's, read and written through."""
+
+    def __init__(self, optimizer: mx.optimizer.Optimizer):
+        if not isinstance(optimizer, mx.optimizer.Optimizer):
+            raise TypeError("DistributedOptimizer expects an mx.optimizer.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        object.__setattr__(self, "_optimizer", optimizer)
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self._optimizer, item)
+
+    def __setattr__(self, item: str, value: Any) -> None:
+        setattr(self._optimizer, item, value)
+
+    def create_state(self, index, weight):
+        return self._optimizer.create_state(index, weight)
+
+    def create_state_multi_precision(self, index, weight):
+        return self._optimizer.create_state_multi_precision(index, weight)
+
+    def _do_push_pull(self, index, grad) -> None:
+        indices, grads = (index, grad) if isinstance(index, (tuple, list)) else ([index], [grad])
+        _push_pull_all([_Op(g, f"DistributedOptimizer.grad.{i}", average=True, priority=-i)
+                        for i, g in zip(indices, grads)])
+
+    def update(self, index, weight, grad, state):
+        self._do_push_pull(index, grad)
+        self._optimizer.update(index, weight, grad, state)
+
+    def update_multi_precision(self, index, weight, grad, state):
+        self._do_push_pull(index, grad)
+        self._optimizer.update_multi_precision(index, weight, grad, state)
+
+    def set_learning_rate(self, lr):
+        self._optimizer.set_learning_rate(lr)
+
+    def set_lr_mult(self, args_lr_mult):
+        self._optimizer.set_lr_mult(args_lr_mult)
+
+    def set_wd_mult(self, args_wd_mult):
+        self._optimizer.set_wd_mult(args_wd_mult)
+
+
+# --------------------------------------------------------------------------- trainer
+
+def _sorted_params(params: Any) -> list[mx.gluon.Parameter]:
+    if isinstance(params, (mx.gluon.ParameterDict, dict)):
+        return [params[key] for key in sorted(params.keys())]
+    if isinstance(params, (list, tuple)):
+        return sorted(params, key=lambda p: p.name)
+    raise ValueError(f"invalid params of type {type(params).__name__}: expected a Gluon "
+                     "ParameterDict, a dict or a list of Parameters")
+
+
+class DistributedTrainer(mx.gluon.Trainer):
+    """A ``gluon.Trainer`` whose ``step()`` sums every gradient across workers first.
+
+    Parameters are taken sorted by name, so workers that built their blocks in another order
+    still agree. Every initialized parameter is broadcast from ``root_rank`` when the trainer
+    is built (every worker builds it, so the first forward pass already starts from the
+    root's values); parameters whose initialization is still deferred (shape unknown until
+    the first forward pass) are broadcast at the first ``step()`` / ``allreduce_grads()`` /
+    ``update()``, before the update, as BytePS does: their first gradients then come from
+    each worker's own initial values, so run one forward pass before building the trainer
+    for an exact start. Gradients are summed, and ``rescale_grad`` divides by ``size()`` as well as the
+    batch size, so ``trainer.step(local_batch_size)`` matches one process on the
+    concatenated batch (as in BytePS). With several contexts per worker, the local copies
+    of a gradient are summed before the push.
+    """
+
+    def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None,
+                 compression: type[Compressor] = Compression.none, root_rank: int = 0,
+                 **kwargs: Any):
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer = optimizer._optimizer        # the trainer push_pulls the gradients itself
+        kwargs.pop("kvstore", None)
+        super().__init__(_sorted_params(params), optimizer, optimizer_params=optimizer_params,
+                         kvstore=None, **kwargs)
+        self._compression = compression
+        self._scale /= size()
+        _check_root(root_rank)
+        self.root_rank = root_rank
+        self._init_params()
+
+    def _init_params(self) -> None:
+        ready, deferred = [], []
+        for param in self._params_to_init:
+            (deferred if param._deferred_init else ready).append(param)
+        named = [(param.name, param.list_data()[0]) for param in ready]
+        _broadcast_arrays(named, self.root_rank)
+        for param in ready:
+            arrays = param.list_data()
+            for other in arrays[1:]:
+                arrays[0].copyto(other)
+        self._params_to_init = deferred
+
+    def _allreduce_grads(self) -> None:
+        pending = []
+        for index, param in enumerate(self._params):
+            if param.grad_req == "null":
+                continue
+            grads = param.list_grad()
+            for other in grads[1:]:
+                grads[0] += other.as_in_context(grads[0].context)
+            wire, ctx = self._compression.compress(grads[0])
+            name = _wire_name(f"DistributedTrainer.grad.{param.name}", wire, grads[0])
+            pending.append((_Op(wire, name, average=False, priority=-index), wire, ctx, grads))
+        for op, wire, ctx, grads in pending:
+            op.wait()
+            if wire is not grads[0]:
+                self._compression.decompress(wire, ctx).copyto(grads[0])
+            for other in grads[1:]:
+                grads[0].copyto(other)
