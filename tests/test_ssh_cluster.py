@@ -384,3 +384,80 @@ def test_wrong_key_and_port_in_use(cluster_hosts, state, tmp_path):
     assert up.returncode == 1, up.stderr
     assert f"{s0}: port 9001 is in use on {s0}" in " ".join(up.stderr.split())
     _nothing_left(hosts)
+
+
+SHIPPED_JOB = """
+import runpy, sys
+import bpsctl
+print("bpsctl from", bpsctl.__file__, flush=True)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def _venv(path: Path, *, system_site_packages: bool) -> tuple[str, Path]:
+    """A throw-away venv: its python, and its site-packages. --without-pip: ensurepip takes
+    ~40 s on a loaded machine; with --system-site-packages the system's pip serves it (and
+    installs into the venv), without them the venv has no pip at all."""
+    flags = ["--system-site-packages"] if system_site_packages else []
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", *flags, str(path)],
+                   check=True)
+    python = str(path / "bin" / "python")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                         "['purelib'])"], capture_output=True, text=True,
+                          check=True, cwd="/").stdout.strip()
+    return python, Path(site)
+
+
+@pytest.mark.timeout(180)
+def test_ship_installs_this_bpsctl_into_the_hosts_python(cluster_hosts, state, tmp_path):
+    hosts = cluster_hosts
+    python, site = _venv(tmp_path / "venv", system_site_packages=True)
+    # before: the venv sees only the system's (editable) bpsctl
+    assert not list(site.glob("bpsctl*"))
+    hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml", python=python)
+    # cwd tmp_path: the workers' cwd, so the source tree is not on their path
+    up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file), "--ship", cwd=str(tmp_path),
+                      timeout_s=150)
+    assert up.returncode == 0, up.stderr
+    assert "is up" in up.stderr, up.stderr
+    # the shipped wheel, not an editable install, in the venv's own site-packages
+    assert (site / "bpsctl" / "engine" / "server.py").is_file()
+    dist_info = site / "bpsctl-0.1.0.dist-info"
+    direct_url = json.loads((dist_info / "direct_url.json").read_text())
+    assert direct_url["url"].endswith(".whl") and "dir_info" not in direct_url, direct_url
+    assert not list(site.glob("__editable__*"))
+
+    job = tmp_path / "job.py"
+    job.write_text(SHIPPED_JOB)
+    run = hosts.bpsctl(*state, "run", "--", python, str(job), str(EXAMPLES / "push_pull.py"),
+                       cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr + run.stdout
+    lines = run.stdout.splitlines()
+    w0, w1 = hosts.address("w0"), hosts.address("w1")
+    for rank, host in enumerate([w0, w0, w1, w1]):
+        assert f"[{host}:{rank}] bpsctl from {site / 'bpsctl' / '__init__.py'}" in lines, \
+            run.stdout
+        assert any(line.startswith(f"[{host}:{rank}] rank {rank} of 4") and "sum 10, expected 10"
+                   in line for line in lines), run.stdout
+
+    down = hosts.bpsctl(*state, "down")
+    assert down.returncode == 0, down.stderr
+    _nothing_left(hosts)
+
+
+@pytest.mark.timeout(120)
+def test_ship_into_a_python_without_pip_fails_naming_each_host(cluster_hosts, state, tmp_path):
+    hosts = cluster_hosts
+    python, _ = _venv(tmp_path / "bare", system_site_packages=False)
+    hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml", python=python)
+    up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file), "--ship", cwd=str(tmp_path),
+                      timeout_s=100)
+    message = " ".join(up.stderr.split())
+    assert up.returncode == 1, message
+    for name in HOSTS_WITH_BPSCTL:
+        assert (f"{hosts.address(name)}: --ship: pip install of bpsctl-0.1.0-py3-none-any.whl "
+                f"into {python} failed (exit 1)" in message), message
+    assert f"{python}: No module named pip (pip is needed for --ship)" in message, message
+    assert not (Path(state[1]) / "ssh-cluster.json").exists()
+    _nothing_left(hosts)

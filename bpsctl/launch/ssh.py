@@ -334,6 +334,33 @@ def build_wheel(out_dir: Path) -> Path:
     return wheels[-1]
 
 
+# Run by the hosts' python: pip install, holding a lock file in the target site-packages.
+# Hosts may share one installation (a venv on NFS, one machine under two names); concurrent
+# --force-reinstalls into it delete each other's files. No index: the wheel has no deps to find.
+_SHIP_INSTALL = """\
+import fcntl, os, runpy, sys, sysconfig
+try:
+    lock = open(os.path.join(sysconfig.get_paths()["purelib"], ".bpsctl-ship.lock"), "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+except OSError:
+    pass                # not writable: pip says so
+sys.argv = ["pip", "install", "-q", "--force-reinstall", "--no-deps", "--no-index",
+            "--disable-pip-version-check", sys.argv[1]]
+try:
+    runpy.run_module("pip", run_name="__main__", alter_sys=True)
+except ImportError as exc:
+    sys.exit(f"{sys.executable}: {exc} (pip is needed for --ship)")
+"""
+
+
+def _pip_error(stderr: str) -> str:
+    """pip's ERROR lines (its warnings and notices left out), else the last lines."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR")]
+    return " | ".join(errors or [line for line in lines if not line.startswith(
+        ("[notice]", "WARNING"))][-3:] or lines[-3:])[-500:]
+
+
 def ship(session: Hosts, targets: Sequence[str]) -> dict[str, str]:
     """Copy a wheel of this bpsctl to every target and install it into ``python:``."""
     with tempfile.TemporaryDirectory(prefix="bpsctl-wheel-") as tmp:
@@ -341,17 +368,18 @@ def ship(session: Hosts, targets: Sequence[str]) -> dict[str, str]:
 
         def install(host: str) -> None:
             conn = session.connections[host]
-            remote_dir = conn.run("mktemp -d", hide=True).stdout.strip()
+            remote_dir = conn.run("mktemp -d", hide=True, in_stream=False).stdout.strip()
             remote_wheel = f"{remote_dir}/{wheel.name}"
             conn.put(str(wheel), remote_wheel)
-            result = conn.run(_remote_argv([session.spec.python, "-m", "pip", "install", "-q",
-                                            "--force-reinstall", "--no-deps", remote_wheel]),
-                              hide=True, warn=True, timeout=600)
-            conn.run(_remote_argv(["rm", "-rf", remote_dir]), hide=True, warn=True)
+            result = conn.run(_remote_argv([session.spec.python, "-c", _SHIP_INSTALL,
+                                            remote_wheel]),
+                              hide=True, warn=True, timeout=600, in_stream=False)
+            conn.run(_remote_argv(["rm", "-rf", remote_dir]), hide=True, warn=True,
+                     in_stream=False)
             if result.exited != 0:
                 raise _HostFailure(f"--ship: pip install of {wheel.name} into "
-                                   f"{session.spec.python} failed: "
-                                   f"{result.stderr.strip()[-300:]}")
+                                   f"{session.spec.python} failed (exit {result.exited}): "
+                                   f"{_pip_error(result.stderr)}")
 
         return {h: msg for h, (ok, msg) in parallel(targets, install).items() if not ok}
 
