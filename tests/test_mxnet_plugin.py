@@ -2,13 +2,15 @@
 
 Each script runs once as real workers (``run_local`` on a private cluster, 2 servers); every
 rank records each check's outcome or its final parameters, and the tests assert them. MXNet
-takes seconds to import on a busy 2-core machine, so there are three launches in all: the API
-checks on 3 workers, and Gluon training on 2 and on 4 workers.
+takes seconds to import on a busy 2-core machine, so there are four launches in all: the API
+checks on 3 workers, and Gluon training on 2, 3 and 4 workers (each variant against one
+process on the concatenated batch).
 """
 from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -16,7 +18,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-mx = pytest.importorskip("mxnet")
+if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+    import mxnet as mx      # CI installs the [mxnet] extra (README): missing is a failure there
+else:
+    mx = pytest.importorskip("mxnet")
 
 from bpsctl.config import Config  # noqa: E402
 from bpsctl.launch.api import run_local  # noqa: E402
@@ -202,6 +207,22 @@ def trainer_parameter_order():
         assert np.all(weight == value), (prefix, weight)
 
 @check
+def trainer_on_two_contexts():
+    # each worker holds its parameter on two CPU contexts: broadcast reaches both copies, and
+    # a gradient is the sum over both contexts and all workers
+    param = mx.gluon.Parameter("two_ctx_weight", shape=(3,), init=mx.init.Constant(R + 1.0))
+    param.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
+    trainer = bps.DistributedTrainer([param], "sgd", {"learning_rate": 0.0})
+    for data in param.list_data():
+        assert np.all(data.asnumpy() == 1.0), data
+    for i, grad in enumerate(param.list_grad()):
+        grad[:] = 10 * R + i
+    trainer.allreduce_grads()
+    want = sum(10 * r + i for r in range(N) for i in range(2))
+    for grad in param.list_grad():
+        assert np.all(grad.asnumpy() == want), (grad, want)
+
+@check
 def distributed_optimizer_updates_with_the_average():
     sgd = mx.optimizer.SGD(learning_rate=0.1)
     opt = bps.DistributedOptimizer(sgd)
@@ -229,7 +250,7 @@ def api_results(tmp_path_factory) -> list[dict]:
 CHECKS = ["sums_across_dtypes_and_shapes", "averages_across_float_dtypes_and_shapes",
           "mxnet_numpy_arrays_and_views", "pending_mxnet_work_is_waited_for",
           "noname_and_declare", "rejects_what_it_cannot_push", "broadcast_dict_of_ndarrays",
-          "broadcast_gluon_parameters", "trainer_parameter_order",
+          "broadcast_gluon_parameters", "trainer_parameter_order", "trainer_on_two_contexts",
           "distributed_optimizer_updates_with_the_average"]
 
 
@@ -306,14 +327,14 @@ def _reference(workers: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("workers", [2, 3, 4])
 def test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch(tmp_path, workers):
     results = run_script(tmp_path, TRAIN_SCRIPT, workers, str(LOCAL_BATCH), str(STEPS))
     reference = _reference(workers)
     for variant, tolerance in [
-        ("plain", 1e-5),          # float32 sums in another order: rounding only
-        ("optimizer", 1e-5),      # averaged by DistributedOptimizer instead
-        ("fp16", 1e-2),           # gradients rounded to float16 on the wire for 5 steps
+        ("plain", 1e-6),          # float32 sums in another order: rounding only (seen: 3e-8)
+        ("optimizer", 1e-6),      # averaged by DistributedOptimizer instead (seen: 3e-8)
+        ("fp16", 1e-3),           # gradients rounded to float16 on the wire (seen: 1e-4)
     ]:
         first = results[0][variant]
         for rank, result in enumerate(results):

@@ -12,13 +12,15 @@
     bps.broadcast_parameters(arg_params, root_rank=0)
 
 Where the bytes are copied: a CPU NDArray in the default (dense) storage enters the engine as
-a NumPy view of its own memory (``MXNDArrayGetData``), after MXNet's engine has finished every
-pending write to it (``wait_to_read``) and, for results written in place, every pending read
-(``MXNDArrayWaitToWrite``); no copy. Other dense NDArrays (GPU, empty) are copied out with
-``asnumpy()`` and back with ``_sync_copyfrom`` (two copies). fp16 compression adds one cast
-each way (``astype``), as in BytePS. A push_pull blocks the calling thread until the result is
-in place, so MXNet cannot schedule other work on the array meanwhile; the trainer and the
-optimizer start every gradient's push_pull before waiting for any.
+a NumPy view of its own memory (``MXNDArrayGetData``), once MXNet's engine has finished every
+pending read and write of it (``MXNDArrayWaitToWrite``), and the result is written back into
+that memory: no copy. Other dense NDArrays (GPU, empty) are copied out with ``asnumpy()`` and
+back with ``_sync_copyfrom`` (two copies); sparse ones are refused. fp16 compression adds a
+cast each way (``astype``, as in BytePS) and a copy of the result into the gradient; a
+trainer on several contexts sums them into the first before the push and copies the result
+back to the others. A push_pull blocks the calling thread until its result is in place, so
+MXNet cannot schedule other work on the array meanwhile; the trainer, the optimizer and
+broadcasts start every push_pull of a step before waiting for any.
 
 Names are bound to one shape and dtype for the whole job: gradients travel as
 ``DistributedTrainer.grad.<parameter name>`` / ``DistributedOptimizer.grad.<index>``,
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
-from typing import Any, Iterable
+from typing import Any
 
 import mxnet as mx
 import numpy as np
@@ -167,6 +169,31 @@ class _Op:
         return self.array
 
 
+class _Batch:
+    """push_pulls started together and waited for together. On an error every one already
+    started is still waited for (the engine writes into their arrays) before it is raised."""
+
+    def __init__(self) -> None:
+        self.ops: list[_Op] = []
+
+    def start(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
+              zero: bool = False) -> None:
+        self.ops.append(_Op(array, name, average, priority, zero))
+
+    def __enter__(self) -> "_Batch":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        error = exc
+        for op in self.ops:
+            try:
+                op.wait()
+            except BaseException as failure:     # noqa: BLE001 - the first one is raised
+                error = error or failure
+        if error is not None and exc is None:
+            raise error
+
+
 _noname = itertools.count()
 
 
@@ -198,10 +225,9 @@ def _broadcast_arrays(named: list[tuple[str, mx.nd.NDArray]], root_rank: int) ->
     """Broadcast by summation: every rank but the root contributes zeros (as BytePS does)."""
     _check_root(root_rank)
     me = rank() == root_rank
-    ops = [_Op(array, f"Parameter.{name}", average=False, priority=0, zero=not me)
-           for name, array in named]
-    for op in ops:
-        op.wait()
+    with _Batch() as batch:
+        for name, array in named:
+            batch.start(array, f"Parameter.{name}", average=False, priority=0, zero=not me)
 
 
 def _parameter_arrays(name: str, param: mx.gluon.Parameter) -> list[mx.nd.NDArray]:
@@ -244,11 +270,6 @@ def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
 
 # --------------------------------------------------------------------------- optimizer
 
-def _push_pull_all(ops: list[_Op]) -> None:
-    for op in ops:
-        op.wait()
-
-
 class DistributedOptimizer(mx.optimizer.Optimizer):
     """Wraps an ``mx.optimizer.Optimizer``: ``update`` first averages the gradient(s) across
     workers (in place), then lets the wrapped optimizer update. Every other attribute is the
@@ -261,6 +282,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         object.__setattr__(self, "_optimizer", optimizer)
 
     def __getattr__(self, item: str) -> Any:
+        if item == "_optimizer":                # not set yet (copy, unpickling)
+            raise AttributeError(item)
         return getattr(self._optimizer, item)
 
     def __setattr__(self, item: str, value: Any) -> None:
@@ -274,8 +297,9 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def _do_push_pull(self, index, grad) -> None:
         indices, grads = (index, grad) if isinstance(index, (tuple, list)) else ([index], [grad])
-        _push_pull_all([_Op(g, f"DistributedOptimizer.grad.{i}", average=True, priority=-i)
-                        for i, g in zip(indices, grads)])
+        with _Batch() as batch:
+            for i, g in zip(indices, grads):
+                batch.start(g, f"DistributedOptimizer.grad.{i}", average=True, priority=-i)
 
     def update(self, index, weight, grad, state):
         self._do_push_pull(index, grad)
@@ -316,10 +340,10 @@ class DistributedTrainer(mx.gluon.Trainer):
     the first forward pass) are broadcast at the first ``step()`` / ``allreduce_grads()`` /
     ``update()``, before the update, as BytePS does: their first gradients then come from
     each worker's own initial values, so run one forward pass before building the trainer
-    for an exact start. Gradients are summed, and ``rescale_grad`` divides by ``size()`` as well as the
-    batch size, so ``trainer.step(local_batch_size)`` matches one process on the
-    concatenated batch (as in BytePS). With several contexts per worker, the local copies
-    of a gradient are summed before the push.
+    for an exact start. Gradients are summed, and ``rescale_grad`` divides by ``size()`` as
+    well as the batch size, so ``trainer.step(local_batch_size)`` matches one process on
+    the concatenated batch (as in BytePS). With several contexts per worker, the local
+    copies of a gradient are summed before the push.
     """
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None,
@@ -350,17 +374,18 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     def _allreduce_grads(self) -> None:
         pending = []
-        for index, param in enumerate(self._params):
-            if param.grad_req == "null":
-                continue
-            grads = param.list_grad()
-            for other in grads[1:]:
-                grads[0] += other.as_in_context(grads[0].context)
-            wire, ctx = self._compression.compress(grads[0])
-            name = _wire_name(f"DistributedTrainer.grad.{param.name}", wire, grads[0])
-            pending.append((_Op(wire, name, average=False, priority=-index), wire, ctx, grads))
-        for op, wire, ctx, grads in pending:
-            op.wait()
+        with _Batch() as batch:
+            for index, param in enumerate(self._params):
+                if param.grad_req == "null":
+                    continue
+                grads = param.list_grad()
+                for other in grads[1:]:
+                    grads[0] += other.as_in_context(grads[0].context)
+                wire, ctx = self._compression.compress(grads[0])
+                name = _wire_name(f"DistributedTrainer.grad.{param.name}", wire, grads[0])
+                batch.start(wire, name, average=False, priority=-index)
+                pending.append((wire, ctx, grads))
+        for wire, ctx, grads in pending:
             if wire is not grads[0]:
                 self._compression.decompress(wire, ctx).copyto(grads[0])
             for other in grads[1:]:
