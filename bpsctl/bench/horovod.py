@@ -21,8 +21,9 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO
 
 HOROVOD_VERSION = "0.28.1"
 INSTALL_COMMAND = "bpsctl install horovod"
@@ -41,7 +42,7 @@ def installed_version(python: str = sys.executable, timeout_s: float = 60.0) -> 
     a fresh interpreter: a build against another torch fails only when its extension loads."""
     try:
         done = subprocess.run([python, "-c", "import horovod, horovod.torch; print(horovod.__version__)"],
-                              capture_output=True, text=True, timeout=timeout_s)
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     if done.returncode != 0:
@@ -71,7 +72,7 @@ def patch_cxx_standard(source: Path) -> list[Path]:
 def _run(cmd: list[str], output: IO[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
     output.write("$ " + " ".join(cmd) + "\n")
     output.flush()
-    done = subprocess.run(cmd, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=cwd)
+    done = subprocess.run(cmd, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=cwd, check=False)
     if done.returncode != 0:
         raise HorovodError(f"`{' '.join(cmd)}` exited {done.returncode} (its output is above)")
 

@@ -18,8 +18,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 SYSTEMS = ("bpsctl", "horovod", "ddp")
 
