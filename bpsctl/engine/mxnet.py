@@ -32,9 +32,14 @@ import ctypes
 import itertools
 from typing import Any
 
-import mxnet as mx
 import numpy as np
-from mxnet.base import _LIB, check_call
+
+try:
+    import mxnet as mx
+    from mxnet.base import _LIB, check_call
+except Exception as exc:        # noqa: BLE001 - under numpy>=1.24 it is an AttributeError
+    raise ImportError("bpsctl.engine.mxnet needs mxnet 1.9.1, which needs numpy<1.24: "
+                      f"pip install 'bpsctl[mxnet]' (import failed: {exc!r})") from exc
 
 from .. import engine as _engine
 from ..config import Config
