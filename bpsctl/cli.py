@@ -258,18 +258,12 @@ def down(ctx: typer.Context, hosts: Optional[str] = _hosts_option()) -> None:
 
 # --------------------------------------------------------------------------- sub-apps
 
-def _mount_bench() -> None:
-    # bpsctl/bench/cli.py is written separately; until it exists the rest of the CLI works.
-    try:
-        from bpsctl.bench.cli import bench_app
-    except ModuleNotFoundError as exc:
-        if exc.name != "bpsctl.bench.cli":
-            raise
-        return
-    app.add_typer(bench_app, name="bench")
+from bpsctl.bench.cli import bench_app          # noqa: E402  (sub-apps after the root app)
+from bpsctl.bench.install import install_app     # noqa: E402
 
+app.add_typer(bench_app, name="bench")
+app.add_typer(install_app, name="install")
 
-_mount_bench()
 
 
 def main() -> None:
