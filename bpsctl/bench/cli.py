@@ -41,6 +41,22 @@ def _sweep(text: Optional[str]) -> list[int] | None:
     return counts
 
 
+def _cluster_config(ctx: typer.Context, partition_bytes: Optional[str],
+                    credit_bytes: Optional[str], emulate: Optional[bool],
+                    nic: Optional[str]) -> Any:
+    """The Config every benchmark shares: data-path knobs and the (emulated) cluster flags."""
+    flags = {"partition_bytes": (None if partition_bytes is None
+                                 else parse_size(partition_bytes, "--partition-bytes"),
+                                 "--partition-bytes"),
+             "credit_bytes": (None if credit_bytes is None
+                              else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
+             "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")}
+    config = build_config(ctx, flags)
+    if config.nic and not config.emulate:
+        raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
+    return config
+
+
 def _write_json(path: Optional[Path], report: dict[str, Any]) -> None:
     if path is None:
         return
@@ -81,15 +97,7 @@ def comm(ctx: typer.Context,
          ) -> None:
     """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
-        flags = {"partition_bytes": (None if partition_bytes is None
-                                     else parse_size(partition_bytes, "--partition-bytes"),
-                                     "--partition-bytes"),
-                 "credit_bytes": (None if credit_bytes is None
-                                  else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
-                 "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")}
-        config = build_config(ctx, flags)
-        if config.nic and not config.emulate:
-            raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
+        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic)
         settings = CommSettings(workers=workers, servers=servers or workers, sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
                                 compare=_names(compare))
@@ -126,15 +134,7 @@ def _train(ctx: typer.Context, model: str, workers: int, servers: Optional[int],
            partition_bytes: Optional[str], credit_bytes: Optional[str],
            json_file: Optional[Path], plot_file: Optional[Path]) -> None:
     with cli_errors():
-        flags = {"partition_bytes": (None if partition_bytes is None
-                                     else parse_size(partition_bytes, "--partition-bytes"),
-                                     "--partition-bytes"),
-                 "credit_bytes": (None if credit_bytes is None
-                                  else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
-                 "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")}
-        config = build_config(ctx, flags)
-        if config.nic and not config.emulate:
-            raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
+        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic)
         settings = TrainSettings(model=model, workers=workers, servers=servers or workers,
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,

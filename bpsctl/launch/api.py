@@ -155,13 +155,17 @@ def load_state(state_dir: Path | str) -> ClusterState | None:
                           "bpsctl scheduler or server is left running, then delete it") from None
 
 
-def _write_state(cluster: ClusterState) -> None:
-    path = state_file(cluster.state_dir)
+def write_private_json(path: Path, data: Any) -> None:
+    """Atomically write JSON readable only by its owner (a cluster's state holds its secret)."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
-        json.dump(cluster.to_json(), out, indent=2)
+        json.dump(data, out, indent=2)
     os.replace(tmp, path)
+
+
+def _write_state(cluster: ClusterState) -> None:
+    write_private_json(state_file(cluster.state_dir), cluster.to_json())
 
 
 def _make_state_dir(state_dir: Path) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import io
 import json
 import os
 import secrets
@@ -35,7 +34,8 @@ from typing import IO, Any, Callable, Iterator, Sequence
 
 import bpsctl
 from bpsctl.config import Config, ConfigError
-from bpsctl.launch.api import (LaunchError, RunResult, WorkerFailure, logs_dir, parse_log_role)
+from bpsctl.launch.api import (LaunchError, RunResult, WorkerFailure, logs_dir, parse_log_role,
+                               write_private_json)
 from bpsctl.launch.hosts import HostsSpec, SshOptions, load_hosts
 from bpsctl.launch.output import OutputRelay
 from bpsctl.launch.plan import Assignment, Plan, plan
@@ -138,12 +138,7 @@ def load_cluster(state_dir: Path | str) -> SshCluster | None:
 
 
 def _write_cluster(cluster: SshCluster) -> None:
-    path = state_file(cluster.state_dir)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        json.dump(cluster.to_json(), out, indent=2)
-    os.replace(tmp, path)
+    write_private_json(state_file(cluster.state_dir), cluster.to_json())
 
 
 @contextlib.contextmanager
