@@ -112,16 +112,23 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
         finished.append(task.name)
         finish(task, error)
     worker._finish = record_finish
-    if R == 0:
-        for pid in server_pids:
-            os.kill(pid, signal.SIGSTOP)
-    else:
-        time.sleep(0.5)
+    # every rank pauses the servers itself before it queues (SIGSTOP is idempotent), and rank 0
+    # resumes them only once every rank has queued everything: no rank's lows can be
+    # acknowledged, and so overtake its high, because another rank was late
+    for pid in server_pids:
+        os.kill(pid, signal.SIGSTOP)
     low = [bps.push_pull_async(torch.full((16000,), 1.0), average=False, name=f"low{i}", priority=-5)
            for i in range(40)]
     high = bps.push_pull_async(torch.full((16000,), 1.0), average=False, name="high", priority=5)
-    time.sleep(1.0)
+    time.sleep(0.2)
+    open(os.path.join(out_dir, f"queued.rank{R}"), "w").close()
     if R == 0:
+        deadline = time.monotonic() + 30
+        while not all(os.path.exists(os.path.join(out_dir, f"queued.rank{r}"))
+                      for r in range(bps.size())):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         for pid in server_pids:
             os.kill(pid, signal.SIGCONT)
     for h in low + [high]:
