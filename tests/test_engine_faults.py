@@ -342,19 +342,22 @@ def test_the_scheduler_killed_mid_round_fails_every_worker_and_stops_the_servers
 
 # --------------------------------------------------------------------------- never started
 
+#: a worker that only joins, printing how long init took and why it failed
+INIT_AND_REPORT = """
+    started = time.monotonic()
+    try:
+        bps.init()
+    except EngineError as exc:
+        print(f"elapsed {time.monotonic() - started:.2f}", flush=True)
+        print(f"message {exc}", flush=True)
+        sys.exit(1)
+    print("joined", flush=True)
+"""
+
 def test_no_scheduler_fails_init_within_the_start_timeout_saying_how_to_start_one(tmp_path,
                                                                                    workers):
     port = free_port()
-    cmd = worker_script(tmp_path, """
-        started = time.monotonic()
-        try:
-            bps.init()
-        except EngineError as exc:
-            print(f"elapsed {time.monotonic() - started:.2f}", flush=True)
-            print(f"message {exc}", flush=True)
-            sys.exit(1)
-        print("joined", flush=True)
-    """)
+    cmd = worker_script(tmp_path, INIT_AND_REPORT)
     config = Config(scheduler=f"127.0.0.1:{port}", secret="s", start_timeout_s=2.0,
                     heartbeat_interval_s=0.2, heartbeat_timeout_s=2.0, state_dir=tmp_path)
     workers.start(cmd, config.replace(rank=0))
@@ -376,16 +379,7 @@ def test_no_scheduler_recorded_fails_at_once_saying_how_to_start_one(tmp_path):
 
 
 def test_a_worker_that_never_arrives_is_named_after_the_start_timeout(cluster, tmp_path, workers):
-    cmd = worker_script(tmp_path, """
-        started = time.monotonic()
-        try:
-            bps.init()
-        except EngineError as exc:
-            print(f"elapsed {time.monotonic() - started:.2f}", flush=True)
-            print(f"message {exc}", flush=True)
-            sys.exit(1)
-        print("joined", flush=True)
-    """)
+    cmd = worker_script(tmp_path, INIT_AND_REPORT)
     config = run_config(cluster, world_size=3, job_id=uuid.uuid4().hex, start_timeout_s=2.0)
     for rank in (0, 1):                                    # rank 2 never starts
         workers.start(cmd, config.replace(rank=rank))

@@ -14,36 +14,14 @@ from pathlib import Path
 import psutil
 import pytest
 
+from conftest import gone, kill_pids, wait_until
+
 from bpsctl.config import Config, ConfigError
 from bpsctl.launch import api
 
 pytestmark = pytest.mark.timeout(60)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie counts: PID 1 here does not reap orphans)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def kill_pids(pids) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 @pytest.fixture

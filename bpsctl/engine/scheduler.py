@@ -18,7 +18,7 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import exit_on_sigterm, make_socket, secret_ok, setup_process_logging, write_ready_file
+from .common import bound_router, exit_on_sigterm, secret_ok, setup_process_logging, write_ready_file
 from .partition import Placement
 
 
@@ -63,11 +63,7 @@ class Scheduler:
         self.config = config
         self.log = setup_process_logging("scheduler")
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if config.port:
-            self.sock.bind(f"tcp://{config.host}:{config.port}")
-        self.port = config.port or self.sock.bind_to_random_port(f"tcp://{config.host}")
+        self.sock, self.port = bound_router(self.ctx, config.host, config.port)
         if config.control_socket:
             self.sock.bind(f"ipc://{config.control_socket}")
         self.members: dict[bytes, Member] = {}

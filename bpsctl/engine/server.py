@@ -30,7 +30,7 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import (EngineError, exit_on_sigterm, keep_large_buffers, make_socket, monitor, monitor_events,
+from .common import (EngineError, bound_router, exit_on_sigterm, keep_large_buffers, make_socket, monitor, monitor_events,
                      secret_ok, setup_process_logging, write_ready_file)
 
 #: partitions at least this large are summed on a summation thread
@@ -108,11 +108,7 @@ class Server:
         self.log = setup_process_logging("server")
         keep_large_buffers()
         self.ctx = zmq.Context()
-        self.sock = make_socket(self.ctx, zmq.ROUTER)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        if config.port:
-            self.sock.bind(f"tcp://{config.host}:{config.port}")
-        self.port = config.port or self.sock.bind_to_random_port(f"tcp://{config.host}")
+        self.sock, self.port = bound_router(self.ctx, config.host, config.port)
         self.rank = -1
         self.scheduler_address = config.scheduler
         self.sched = make_socket(self.ctx, zmq.DEALER)

@@ -237,7 +237,7 @@ class Worker:
         host's workers, and only one worker per host pushes this name; the sum is over hosts.
         """
         src = np.asarray(array)
-        dtype_code = P.dtype_code(src.dtype)           # raises TypeError naming supported dtypes
+        P.dtype_code(src.dtype)                        # raises TypeError naming supported dtypes
         if not src.flags.c_contiguous:
             src = np.ascontiguousarray(src)
         if out is None:
@@ -252,7 +252,6 @@ class Worker:
             raise TypeError(f"average=True needs a floating-point tensor, got {src.dtype} "
                             f"for {name!r}; pass average=False to sum")
         divisor = self.size if average and self.size > 1 else None
-        del dtype_code
         if name is None:
             name = f"push_pull.noname.{next(self._noname_counter)}"
         handle = Handle(name, out)
