@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from bpsctl import launch
-from bpsctl.cliutil import build_config, cli_errors, err_console, knob_option
+from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError
 from bpsctl.engine.common import exit_on_sigterm
 
@@ -59,7 +59,9 @@ def _ssh(hosts: Optional[str], state_dir: Path) -> Any:
 
 @app.command()
 def up(ctx: typer.Context,
-       servers: int = typer.Option(1, "--servers", min=1, help="Summation servers to start."),
+       servers: Optional[int] = typer.Option(
+           None, "--servers", min=1,
+           help="Summation servers to start (default: num_servers of the config file, else 1)."),
        port: Optional[int] = knob_option("port", "--port"),
        start_timeout_s: Optional[float] = knob_option("start_timeout_s", "--start-timeout"),
        hosts: Optional[str] = _hosts_option(),
@@ -68,6 +70,7 @@ def up(ctx: typer.Context,
        workers: int = typer.Option(2, "--workers", min=1,
                                    help="With --emulate: worker hosts to build."),
        nic: Optional[str] = knob_option("nic", "--nic"),
+       config_file: Optional[Path] = config_file_option(),
        ) -> None:
     """Start a scheduler and summation servers on this machine (or over SSH with --hosts).
 
@@ -77,7 +80,9 @@ def up(ctx: typer.Context,
     with cli_errors():
         config = build_config(ctx, {"port": (port, "--port"),
                                     "start_timeout_s": (start_timeout_s, "--start-timeout"),
-                                    "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")})
+                                    "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")},
+                              config_file, read_file=True)
+        servers = servers or config.num_servers or 1
         if config.nic and not config.emulate:
             raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
         if config.emulate:
@@ -118,13 +123,15 @@ def up(ctx: typer.Context,
 @app.command(context_settings={"allow_interspersed_args": False})
 def run(ctx: typer.Context,
         np: Optional[int] = knob_option("world_size", "-np", min=1),
-        servers: int = typer.Option(1, "--servers", min=1,
-                                    help="Servers of the private cluster started when none is up."),
+        servers: Optional[int] = typer.Option(
+            None, "--servers", min=1, help="Servers of the private cluster started when none "
+                                           "is up (default: num_servers of the config, else 1)."),
         start_timeout_s: Optional[float] = knob_option("start_timeout_s", "--start-timeout"),
         cmd: List[str] = typer.Argument(..., metavar="CMD",
                                         help="The worker command, e.g. python train.py."),
         hosts: Optional[str] = _hosts_option(),
         ship: bool = _ship_option(),
+        config_file: Optional[Path] = config_file_option(),
         ) -> None:
     """Run N workers of CMD on the cluster that `up` started, or on a private one.
 
@@ -133,7 +140,9 @@ def run(ctx: typer.Context,
     """
     with cli_errors():
         config = build_config(ctx, {"world_size": (np, "-np"),
-                                    "start_timeout_s": (start_timeout_s, "--start-timeout")})
+                                    "start_timeout_s": (start_timeout_s, "--start-timeout")},
+                              config_file, read_file=True)
+        servers = servers or config.num_servers or 1
         ssh = _ssh(hosts, config.state_dir)
         if ssh is not None:     # one worker per slot of the hosts file
             result = ssh.run_ssh(cmd, config, hosts, ship_wheel=ship)
@@ -260,9 +269,11 @@ def down(ctx: typer.Context, hosts: Optional[str] = _hosts_option()) -> None:
 
 from bpsctl.bench.cli import bench_app          # noqa: E402  (sub-apps after the root app)
 from bpsctl.bench.install import install_app     # noqa: E402
+from bpsctl.tune.cli import tune                 # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 app.add_typer(install_app, name="install")
+app.command(name="tune")(tune)
 
 
 

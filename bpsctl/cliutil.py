@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.markup import escape
 
 from bpsctl import launch
-from bpsctl.config import Config, ConfigError
+from bpsctl.config import (CONFIG_FILE_ENV, Config, ConfigError, default_config_file,
+                            find_config_file)
 
 err_console = Console(stderr=True)
 
@@ -29,18 +30,30 @@ def knob_option(knob_name: str, *flags: str, **option_kwargs: Any) -> Any:
                         **option_kwargs)
 
 
-def build_config(ctx: typer.Context, flags: dict[str, tuple[Any, str]]) -> Config:
-    """Config from the environment, overridden by the flags given.
+def config_file_option() -> Any:
+    """``--config FILE``: the tuned config file a command reads (see :func:`build_config`)."""
+    return typer.Option(None, "--config", metavar="FILE",
+                        help=f"Tuned config file (`bpsctl tune` writes one). Default: "
+                             f"${CONFIG_FILE_ENV}, else {default_config_file()} if it exists. "
+                             "Flags and BPSCTL_* variables override its values.")
+
+
+def build_config(ctx: typer.Context, flags: dict[str, tuple[Any, str]],
+                 config_file: Path | None = None, read_file: bool = False) -> Config:
+    """Config from the flags given, over the environment, over a tuned config file.
 
     ``flags`` maps a knob to (value or None, the flag that sets it), so that an invalid value
-    is reported under the flag's name as well as the env var's.
+    is reported under the flag's name as well as the env var's. With ``read_file`` (the
+    commands that start engine processes: up, run, bench, tune) the config file is
+    ``config_file`` (``--config``), else the default location if a file is there.
     """
     overrides = {name: value for name, (value, _) in flags.items() if value is not None}
     state_dir = ctx.obj.get("state_dir") if ctx.obj else None
     if state_dir is not None:
         overrides["state_dir"] = Path(state_dir).expanduser()
+    file = find_config_file(config_file) if read_file or config_file is not None else None
     try:
-        return Config.from_env(**overrides)
+        return Config.from_env(file=file, **overrides)
     except ConfigError as exc:
         message = str(exc)
         for name, (_, flag) in {**flags, "state_dir": (None, "--state-dir")}.items():

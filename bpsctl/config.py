@@ -13,6 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+try:
+    import tomllib
+except ImportError:                     # Python 3.10
+    import tomli as tomllib
 
 class ConfigError(ValueError):
     """A knob has a value bpsctl cannot use; the message names it and the expected form."""
@@ -115,9 +119,12 @@ _PARSERS: dict[str, Callable[[str, str], Any]] = {
 }
 
 
-def knob(default: Any, env: str, help: str, kind: str, fallback_env: tuple[str, ...] = ()) -> Any:
+def knob(default: Any, env: str, help: str, kind: str, fallback_env: tuple[str, ...] = (),
+         in_file: bool = False) -> Any:
+    """``in_file``: a tuned config file may set it (a cluster-wide setting, not a process's
+    identity or address)."""
     return field(default=default, metadata={"env": env, "help": help, "kind": kind,
-                                            "fallback_env": fallback_env})
+                                            "fallback_env": fallback_env, "in_file": in_file})
 
 
 @dataclass(frozen=True)
@@ -162,16 +169,20 @@ class Config:
 
     # data path
     partition_bytes: int = knob(4096000, "BPSCTL_PARTITION_BYTES",
-                                "largest piece a tensor is cut into for push/pull", "size")
+                                "largest piece a tensor is cut into for push/pull", "size",
+                                in_file=True)
     credit_bytes: int = knob(16384000, "BPSCTL_CREDIT_BYTES",
-                             "most bytes a worker has pushed and not yet seen acknowledged", "size")
+                             "most bytes a worker has pushed and not yet seen acknowledged", "size",
+                             in_file=True)
     num_servers: int = knob(0, "BPSCTL_NUM_SERVERS",
-                            "servers a job uses, the first N registered (0: all of them)", "int")
-    server_threads: int = knob(2, "BPSCTL_SERVER_THREADS", "summation threads per server", "int")
+                            "servers a job uses, the first N registered (0: all of them)", "int",
+                            in_file=True)
+    server_threads: int = knob(2, "BPSCTL_SERVER_THREADS", "summation threads per server", "int",
+                                in_file=True)
     local_reduce: str = knob("auto", "BPSCTL_LOCAL_REDUCE",
                              "intra-node stage of the torch plugin when several workers share a "
                              "host: auto (reduce-scatter before push, all-gather after pull) or off",
-                             "str")
+                             "str", in_file=True)
     # the standard names, not BPSCTL_*: launchers (bpsctl run, torchrun) set these per job,
     # after the BPSCTL_* variables of their own config
     master_addr: str = knob("127.0.0.1", "MASTER_ADDR",
@@ -183,14 +194,16 @@ class Config:
     # deadlines
     start_timeout_s: float = knob(30.0, "BPSCTL_START_TIMEOUT",
                                   "seconds to wait for the scheduler and every peer to register",
-                                  "float")
+                                  "float", in_file=True)
     op_timeout_s: float = knob(300.0, "BPSCTL_OP_TIMEOUT",
-                               "seconds one push_pull may wait for the other workers", "float")
+                               "seconds one push_pull may wait for the other workers", "float",
+                               in_file=True)
     heartbeat_interval_s: float = knob(0.5, "BPSCTL_HEARTBEAT_INTERVAL",
-                                       "seconds between heartbeats to the scheduler", "float")
+                                       "seconds between heartbeats to the scheduler", "float",
+                                       in_file=True)
     heartbeat_timeout_s: float = knob(5.0, "BPSCTL_HEARTBEAT_TIMEOUT",
                                       "seconds without a heartbeat before a process is declared lost",
-                                      "float")
+                                      "float", in_file=True)
 
     def __post_init__(self) -> None:
         if self.role not in ("scheduler", "server", "worker"):
@@ -233,10 +246,13 @@ class Config:
     # ---------------------------------------------------------------- building
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "Config":
-        """Read every knob from ``environ`` (default: the process environment), then apply overrides."""
+    def from_env(cls, environ: Mapping[str, str] | None = None, file: Path | None = None,
+                 **overrides: Any) -> "Config":
+        """Read every knob. Later sources win: built-in defaults, then ``file`` (a tuned config
+        file, see :func:`read_config_file`), then ``environ`` (default: the process
+        environment), then ``overrides`` (explicit command-line flags)."""
         environ = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
+        values: dict[str, Any] = read_config_file(file) if file is not None else {}
         for f in dataclasses.fields(cls):
             if f.name in overrides:
                 continue
@@ -260,6 +276,93 @@ class Config:
         """(name, env var, default, help) of every knob, for docs and --help."""
         return [(f.name, f.metadata["env"], str(f.default), f.metadata["help"])
                 for f in dataclasses.fields(Config)]
+
+
+# --------------------------------------------------------------------------- config files
+
+#: what ``[bpsctl] format`` says in a file `bpsctl tune` wrote, and the version this bpsctl reads
+CONFIG_FILE_FORMAT = "tuned-config"
+CONFIG_FILE_VERSION = 1
+CONFIG_FILE_ENV = "BPSCTL_CONFIG"
+_FILE_TABLES = ("bpsctl", "knobs", "tuned")
+_FILE_KINDS = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false",
+               "size": "a size such as 4096000 or \"64MiB\"", "path": "a path"}
+
+
+def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
+    """Where `bpsctl tune` writes and `up`, `run`, `bench` look: $XDG_CONFIG_HOME/bpsctl/tuned.toml
+    (XDG_CONFIG_HOME defaults to ~/.config; a relative one is ignored, as the XDG spec says)."""
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CONFIG_HOME", "")
+    root = Path(base) if base and Path(base).is_absolute() else Path("~/.config").expanduser()
+    return root / "bpsctl" / "tuned.toml"
+
+
+def find_config_file(explicit: Path | None = None,
+                     environ: Mapping[str, str] | None = None) -> Path | None:
+    """The config file a command reads: ``--config FILE``, else $BPSCTL_CONFIG, else the
+    default location if a file is there (else none). A file named explicitly must exist."""
+    environ = os.environ if environ is None else environ
+    for path, what in ((explicit, "--config"), (environ.get(CONFIG_FILE_ENV) or None, CONFIG_FILE_ENV)):
+        if path is not None:
+            path = Path(path).expanduser()
+            if not path.is_file():
+                raise ConfigError(f"{what}: {path} is not a file")
+            return path
+    default = default_config_file(environ)
+    return default if default.is_file() else None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The knobs a tuned config file sets, parsed and checked: ``{knob name: value}``.
+
+    The file is TOML: ``[bpsctl] format = "tuned-config", version = 1`` says what it is,
+    ``[knobs]`` holds Config knobs by name (sizes as numbers or strings such as ``"512KiB"``),
+    ``[tuned]`` records where the values came from (not read). Anything else is an error that
+    names the file, the key and what was expected.
+    """
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc.strerror}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    header = data.get("bpsctl")
+    if not isinstance(header, dict) or header.get("format") != CONFIG_FILE_FORMAT:
+        raise ConfigError(f"{path}: not a bpsctl tuned config: expected a [bpsctl] table with "
+                          f"format = {CONFIG_FILE_FORMAT!r} (files that `bpsctl tune` writes)")
+    version = header.get("version")
+    if version != CONFIG_FILE_VERSION:
+        raise ConfigError(f"{path}: [bpsctl] version: this bpsctl reads version "
+                          f"{CONFIG_FILE_VERSION}, got {version!r}; run `bpsctl tune` again to "
+                          "write a file this version reads")
+    for key, value in data.items():
+        if key not in _FILE_TABLES or not isinstance(value, dict):
+            raise ConfigError(f"{path}: {key}: expected only the tables "
+                              f"{', '.join(f'[{t}]' for t in _FILE_TABLES)}")
+    allowed = {f.name: f for f in dataclasses.fields(Config) if f.metadata["in_file"]}
+    values: dict[str, Any] = {}
+    for name, raw in data.get("knobs", {}).items():
+        what = f"{path}: [knobs] {name}"
+        if name not in allowed:
+            raise ConfigError(f"{what}: not a knob a config file sets; expected one of "
+                              f"{', '.join(allowed)}")
+        kind = allowed[name].metadata["kind"]
+        if isinstance(raw, bool) and kind == "bool":
+            values[name] = raw
+        elif isinstance(raw, (int, float, str)) and not isinstance(raw, bool):
+            values[name] = _PARSERS[kind](raw if kind == "size" and isinstance(raw, int)
+                                          else str(raw), what)
+        else:
+            raise ConfigError(f"{what}: expected {_FILE_KINDS[kind]}, got {raw!r}")
+    try:
+        Config(**values)
+    except ConfigError as exc:          # the range checks of __post_init__, under the file's name
+        env, _, detail = str(exc).partition(": ")
+        name = next((n for n, f in allowed.items() if f.metadata["env"] == env), env)
+        raise ConfigError(f"{path}: [knobs] {name}: {detail}") from None
+    return values
 
 
 def parse_address(text: str, what: str = "address") -> tuple[str, int]:

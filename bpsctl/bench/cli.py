@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import typer
 
-from bpsctl.cliutil import build_config, cli_errors, err_console, knob_option
+from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, parse_size
 
 from .api import BenchError, CommSettings, TrainSettings, run_comm, run_sweep, run_train
@@ -43,15 +43,16 @@ def _sweep(text: Optional[str]) -> list[int] | None:
 
 def _cluster_config(ctx: typer.Context, partition_bytes: Optional[str],
                     credit_bytes: Optional[str], emulate: Optional[bool],
-                    nic: Optional[str]) -> Any:
-    """The Config every benchmark shares: data-path knobs and the (emulated) cluster flags."""
+                    nic: Optional[str], config_file: Optional[Path] = None) -> Any:
+    """The Config every benchmark (and tune) shares: data-path knobs, the (emulated) cluster
+    flags, and the tuned config file under them."""
     flags = {"partition_bytes": (None if partition_bytes is None
                                  else parse_size(partition_bytes, "--partition-bytes"),
                                  "--partition-bytes"),
              "credit_bytes": (None if credit_bytes is None
                               else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
              "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")}
-    config = build_config(ctx, flags)
+    config = build_config(ctx, flags, config_file, read_file=True)
     if config.nic and not config.emulate:
         raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
     return config
@@ -72,7 +73,8 @@ def comm(ctx: typer.Context,
          workers: int = typer.Option(2, "--workers", "-n", min=1,
                                      help="Worker processes (with --emulate: worker hosts)."),
          servers: Optional[int] = typer.Option(None, "--servers", min=1,
-                                               help="Summation servers (default: as many as workers)."),
+                                               help="Summation servers (default: num_servers of "
+                                                    "the config, else as many as workers)."),
          size: str = typer.Option("64MiB", "--size", help="Bytes each worker push_pulls per round "
                                   "(64MiB, 4MB, 4096000), or several: 1MiB,16MiB,64MiB,256MiB."),
          tensors: int = typer.Option(8, "--tensors", min=1, help="Tensors the bytes are spread over."),
@@ -94,11 +96,13 @@ def comm(ctx: typer.Context,
                                                   help="Write the results as JSON (- for stdout)."),
          plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
                                                   help="Draw the results as a PNG."),
+         config_file: Optional[Path] = config_file_option(),
          ) -> None:
     """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
-        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic)
-        settings = CommSettings(workers=workers, servers=servers or workers, sizes=_sizes(size),
+        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file)
+        settings = CommSettings(workers=workers, servers=servers or config.num_servers or workers,
+                                sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
                                 compare=_names(compare))
         too_small = [s for s in settings.sizes if s < 4 * tensors]
@@ -132,10 +136,12 @@ def _train(ctx: typer.Context, model: str, workers: int, servers: Optional[int],
            image_size: int, num_classes: int, warmup: int, iters: int, batches_per_iter: int,
            compare: Optional[str], emulate: Optional[bool], nic: Optional[str],
            partition_bytes: Optional[str], credit_bytes: Optional[str],
-           json_file: Optional[Path], plot_file: Optional[Path]) -> None:
+           json_file: Optional[Path], plot_file: Optional[Path],
+           config_file: Optional[Path]) -> None:
     with cli_errors():
-        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic)
-        settings = TrainSettings(model=model, workers=workers, servers=servers or workers,
+        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file)
+        settings = TrainSettings(model=model, workers=workers,
+                                 servers=servers or config.num_servers or workers,
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,
                                  batches_per_iter=batches_per_iter, compare=_names(compare))
@@ -163,7 +169,8 @@ def _train_command(model: str, title: str) -> None:
                 workers: int = typer.Option(2, "--workers", "-n", min=1,
                                             help="Worker processes (with --emulate: worker hosts)."),
                 servers: Optional[int] = typer.Option(None, "--servers", min=1,
-                                                      help="Summation servers (default: as many as workers)."),
+                                                      help="Summation servers (default: num_servers "
+                                                           "of the config, else as many as workers)."),
                 batch_size: int = typer.Option(4, "--batch-size", min=1, help="Images per worker per batch."),
                 image_size: int = typer.Option(32, "--image-size", min=32,
                                                help="Side of the square synthetic images (pixels)."),
@@ -184,10 +191,11 @@ def _train_command(model: str, title: str) -> None:
                                                          help="Write the results as JSON (- for stdout)."),
                 plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
                                                          help="Draw img/sec per system as a PNG."),
+                config_file: Optional[Path] = config_file_option(),
                 ) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, emulate, nic, partition_bytes, credit_bytes,
-               json_file, plot_file)
+               json_file, plot_file, config_file)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")

@@ -1,0 +1,301 @@
+"""`bpsctl tune` as functions: search partition size, server count and credit on one cluster.
+
+One cluster serves the whole search: partition size, credit and the number of servers a job
+uses are all chosen per job (the scheduler takes the first worker's ``partition_bytes`` and
+``num_servers``; credit is the workers' own), so each point is a fresh job — new worker
+processes — on the same scheduler and servers, and an emulated cluster is built once.
+
+Each point is scored by the comm benchmark (push_pull algbw of a fixed gradient size, median
+of the timed rounds) or a training benchmark (img/sec). optuna's TPE sampler, seeded, picks the
+points; the model's server guess and the current config's nearest point go first. The best
+few and the current config are then measured again, with more rounds, side by side, and the
+best of that re-measurement wins: one lucky round on a noisy machine does not decide.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+from .. import launch
+from ..bench.api import (BenchError, CommSettings, TrainSettings, bench_cluster, comm_point,
+                         train_system)
+from ..config import Config, ConfigError, format_bytes
+from .model import ServerGuess, guess_servers
+
+KNOBS = ("partition_bytes", "servers", "credit")
+#: 64 KiB .. 64 MiB, ×4 steps
+PARTITION_SIZES = tuple(64 * 1024 * 4**i for i in range(6))
+#: credit as a multiple of the partition size: how many partitions a worker keeps in flight
+CREDIT_MULTIPLES = (2, 8, 32)
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    knobs: tuple[str, ...] = KNOBS       # what to search; the others stay at the config's value
+    trials: int = 16                     # points the search measures (the grid: all of them)
+    grid: bool = False                   # measure every point instead of searching
+    model: str | None = None             # score on this training benchmark, not comm
+    workers: int | None = None           # None: one per emulated worker host of a live cluster, else 2
+    servers: int | None = None           # servers of a private cluster (None: as many as workers)
+    size_bytes: int = 32 * 1024 * 1024   # comm: bytes each worker push_pulls per round
+    tensors: int = 8
+    warmup: int = 2
+    repeats: int = 5
+    finalists: int = 3
+    final_repeats: int = 10
+    seed: int = 0
+    partition_sizes: tuple[int, ...] = PARTITION_SIZES
+    credit_multiples: tuple[int, ...] = CREDIT_MULTIPLES
+
+    def __post_init__(self) -> None:
+        unknown = [k for k in self.knobs if k not in KNOBS]
+        if unknown or not self.knobs:
+            raise ConfigError(f"tune: knobs to tune are {', '.join(KNOBS)}, got {self.knobs}")
+        for name, value, least in (("--trials", self.trials, 1), ("--repeats", self.repeats, 1),
+                                   ("--finalists", self.finalists, 1),
+                                   ("--final-repeats", self.final_repeats, 1),
+                                   ("--tensors", self.tensors, 1)):
+            if value < least:
+                raise ConfigError(f"{name}: expected at least {least}, got {value}")
+        if self.model is None and self.size_bytes < 4 * self.tensors:
+            raise ConfigError(f"--size: {self.size_bytes} bytes is too small for {self.tensors} "
+                              f"float32 tensors (at least {4 * self.tensors} bytes)")
+
+
+@dataclass(frozen=True, order=True)
+class Point:
+    partition_bytes: int
+    servers: int
+    credit_bytes: int
+
+
+@dataclass(frozen=True)
+class Space:
+    """The points a search may choose: every combination of these values."""
+
+    partitions: tuple[int, ...]
+    servers: tuple[int, ...]
+    credit_multiples: tuple[int, ...] | None      # None: credit fixed at ``credit_bytes``
+    credit_bytes: int
+
+    @classmethod
+    def build(cls, config: Config, settings: TuneSettings, cluster_servers: int) -> "Space":
+        current_servers = min(config.num_servers or cluster_servers, cluster_servers)
+        return cls(
+            partitions=(settings.partition_sizes if "partition_bytes" in settings.knobs
+                        else (config.partition_bytes,)),
+            servers=(tuple(range(1, cluster_servers + 1)) if "servers" in settings.knobs
+                     else (current_servers,)),
+            credit_multiples=settings.credit_multiples if "credit" in settings.knobs else None,
+            credit_bytes=config.credit_bytes)
+
+    @property
+    def credits(self) -> tuple[int | None, ...]:
+        return self.credit_multiples or (None,)
+
+    def point(self, partition_index: int, servers_index: int, credit_index: int) -> Point:
+        partition = self.partitions[partition_index]
+        multiple = self.credits[credit_index]
+        return Point(partition, self.servers[servers_index],
+                     self.credit_bytes if multiple is None else multiple * partition)
+
+    def __len__(self) -> int:
+        return len(self.partitions) * len(self.servers) * len(self.credits)
+
+    def __iter__(self) -> Iterator[Point]:
+        for p in range(len(self.partitions)):
+            for s in range(len(self.servers)):
+                for c in range(len(self.credits)):
+                    yield self.point(p, s, c)
+
+    def nearest(self, partition_bytes: int, servers: int, credit_bytes: int) -> dict[str, int]:
+        """Indices of the point closest (on the log scales) to the given values."""
+        def closest(values: tuple[Any, ...], target: float) -> int:
+            return min(range(len(values)), key=lambda i: (abs(math.log(values[i] / target)), i))
+        credit_ratio = credit_bytes / partition_bytes
+        return {"partition": closest(self.partitions, partition_bytes),
+                "servers": min(range(len(self.servers)),
+                               key=lambda i: (abs(self.servers[i] - servers), i)),
+                "credit": 0 if self.credit_multiples is None
+                else closest(self.credit_multiples, credit_ratio)}
+
+
+@dataclass
+class Tuning:
+    """What one tuning run measured; :meth:`report` is the JSON of shared/DESIGN.md."""
+
+    settings: TuneSettings
+    space: Space
+    workers: int
+    cluster_servers: int
+    nic_mbit: float | None
+    cluster: str                         # a description of what was measured, for the file
+    score_unit: str
+    baseline: Point
+    guess: ServerGuess | None
+    guess_note: str
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    best: dict[str, Any] | None = None
+
+    def report(self) -> dict[str, Any]:
+        finals = {(t["partition_bytes"], t["servers"], t["credit"]): t
+                  for t in self.trials if t["stage"] == "final"}
+        base = finals.get((self.baseline.partition_bytes, self.baseline.servers,
+                           self.baseline.credit_bytes))
+        return {
+            "kind": "tune", "mode": "grid" if self.settings.grid else "tpe",
+            "knobs": list(self.settings.knobs), "score_unit": self.score_unit,
+            "benchmark": self.benchmark(), "workers": self.workers,
+            "servers": self.cluster_servers, "nic_mbit": self.nic_mbit, "cluster": self.cluster,
+            "space_points": len(self.space),
+            "measurements": len(self.trials),
+            "timed_rounds": sum(t["repeats"] for t in self.trials),
+            "trials": self.trials, "best": self.best,
+            "baseline": base,
+            "improvement": (self.best["score"] / base["score"]) if base and self.best else None,
+            "model_guess": None if self.guess is None else {
+                "servers": self.guess.servers, "round_seconds": self.guess.round_seconds,
+                "why": self.guess.why},
+            "model_note": self.guess_note,
+        }
+
+    def benchmark(self) -> str:
+        s = self.settings
+        if s.model:
+            return f"bench {s.model}: img/sec, {s.warmup} warm-up + {s.repeats} timed iterations"
+        return (f"bench comm: push_pull of {s.size_bytes} bytes in {s.tensors} tensors, "
+                f"algbw of the median of {s.repeats} rounds after {s.warmup} warm-up")
+
+
+Progress = Callable[[int, int, str], None]
+
+
+def _measure(config: Config, point: Point, settings: TuneSettings, workers: int,
+             nic_mbit: float | None, repeats: int, output: Any) -> tuple[float, float]:
+    """(score, seconds) of one fresh job at ``point``: higher score is better."""
+    job_config = config.replace(partition_bytes=point.partition_bytes,
+                                credit_bytes=point.credit_bytes)
+    if settings.model is None:
+        comm = CommSettings(workers=workers, servers=point.servers, sizes=(settings.size_bytes,),
+                            tensors=settings.tensors, warmup=settings.warmup, repeats=repeats,
+                            raw=False)
+        row = comm_point(job_config, comm, settings.size_bytes, nic_mbit, output)["results"][0]
+        return row["algbw_MBps"], row["seconds"]
+    train = TrainSettings(model=settings.model, workers=workers, servers=point.servers,
+                          warmup=settings.warmup, iters=repeats)
+    row = train_system(job_config, train, "bpsctl", output)
+    return row["img_per_sec"], row["step_seconds"]
+
+
+def _cluster_facts(config: Config, settings: TuneSettings, nic_mbit: float | None
+                   ) -> tuple[int, list[str], list[str] | None, str]:
+    """(workers, server hosts in job order, worker host of each rank or None, description)."""
+    state = launch.load_state(config.state_dir)
+    if state is None:
+        raise BenchError(f"no cluster recorded in {config.state_dir}")
+    server_hosts = [p.host for p in sorted((p for p in state.processes if p.role == "server"),
+                                           key=lambda p: p.rank)]
+    emulated = state.emulation["workers"] if state.emulation else None
+    workers = settings.workers or (len(emulated) if emulated else 2)
+    worker_hosts = ([slot.host for slot in launch.worker_slots(state, workers)]
+                    if emulated else None)
+    if emulated:
+        description = (f"emulated cluster: {len(emulated)} worker hosts "
+                       f"({', '.join(h['address'] for h in emulated)}), {len(server_hosts)} "
+                       f"server hosts ({', '.join(server_hosts)}), NIC {nic_mbit:g} Mbit/s")
+    else:
+        description = f"this machine (loopback): {workers} workers, {len(server_hosts)} servers"
+    return workers, server_hosts, worker_hosts, description
+
+
+def run_tune(config: Config, settings: TuneSettings, progress: Progress | None = None,
+             output: Any = None) -> Tuning:
+    """Search ``settings.knobs`` on the cluster `bpsctl up` started, or on a private one
+    (``config.emulate``: emulated). Worker output goes to ``output`` (default: discarded)."""
+    progress = progress or (lambda done, total, text: None)
+    sink = output if output is not None else open(os.devnull, "w")
+    private_workers = settings.workers or 2
+    try:
+        with bench_cluster(config, private_workers, settings.servers or private_workers) as (
+                cluster_config, nic):
+            return _tune_on(cluster_config, settings, nic, progress, sink)
+    finally:
+        if output is None:
+            sink.close()
+
+
+def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress: Progress,
+             output: Any) -> Tuning:
+    workers, server_hosts, worker_hosts, description = _cluster_facts(config, settings, nic)
+    space = Space.build(config, settings, len(server_hosts))
+    guess, note = None, "loopback: no NIC to model (the servers' CPUs, not a network, bind)"
+    if nic is not None and worker_hosts is not None:
+        guess = guess_servers(worker_hosts, server_hosts, nic, settings.size_bytes)
+        note = guess.why
+    baseline = Point(config.partition_bytes, min(config.num_servers or len(server_hosts),
+                                                 len(server_hosts)), config.credit_bytes)
+    tuning = Tuning(settings, space, workers, len(server_hosts), nic, description,
+                    "img/sec" if settings.model else "algbw MB/s", baseline, guess, note)
+    search = len(space) if settings.grid else min(settings.trials, len(space))
+    total = 1 + search + min(settings.finalists, search) + 1
+    scores: dict[Point, float] = {}
+
+    def measure(point: Point, stage: str, repeats: int) -> float:
+        progress(len(tuning.trials), total, f"{stage} {_describe(point)}")
+        score, seconds = _measure(config, point, settings, workers, nic, repeats, output)
+        tuning.trials.append({"number": len(tuning.trials), "stage": stage,
+                              "partition_bytes": point.partition_bytes, "servers": point.servers,
+                              "credit": point.credit_bytes, "score": score,
+                              "seconds": seconds, "repeats": repeats})
+        return score
+
+    measure(baseline, "baseline", settings.repeats)
+    if settings.grid:
+        for point in space:
+            scores[point] = measure(point, "grid", settings.repeats)
+    else:
+        _search(space, settings, guess, baseline, scores,
+                lambda point: measure(point, "search", settings.repeats), search)
+    # the leaders and the current config again, side by side, with more rounds
+    leaders = sorted(scores, key=lambda p: -scores[p])[:settings.finalists]
+    final = {point: measure(point, "final", settings.final_repeats)
+             for point in [*leaders, *([] if baseline in leaders else [baseline])]}
+    winner = max(leaders, key=lambda p: final[p])
+    tuning.best = {"partition_bytes": winner.partition_bytes, "servers": winner.servers,
+                   "credit": winner.credit_bytes, "score": final[winner],
+                   "search_score": scores[winner]}
+    progress(len(tuning.trials), total, "done")
+    return tuning
+
+
+def _search(space: Space, settings: TuneSettings, guess: ServerGuess | None, baseline: Point,
+            scores: dict[Point, float], measure: Callable[[Point], float], budget: int) -> None:
+    """optuna TPE over the space's indices (ordered, so neighbours inform each other); a point
+    it proposes again is answered from memory, not measured twice."""
+    import optuna
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=settings.seed, multivariate=True,
+                                         n_startup_trials=max(3, budget // 3))
+    study = optuna.create_study(direction="maximize", sampler=sampler)
+    start = space.nearest(baseline.partition_bytes, baseline.servers, baseline.credit_bytes)
+    study.enqueue_trial(start)
+    if guess is not None and "servers" in settings.knobs:
+        study.enqueue_trial({**start, "servers": space.servers.index(guess.servers)})
+    for _ in range(budget * 20):        # proposals, measured or remembered
+        if len(scores) >= budget:
+            break
+        trial = study.ask()
+        indices = {name: trial.suggest_int(name, 0, count - 1) for name, count in
+                   (("partition", len(space.partitions)), ("servers", len(space.servers)),
+                    ("credit", len(space.credits)))}
+        point = space.point(indices["partition"], indices["servers"], indices["credit"])
+        if point not in scores:
+            scores[point] = measure(point)
+        study.tell(trial, scores[point])
+
+
+def _describe(point: Point) -> str:
+    return (f"partition {format_bytes(point.partition_bytes)}, {point.servers} server(s), "
+            f"credit {format_bytes(point.credit_bytes)}")

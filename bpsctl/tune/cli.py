@@ -1,0 +1,121 @@
+"""`bpsctl tune`: flags in; the tuned config file, a CSV, JSON and a PNG out."""
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from bpsctl.bench.api import BenchError
+from bpsctl.bench.cli import _cluster_config, _write_json
+from bpsctl.cliutil import cli_errors, config_file_option, err_console, knob_option
+from bpsctl.config import ConfigError, default_config_file, parse_size
+
+from .api import KNOBS, TuneSettings, run_tune
+from .report import plot_tune, print_tune, write_csv, write_tuned_file
+
+
+def tune(ctx: typer.Context,
+         partition_bytes: bool = typer.Option(False, "--partition-bytes",
+                                              help="Tune the partition size (64 KiB to 64 MiB, "
+                                                   "x4 steps)."),
+         server_count: bool = typer.Option(False, "--server-count",
+                                           help="Tune how many of the servers a job uses (1..K)."),
+         credit: bool = typer.Option(False, "--credit",
+                                     help="Tune the credit (2, 8 or 32 partitions in flight)."),
+         trials: int = typer.Option(16, "--trials", min=1,
+                                    help="Points the search measures (besides the current config "
+                                         "and the re-measured leaders)."),
+         grid: bool = typer.Option(False, "--grid",
+                                   help="Measure every point instead of searching (for comparison)."),
+         out: Optional[Path] = typer.Option(None, "--out", metavar="FILE",
+                                            help=f"Tuned config file to write (default: "
+                                                 f"{default_config_file()})."),
+         model: Optional[str] = typer.Option(None, "--model", metavar="vgg16|resnet50",
+                                             help="Score on this training benchmark (img/sec) "
+                                                  "instead of push_pull throughput."),
+         workers: Optional[int] = typer.Option(None, "--workers", "-n", min=1,
+                                               help="Worker processes (default: one per worker "
+                                                    "host of a running emulated cluster, else 2)."),
+         servers: Optional[int] = typer.Option(None, "--servers", min=1,
+                                               help="Servers of the private cluster, the most a "
+                                                    "job may use (default: as many as workers)."),
+         emulate: Optional[bool] = knob_option("emulate", "--emulate"),
+         nic: Optional[str] = knob_option("nic", "--nic"),
+         size: str = typer.Option("32MiB", "--size",
+                                  help="Comm score: bytes each worker push_pulls per round."),
+         tensors: int = typer.Option(8, "--tensors", min=1,
+                                     help="Comm score: tensors the bytes are spread over."),
+         warmup: int = typer.Option(2, "--warmup", min=0, help="Untimed rounds per point."),
+         repeats: int = typer.Option(5, "--repeats", min=1,
+                                     help="Timed rounds per point (the median scores it)."),
+         finalists: int = typer.Option(3, "--finalists", min=1,
+                                       help="Leading points measured again before choosing."),
+         final_repeats: int = typer.Option(10, "--final-repeats", min=1,
+                                           help="Timed rounds of each re-measurement."),
+         seed: int = typer.Option(0, "--seed", help="Seed of the TPE sampler."),
+         json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                                  help="Write every trial and the choice as "
+                                                       "JSON (- for stdout)."),
+         plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
+                                                  help="Draw score against partition size, one "
+                                                       "line per server count, as a PNG."),
+         csv_file: Optional[Path] = typer.Option(None, "--csv", metavar="FILE",
+                                                 help="CSV of every trial (default: beside the "
+                                                      "tuned file, *.trials.csv)."),
+         config_file: Optional[Path] = config_file_option(),
+         ) -> None:
+    """Find the partition size, server count and credit that make push_pull (or training)
+    fastest on these hosts, and write them to the tuned config file that `up`, `run` and
+    `bench` read.
+
+    The flags --partition-bytes, --server-count and --credit name the knobs to tune (none: all
+    three); the others stay at the current config. Each point is a fresh job on one cluster
+    (the one `up` started, or a private one: --emulate builds emulated hosts).
+    """
+    with cli_errors():
+        config = _cluster_config(ctx, None, None, emulate, nic, config_file)
+        chosen = [k for k, on in zip(KNOBS, (partition_bytes, server_count, credit)) if on]
+        settings = TuneSettings(knobs=tuple(chosen) or KNOBS, trials=trials, grid=grid,
+                                model=model, workers=workers, servers=servers,
+                                size_bytes=parse_size(size, "--size"), tensors=tensors,
+                                warmup=warmup, repeats=repeats, finalists=finalists,
+                                final_repeats=final_repeats, seed=seed)
+        if model is not None:
+            from bpsctl.bench.models import MODELS
+            if model not in MODELS:
+                raise ConfigError(f"--model: expected one of {', '.join(MODELS)}, got {model!r}")
+        if plot_file is not None:
+            from bpsctl.bench.report import _pyplot
+            _pyplot()                       # a missing matplotlib is said up front
+        try:
+            import optuna  # noqa: F401
+        except ImportError:
+            raise ConfigError("tune needs optuna: pip install 'bpsctl[tune]'") from None
+        out = out or default_config_file()
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err_console, transient=True) as bar:
+            task = bar.add_task("starting the cluster", total=None)
+
+            def progress(done: int, total: int, text: str) -> None:
+                bar.update(task, completed=done, total=total, description=text)
+            try:
+                tuning = run_tune(config, settings, progress=progress)
+            except BenchError as exc:
+                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+                raise typer.Exit(1) from None
+        report = tuning.report()
+        report["config"] = str(out)
+        write_tuned_file(out, report, shlex.join(["bpsctl", *sys.argv[1:]]))
+        print_tune(err_console, report)
+        csv_path = csv_file or out.with_suffix(".trials.csv")
+        write_csv(csv_path, report)
+        err_console.print(f"wrote {out} (tuned config) and {csv_path} (every trial)",
+                          highlight=False)
+        _write_json(json_file, report)
+        if plot_file is not None:
+            plot_tune(report, plot_file)
+            err_console.print(f"wrote {plot_file}", highlight=False)
