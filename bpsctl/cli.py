@@ -148,6 +148,9 @@ def run(ctx: typer.Context,
             result = ssh.run_ssh(cmd, config, hosts, ship_wheel=ship)
         else:
             result = launch.run_local(cmd, config.world_size, config, servers=servers)
+    if result.lost:
+        label = "[bold red]error:[/]" if result.exit_code else "[yellow]warning:[/]"
+        err_console.print(f"{label} {escape(result.lost)}", highlight=False)
     if result.failures:
         _print_failures(result)
     elif result.exit_code:

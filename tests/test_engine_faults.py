@@ -330,10 +330,11 @@ def test_the_scheduler_killed_mid_round_fails_every_worker_and_stops_the_servers
     killer.join(5)
     # Servers exit when they lose the scheduler; on a loaded machine a worker occasionally sees
     # that consequence before the scheduler's own disconnect, and names the server instead.
-    named_server = [f"worker {{rank}}: lost server {p.rank} at {p.host}:{p.port} (its process died"
-                    for p in cluster.processes if p.role == "server"]
+    named_server = [f"worker {{rank}}: lost server {p.rank} at {p.host}:{p.port}: the connection "
+                    "closed (its process died)" for p in cluster.processes if p.role == "server"]
     for rank, (after_s, message) in enumerate(results):
-        assert message == f"worker {rank}: lost the scheduler at {cluster.scheduler}" or any(
+        assert message.startswith(f"worker {rank}: lost the scheduler at {cluster.scheduler}: "
+                                  "the connection closed (its process died)") or any(
             message.startswith(prefix.format(rank=rank)) for prefix in named_server), message
         assert after_s < REPORT_WITHIN_S
     # servers cannot go on without it either
@@ -535,3 +536,28 @@ def test_a_worker_that_leaves_early_is_named_within_seconds(engine_cluster):
     finally:
         for worker in made.values():
             worker.shutdown()
+
+
+def test_a_rerun_right_after_a_crash_starts_once_the_crashed_job_is_declared_lost(cluster, tmp_path):
+    """The crashed job's workers went silent without leaving; the scheduler holds the new job's
+    registrations until it declares them lost, instead of refusing them as a busy cluster."""
+    config = run_config(cluster)
+    crash = worker_script(tmp_path, """
+        bps.init()
+        if RANK == 1:
+            os._exit(3)
+        time.sleep(60)
+    """)
+    out = io.StringIO()
+    assert api.run_local(crash, 2, config, stdout=out, stderr=out).exit_code == 3, out.getvalue()
+    (tmp_path / "rerun").mkdir()
+    rerun = worker_script(tmp_path / "rerun", """
+        bps.init()
+        out = bps.push_pull(np.ones(10, np.float32), name="x", average=False)
+        print("sum", out[0], flush=True)
+    """)
+    started = time.monotonic()
+    result = api.run_local(rerun, 2, config, stdout=out, stderr=out)
+    assert result.exit_code == 0, out.getvalue()
+    assert "[0] sum 2.0" in out.getvalue() and "[1] sum 2.0" in out.getvalue()
+    assert time.monotonic() - started < config.heartbeat_timeout_s + REPORT_WITHIN_S

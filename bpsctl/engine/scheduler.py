@@ -69,6 +69,9 @@ class Scheduler:
         self.members: dict[bytes, Member] = {}
         self.servers: list[Member] = []
         self.job: Job | None = None
+        # registrations for a new job that came while the previous job was ending (some of
+        # its workers left or went silent): (rid, message, member fields, answer-by time)
+        self.queued: list[tuple[bytes, dict[str, Any], dict[str, Any], float]] = []
 
     @property
     def address(self) -> str:
@@ -87,6 +90,8 @@ class Scheduler:
                     self._drain()
                 self._check_liveness()
                 self._check_start_deadline()
+                if self.queued:
+                    self._start_queued()
         finally:
             self.sock.close(0)
             self.ctx.term()
@@ -165,8 +170,14 @@ class Scheduler:
         job_id, world_size = str(msg.get("job")), int(msg.get("world_size", 0))
         job = self.job
         if job is not None and job.id != job_id:
-            self._send(rid, P.ERROR, {"message": f"the cluster is busy with job {job.id!r} "
-                                      f"({job.world_size} workers); wait for it to end or run `bpsctl down`"})
+            if self._ending(job):
+                # e.g. `bpsctl run` again right after a crash: the crashed job is declared
+                # lost within the heartbeat timeout, then this registration goes on
+                answer_by = (time.monotonic() + self.config.heartbeat_timeout_s
+                             + 2 * self.config.heartbeat_interval_s)
+                self.queued.append((rid, msg, common, answer_by))
+                return
+            self._send(rid, P.ERROR, {"message": self._busy_message(job)})
             return
         if job is None:
             live = [s for s in self.servers if s.state == "running"]
@@ -204,6 +215,29 @@ class Scheduler:
         self.members[rid] = member
         if len(job.workers) == job.world_size:
             self._start_job(job)
+
+    def _ending(self, job: Job) -> bool:
+        """True when some worker of ``job`` has left or gone quiet: it will end by itself."""
+        quiet_s = 2 * self.config.heartbeat_interval_s
+        now = time.monotonic()
+        return any(w.state != "running" or now - w.last_seen > quiet_s for w in job.workers.values())
+
+    @staticmethod
+    def _busy_message(job: Job) -> str:
+        return (f"the cluster is busy with job {job.id!r} ({job.world_size} workers); wait for it "
+                "to end or run `bpsctl down`")
+
+    def _start_queued(self) -> None:
+        """Registrations that waited for the previous job to end: go on, or give up in time."""
+        queued, self.queued = self.queued, []
+        now = time.monotonic()
+        for rid, msg, common, answer_by in queued:
+            if self.job is not None and self.job.id != str(msg.get("job")) and now > answer_by:
+                self._send(rid, P.ERROR, {"message": self._busy_message(self.job)})
+            elif self.job is None or self.job.id == str(msg.get("job")):
+                self._register_worker(rid, msg, {**common, "last_seen": now})
+            else:
+                self.queued.append((rid, msg, common, answer_by))
 
     def _start_job(self, job: Job) -> None:
         job.started = True

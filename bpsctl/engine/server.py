@@ -30,8 +30,8 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import (EngineError, bound_router, exit_on_sigterm, keep_large_buffers, make_socket, monitor, monitor_events,
-                     secret_ok, setup_process_logging, write_ready_file)
+from .common import (EngineError, bound_router, exit_on_sigterm, keep_large_buffers, lost_link, make_socket, monitor,
+                     monitor_events, secret_ok, setup_process_logging, watch_link, write_ready_file)
 
 #: partitions at least this large are summed on a summation thread
 THREADED_SUM_BYTES = 256 * 1024
@@ -112,6 +112,7 @@ class Server:
         self.rank = -1
         self.scheduler_address = config.scheduler
         self.sched = make_socket(self.ctx, zmq.DEALER)
+        watch_link(self.sched, config.heartbeat_interval_s, config.heartbeat_timeout_s)
         self.sched_monitor = monitor(self.sched)
         self.sched.connect(f"tcp://{config.scheduler}")
 
@@ -182,8 +183,9 @@ class Server:
                     self._drain_scheduler()
                 if self.sched_monitor in ready and \
                         zmq.EVENT_DISCONNECTED in monitor_events(self.sched_monitor):
-                    raise EngineError(f"lost the scheduler at {self.scheduler_address}; "
-                                      "the cluster cannot go on without it")
+                    raise EngineError(lost_link(f"the scheduler at {self.scheduler_address}",
+                                                self.config.heartbeat_timeout_s)
+                                      + "; the cluster cannot go on without it")
                 now = time.monotonic()
                 if now >= next_heartbeat:
                     self.sched.send_multipart(P.control(P.HEARTBEAT))

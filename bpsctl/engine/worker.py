@@ -33,7 +33,8 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import EngineError, keep_large_buffers, make_socket, monitor, monitor_events
+from .common import (EngineError, keep_large_buffers, lost_link, make_socket, monitor, monitor_events,
+                     watch_link)
 
 
 class Handle:
@@ -105,7 +106,7 @@ class Worker:
 
         keep_large_buffers()
         self._ctx = zmq.Context()
-        self._sched = make_socket(self._ctx, zmq.DEALER)
+        self._sched = self._linked_socket()
         self._sched_monitor = monitor(self._sched)
         self._sched.connect(f"tcp://{self.scheduler_address}")
         self._servers: list[dict[str, Any]] = []
@@ -168,6 +169,12 @@ class Worker:
                                   "run `bpsctl down` and `bpsctl up` again") from None
         return address, secret
 
+    def _linked_socket(self) -> zmq.Socket:
+        """A DEALER whose connection drops (and is reported) when its link goes silent."""
+        sock = make_socket(self._ctx, zmq.DEALER)
+        watch_link(sock, self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s)
+        return sock
+
     def _register(self) -> None:
         cfg = self.config
         self._sched.send_multipart(P.control(P.REGISTER, {
@@ -189,7 +196,8 @@ class Worker:
             events = monitor_events(self._sched_monitor)
             connected |= zmq.EVENT_CONNECTED in events
             if zmq.EVENT_DISCONNECTED in events:
-                raise EngineError(f"lost the scheduler at {self.scheduler_address} during registration")
+                raise EngineError(lost_link(f"the scheduler at {self.scheduler_address}",
+                                            cfg.heartbeat_timeout_s) + " during registration")
             if now >= next_heartbeat and connected:
                 self._sched.send_multipart(P.control(P.HEARTBEAT))
                 next_heartbeat = now + cfg.heartbeat_interval_s
@@ -220,7 +228,7 @@ class Worker:
                                     "world_size": self.size, "hosts": self.hosts,
                                     "version": __version__})
         for server in self._servers:
-            sock = make_socket(self._ctx, zmq.DEALER)
+            sock = self._linked_socket()
             self._server_monitors.append(monitor(sock))
             sock.connect(f"tcp://{server['host']}:{server['port']}")
             sock.send_multipart(hello)
@@ -522,15 +530,15 @@ class Worker:
 
     def _check_scheduler_link(self) -> None:
         if zmq.EVENT_DISCONNECTED in monitor_events(self._sched_monitor) and not self._stop:
-            self._fail_all(EngineError(f"worker {self.rank}: lost the scheduler at "
-                                       f"{self.scheduler_address}"))
+            self._fail_all(EngineError(f"worker {self.rank}: " + lost_link(
+                f"the scheduler at {self.scheduler_address}", self.config.heartbeat_timeout_s)))
 
     def _check_server_link(self, index: int) -> None:
         if zmq.EVENT_DISCONNECTED in monitor_events(self._server_monitors[index]) and not self._stop:
             server = self._servers[index]
-            self._fail_all(EngineError(
-                f"worker {self.rank}: lost server {server['rank']} at {server['host']}:{server['port']} "
-                "(its process died or its link went down)"))
+            self._fail_all(EngineError(f"worker {self.rank}: " + lost_link(
+                f"server {server['rank']} at {server['host']}:{server['port']}",
+                self.config.heartbeat_timeout_s)))
 
     def _fail_overdue(self, now: float) -> None:
         for task in [t for t in self._tasks if t.deadline < now]:

@@ -34,6 +34,7 @@ from bpsctl.launch.processes import (Interrupted, ProcessIdentity, StopSignals, 
 STATE_FILE_NAME = "cluster.json"
 STOP_GRACE_S = 5.0              # SIGTERM -> SIGKILL, for cluster processes and workers
 STATUS_TIMEOUT_S = 2.0          # how long `status` waits for the scheduler's answer
+_WATCH_INTERVAL_S = 0.2         # how often `run` checks that the cluster's processes still run
 _POLL_INTERVAL_S = 0.02
 _LOG_TAIL_LINES = 15
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]     # the directory that holds bpsctl/
@@ -99,6 +100,7 @@ class WorkerFailure:
     exit_code: int              # 128 + N when killed by signal N, as a shell reports it
     signal_name: str | None
     last_lines: tuple[str, ...]
+    host: str = ""              # where it ran, when that is not simply this machine
 
 
 @dataclass(frozen=True)
@@ -108,6 +110,7 @@ class RunResult:
 
     exit_code: int
     failures: tuple[WorkerFailure, ...] = ()
+    lost: str = ""              # a scheduler or server that exited during the run, named
 
 
 @dataclass(frozen=True)
@@ -655,6 +658,7 @@ def _free_port(host: str = "127.0.0.1") -> int:
 @dataclass
 class _Worker:
     rank: int
+    host: str
     process: subprocess.Popen
     identity: ProcessIdentity
     relay: OutputRelay
@@ -711,6 +715,37 @@ def worker_slots(cluster: ClusterState, np: int) -> list[WorkerSlot]:
     return slots
 
 
+class _ClusterWatch:
+    """Notices a scheduler or server of the cluster exiting during a run.
+
+    The workers normally fail by themselves within seconds, naming it; if they have not ended
+    ``grace_s`` after it (say, they were still connecting to a scheduler that is gone, which
+    only the start timeout would end), the run is stopped.
+    """
+
+    def __init__(self, cluster: ClusterState, grace_s: float):
+        self.watched = [p for p in cluster.processes if is_running(p.identity)]
+        self.grace_s = grace_s
+        self.lost: ProcessRecord | None = None
+        self._give_up_at = float("inf")
+        self._next_check = 0.0
+
+    def expired(self, now: float) -> bool:
+        if self.lost is None and now >= self._next_check:
+            self._next_check = now + _WATCH_INTERVAL_S
+            self.lost = next((p for p in self.watched if not is_running(p.identity)), None)
+            if self.lost is not None:
+                self._give_up_at = now + self.grace_s
+        return now > self._give_up_at
+
+    def message(self) -> str:
+        if self.lost is None:
+            return ""
+        p = self.lost
+        name = "the scheduler" if p.role == "scheduler" else f"{p.role} {p.rank}"
+        return f"lost {name} at {p.host}:{p.port} (pid {p.pid}): it exited during the run"
+
+
 def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
                  stdout: IO[str], stderr: IO[str], stop_grace_s: float,
                  stop_signals: StopSignals) -> RunResult:
@@ -721,6 +756,7 @@ def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
     slots = worker_slots(cluster, np)
     workers: list[_Worker] = []
     failed_order: list[_Worker] = []
+    watch = _ClusterWatch(cluster, config.heartbeat_timeout_s + 1.0)
     try:
         for slot in slots:
             rank = slot.rank
@@ -744,7 +780,7 @@ def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
                 raise LaunchError(f"cannot start worker {rank}: {cmd[0]}: {exc.strerror}") from None
             relay = OutputRelay(rank, process.stdout, process.stderr, stdout, stderr,
                                 logs_dir(config.state_dir) / f"worker-{rank}.log")
-            workers.append(_Worker(rank, process, identity, relay))
+            workers.append(_Worker(rank, slot.host if slot.prefix else "", process, identity, relay))
         while True:
             stop_signals.check()
             for worker in workers:
@@ -752,7 +788,8 @@ def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
                     _check_exit(worker)
                     if worker.exit_code:
                         failed_order.append(worker)
-            if failed_order or all(w.exit_code is not None for w in workers):
+            if failed_order or all(w.exit_code is not None for w in workers) \
+                    or watch.expired(time.monotonic()):
                 break
             time.sleep(_POLL_INTERVAL_S)
     finally:
@@ -761,13 +798,15 @@ def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
         for worker in workers:
             worker.process.wait()
             worker.relay.close()
+    lost = watch.message()
     if not failed_order:
-        return RunResult(exit_code=0)
+        stopped = any(w.exit_code is None for w in workers)     # by the watch, after its grace
+        return RunResult(exit_code=1 if stopped else 0, lost=lost)
     failures = tuple(_failure(w) for w in failed_order)
-    return RunResult(exit_code=failures[0].exit_code, failures=failures)
+    return RunResult(exit_code=failures[0].exit_code, failures=failures, lost=lost)
 
 
 def _failure(worker: _Worker) -> WorkerFailure:
     return WorkerFailure(rank=worker.rank, pid=worker.identity.pid, exit_code=worker.exit_code,
-                         signal_name=worker.signal_name,
+                         signal_name=worker.signal_name, host=worker.host,
                          last_lines=tuple(worker.relay.last_lines()))

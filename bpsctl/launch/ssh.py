@@ -106,13 +106,6 @@ class SshCluster:
 
 
 @dataclass(frozen=True)
-class RemoteWorkerFailure(WorkerFailure):
-    """A worker that failed, and the host it ran on."""
-
-    host: str = ""
-
-
-@dataclass(frozen=True)
 class SshDownReport:
     cluster: str | None
     stopped: tuple[RemoteProcess, ...] = ()
@@ -936,7 +929,7 @@ def _watch(workers: list[_RemoteWorker], stop_signals: Any) -> list[_RemoteWorke
         time.sleep(_POLL_INTERVAL_S)
 
 
-def _failure(worker: _RemoteWorker) -> RemoteWorkerFailure:
+def _failure(worker: _RemoteWorker) -> WorkerFailure:
     code = worker.exit_code if worker.exit_code is not None else 1
     signal_name = None
     if code > 128:
@@ -946,11 +939,10 @@ def _failure(worker: _RemoteWorker) -> RemoteWorkerFailure:
     lines = tuple(worker.relay.last_lines()) if worker.relay else ()
     if worker.start_error:
         lines = (worker.start_error, *lines)
-    return RemoteWorkerFailure(rank=worker.assignment.rank, pid=worker.pid, exit_code=code,
-                               signal_name=signal_name, last_lines=lines,
-                               host=worker.assignment.host)
+    return WorkerFailure(rank=worker.assignment.rank, pid=worker.pid, exit_code=code,
+                         signal_name=signal_name, last_lines=lines, host=worker.assignment.host)
 
 
-__all__ = ["PreflightError", "RemoteProcess", "RemoteWorkerFailure", "SshCluster",
+__all__ = ["PreflightError", "RemoteProcess", "SshCluster",
            "SshDownReport", "down_ssh", "load_cluster", "logs_ssh", "preflight", "run_ssh",
            "status_ssh", "up_ssh"]
