@@ -70,6 +70,7 @@ def up(ctx: typer.Context,
        workers: int = typer.Option(2, "--workers", min=1,
                                    help="With --emulate: worker hosts to build."),
        nic: Optional[str] = knob_option("nic", "--nic"),
+       security: Optional[str] = knob_option("security", "--security"),
        config_file: Optional[Path] = config_file_option(),
        ) -> None:
     """Start a scheduler and summation servers on this machine (or over SSH with --hosts).
@@ -80,9 +81,14 @@ def up(ctx: typer.Context,
     with cli_errors():
         config = build_config(ctx, {"port": (port, "--port"),
                                     "start_timeout_s": (start_timeout_s, "--start-timeout"),
-                                    "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")},
+                                    "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
+                                    "security": (security, "--security")},
                               config_file, read_file=True)
         servers = servers or config.num_servers or 1
+        if config.security == "none":
+            err_console.print("[yellow]warning:[/] --security none: anyone who can reach the "
+                              "cluster's ports can join it, read and change its gradients; "
+                              "use it only on a trusted network", highlight=False)
         if config.nic and not config.emulate:
             raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
         if config.emulate:

@@ -19,13 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import zmq
 from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 
-import bpsctl
 from bpsctl.config import Config
 from bpsctl.engine import EngineError, Worker
-from bpsctl.engine import protocol as P
 from bpsctl.engine.client import scheduler_status
 from bpsctl.launch import api
 
@@ -395,49 +392,6 @@ def test_a_worker_that_never_arrives_is_named_after_the_start_timeout(cluster, t
     # the scheduler forgot the failed job: a complete one runs on the same cluster
     assert run_job(cluster, 2, 2, lambda w: w.push_pull(np.ones(3), name="x", average=False)
                    .tolist()) == [[2.0] * 3] * 2
-
-
-# --------------------------------------------------------------------------- secrets
-
-def test_a_wrong_secret_is_refused_at_once(cluster):
-    config = Config(rank=0, world_size=1, job_id=uuid.uuid4().hex, scheduler=cluster.scheduler,
-                    secret="not-the-secret", start_timeout_s=5.0)
-    started = time.monotonic()
-    with pytest.raises(EngineError, match=r"rank 0: the scheduler refused registration: wrong "
-                                          r"cluster secret \(BPSCTL_SECRET"):
-        Worker(config)
-    assert time.monotonic() - started < 2
-
-
-def test_a_server_refuses_pushes_without_the_secret(cluster):
-    server = next(p for p in cluster.processes if p.role == "server" and p.rank == 0)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-
-    def error_reply() -> str:
-        msg_type, body = P.parse_control(sock.recv_multipart())
-        assert msg_type == P.ERROR
-        return body["message"]
-
-    try:
-        sock.connect(f"tcp://{server.host}:{server.port}")
-        sock.send_multipart(P.control(P.HELLO, {"secret": "guess", "job": "intruder", "rank": 0,
-                                                "world_size": 1, "version": bpsctl.__version__}))
-        assert error_reply() == "server 0 refused a worker without the cluster secret"
-        payload = np.ones(4, np.float32).tobytes()
-        sock.send_multipart([P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[np.dtype("float32")],
-                                           part=0, nbytes=len(payload)), payload])
-        assert "push from a worker that has not said HELLO with the cluster secret" in error_reply()
-        sock.send_multipart([b"not a header"])
-        assert "server 0 rejected a message" in error_reply()
-    finally:
-        sock.close(0)
-        ctx.term()
-    # the server still serves jobs that have the secret
-    summed = run_job(cluster, 1, 1, lambda w: w.push_pull(np.ones(2), name="x").tolist())
-    assert summed == [[1.0, 1.0]]
 
 
 # --------------------------------------------------------------------------- deadlines

@@ -286,6 +286,47 @@ def test_a_server_killed_during_run_fails_it_fast_naming_the_server(cluster_host
     _nothing_left(hosts)
 
 
+@pytest.mark.timeout(150)
+def test_curve_keys_reach_the_hosts_only_inside_ssh_and_private_files(cluster_hosts, state,
+                                                                      tmp_path):
+    """Every process derives the cluster's CURVE keys from its secret, which travels only inside
+    the SSH channel (the agent's stdin JSON) into the processes' environments: never on a
+    command line, never into a file on a host; the launcher keeps it in a 0600 file."""
+    hosts = cluster_hosts
+    hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
+    up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file), "--security", "curve")
+    assert up.returncode == 0, up.stderr
+    state_dir = Path(state[1])
+    state_path = state_dir / "ssh-cluster.json"
+    cluster = json.loads(state_path.read_text())
+    secret = cluster["secret"].encode()
+    assert cluster["security"] == "curve" and len(secret) == 64
+    assert state_path.stat().st_mode & 0o777 == 0o600
+    assert state_dir.stat().st_mode & 0o777 == 0o700
+
+    run = hosts.bpsctl(*state, "run", "--", sys.executable, str(EXAMPLES / "push_pull.py"))
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert run.stdout.count("sum 10, expected 10") == 4, run.stdout
+    status = hosts.bpsctl(*state, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert {p["state"] for p in json.loads(status.stdout)["processes"]} == {"running"}
+
+    remote = hosts.directory / "remote"
+    assert [p for p in remote.rglob("*") if p.is_file() and secret in p.read_bytes()] == []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                assert secret not in (entry / "cmdline").read_bytes(), entry
+    for process in cluster["processes"]:
+        environ = Path(f"/proc/{process['pid']}/environ")
+        assert environ.stat().st_mode & 0o777 == 0o400          # its owner's eyes only
+        variables = environ.read_bytes().split(b"\0")
+        assert b"BPSCTL_SECRET=" + secret in variables and b"BPSCTL_SECURITY=curve" in variables
+    down = hosts.bpsctl(*state, "down")
+    assert down.returncode == 0, down.stderr
+    _nothing_left(hosts)
+
+
 @pytest.mark.timeout(120)
 def test_preflight_reports_a_stopped_sshd_and_a_cut_scheduler_port_together(
         cluster_hosts, state, tmp_path):

@@ -7,6 +7,7 @@ bytes, hosts, warm-up and repeats.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import socket
 import statistics
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from .. import __version__, launch
-from ..config import Config, ConfigError
+from ..config import SECURITY_MODES, Config, ConfigError
 from .comm import zmq_pair_seconds
 
 #: TCP goodput as a share of an emulated NIC's configured rate (shared/ENVIRONMENT.md)
@@ -39,8 +40,15 @@ class CommSettings:
     repeats: int = 10
     raw: bool = True                     # also measure raw ZeroMQ (embedded default only)
     compare: tuple[str, ...] = field(default=())
+    # security modes measured side by side, each on a private cluster of its own (empty: the
+    # config's mode only)
+    security: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
+        wrong = [m for m in self.security if m not in SECURITY_MODES]
+        if wrong or len(set(self.security)) != len(self.security):
+            raise ConfigError(f"--security: expected distinct modes among {', '.join(SECURITY_MODES)}"
+                              f", got {','.join(self.security)}")
         unknown = [c for c in self.compare if c not in COMM_BASELINES]
         if unknown:
             raise ConfigError(f"--compare: {', '.join(unknown)} is not a baseline of bench comm; "
@@ -66,15 +74,17 @@ def ideal_seconds(system: str, size_bytes: int, workers: int, servers: int,
 
 
 @contextlib.contextmanager
-def bench_cluster(config: Config, workers: int, servers: int) -> Iterator[tuple[Config, float | None]]:
+def bench_cluster(config: Config, workers: int, servers: int,
+                  own_cluster_for: str = "") -> Iterator[tuple[Config, float | None]]:
     """The cluster to measure on: the one `bpsctl up` started, or a private one (emulated
-    with ``config.emulate``). Yields a config whose state dir names it, and the NIC rate."""
+    with ``config.emulate``). Yields a config whose state dir names it, and the NIC rate.
+    ``own_cluster_for`` names a flag that needs a private cluster (a live one is an error)."""
     live = launch.load_state(config.state_dir)
     if live is not None and launch.status(config.state_dir)["scheduler_error"] is None:
-        if config.emulate:
-            raise ConfigError("--emulate: a cluster is already up in "
-                              f"{config.state_dir}; bench uses it as it is (drop --emulate), "
-                              "or run `bpsctl down` first")
+        for flag, needs_own in (("--emulate", config.emulate), (own_cluster_for, own_cluster_for)):
+            if needs_own:
+                raise ConfigError(f"{flag}: a cluster is already up in {config.state_dir}; bench "
+                                  f"uses it as it is (drop {flag}), or run `bpsctl down` first")
         nic = live.emulation["nic_mbit"] if live.emulation else None
         yield config, nic
         return
@@ -157,15 +167,38 @@ def run_comm(config: Config, settings: CommSettings, output: IO[str] | None = No
     (``kind: comm``); several give ``{"kind": "comm", "sizes": [that, ...]}``."""
     output = output if output is not None else sys.stderr
     progress = progress or (lambda message: None)
-    with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
-        reports = []
-        for size in settings.sizes:
-            progress(f"{size} bytes")
-            reports.append(comm_point(cluster_config, settings, size, nic, output))
+    modes = settings.security or (config.security,)
+    per_mode = []
+    for index, mode in enumerate(modes):
+        # baselines and raw ZeroMQ do not depend on the mode: measured once, beside the first
+        mode_settings = settings if index == 0 else dataclasses.replace(settings, compare=(),
+                                                                         raw=False)
+        with bench_cluster(config.replace(security=mode), settings.workers, settings.servers,
+                           "--security" if settings.security else "") as (cluster_config, nic):
+            points = []
+            for size in settings.sizes:
+                progress(f"{size} bytes" + (f", security {mode}" if settings.security else ""))
+                points.append(comm_point(cluster_config, mode_settings, size, nic, output))
+        per_mode.append(points)
+    reports = [_with_security_modes(points, modes) for points in zip(*per_mode)]
     if len(reports) == 1:
         return reports[0]
     return {"kind": "comm", "workers": settings.workers, "servers": settings.servers,
             "nic_mbit": reports[0]["nic_mbit"], "sizes": reports}
+
+
+def _with_security_modes(points: tuple[dict[str, Any], ...], modes: tuple[str, ...]
+                         ) -> dict[str, Any]:
+    """One size's report with a bpsctl row per security mode, and each mode's time over the
+    reference's (``none`` if measured, else the first mode) as ``security_cost``."""
+    report = points[0]
+    rows = [dict(point["results"][0], security=mode) for point, mode in zip(points, modes)]
+    report["results"] = [rows[0], *report["results"][1:]]
+    if len(modes) > 1:
+        report["results"][1:1] = rows[1:]
+        reference = rows[modes.index("none") if "none" in modes else 0]["seconds"]
+        report["security_cost"] = {row["security"]: row["seconds"] / reference for row in rows}
+    return report
 
 
 def run_sweep(config: Config, settings: CommSettings, worker_counts: list[int],

@@ -90,6 +90,10 @@ def comm(ctx: typer.Context,
                                                   "allreduce against the theory 2(n-1)/n."),
          partition_bytes: Optional[str] = knob_option("partition_bytes", "--partition-bytes"),
          credit_bytes: Optional[str] = knob_option("credit_bytes", "--credit-bytes"),
+         security: Optional[str] = typer.Option(
+             None, "--security", metavar="MODE[,MODE]",
+             help="Security modes to measure side by side, each on a private cluster: hmac, "
+                  "curve, none (default: BPSCTL_SECURITY's mode only)."),
          raw: bool = typer.Option(True, "--raw/--no-raw",
                                   help="Also measure raw ZeroMQ for the same bytes (loopback only)."),
          json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
@@ -104,7 +108,7 @@ def comm(ctx: typer.Context,
         settings = CommSettings(workers=workers, servers=servers or config.num_servers or workers,
                                 sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
-                                compare=_names(compare))
+                                compare=_names(compare), security=_names(security))
         too_small = [s for s in settings.sizes if s < 4 * tensors]
         if too_small:
             raise ConfigError(f"--size: {too_small[0]} bytes is too small for {tensors} float32 "

@@ -40,10 +40,10 @@ def resnet50_shapes() -> list[tuple[int, ...]]:
     return shapes + [(1000, 2048), (1000,)]
 
 
-def _worker(rank: int, workers: int, scheduler: str, secret: str, job: str, repeats: int,
-            warmup: int, results) -> None:
+def _worker(rank: int, workers: int, scheduler: str, secret: str, security: str, job: str,
+            repeats: int, warmup: int, results) -> None:
     w = Worker(Config(rank=rank, world_size=workers, job_id=job, scheduler=scheduler,
-                      secret=secret, op_timeout_s=120.0))
+                      secret=secret, security=security, op_timeout_s=120.0))
     try:
         grads = [np.full(shape, rank + 1, np.float32) for shape in resnet50_shapes()]
         total = sum(g.size for g in grads)
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         results = ctx.Queue()
         job = f"bench-grads-{uuid.uuid4().hex[:8]}"
         procs = [ctx.Process(target=_worker, args=(r, args.workers, cluster.scheduler,
-                                                   cluster.secret, job, args.repeats,
+                                                   cluster.secret, cluster.security, job,
+                                                   args.repeats,
                                                    args.warmup, results))
                  for r in range(args.workers)]
         for proc in procs:

@@ -35,8 +35,10 @@ def print_comm(console: Console, report: dict[str, Any]) -> None:
     for r in reports:
         for row in r["results"]:
             speedup = r["speedup"].get(row["system"])
+            system = row["system"] + (f" {row['security']}" if "security_cost" in r
+                                      and "security" in row else "")
             cells = ([str(r["workers"])] if sweep else []) + [
-                format_bytes(r["size_bytes"]), row["system"], f"{row['seconds']:.4f}",
+                format_bytes(r["size_bytes"]), system, f"{row['seconds']:.4f}",
                 f"{row['algbw_MBps']:.0f}", f"{row['busbw_MBps']:.0f}",
                 _fmt(row["nic_fraction"], ".2f"), "" if speedup is None else f"{speedup:.2f}x"]
             table.add_row(*cells)
@@ -46,6 +48,11 @@ def print_comm(console: Console, report: dict[str, Any]) -> None:
             console.print(f"{format_bytes(r['size_bytes'])}: bpsctl algbw is "
                           f"{r['fraction_of_raw']:.0%} of raw ZeroMQ one-way throughput "
                           "(push_pull moves the bytes both ways)", highlight=False)
+        if "security_cost" in r:
+            console.print(f"{format_bytes(r['size_bytes'])}: time of each security mode over "
+                          + ("none" if "none" in r["security_cost"] else "the first") + ": "
+                          + ", ".join(f"{mode} {cost:.2f}x" for mode, cost in r["security_cost"].items()),
+                          highlight=False)
         if "allreduce" in r["speedup"] and "theory_speedup" in r:
             console.print(f"{r['workers']} workers, {format_bytes(r['size_bytes'])}: speedup over "
                           f"ring allreduce {r['speedup']['allreduce']:.2f}x "

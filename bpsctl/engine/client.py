@@ -1,32 +1,55 @@
 """Asking a running scheduler about its cluster (used by `bpsctl status` and launchers)."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import zmq
 
+from ..config import DEFAULT_SECURITY
 from . import protocol as P
-from .common import EngineError, make_socket
+from .common import EngineError, make_socket, monitor, monitor_events
+from .security import Security, handshake_failed, refused_handshake
 
 
-def scheduler_status(address: str, secret: str, timeout_s: float = 3.0) -> dict[str, Any]:
+def scheduler_status(address: str, secret: str, timeout_s: float = 3.0,
+                     security: str = DEFAULT_SECURITY) -> dict[str, Any]:
     """The scheduler's view: ``{"servers": [...], "workers": [...], "job": {...}|None}``.
 
-    ``address`` is host:port, or a ZeroMQ endpoint such as the scheduler's control socket.
+    ``address`` is host:port, or a ZeroMQ endpoint such as the scheduler's control socket;
+    ``security`` is the cluster's mode (see security.py), ``secret`` its secret.
 
     Each member is ``{"role", "rank", "host", "port", "pid", "state", "last_seen_s"}``.
     """
+    where = f"the scheduler at {address}"
+    guard = Security(security, secret)
     ctx = zmq.Context.instance()
     sock = make_socket(ctx, zmq.DEALER)
+    guard.protect_connecting(sock)
+    watch = monitor(sock)
+    deadline = time.monotonic() + timeout_s
     try:
         sock.connect(address if "://" in address else f"tcp://{address}")
-        sock.send_multipart(P.control(P.STATUS, {"secret": secret}))
-        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise EngineError(f"the scheduler at {address} did not answer within {timeout_s:g} s; "
-                              "is the cluster up? (`bpsctl status`, `bpsctl up`)")
-        msg_type, msg = P.parse_control(sock.recv_multipart())
+        login = guard.login(sock, P.control(P.STATUS), where)
+        while True:
+            if handshake_failed(monitor_events(watch)):
+                raise refused_handshake(where, guard)
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if remaining_ms <= 0:
+                raise EngineError(f"{where} did not answer within {timeout_s:g} s; is the cluster "
+                                  "up? (`bpsctl status`, `bpsctl up`)")
+            if not sock.poll(min(remaining_ms, 50), zmq.POLLIN):
+                continue
+            try:
+                msg_type, msg = P.parse_control(sock.recv_multipart())
+            except P.ProtocolError as exc:
+                raise EngineError(f"{where} answered with a bad message: {exc}") from None
+            if not login.handle(msg_type, msg):
+                break
     finally:
+        sock.disable_monitor()
+        watch.close(0)
         sock.close(0)
     if msg_type != P.STATUS_REPLY:
-        raise EngineError(f"the scheduler at {address} refused the status request: {msg.get('message')}")
+        raise EngineError(f"{where} refused the status request: {msg.get('message')}")
     return msg

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import ctypes
-import hmac
 import json
 import logging
 import os
@@ -32,11 +31,13 @@ def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
-def bound_router(ctx: zmq.Context, host: str, port: int) -> tuple[zmq.Socket, int]:
+def bound_router(ctx: zmq.Context, host: str, port: int, security: Any) -> tuple[zmq.Socket, int]:
     """The one bound socket of a scheduler or server, on ``port`` (0: any free one), and its
-    port. ROUTER_MANDATORY: a reply to a vanished peer raises instead of vanishing silently."""
+    port. ROUTER_MANDATORY: a reply to a vanished peer raises instead of vanishing silently.
+    ``security`` (a security.Security) configures it before it binds."""
     sock = make_socket(ctx, zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    security.protect_bound(sock)
     if port:
         sock.bind(f"tcp://{host}:{port}")
         return sock, port
@@ -62,8 +63,12 @@ def keep_large_buffers() -> None:
 
 
 def monitor(sock: zmq.Socket) -> zmq.Socket:
-    """A PAIR socket that reports when ``sock``'s connection is made or lost."""
-    return sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    """A PAIR socket that reports when ``sock``'s connection is made or lost, or its peer
+    refuses the security handshake (see security.handshake_failed)."""
+    return sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+                                   | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                                   | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                   | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
 
 def watch_link(sock: zmq.Socket, interval_s: float, timeout_s: float) -> None:
@@ -91,10 +96,6 @@ def monitor_events(mon: zmq.Socket) -> list[int]:
         except zmq.Again:
             return events
         events.append(parse_monitor_message(frames)["event"])
-
-
-def secret_ok(expected: str, given: Any) -> bool:
-    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
 
 
 def write_ready_file(path: str, info: dict[str, Any]) -> None:

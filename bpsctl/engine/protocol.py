@@ -26,22 +26,26 @@ HEADER = struct.Struct("<2sBBBBHIIQ")
 HEADER_SIZE = HEADER.size
 
 # --- scheduler plane (JSON bodies)
-REGISTER = 1        # any -> scheduler: {role, rank, world_size, job, host, port, pid, secret, version, ...}
+REGISTER = 1        # any -> scheduler: {role, rank, world_size, job, host, port, pid, version, ...}
 REGISTERED = 2      # scheduler -> any: {rank, servers: [{rank, host, port}], ...}
 HEARTBEAT = 3       # any -> scheduler: {}
 DECLARE = 4         # worker -> scheduler: {tensors: [{name, dtype, shape, nbytes}]}
 DECLARED = 5        # scheduler -> worker: {tensors: [{name, key, parts: [[pid, server, offset, length]]}]}
 BARRIER = 6         # worker -> scheduler: {name}
 BARRIER_DONE = 7    # scheduler -> workers: {name}
-STATUS = 8          # client -> scheduler: {secret}
+STATUS = 8          # client -> scheduler: {}
 STATUS_REPLY = 9    # scheduler -> client: {servers: [...], workers: [...], job: {...}|null}
 MEMBER_LOST = 10    # scheduler -> members: {role, rank, host, port, pid, reason}
 LEAVE = 11          # worker -> scheduler: {} (clean shutdown)
 JOB_END = 12        # scheduler -> servers: {job}
 ERROR = 13          # anyone -> anyone: {message, name?}
 MEMBER_LEFT = 14    # scheduler -> workers: {rank, message} (a peer shut down while others run)
+# --- the hmac handshake that opens every connection (see security.py); the secret never travels
+AUTH = 15           # connecting -> bound: {version, nonce}
+CHALLENGE = 16      # bound -> connecting: {nonce, proof}
+PROOF = 17          # connecting -> bound: {proof}
 # --- data plane
-HELLO = 20          # worker -> server: {secret, job, rank, world_size, version}
+HELLO = 20          # worker -> server: {job, rank, world_size, hosts, version}
 PUSH = 21           # worker -> server: header + partition bytes
 ACK = 22            # server -> worker: header (push received; credit may be released)
 RESULT = 23         # server -> worker: header + summed partition bytes

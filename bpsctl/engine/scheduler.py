@@ -18,7 +18,8 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import bound_router, exit_on_sigterm, secret_ok, setup_process_logging, write_ready_file
+from .common import bound_router, exit_on_sigterm, setup_process_logging, write_ready_file
+from .security import Security, version_mismatch
 from .partition import Placement
 
 
@@ -63,7 +64,10 @@ class Scheduler:
         self.config = config
         self.log = setup_process_logging("scheduler")
         self.ctx = zmq.Context()
-        self.sock, self.port = bound_router(self.ctx, config.host, config.port)
+        self.security = Security(config.security, config.secret)
+        self.zap = self.security.start_zap(self.ctx, "the scheduler", self.log)
+        self.gate = self.security.gate("the scheduler", self.log)
+        self.sock, self.port = bound_router(self.ctx, config.host, config.port, self.security)
         if config.control_socket:
             self.sock.bind(f"ipc://{config.control_socket}")
         self.members: dict[bytes, Member] = {}
@@ -82,7 +86,11 @@ class Scheduler:
     def serve_forever(self) -> None:
         write_ready_file(self.config.ready_file,
                          {"host": self.config.host, "port": self.port, "pid": os.getpid()})
-        self.log.info("serving on %s", self.address)
+        self.log.info("serving on %s (security %s)", self.address, self.security.mode)
+        if self.security.mode == "none":
+            self.log.warning("security none: anyone who can reach %s can join this cluster, "
+                             "read and change its gradients; use it on trusted networks only",
+                             self.address)
         poll_ms = int(self.config.heartbeat_interval_s * 1000)
         try:
             while True:
@@ -94,6 +102,8 @@ class Scheduler:
                     self._start_queued()
         finally:
             self.sock.close(0)
+            if self.zap is not None:
+                self.zap.stop()
             self.ctx.term()
 
     def _drain(self) -> None:
@@ -120,7 +130,15 @@ class Scheduler:
         member = self.members.get(rid)
         if member is not None:
             member.last_seen = time.monotonic()
-        if msg_type == P.REGISTER:
+        if msg_type in (P.AUTH, P.PROOF):
+            reply = self.gate.handle(rid, msg_type, msg)
+            if reply is not None:
+                self._send(rid, *reply)
+        elif msg_type in (P.REGISTER, P.STATUS) and not self.gate.admit(rid):
+            self.log.warning("refused a %s from a connection that has not proven the cluster "
+                             "secret", P.TYPE_NAMES[msg_type])
+            self._send(rid, P.ERROR, self.gate.refusal())
+        elif msg_type == P.REGISTER:
             self._register(rid, msg)
         elif msg_type == P.STATUS:
             self._status(rid, msg)
@@ -141,15 +159,8 @@ class Scheduler:
     # ------------------------------------------------------------------ registration
 
     def _register(self, rid: bytes, msg: dict[str, Any]) -> None:
-        if not secret_ok(self.config.secret, msg.get("secret")):
-            self.log.warning("refused a registration without the cluster secret from pid %s",
-                             msg.get("pid"))
-            self._send(rid, P.ERROR, {"message": "the scheduler refused registration: wrong cluster "
-                                      "secret (BPSCTL_SECRET; `bpsctl run` sets it from the cluster state)"})
-            return
         if msg.get("version") != __version__:
-            self._send(rid, P.ERROR, {"message": f"version mismatch: this process runs bpsctl "
-                                      f"{msg.get('version')}, the scheduler runs {__version__}"})
+            self._send(rid, P.ERROR, {"message": version_mismatch(msg.get("version"), "the scheduler")})
             return
         role = msg.get("role")
         now = time.monotonic()
@@ -366,9 +377,6 @@ class Scheduler:
                 self._end_job(None, notify=())
 
     def _status(self, rid: bytes, msg: dict[str, Any]) -> None:
-        if not secret_ok(self.config.secret, msg.get("secret")):
-            self._send(rid, P.ERROR, {"message": "status refused: wrong cluster secret"})
-            return
         now = time.monotonic()
         job = self.job
         workers = sorted(job.workers.values(), key=lambda w: w.rank) if job else []

@@ -31,7 +31,8 @@ from .. import __version__
 from ..config import Config
 from . import protocol as P
 from .common import (EngineError, bound_router, exit_on_sigterm, keep_large_buffers, lost_link, make_socket, monitor,
-                     monitor_events, secret_ok, setup_process_logging, watch_link, write_ready_file)
+                     monitor_events, setup_process_logging, watch_link, write_ready_file)
+from .security import Security, handshake_failed, refused_handshake, version_mismatch
 
 #: partitions at least this large are summed on a summation thread
 THREADED_SUM_BYTES = 256 * 1024
@@ -108,10 +109,14 @@ class Server:
         self.log = setup_process_logging("server")
         keep_large_buffers()
         self.ctx = zmq.Context()
-        self.sock, self.port = bound_router(self.ctx, config.host, config.port)
+        self.security = Security(config.security, config.secret)
+        self.zap = self.security.start_zap(self.ctx, "a server", self.log)
+        self.sock, self.port = bound_router(self.ctx, config.host, config.port, self.security)
+        self.gate = self.security.gate("a server", self.log)       # named once it has a rank
         self.rank = -1
         self.scheduler_address = config.scheduler
         self.sched = make_socket(self.ctx, zmq.DEALER)
+        self.security.protect_connecting(self.sched)
         watch_link(self.sched, config.heartbeat_interval_s, config.heartbeat_timeout_s)
         self.sched_monitor = monitor(self.sched)
         self.sched.connect(f"tcp://{config.scheduler}")
@@ -135,18 +140,28 @@ class Server:
 
     def register(self) -> None:
         """Register with the scheduler; raise EngineError by the start deadline."""
-        self.sched.send_multipart(P.control(P.REGISTER, {
+        where = f"the scheduler at {self.scheduler_address}"
+        login = self.security.login(self.sched, P.control(P.REGISTER, {
             "role": "server", "host": self.config.host, "port": self.port, "pid": os.getpid(),
-            "secret": self.config.secret, "version": __version__}))
+            "version": __version__}), where)
         deadline = time.monotonic() + self.config.start_timeout_s
         connected = False
         while time.monotonic() < deadline:
-            connected |= zmq.EVENT_CONNECTED in monitor_events(self.sched_monitor)
+            events = monitor_events(self.sched_monitor)
+            if handshake_failed(events):
+                raise refused_handshake(where, self.security)
+            connected |= zmq.EVENT_CONNECTED in events
             if self.sched.poll(100, zmq.POLLIN):
-                msg_type, msg = P.parse_control(self.sched.recv_multipart())
+                try:
+                    msg_type, msg = P.parse_control(self.sched.recv_multipart())
+                except P.ProtocolError as exc:
+                    raise EngineError(f"{where} answered with a bad message: {exc}") from None
+                if login.handle(msg_type, msg):
+                    continue
                 if msg_type == P.REGISTERED:
                     self.rank = int(msg["rank"])
                     self.log = setup_process_logging(f"server {self.rank}")
+                    self.gate = self.security.gate(f"server {self.rank}", self.log)
                     return
                 raise EngineError(f"the scheduler at {self.scheduler_address} refused this server: "
                                   f"{msg.get('message')}")
@@ -193,6 +208,8 @@ class Server:
         finally:
             for q in self.queues:
                 q.put(None)
+            if self.zap is not None:
+                self.zap.stop()
             self.ctx.destroy(linger=0)
 
     def _drain_workers(self) -> None:
@@ -209,28 +226,34 @@ class Server:
                 msg_type, dtype, flags, rank, part, round_, nbytes = P.unpack_header(frames[1].buffer)
                 if msg_type == P.PUSH:
                     self._push(rid, dtype, flags, part, round_, nbytes, frames)
-                elif msg_type == P.HELLO:
-                    self._hello(rid, P.parse_control([frames[1].buffer, frames[2].buffer])[1]
-                                if len(frames) == 3 else {})
+                elif msg_type in (P.HELLO, P.AUTH, P.PROOF):
+                    _, body = P.parse_control([frame.buffer for frame in frames[1:]])
+                    if msg_type == P.HELLO:
+                        self._hello(rid, body)
+                    elif (reply := self.gate.handle(rid, msg_type, body)) is not None:
+                        self._send(rid, *reply)
                 else:
                     raise P.ProtocolError(f"unexpected message type {msg_type}")
             except P.ProtocolError as exc:
                 self._error(rid, f"server {self.rank} rejected a message: {exc}")
 
-    def _error(self, rid: bytes, message: str) -> None:
-        self.log.warning(message)
+    def _send(self, rid: bytes, msg_type: int, body: dict[str, Any]) -> None:
+        if msg_type == P.ERROR:
+            self.log.warning(body["message"])
         try:
-            self.sock.send_multipart([rid, *P.control(P.ERROR, {"message": message})], zmq.NOBLOCK)
+            self.sock.send_multipart([rid, *P.control(msg_type, body)], zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
 
+    def _error(self, rid: bytes, message: str) -> None:
+        self._send(rid, P.ERROR, {"message": message})
+
     def _hello(self, rid: bytes, msg: dict[str, Any]) -> None:
-        if not secret_ok(self.config.secret, msg.get("secret")):
-            self._error(rid, f"server {self.rank} refused a worker without the cluster secret")
+        if not self.gate.admit(rid):
+            self._error(rid, self.gate.refusal()["message"])
             return
         if msg.get("version") != __version__:
-            self._error(rid, f"version mismatch: worker runs bpsctl {msg.get('version')}, "
-                             f"server {self.rank} runs {__version__}")
+            self._error(rid, version_mismatch(msg.get("version"), f"server {self.rank}"))
             return
         if msg.get("job") != self.job_id:
             self._reset(str(msg.get("job")), int(msg.get("world_size", 0)),
@@ -246,7 +269,8 @@ class Server:
               frames: list[zmq.Frame]) -> None:
         rank = self.peers.get(rid)
         if rank is None:
-            raise P.ProtocolError("push from a worker that has not said HELLO with the cluster secret")
+            raise P.ProtocolError("push from a connection that has not said HELLO (after proving "
+                                  "the cluster secret)")
         if len(frames) != 3 or len(frames[2]) != nbytes:
             raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
                                   f"{len(frames[2]) if len(frames) == 3 else 'no payload'}")

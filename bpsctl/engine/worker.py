@@ -35,6 +35,7 @@ from ..config import Config
 from . import protocol as P
 from .common import (EngineError, keep_large_buffers, lost_link, make_socket, monitor, monitor_events,
                      watch_link)
+from .security import Login, Security, handshake_failed, refused_handshake
 
 
 class Handle:
@@ -98,7 +99,7 @@ class Worker:
     def __init__(self, config: Config | None = None, *, scheduler: str | None = None,
                  secret: str | None = None):
         self.config = config if config is not None else Config.from_env(role="worker")
-        self.scheduler_address, self.secret = self._locate_cluster(scheduler, secret)
+        self.scheduler_address, self.security = self._locate_cluster(scheduler, secret)
         self.rank = self.config.rank
         self.size = self.config.world_size
         self.local_rank = self.config.local_rank
@@ -150,16 +151,19 @@ class Worker:
 
     # ------------------------------------------------------------------ startup
 
-    def _locate_cluster(self, scheduler: str | None, secret: str | None) -> tuple[str, str]:
-        """The scheduler's address and secret: arguments, then config, then `bpsctl up`'s state."""
+    def _locate_cluster(self, scheduler: str | None, secret: str | None) -> tuple[str, Security]:
+        """The scheduler's address, secret and security mode: arguments, then config, then
+        `bpsctl up`'s state."""
         address = scheduler or self.config.scheduler
         secret = secret if secret is not None else self.config.secret
+        mode = self.config.security
         if not address:
             state_file = self.config.state_dir / "cluster.json"
             try:
                 state = json.loads(state_file.read_text())
                 address = state["scheduler"]
                 secret = secret or state.get("secret", "")
+                mode = state.get("security", mode)
             except FileNotFoundError:
                 raise EngineError("no scheduler to connect to: BPSCTL_SCHEDULER is not set and no "
                                   f"cluster is recorded in {state_file}. Start one with `bpsctl up`, "
@@ -167,21 +171,23 @@ class Worker:
             except (ValueError, KeyError, TypeError) as exc:
                 raise EngineError(f"cannot read the cluster state in {state_file}: {exc}; "
                                   "run `bpsctl down` and `bpsctl up` again") from None
-        return address, secret
+        return address, Security(mode, secret)
 
     def _linked_socket(self) -> zmq.Socket:
         """A DEALER whose connection drops (and is reported) when its link goes silent."""
         sock = make_socket(self._ctx, zmq.DEALER)
         watch_link(sock, self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s)
+        self.security.protect_connecting(sock)
         return sock
 
     def _register(self) -> None:
         cfg = self.config
-        self._sched.send_multipart(P.control(P.REGISTER, {
+        where = f"the scheduler at {self.scheduler_address}"
+        login = self.security.login(self._sched, P.control(P.REGISTER, {
             "role": "worker", "rank": cfg.rank, "world_size": cfg.world_size, "job": cfg.job_id,
-            "host": cfg.host, "pid": os.getpid(), "secret": self.secret,
+            "host": cfg.host, "pid": os.getpid(),
             "version": __version__, "num_servers": cfg.num_servers,
-            "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s}))
+            "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s}), where)
         # the scheduler enforces the start timeout and names missing ranks; our own deadline
         # (a little later) is a backstop for a scheduler that never answers
         start = time.monotonic()
@@ -194,6 +200,8 @@ class Worker:
             if now >= reply_deadline or (not connected and now >= connect_deadline):
                 break
             events = monitor_events(self._sched_monitor)
+            if handshake_failed(events):
+                raise EngineError(f"rank {cfg.rank}: {refused_handshake(where, self.security)}")
             connected |= zmq.EVENT_CONNECTED in events
             if zmq.EVENT_DISCONNECTED in events:
                 raise EngineError(lost_link(f"the scheduler at {self.scheduler_address}",
@@ -203,7 +211,12 @@ class Worker:
                 next_heartbeat = now + cfg.heartbeat_interval_s
             if not self._sched.poll(50, zmq.POLLIN):
                 continue
-            msg_type, msg = P.parse_control(self._sched.recv_multipart())
+            try:
+                msg_type, msg = P.parse_control(self._sched.recv_multipart())
+            except P.ProtocolError as exc:
+                raise EngineError(f"rank {cfg.rank}: {where} answered with a bad message: {exc}") from None
+            if self._answer(login, msg_type, msg):
+                continue
             if msg_type == P.ERROR:
                 raise EngineError(f"rank {cfg.rank}: {msg.get('message')}")
             if msg_type == P.MEMBER_LOST and msg.get("role") == "worker":
@@ -224,15 +237,43 @@ class Worker:
                               f"within {cfg.start_timeout_s:g} s (BPSCTL_START_TIMEOUT)")
         # pushes of a host-reduced partition per round: one per host (see push_pull_async)
         self.hosts = self.size // self.local_size if self.size % self.local_size == 0 else self.size
-        hello = P.control(P.HELLO, {"secret": self.secret, "job": cfg.job_id, "rank": self.rank,
+        hello = P.control(P.HELLO, {"job": cfg.job_id, "rank": self.rank,
                                     "world_size": self.size, "hosts": self.hosts,
                                     "version": __version__})
+        logins = []
         for server in self._servers:
             sock = self._linked_socket()
             self._server_monitors.append(monitor(sock))
             sock.connect(f"tcp://{server['host']}:{server['port']}")
-            sock.send_multipart(hello)
+            logins.append(self.security.login(
+                sock, hello, f"server {server['rank']} at {server['host']}:{server['port']}"))
             self._server_socks.append(sock)
+        self._await_logins(logins, time.monotonic() + cfg.start_timeout_s)
+
+    def _answer(self, login: Login, msg_type: int, msg: dict[str, Any]) -> bool:
+        try:
+            return login.handle(msg_type, msg)
+        except EngineError as exc:
+            raise EngineError(f"rank {self.config.rank}: {exc}") from None
+
+    def _await_logins(self, logins: list[Login], deadline: float) -> None:
+        """Finish the handshake with every server before the first push (hmac mode)."""
+        while not all(login.done for login in logins):
+            pending = [login for login in logins if not login.done]
+            if time.monotonic() > deadline:
+                raise EngineError(f"rank {self.rank}: {pending[0].peer} did not answer the "
+                                  f"security handshake within {self.config.start_timeout_s:g} s "
+                                  "(BPSCTL_START_TIMEOUT)")
+            for login in pending:
+                if not login.sock.poll(10, zmq.POLLIN):
+                    continue
+                try:
+                    msg_type, msg = P.parse_control(login.sock.recv_multipart())
+                except P.ProtocolError as exc:
+                    raise EngineError(f"rank {self.rank}: {login.peer} answered with a bad "
+                                      f"message: {exc}") from None
+                if not self._answer(login, msg_type, msg) and msg_type == P.ERROR:
+                    raise EngineError(f"rank {self.rank}: {msg.get('message')}")
 
     # ------------------------------------------------------------------ caller API
 

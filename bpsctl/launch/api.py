@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Iterator
 
-from bpsctl.config import Config, ConfigError
+from bpsctl.config import DEFAULT_SECURITY, Config, ConfigError
 from bpsctl.launch.output import OutputRelay
 from bpsctl.launch.processes import (Interrupted, ProcessIdentity, StopSignals, is_running,
                                      pid_running, reap_if_child, start_process, stop_groups,
@@ -81,6 +81,7 @@ class ClusterState:
     # an emulated cluster's network (see launch/emulate.py): {"cluster_id", "nic_mbit",
     # "workers": [{"name", "namespace", "address", "interface"}], "servers": [...]}
     emulation: dict[str, Any] | None = None
+    security: str = DEFAULT_SECURITY   # BPSCTL_SECURITY of every member (engine/security.py)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -259,7 +260,8 @@ def _wait_ready(child: _Child, deadline: float, timeout_s: float,
 
 
 def _wait_servers_registered(scheduler: _Child, servers: list[_Child], address: str, secret: str,
-                             deadline: float, timeout_s: float, stop_signals: StopSignals) -> None:
+                             security: str, deadline: float, timeout_s: float,
+                             stop_signals: StopSignals) -> None:
     from bpsctl.engine import EngineError
     from bpsctl.engine.client import scheduler_status
 
@@ -273,7 +275,8 @@ def _wait_servers_registered(scheduler: _Child, servers: list[_Child], address: 
         # ask at least once, even when the ready files used up the deadline
         remaining_s = max(deadline - time.monotonic(), 0.2)
         try:
-            view = scheduler_status(address, secret, timeout_s=min(1.0, remaining_s))
+            view = scheduler_status(address, secret, timeout_s=min(1.0, remaining_s),
+                                    security=security)
             registered = sum(1 for s in view["servers"] if s["state"] == "running")
             if registered >= len(servers):
                 return
@@ -388,7 +391,8 @@ def _up(config: Config, servers: int, network: Any) -> ClusterState:
                                   f"already running from {state_dir}; run `bpsctl down` first")
             state_file(state_dir).unlink()      # every process of it has exited: stale
         _rotate_logs(state_dir)
-        secret = secrets.token_hex(16)
+        from bpsctl.engine.security import new_secret
+        secret = new_secret()
         deadline = time.monotonic() + config.start_timeout_s
         started: list[_Child] = []
         try:
@@ -417,8 +421,9 @@ def _up(config: Config, servers: int, network: Any) -> ClusterState:
             server_ready = [_wait_ready(c, deadline, config.start_timeout_s, stop_signals)
                             for c in server_children]
             _wait_servers_registered(scheduler, server_children,
-                                     f"ipc://{control_socket(state_dir)}", secret, deadline,
-                                     config.start_timeout_s, stop_signals)
+                                     f"ipc://{control_socket(state_dir)}", secret,
+                                     config.security, deadline, config.start_timeout_s,
+                                     stop_signals)
             server_records = []
             for child, info in zip(server_children, server_ready):
                 rank = int(info["rank"])
@@ -427,7 +432,7 @@ def _up(config: Config, servers: int, network: Any) -> ClusterState:
             cluster = ClusterState(
                 name=(f"emulated-{network.cluster_id}" if network is not None
                       else f"local-{secrets.token_hex(3)}"),
-                scheduler=address, secret=secret,
+                scheduler=address, secret=secret, security=config.security,
                 state_dir=str(state_dir), created=time.time(),
                 processes=(_record(scheduler, "scheduler", 0, ready),
                            *sorted(server_records, key=lambda r: r.rank)),
@@ -527,7 +532,8 @@ def status(state_dir: Path | str, timeout_s: float = STATUS_TIMEOUT_S) -> dict[s
         from bpsctl.engine import EngineError
         from bpsctl.engine.client import scheduler_status
         try:
-            view = scheduler_status(_control_address(cluster), cluster.secret, timeout_s=timeout_s)
+            view = scheduler_status(_control_address(cluster), cluster.secret, timeout_s=timeout_s,
+                                    security=cluster.security)
         except EngineError as exc:
             scheduler_error = str(exc)
     else:
@@ -752,7 +758,8 @@ def _run_workers(cluster: ClusterState, cmd: list[str], np: int, config: Config,
     job_id = uuid.uuid4().hex
     master_port = _free_port()
     worker_config = config.replace(role="worker", scheduler=cluster.scheduler,
-                                   secret=cluster.secret, world_size=np, job_id=job_id)
+                                   secret=cluster.secret, security=cluster.security,
+                                   world_size=np, job_id=job_id)
     slots = worker_slots(cluster, np)
     workers: list[_Worker] = []
     failed_order: list[_Worker] = []

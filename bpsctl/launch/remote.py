@@ -241,6 +241,7 @@ def cmd_stop(spec: dict[str, Any]) -> dict[str, Any]:
 def cmd_scheduler(spec: dict[str, Any]) -> dict[str, Any]:
     """The scheduler's view, waiting up to ``timeout_s`` for ``servers`` to have registered."""
     from bpsctl.engine import EngineError
+    from bpsctl.config import DEFAULT_SECURITY
     from bpsctl.engine.client import scheduler_status
     from bpsctl.launch.processes import is_running
     deadline = time.monotonic() + float(spec.get("timeout_s", 2))
@@ -254,7 +255,8 @@ def cmd_scheduler(spec: dict[str, Any]) -> dict[str, Any]:
                         "exited": name, "log_tail": _tail(log)}
         try:
             view = scheduler_status(spec["address"], spec["secret"],
-                                    timeout_s=max(0.2, min(1.0, deadline - time.monotonic())))
+                                    timeout_s=max(0.2, min(1.0, deadline - time.monotonic())),
+                                    security=spec.get("security", DEFAULT_SECURITY))
             if sum(1 for s in view["servers"] if s["state"] == "running") >= wanted:
                 return {"view": view}
             error = (f"{sum(1 for s in view['servers'] if s['state'] == 'running')} of "

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator, Sequence
 
 import bpsctl
-from bpsctl.config import Config, ConfigError
+from bpsctl.config import DEFAULT_SECURITY, Config, ConfigError
 from bpsctl.launch.api import (LaunchError, RunResult, WorkerFailure, logs_dir, parse_log_role,
                                write_private_json)
 from bpsctl.launch.hosts import HostsSpec, SshOptions, load_hosts
@@ -94,6 +94,7 @@ class SshCluster:
     addresses: dict[str, str]   # SSH target -> bound address
     processes: tuple[RemoteProcess, ...]
     created: float
+    security: str = DEFAULT_SECURITY    # BPSCTL_SECURITY of every member (engine/security.py)
 
     def to_json(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "hosts": self.hosts.to_json(), "kind": "ssh"}
@@ -522,7 +523,10 @@ def up_ssh(hosts: HostsSpec | str | Path, config: Config, *, ship_wheel: bool = 
             addresses = preflight(session, hosts)
             stop_signals.check()
             name = f"ssh-{secrets.token_hex(3)}"
-            cluster_plan = plan(hosts, config, secret=secrets.token_hex(16), job_id=name,
+            from bpsctl.engine.security import new_secret
+            # the secret (and so the CURVE keys derived from it) reaches each process only
+            # inside the JSON the agent reads on stdin, and lives in its environment
+            cluster_plan = plan(hosts, config, secret=new_secret(), job_id=name,
                                 addresses=addresses)
             started: list[RemoteProcess] = []
             try:
@@ -534,7 +538,8 @@ def up_ssh(hosts: HostsSpec | str | Path, config: Config, *, ship_wheel: bool = 
                                                                         p.rank))
                                   for p in started)
                 cluster = SshCluster(name=name, scheduler=cluster_plan.scheduler_address,
-                                     secret=cluster_plan.secret, state_dir=str(state_dir),
+                                     secret=cluster_plan.secret, security=config.security,
+                                     state_dir=str(state_dir),
                                      hosts=hosts, addresses=addresses, processes=processes,
                                      created=time.time())
                 _write_cluster(cluster)
@@ -589,7 +594,7 @@ def _wait_registered(session: Hosts, cluster_plan: Plan, started: list[RemotePro
     scheduler = cluster_plan.scheduler
     watch = [p.agent_record() for p in started if p.host == scheduler.host]
     answer = session.agent(scheduler.host, "scheduler", {
-        "address": cluster_plan.scheduler_address,
+        "address": cluster_plan.scheduler_address, "security": config.security,
         "secret": cluster_plan.secret, "servers": len(cluster_plan.servers),
         "timeout_s": config.start_timeout_s, "watch": watch},
         timeout_s=config.start_timeout_s + COMMAND_TIMEOUT_S)
@@ -725,7 +730,8 @@ def status_ssh(state_dir: Path | str) -> dict[str, Any]:
         else:
             try:
                 answer = session.agent(scheduler.host, "scheduler", {
-                    "address": cluster.scheduler, "secret": cluster.secret, "servers": 0,
+                    "address": cluster.scheduler, "secret": cluster.secret,
+                    "security": cluster.security, "servers": 0,
                     "timeout_s": 2.0})
                 view = answer.get("view")
                 scheduler_error = answer.get("error")
@@ -853,6 +859,7 @@ def run_ssh(cmd: list[str], config: Config, hosts: HostsSpec | str | Path | None
 def _run_workers(cluster: SshCluster, cmd: list[str], config: Config, stdout: IO[str],
                  stderr: IO[str], stop_signals: Any) -> RunResult:
     job_id = uuid.uuid4().hex
+    config = config.replace(security=cluster.security)
     the_plan = plan(cluster.hosts, config, secret=cluster.secret, job_id=job_id,
                     addresses=cluster.addresses)
     the_plan = dataclasses.replace(the_plan, workdir=_remote_dir(cluster.hosts, cluster.name))
