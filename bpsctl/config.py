@@ -187,6 +187,10 @@ class Config:
     credit_bytes: int = knob(16384000, "BPSCTL_CREDIT_BYTES",
                              "most bytes a worker has pushed and not yet seen acknowledged", "size",
                              in_file=True)
+    fusion_bytes: int = knob(4096000, "BPSCTL_FUSION_BYTES",
+                             "DistributedOptimizer packs gradients smaller than this, consecutive "
+                             "in backward order, into one push_pull of up to this size (0: off)",
+                             "size", in_file=True)
     num_servers: int = knob(0, "BPSCTL_NUM_SERVERS",
                             "servers a job uses, the first N registered (0: all of them)", "int",
                             in_file=True)
@@ -232,6 +236,7 @@ class Config:
             (self.partition_bytes >= 8, "BPSCTL_PARTITION_BYTES", "at least 8 bytes",
              self.partition_bytes),
             (self.credit_bytes >= 1, "BPSCTL_CREDIT_BYTES", "at least 1 byte", self.credit_bytes),
+            (self.fusion_bytes >= 0, "BPSCTL_FUSION_BYTES", "0 or more bytes", self.fusion_bytes),
             (self.num_servers >= 0, "BPSCTL_NUM_SERVERS", "0 (all) or more", self.num_servers),
             (1 <= self.server_threads <= 64, "BPSCTL_SERVER_THREADS", "1..64", self.server_threads),
             (self.local_reduce in ("auto", "off"), "BPSCTL_LOCAL_REDUCE", "auto or off",

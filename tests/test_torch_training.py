@@ -65,8 +65,11 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
                 loss.backward()
             opt.step()
         torch.save(model.state_dict(), os.path.join(out_dir, f"{variant}.rank{R}.pt"))
-        report[variant + ".priorities"] = [-i for i in range(len(list(model.parameters())))] == \\
-            [opt._sync.index[p] * -1 for p in model.parameters()]
+        # a bucket's priority is its first layer's: non-increasing in layer order, first is 0
+        priority = {id(p): b.priority for b in opt._sync.buckets for p in b.params}
+        seq = [priority[id(p)] for p in model.parameters()]
+        report[variant + ".priorities"] = seq[0] == 0 and all(a >= b for a, b in zip(seq, seq[1:]))
+        report[variant + ".buckets"] = [len(b.params) for b in opt._sync.buckets]
 
     train("plain", bps.Compression.none, 1)
     train("fp16", bps.Compression.fp16, 1)
@@ -88,14 +91,15 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
                                     ("last.weight", last.weight), ("last.bias", last.bias)])
     pushed = {}
     hook = opt._sync._push
-    def timed_push(p):
-        pushed.setdefault(id(p), time.monotonic())
-        hook(p)
+    def timed_push(bucket):
+        for p in bucket.params:
+            pushed.setdefault(id(p), time.monotonic())
+        hook(bucket)
     opt._sync._push = timed_push
     last(Slow.apply(first(torch.ones(2, 64)))).sum().backward()
     backward_end = time.monotonic()
     report["overlap.first_push_before_backward_end_s"] = backward_end - pushed[id(last.weight)]
-    report["overlap.last_layer_done_at_backward_end"] = bps.poll(opt._sync.handles[last.weight])
+    report["overlap.last_layer_done_at_backward_end"] = bps.poll(opt._sync.handles[opt._sync.bucket_of[last.weight]])
     report["overlap.first_layer_pushed_last"] = pushed[id(first.weight)] > pushed[id(last.bias)]
     opt.step()
 
@@ -162,9 +166,11 @@ def trained(tmp_path_factory):
     script = tmp / "train.py"
     script.write_text(WORKER_SCRIPT)
     # one partition of credit makes the priority order observable; the intra-node stage is
-    # off so the priority order is the engine's alone (test_torch_plugin covers the stage)
+    # off so the priority order is the engine's alone (test_torch_plugin covers the stage);
+    # fusion_bytes makes the model's gradients a mix of fused and lone buckets
     config = Config(state_dir=tmp / "state", heartbeat_interval_s=0.2, op_timeout_s=60.0,
-                    credit_bytes=64000, partition_bytes=64000, local_reduce="off")
+                    credit_bytes=64000, partition_bytes=64000, local_reduce="off",
+                    fusion_bytes=2000)
     log = io.StringIO()
     with local_cluster(config, servers=2) as cluster:
         servers = ",".join(str(p.pid) for p in cluster.processes if p.role == "server")
@@ -210,6 +216,9 @@ def test_gradients_are_pushed_during_backward_in_layer_order(trained):
     for rank in range(WORKERS):
         report = json.loads((tmp / f"report.rank{rank}.json").read_text())
         assert report["plain.priorities"], "priorities do not follow layer order"
+        # fusion_bytes=2000: the linear layer's bias and weight alone, both convolutions' four
+        # small tensors in one bucket
+        assert report["plain.buckets"] == [1, 1, 4], report
         assert report["overlap.first_push_before_backward_end_s"] > 0.8, report
         assert report["overlap.last_layer_done_at_backward_end"], report
         assert report["overlap.first_layer_pushed_last"], report
@@ -221,3 +230,28 @@ def test_a_late_high_priority_gradient_overtakes_earlier_low_priority_ones(train
     for rank in range(WORKERS):
         report = json.loads((tmp / f"report.rank{rank}.json").read_text())
         assert report["priority.lows_before_high"] <= 1, report
+
+
+@pytest.mark.parametrize("fusion_bytes, expected", [(0, 161), (4096000, 32)])
+def test_resnet50_gradients_fuse_into_few_buckets_in_backward_order(fusion_bytes, expected):
+    from bpsctl.bench.models import build
+    from bpsctl.engine.torch import _buckets
+    model = build("resnet50", 1000)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    names = {p: f"g.{n}" for n, p in named}
+    buckets = _buckets(params, names, fusion_bytes, "g")
+    assert len(buckets) == expected
+    # every gradient exactly once, in backward (reverse registration) order
+    assert [id(p) for b in buckets for p in b.params] == [id(p) for p in reversed(params)]
+    index = {id(p): i for i, p in enumerate(params)}
+    for b in buckets:
+        size = sum(p.numel() * p.element_size() for p in b.params)
+        if len(b.params) > 1:
+            assert size <= fusion_bytes and b.name.startswith("g.fused.")
+        else:
+            assert b.name == names[b.params[0]]
+        assert b.priority == -min(index[id(p)] for p in b.params)
+    # the same model gives the same names on every worker
+    again = _buckets(params, names, fusion_bytes, "g")
+    assert [b.name for b in again] == [b.name for b in buckets]

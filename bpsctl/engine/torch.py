@@ -395,12 +395,57 @@ def _check_root(root_rank: int) -> None:
 
 # --------------------------------------------------------------------------- gradients
 
-class _GradientSync:
-    """Per-parameter hooks that push each gradient as soon as autograd has accumulated it.
+class _Bucket:
+    """Gradients pushed as one tensor: one parameter's own gradient (no copy), or several small
+    ones consecutive in backward order, packed into a flat buffer allocated once."""
 
-    Priorities follow layer order (the first parameter highest), since the next forward pass
-    needs the first layers first and the engine sends larger priority first.
-    """
+    __slots__ = ("params", "name", "priority", "flat", "ready", "handle")
+
+    def __init__(self, params: list[torch.nn.Parameter], name: str, priority: int):
+        self.params, self.name, self.priority = params, name, priority
+        self.flat: torch.Tensor | None = None
+        self.ready = 0                      # members whose gradient is final for this step
+        self.handle: int | None = None
+
+
+def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
+             prefix: str) -> list[_Bucket]:
+    """Group ``params`` (in registration order) for pushing. Backward produces gradients roughly
+    in reverse order, so runs of small gradients adjacent in that order share a bucket of at most
+    ``fusion_bytes``; a gradient of ``fusion_bytes`` or more travels alone. Every worker derives
+    the same buckets from the same model, so the names agree across workers. Priorities follow
+    layer order (the first parameter highest): the next forward pass needs the first layers
+    first, and the engine sends larger priority first."""
+    index = {p: i for i, p in enumerate(params)}
+    buckets: list[_Bucket] = []
+    run: list[torch.nn.Parameter] = []
+
+    def close_run() -> None:
+        if len(run) == 1:
+            buckets.append(_Bucket(list(run), names[run[0]], -index[run[0]]))
+        elif run:
+            buckets.append(_Bucket(list(run), f"{prefix}.fused.{len(buckets)}",
+                                   -min(index[p] for p in run)))
+        run.clear()
+
+    for p in reversed(params):
+        size = p.numel() * p.element_size()
+        fits = (run and p.dtype == run[0].dtype and p.device == run[0].device
+                and size + sum(q.numel() * q.element_size() for q in run) <= fusion_bytes)
+        if not fits:
+            close_run()
+        if size >= fusion_bytes:
+            run.append(p)
+            close_run()
+        else:
+            run.append(p)
+    close_run()
+    return buckets
+
+
+class _GradientSync:
+    """Hooks that push gradients as soon as autograd has accumulated them: a bucket goes when
+    the last of its gradients is ready (see :func:`_buckets`)."""
 
     def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], prefix: str,
                  compression: type[Compressor], passes_per_step: int,
@@ -412,12 +457,13 @@ class _GradientSync:
         if duplicates:
             raise ValueError(f"named_parameters has duplicate names: {duplicates}")
         self.params = [p for _, p in named_parameters if p.requires_grad]
-        self.names = {p: f"{prefix}.{name}" for name, p in named_parameters}
-        self.index = {p: i for i, p in enumerate(self.params)}
+        full_names = {p: f"{prefix}.{name}" for name, p in named_parameters}
+        self.buckets = _buckets(self.params, full_names, _p().config.fusion_bytes, prefix)
+        self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.compression = compression
         self.passes_per_step = passes_per_step
         self.delay = {p: passes_per_step for p in self.params}
-        self.handles: dict[torch.nn.Parameter, int] = {}
+        self.handles: dict[_Bucket, int] = {}
         self.enabled = True
         self.before_first_push = before_first_push
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
@@ -425,32 +471,53 @@ class _GradientSync:
     def _hook(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:
             return
-        if p in self.handles:
+        if self.delay[p] == 0:
             raise AssertionError(
                 "gradients were computed more than backward_passes_per_step times before "
                 "step() or synchronize(); increase backward_passes_per_step to accumulate "
                 "gradients locally")
         self.delay[p] -= 1
         if self.delay[p] == 0:
-            if not self.handles and self.before_first_push is not None:
-                self.before_first_push()
-            self._push(p)
+            bucket = self.bucket_of[p]
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                if not self.handles and self.before_first_push is not None:
+                    self.before_first_push()
+                self._push(bucket)
 
-    def _push(self, p: torch.nn.Parameter) -> None:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        self.handles[p] = push_pull_async_inplace(p.grad, average=True, name=self.names[p],
-                                                  priority=-self.index[p],
-                                                  compression=self.compression)
+    def _push(self, bucket: _Bucket) -> None:
+        for p in bucket.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if len(bucket.params) == 1:
+            tensor = bucket.params[0].grad
+        else:
+            if bucket.flat is None:
+                first = bucket.params[0]
+                bucket.flat = torch.empty(sum(p.numel() for p in bucket.params),
+                                          dtype=first.dtype, device=first.device)
+            torch.cat([p.grad.reshape(-1) for p in bucket.params], out=bucket.flat)
+            tensor = bucket.flat
+        self.handles[bucket] = push_pull_async_inplace(tensor, average=True, name=bucket.name,
+                                                       priority=bucket.priority,
+                                                       compression=self.compression)
 
     def synchronize(self) -> None:
-        # parameters whose hook did not fire (unused this step) still take part, so every
-        # worker pushes the same tensors
-        for p in self.params:
-            if p not in self.handles:
-                self._push(p)
-        for p, handle in list(self.handles.items()):
+        # buckets not pushed yet (a parameter unused this step, or fewer backward passes than
+        # backward_passes_per_step) still take part, so every worker pushes the same tensors
+        for bucket in self.buckets:
+            if bucket not in self.handles:
+                self._push(bucket)
+        for bucket, handle in list(self.handles.items()):
             synchronize(handle)
+            if bucket.flat is not None:
+                offset = 0
+                for p in bucket.params:
+                    n = p.numel()
+                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
+                    offset += n
+            bucket.ready = 0
+        for p in self.params:
             self.delay[p] = self.passes_per_step
         self.handles.clear()
 
