@@ -273,7 +273,7 @@ def test_a_small_tuning_run_on_emulated_hosts(env, tmp_path):
     plot, table = tmp_path / "tune.png", tmp_path / "trials.csv"
     result = bpsctl(env, "tune", "--emulate", "--workers", "2", "--servers", "2", "--nic", "1gbit",
                     "--size", "4MiB", "--trials", "4", "--warmup", "1", "--repeats", "2",
-                    "--finalists", "2", "--final-repeats", "3", "--out", str(out),
+                    "--finalists", "2", "--final-passes", "2", "--out", str(out),
                     "--json", str(report_file), "--plot", str(plot), "--csv", str(table),
                     timeout_s=280)
     assert result.returncode == 0, result.stderr
@@ -282,11 +282,17 @@ def test_a_small_tuning_run_on_emulated_hosts(env, tmp_path):
     assert report["nic_mbit"] == 1000 and report["workers"] == 2 and report["servers"] == 2
     stages = [t["stage"] for t in report["trials"]]
     assert stages[0] == "baseline" and stages.count("search") == 4
-    assert 2 <= stages.count("final") <= 3            # the leaders, and the default unless a leader
+    # the 2 leaders, and the current config unless it leads, twice each, interleaved
+    contenders = report["finalists"]
+    assert len(contenders) in (2, 3) and stages.count("final") == 2 * len(contenders)
+    assert sum(f["current"] for f in contenders) == 1
+    best = report["best"]
+    assert best["score"] >= max(f["score"] for f in contenders if not f["current"])
+    assert best["score"] == pytest.approx(sum(best["passes"]) / 2)      # median of 2 passes
+    assert report["improvement"] == pytest.approx(best["score"] / report["baseline"]["score"])
     for trial in report["trials"]:
         assert {"partition_bytes", "servers", "credit", "score"} <= set(trial)
         assert trial["score"] > 0 and 1 <= trial["servers"] <= 2
-    best = report["best"]
     assert best["partition_bytes"] in PARTITION_SIZES and best["credit"] // best["partition_bytes"] \
         in (2, 8, 32)
     assert report["model_guess"]["servers"] == 2      # 2 dedicated server hosts for 2 workers

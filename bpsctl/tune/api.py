@@ -8,13 +8,15 @@ processes — on the same scheduler and servers, and an emulated cluster is buil
 Each point is scored by the comm benchmark (push_pull algbw of a fixed gradient size, median
 of the timed rounds) or a training benchmark (img/sec). optuna's TPE sampler, seeded, picks the
 points; the model's server guess and the current config's nearest point go first. The best
-few and the current config are then measured again, with more rounds, side by side, and the
-best of that re-measurement wins: one lucky round on a noisy machine does not decide.
+few and the current config are then measured again in interleaved passes (a burst of load on
+the machine hits them all alike), and the best median over those passes wins: neither one lucky
+measurement nor the search's own (selection-biased) scores decide.
 """
 from __future__ import annotations
 
 import math
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -44,7 +46,7 @@ class TuneSettings:
     warmup: int = 2
     repeats: int = 5
     finalists: int = 3
-    final_repeats: int = 10
+    final_passes: int = 3                # re-measurements of each finalist, interleaved
     seed: int = 0
     partition_sizes: tuple[int, ...] = PARTITION_SIZES
     credit_multiples: tuple[int, ...] = CREDIT_MULTIPLES
@@ -55,10 +57,13 @@ class TuneSettings:
             raise ConfigError(f"tune: knobs to tune are {', '.join(KNOBS)}, got {self.knobs}")
         for name, value, least in (("--trials", self.trials, 1), ("--repeats", self.repeats, 1),
                                    ("--finalists", self.finalists, 1),
-                                   ("--final-repeats", self.final_repeats, 1),
+                                   ("--final-passes", self.final_passes, 1),
                                    ("--tensors", self.tensors, 1)):
             if value < least:
                 raise ConfigError(f"{name}: expected at least {least}, got {value}")
+        if self.model is not None and self.warmup < 1:
+            raise ConfigError("--warmup: expected at least 1 with --model (the warm-up declares "
+                              "every tensor before timing)")
         if self.model is None and self.size_bytes < 4 * self.tensors:
             raise ConfigError(f"--size: {self.size_bytes} bytes is too small for {self.tensors} "
                               f"float32 tensors (at least {4 * self.tensors} bytes)")
@@ -137,13 +142,12 @@ class Tuning:
     guess: ServerGuess | None
     guess_note: str
     trials: list[dict[str, Any]] = field(default_factory=list)
+    #: the re-measured points (finalists and the current config): median over the passes
+    finalists: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] | None = None
 
     def report(self) -> dict[str, Any]:
-        finals = {(t["partition_bytes"], t["servers"], t["credit"]): t
-                  for t in self.trials if t["stage"] == "final"}
-        base = finals.get((self.baseline.partition_bytes, self.baseline.servers,
-                           self.baseline.credit_bytes))
+        base = next((f for f in self.finalists if f["current"]), None)
         return {
             "kind": "tune", "mode": "grid" if self.settings.grid else "tpe",
             "knobs": list(self.settings.knobs), "score_unit": self.score_unit,
@@ -152,7 +156,7 @@ class Tuning:
             "space_points": len(self.space),
             "measurements": len(self.trials),
             "timed_rounds": sum(t["repeats"] for t in self.trials),
-            "trials": self.trials, "best": self.best,
+            "trials": self.trials, "finalists": self.finalists, "best": self.best,
             "baseline": base,
             "improvement": (self.best["score"] / base["score"]) if base and self.best else None,
             "model_guess": None if self.guess is None else {
@@ -239,33 +243,40 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
     tuning = Tuning(settings, space, workers, len(server_hosts), nic, description,
                     "img/sec" if settings.model else "algbw MB/s", baseline, guess, note)
     search = len(space) if settings.grid else min(settings.trials, len(space))
-    total = 1 + search + min(settings.finalists, search) + 1
+    total = 1 + search + settings.final_passes * (min(settings.finalists, search) + 1)
     scores: dict[Point, float] = {}
 
-    def measure(point: Point, stage: str, repeats: int) -> float:
+    def measure(point: Point, stage: str) -> float:
         progress(len(tuning.trials), total, f"{stage} {_describe(point)}")
-        score, seconds = _measure(config, point, settings, workers, nic, repeats, output)
+        score, seconds = _measure(config, point, settings, workers, nic, settings.repeats, output)
         tuning.trials.append({"number": len(tuning.trials), "stage": stage,
                               "partition_bytes": point.partition_bytes, "servers": point.servers,
                               "credit": point.credit_bytes, "score": score,
-                              "seconds": seconds, "repeats": repeats})
+                              "seconds": seconds, "repeats": settings.repeats})
         return score
 
-    measure(baseline, "baseline", settings.repeats)
+    measure(baseline, "baseline")
     if settings.grid:
         for point in space:
-            scores[point] = measure(point, "grid", settings.repeats)
+            scores[point] = measure(point, "grid")
     else:
         _search(space, settings, guess, baseline, scores,
-                lambda point: measure(point, "search", settings.repeats), search)
-    # the leaders and the current config again, side by side, with more rounds
+                lambda point: measure(point, "search"), search)
     leaders = sorted(scores, key=lambda p: -scores[p])[:settings.finalists]
-    final = {point: measure(point, "final", settings.final_repeats)
-             for point in [*leaders, *([] if baseline in leaders else [baseline])]}
+    contenders = [*leaders, *([] if baseline in leaders else [baseline])]
+    passes: dict[Point, list[float]] = {point: [] for point in contenders}
+    for _ in range(settings.final_passes):
+        for point in contenders:
+            passes[point].append(measure(point, "final"))
+    final = {point: statistics.median(values) for point, values in passes.items()}
+    tuning.finalists = [{"partition_bytes": p.partition_bytes, "servers": p.servers,
+                         "credit": p.credit_bytes, "score": final[p], "passes": passes[p],
+                         "search_score": scores.get(p), "current": p == baseline}
+                        for p in sorted(contenders, key=lambda p: -final[p])]
     winner = max(leaders, key=lambda p: final[p])
-    tuning.best = {"partition_bytes": winner.partition_bytes, "servers": winner.servers,
-                   "credit": winner.credit_bytes, "score": final[winner],
-                   "search_score": scores[winner]}
+    tuning.best = next(f for f in tuning.finalists
+                       if (f["partition_bytes"], f["servers"], f["credit"]) ==
+                       (winner.partition_bytes, winner.servers, winner.credit_bytes))
     progress(len(tuning.trials), total, "done")
     return tuning
 

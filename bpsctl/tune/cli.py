@@ -54,8 +54,9 @@ def tune(ctx: typer.Context,
                                      help="Timed rounds per point (the median scores it)."),
          finalists: int = typer.Option(3, "--finalists", min=1,
                                        help="Leading points measured again before choosing."),
-         final_repeats: int = typer.Option(10, "--final-repeats", min=1,
-                                           help="Timed rounds of each re-measurement."),
+         final_passes: int = typer.Option(3, "--final-passes", min=1,
+                                          help="Interleaved re-measurements of the finalists "
+                                               "and the current config (the median decides)."),
          seed: int = typer.Option(0, "--seed", help="Seed of the TPE sampler."),
          json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
                                                   help="Write every trial and the choice as "
@@ -83,7 +84,7 @@ def tune(ctx: typer.Context,
                                 model=model, workers=workers, servers=servers,
                                 size_bytes=parse_size(size, "--size"), tensors=tensors,
                                 warmup=warmup, repeats=repeats, finalists=finalists,
-                                final_repeats=final_repeats, seed=seed)
+                                final_passes=final_passes, seed=seed)
         if model is not None:
             from bpsctl.bench.models import MODELS
             if model not in MODELS:

@@ -88,10 +88,10 @@ def plot_tune(report: dict[str, Any], path: Path) -> None:
                 label=f"{servers} server{'s' if servers > 1 else ''}")
     if report["baseline"]:
         ax.axhline(report["baseline"]["score"], color="gray", linestyle="--",
-                   label="current config (re-measured)")
+                   label="current config (re-measured median)")
     chosen = report["best"]
     ax.plot([chosen["partition_bytes"] / 1024], [chosen["score"]], "*", color="black",
-            markersize=14, label="chosen (re-measured)")
+            markersize=14, label="chosen (re-measured median)")
     ax.set_xscale("log", base=2)
     sizes = sorted({x for line in best.values() for x in line})
     ax.set_xticks([x / 1024 for x in sizes], [format_bytes(x) for x in sizes])
@@ -115,11 +115,11 @@ def print_tune(console: Console, report: dict[str, Any]) -> None:
     """The finalists against the current config, then the choice beside the model's guess."""
     table = Table(title=f"bpsctl tune ({report['mode']}): {report['measurements']} measurements "
                         f"of {report['space_points']} points; {report['benchmark']}")
-    for column in ("", "partition", "servers", "credit", report["score_unit"], "vs current"):
+    for column in ("", "partition", "servers", "credit", f"{report['score_unit']} (median)",
+                   "vs current"):
         table.add_column(column, justify="left" if not column else "right")
     base = report["baseline"]
-    finals = [t for t in report["trials"] if t["stage"] == "final"]
-    for t in sorted(finals, key=lambda t: -t["score"]):
+    for t in report["finalists"]:
         label = " + ".join(name for name, other in (("chosen", report["best"]), ("current", base))
                            if other and _key(t) == _key(other))
         table.add_row(label, format_bytes(t["partition_bytes"]), str(t["servers"]),
