@@ -48,9 +48,6 @@ RUN_BOUND_S = 60.0              # a run that has not ended by then has hung
 WORKER_SCRIPT = Path(__file__).resolve().parent / "fault_worker.py"
 LINK_TARGETS = ("w1", "s1", "s0", "w0-alone")   # w0-alone: the only worker's host is cut off
 
-OUTCOMES: list["Outcome"] = []
-
-
 @dataclass
 class Outcome:
     """One run's figures, as the closing note reports them."""
@@ -64,6 +61,9 @@ class Outcome:
     named: str                  # the text that names the lost role and host
 
 
+OUTCOMES: list[Outcome] = []
+
+
 @dataclass
 class Cluster:
     """An emulated cluster brought up with the CLI, and every PID it ever involved."""
@@ -73,8 +73,9 @@ class Cluster:
     pids: set[int] = field(default_factory=set)
 
     def cli(self, *args: str, timeout_s: float = 90, **kwargs) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=cli_env(self.state_dir),
-                              capture_output=True, text=True, timeout=timeout_s, **kwargs)
+        return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], check=False,
+                              env=cli_env(self.state_dir), capture_output=True, text=True,
+                              timeout=timeout_s, **kwargs)
 
     def up(self) -> None:
         result = self.cli("up", "--emulate", "--workers", "2", "--servers", "2", "--nic", "1gbit")

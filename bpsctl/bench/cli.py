@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
+from rich.markup import escape
 
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, parse_size
@@ -208,3 +209,42 @@ def _train_command(model: str, title: str) -> None:
 
 _train_command("vgg16", "VGG16")
 _train_command("resnet50", "ResNet50")
+
+
+@bench_app.command()
+def load(ctx: typer.Context,
+         workers: int = typer.Option(8, "--workers", "-n", min=1, help="Worker processes."),
+         servers: int = typer.Option(4, "--servers", min=1, help="Summation servers."),
+         steps: int = typer.Option(1000, "--steps", min=2, help="Steps in all."),
+         warmup: int = typer.Option(50, "--warmup", min=1,
+                                    help="Steps before the memory baseline is read."),
+         scale: float = typer.Option(1.0, "--scale", min=0.0, max=1.0,
+                                     help="Of each ResNet50 gradient's size (1: 97.5 MiB in all)."),
+         max_growth: float = typer.Option(0.05, "--max-growth", min=0.0,
+                                          help="Largest RSS growth after warm-up that passes."),
+         partition_bytes: Optional[str] = knob_option("partition_bytes", "--partition-bytes"),
+         credit_bytes: Optional[str] = knob_option("credit_bytes", "--credit-bytes"),
+         json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
+                                                  help="Write the results as JSON (- for stdout)."),
+         ) -> None:
+    """Many steps of ResNet50's gradients on the embedded default: exact canary sums every
+    step, and every process's memory flat after warm-up (exit 1 otherwise)."""
+    from .load import LoadError, LoadSettings, format_report, run_load
+    with cli_errors():
+        config = _cluster_config(ctx, partition_bytes, credit_bytes, None, None)
+        try:
+            settings = LoadSettings(workers=workers, servers=servers, steps=steps, warmup=warmup,
+                                    scale=scale, max_growth=max_growth)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        with err_console.status("bench load") as status:
+            try:
+                report = run_load(config, settings,
+                                  progress=lambda message: status.update(f"bench load: {message}"))
+            except LoadError as exc:
+                err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
+                raise typer.Exit(1) from None
+        err_console.print(format_report(report), highlight=False)
+        _write_json(json_file, report)
+        if not report["ok"]:
+            raise typer.Exit(1)

@@ -41,14 +41,13 @@ from .security import Login, Security, handshake_failed, refused_handshake
 class Handle:
     """An asynchronous push_pull in progress; pass it to ``poll`` or ``synchronize``."""
 
-    __slots__ = ("name", "output", "_done", "error", "_task")
+    __slots__ = ("name", "output", "_done", "error")
 
     def __init__(self, name: str, output: np.ndarray):
         self.name = name
         self.output = output
         self._done = threading.Event()
         self.error: BaseException | None = None
-        self._task: _Task | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
@@ -316,7 +315,6 @@ class Worker:
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s,
                      P.FLAG_HOST_REDUCED if host_reduced else 0)
-        handle._task = task
         self._command("task", task)
         return handle
 

@@ -1,0 +1,38 @@
+"""Load on the embedded default: 8 workers x 4 servers, 1,000 steps of ResNet50's 161 gradient
+tensors plus a canary, every canary sum exact, and no process's RSS growing 5% after warm-up.
+
+CI runs the gradient set scaled to a thousandth (the same 161 tensors, each 1/1000 of its size:
+the per-message work of a real step, a fraction of its bytes) so that 1,000 steps fit on two
+cores; the full-size run is `python -m bpsctl.bench.load` (figures in issue 8's closing note).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bpsctl.bench.load import LoadSettings, gradient_sizes, run_load
+from bpsctl.config import Config
+
+STEPS = int(os.environ.get("BPSCTL_LOAD_STEPS", "1000"))
+
+
+def test_the_gradient_set_is_resnet50s_at_full_scale_and_keeps_its_161_tensors_scaled():
+    full = gradient_sizes(1.0)
+    assert len(full) == 161 and sum(full) == 25_557_032
+    small = gradient_sizes(0.001)
+    assert len(small) == 161 and min(small) >= 1
+    assert small.index(max(small)) == full.index(max(full))      # same shape pattern
+
+
+@pytest.mark.timeout(600)
+def test_8_workers_4_servers_1000_steps_exact_sums_and_flat_memory():
+    settings = LoadSettings(workers=8, servers=4, steps=STEPS, warmup=STEPS // 10, scale=0.001)
+    report = run_load(Config(), settings)
+    assert report["tensors"] == 162 and report["steps"] == STEPS
+    for role, entry in report["roles"].items():
+        assert entry["max_growth"] < 0.05, (role, report["rss_MiB"])
+    assert set(report["roles"]) == {"scheduler", "server", "worker"}
+    assert (report["roles"]["server"]["processes"], report["roles"]["worker"]["processes"]) == (4, 8)
+    assert report["ok"]
+
