@@ -109,6 +109,17 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
     import signal
     server_pids = [int(pid) for pid in sys.argv[4].split(",")]
     bps.push_pull(torch.ones(1), name="before.pause")
+    # a first round declares every name, so the paused round's tasks need no answer from the
+    # scheduler before they can be queued (under load a declaration may take longer than the
+    # pause, and the lows would then be sent while the high still awaits its placement)
+    def queue_all():
+        low = [bps.push_pull_async(torch.full((16000,), 1.0), average=False, name=f"low{i}",
+                                   priority=-5) for i in range(40)]
+        return low, bps.push_pull_async(torch.full((16000,), 1.0), average=False, name="high",
+                                        priority=5)
+    low, high = queue_all()
+    for h in low + [high]:
+        bps.synchronize(h)
     # the order in which the engine's I/O thread completes push_pulls (polling from here
     # cannot tell: they all finish within a few milliseconds)
     finished, worker = [], bps._p().worker
@@ -121,9 +132,7 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
     # acknowledged, and so overtake its high, because another rank was late
     for pid in server_pids:
         os.kill(pid, signal.SIGSTOP)
-    low = [bps.push_pull_async(torch.full((16000,), 1.0), average=False, name=f"low{i}", priority=-5)
-           for i in range(40)]
-    high = bps.push_pull_async(torch.full((16000,), 1.0), average=False, name="high", priority=5)
+    low, high = queue_all()
     time.sleep(0.2)
     open(os.path.join(out_dir, f"queued.rank{R}"), "w").close()
     if R == 0:
