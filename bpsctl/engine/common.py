@@ -31,12 +31,15 @@ def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
-def bound_router(ctx: zmq.Context, host: str, port: int, security: Any) -> tuple[zmq.Socket, int]:
+def bound_router(ctx: zmq.Context, host: str, port: int, security: Any,
+                 max_frame_bytes: int = -1) -> tuple[zmq.Socket, int]:
     """The one bound socket of a scheduler or server, on ``port`` (0: any free one), and its
     port. ROUTER_MANDATORY: a reply to a vanished peer raises instead of vanishing silently.
-    ``security`` (a security.Security) configures it before it binds."""
+    ``security`` (a security.Security) configures it before it binds; a peer that sends a
+    frame over ``max_frame_bytes`` is disconnected before the frame is buffered."""
     sock = make_socket(ctx, zmq.ROUTER)
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     security.protect_bound(sock)
     if port:
         sock.bind(f"tcp://{host}:{port}")

@@ -13,6 +13,7 @@ status, errors) are rare and readable.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any
 
@@ -65,6 +66,15 @@ DTYPES: list[np.dtype] = [np.dtype(name) for name in (
 DTYPE_CODES: dict[np.dtype, int] = {dt: code for code, dt in enumerate(DTYPES)}
 BFLOAT16_CODE = DTYPE_CODES[BFLOAT16]
 NO_DTYPE = 255
+
+#: control messages (JSON) larger than this are refused: the biggest real one, a DECLARE of
+#: every tensor of a large model, is a few hundred KiB
+MAX_CONTROL_BYTES = 4 * 1024 * 1024
+#: workers in one job, tensors in one DECLARE, partitions of one tensor: far above any real job,
+#: low enough that a hostile number cannot make the scheduler loop or allocate for long
+MAX_WORKERS = 1 << 16
+MAX_TENSORS_PER_DECLARE = 1 << 16
+MAX_PARTITIONS_PER_DECLARE = 1 << 20
 
 #: PUSH flag: the payload is already summed over the pusher's host (intra-node stage), so the
 #: round completes after one push per host instead of one per worker
@@ -129,6 +139,37 @@ def unpack_header(frame: Any) -> tuple[int, int, int, int, int, int, int]:
     return msg_type, dtype, flags, rank, part, round_, nbytes
 
 
+def shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def int_field(msg: dict[str, Any], key: str, low: int, high: int, default: Any = None) -> int:
+    """``msg[key]`` as an int in ``low..high`` (``default`` when absent); else ProtocolError."""
+    value = msg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ProtocolError(f"{key}: expected an integer in {low}..{high}, got {shown(value)}")
+    return value
+
+
+def float_field(msg: dict[str, Any], key: str, low: float, high: float) -> float:
+    """``msg[key]`` as a finite number in ``low..high`` (exclusive of ``low``)."""
+    value = msg.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or not low < value <= high:
+        raise ProtocolError(f"{key}: expected a number above {low:g} up to {high:g}, "
+                            f"got {shown(value)}")
+    return float(value)
+
+
+def str_field(msg: dict[str, Any], key: str, max_len: int = 256, default: Any = None) -> str:
+    value = msg.get(key, default)
+    if not isinstance(value, str) or len(value) > max_len:
+        raise ProtocolError(f"{key}: expected a string of at most {max_len} characters, "
+                            f"got {shown(value)}")
+    return value
+
+
 def control(msg_type: int, body: dict[str, Any] | None = None) -> list[bytes]:
     """A control message: header + JSON body."""
     return [pack_header(msg_type), json.dumps(body or {}).encode()]
@@ -139,10 +180,15 @@ def parse_control(frames: list[Any]) -> tuple[int, dict[str, Any]]:
     if len(frames) != 2:
         raise ProtocolError(f"control message with {len(frames)} frames, expected 2")
     msg_type = unpack_header(frames[0])[0]
+    size = memoryview(frames[1]).nbytes
+    if size > MAX_CONTROL_BYTES:
+        raise ProtocolError(f"control message body of {size} bytes, at most {MAX_CONTROL_BYTES}")
     try:
         body = json.loads(bytes(frames[1]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except ValueError as exc:       # not UTF-8, not JSON, or an integer of 4300+ digits
         raise ProtocolError(f"control message body is not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("control message body is JSON nested too deeply") from None
     if not isinstance(body, dict):
         raise ProtocolError("control message body is not a JSON object")
     return msg_type, body

@@ -7,6 +7,7 @@ scheduler waits for has a deadline, and every failure is told to everyone it aff
 """
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -67,7 +68,9 @@ class Scheduler:
         self.security = Security(config.security, config.secret)
         self.zap = self.security.start_zap(self.ctx, "the scheduler", self.log)
         self.gate = self.security.gate("the scheduler", self.log)
-        self.sock, self.port = bound_router(self.ctx, config.host, config.port, self.security)
+        # only control messages come here: a bigger frame is an attack or a mistake
+        self.sock, self.port = bound_router(self.ctx, config.host, config.port, self.security,
+                                            max_frame_bytes=P.MAX_CONTROL_BYTES)
         if config.control_socket:
             self.sock.bind(f"ipc://{config.control_socket}")
         self.members: dict[bytes, Member] = {}
@@ -119,6 +122,10 @@ class Scheduler:
             except P.ProtocolError as exc:
                 self.log.warning("rejected a malformed message: %s", exc)
                 self._send(rid, P.ERROR, {"message": f"scheduler rejected message: {exc}"})
+            except Exception:       # a bug: say so loudly, and go on serving everyone else
+                self.log.exception("bug: failed on a message; the scheduler goes on")
+                self._send(rid, P.ERROR, {"message": "the scheduler failed on this message (a "
+                                          "bpsctl bug; its log has the details)"})
 
     def _send(self, rid: bytes, msg_type: int, body: dict[str, Any]) -> None:
         try:
@@ -162,12 +169,17 @@ class Scheduler:
         if msg.get("version") != __version__:
             self._send(rid, P.ERROR, {"message": version_mismatch(msg.get("version"), "the scheduler")})
             return
+        if rid in self.members:
+            raise P.ProtocolError(f"{self.members[rid].describe()} registered twice")
         role = msg.get("role")
+        if role == "worker":
+            _check_worker_registration(msg)
         now = time.monotonic()
-        common = dict(rid=rid, role=role, host=str(msg.get("host")), pid=int(msg.get("pid", 0)),
-                      last_seen=now)
+        common = dict(rid=rid, role=role, host=P.str_field(msg, "host"),
+                      pid=P.int_field(msg, "pid", 0, 1 << 31, default=0), last_seen=now)
         if role == "server":
-            member = Member(rank=len(self.servers), port=int(msg["port"]), **common)
+            member = Member(rank=len(self.servers), port=P.int_field(msg, "port", 1, 65535),
+                            **common)
             self.servers.append(member)
             self.members[rid] = member
             self.log.info("registered %s", member.describe())
@@ -280,12 +292,10 @@ class Scheduler:
             self._send(member.rid, P.ERROR, {"message": "declare outside a running job"})
             return
         answers = []
-        for spec in msg.get("tensors", []):
-            name, dtype, shape = spec["name"], spec["dtype"], list(spec["shape"])
+        for name, dtype, shape, nbytes in _checked_tensors(msg, job.partition_bytes):
             known = job.tensors.get(name)
             if known is None:
                 itemsize = np.dtype(dtype).itemsize
-                nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
                 parts = job.placement.place(nbytes, itemsize, job.partition_bytes)
                 known = job.tensors[name] = {
                     "name": name, "key": len(job.tensors), "dtype": dtype, "shape": shape,
@@ -385,6 +395,50 @@ class Scheduler:
             "workers": [w.as_dict(now) for w in workers],
             "job": {"id": job.id, "world_size": job.world_size, "started": job.started} if job else None,
         })
+
+
+_DTYPE_NAMES = {str(dtype) for dtype in P.DTYPES}
+
+
+def _check_worker_registration(msg: dict[str, Any]) -> None:
+    """Raise ProtocolError unless a worker's REGISTER carries every field in range."""
+    world_size = P.int_field(msg, "world_size", 1, P.MAX_WORKERS)
+    P.int_field(msg, "rank", -1, world_size - 1, default=-1)
+    P.str_field(msg, "job")
+    P.int_field(msg, "num_servers", 0, 1 << 16, default=0)
+    P.int_field(msg, "partition_bytes", 8, 1 << 40)
+    P.float_field(msg, "start_timeout_s", 0, 1e6)
+
+
+def _checked_tensors(msg: dict[str, Any], partition_bytes: int) -> list[tuple[str, str, list[int], int]]:
+    """A DECLARE's tensors as (name, dtype, shape, nbytes), all checked before any is placed."""
+    specs = msg.get("tensors", [])
+    if not isinstance(specs, list) or len(specs) > P.MAX_TENSORS_PER_DECLARE:
+        raise P.ProtocolError(f"tensors: expected a list of at most {P.MAX_TENSORS_PER_DECLARE} "
+                              "tensor specs")
+    checked, partitions = [], 0
+    for spec in specs:
+        if not isinstance(spec, dict):
+            raise P.ProtocolError("tensors: expected {name, dtype, shape} objects")
+        name = P.str_field(spec, "name", max_len=4096)
+        dtype = spec.get("dtype")
+        shape = spec.get("shape")
+        if dtype not in _DTYPE_NAMES:
+            raise P.ProtocolError(f"tensor {name!r}: dtype {P.shown(dtype)} is not one of "
+                                  f"{', '.join(sorted(_DTYPE_NAMES))}")
+        if not isinstance(shape, list) or len(shape) > 64 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise P.ProtocolError(f"tensor {name!r}: shape {P.shown(shape)} is not a list of "
+                                  "non-negative integers")
+        itemsize = np.dtype(dtype).itemsize
+        nbytes = math.prod(shape) * itemsize
+        partitions += max(1, -(-nbytes // max(itemsize, partition_bytes // itemsize * itemsize)))
+        if partitions > P.MAX_PARTITIONS_PER_DECLARE:
+            raise P.ProtocolError(f"tensor {name!r} of {nbytes} bytes takes this declaration "
+                                  f"past {P.MAX_PARTITIONS_PER_DECLARE} partitions of "
+                                  f"{partition_bytes} bytes (raise BPSCTL_PARTITION_BYTES)")
+        checked.append((name, dtype, shape, nbytes))
+    return checked
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ def new_secret() -> str:
 
 def version_mismatch(theirs: Any, who: str) -> str:
     """The refusal a process of another bpsctl version gets, naming both versions."""
-    return (f"version mismatch: this process runs bpsctl {theirs}, {who} runs bpsctl "
+    return (f"version mismatch: this process runs bpsctl {str(theirs)[:40]}, {who} runs bpsctl "
             f"{__version__}; install the same bpsctl version on every host")
 
 

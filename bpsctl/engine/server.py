@@ -236,6 +236,10 @@ class Server:
                     raise P.ProtocolError(f"unexpected message type {msg_type}")
             except P.ProtocolError as exc:
                 self._error(rid, f"server {self.rank} rejected a message: {exc}")
+            except Exception:       # a bug: say so loudly, and go on serving everyone else
+                self.log.exception("bug: failed on a message; the server goes on")
+                self._error(rid, f"server {self.rank} failed on this message (a bpsctl bug; its "
+                                 "log has the details)")
 
     def _send(self, rid: bytes, msg_type: int, body: dict[str, Any]) -> None:
         if msg_type == P.ERROR:
@@ -255,10 +259,13 @@ class Server:
         if msg.get("version") != __version__:
             self._error(rid, version_mismatch(msg.get("version"), f"server {self.rank}"))
             return
-        if msg.get("job") != self.job_id:
-            self._reset(str(msg.get("job")), int(msg.get("world_size", 0)),
-                        int(msg.get("hosts", msg.get("world_size", 0))))
-        self.peers[rid] = int(msg.get("rank", -1))
+        job = P.str_field(msg, "job")
+        world_size = P.int_field(msg, "world_size", 1, P.MAX_WORKERS)
+        hosts = P.int_field(msg, "hosts", 1, world_size, default=world_size)
+        rank = P.int_field(msg, "rank", 0, world_size - 1)
+        if job != self.job_id:
+            self._reset(job, world_size, hosts)
+        self.peers[rid] = rank
 
     def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0) -> None:
         self.job_id, self.num_workers, self.num_hosts = job_id, num_workers, num_hosts
