@@ -290,10 +290,17 @@ def _search(space: Space, settings: TuneSettings, guess: ServerGuess | None, bas
     sampler = optuna.samplers.TPESampler(seed=settings.seed, multivariate=True,
                                          n_startup_trials=max(3, budget // 3))
     study = optuna.create_study(direction="maximize", sampler=sampler)
+    # a space-filling start: the current config's nearest point, then the model's server count
+    # at the smallest, a middle and the largest partition size (TPE alone, from a start near
+    # the current config, can spend the whole budget on one end of the range)
     start = space.nearest(baseline.partition_bytes, baseline.servers, baseline.credit_bytes)
-    study.enqueue_trial(start)
-    if guess is not None and "servers" in settings.knobs:
-        study.enqueue_trial({**start, "servers": space.servers.index(guess.servers)})
+    servers = (space.servers.index(guess.servers) if guess is not None
+               and guess.servers in space.servers else start["servers"])
+    last = len(space.partitions) - 1
+    seeds = [start] + [{"partition": index, "servers": servers, "credit": len(space.credits) // 2}
+                       for index in sorted({0, last // 2, last})]
+    for seed in [dict(t) for t in dict.fromkeys(tuple(sorted(d.items())) for d in seeds)]:
+        study.enqueue_trial(seed)
     for _ in range(budget * 20):        # proposals, measured or remembered
         if len(scores) >= budget:
             break
