@@ -285,6 +285,28 @@ def test_a_worker_in_another_mode_than_an_hmac_cluster_is_told_so(hmac_cluster):
         Worker(_worker_config(hmac_cluster, security="none"))
 
 
+# --------------------------------------------------------------------------- bad modes
+
+def test_a_bad_security_mode_is_refused_naming_the_choices(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from bpsctl.cli import app
+    from bpsctl.config import ConfigError
+    with pytest.raises(ConfigError, match=r"^BPSCTL_SECURITY: expected hmac or curve or none, "
+                                          r"got 'tls'$"):
+        Config.from_env({"BPSCTL_SECURITY": "tls"})
+    monkeypatch.setenv("BPSCTL_STATE_DIR", str(tmp_path))
+    for args, message in (
+            (["up", "--security", "tls"],
+             "--security / BPSCTL_SECURITY: expected hmac or curve or none, got 'tls'"),
+            (["bench", "comm", "--security", "curve,tls"],
+             "--security: expected distinct modes among hmac, curve, none, got curve,tls"),
+            (["bench", "comm", "--security", "none,none"], "--security: expected distinct modes")):
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and message in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "cluster.json").exists()
+
+
 # --------------------------------------------------------------------------- none
 
 def test_none_lets_anyone_in_and_up_warns_about_it(tmp_path):
