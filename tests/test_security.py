@@ -285,6 +285,45 @@ def test_a_worker_in_another_mode_than_an_hmac_cluster_is_told_so(hmac_cluster):
         Worker(_worker_config(hmac_cluster, security="none"))
 
 
+# --------------------------------------------------------------------------- cost
+
+def test_bench_comm_measures_the_modes_in_interleaved_passes_each_on_its_cluster(monkeypatch):
+    """`bench comm --security hmac,curve,none`: one private cluster per mode, all up together,
+    passes that take the modes in turn, the baselines once, a median per mode and its cost."""
+    import contextlib
+
+    from bpsctl.bench import api as bench
+    calls = []
+
+    @contextlib.contextmanager
+    def fake_cluster(config, workers, servers, own_cluster_for=""):
+        assert own_cluster_for == "--security"
+        yield config, None
+
+    def fake_point(config, settings, size, nic, output):
+        calls.append((config.security, settings.repeats, settings.compare, settings.raw))
+        seconds = {"hmac": 1.0, "curve": 4.0, "none": 1.0}[config.security]
+        rows = [{"system": "bpsctl", "seconds_all": [seconds] * settings.repeats}]
+        rows += [{"system": "allreduce", "seconds": 3.0}] if settings.compare else []
+        return {"workers": 2, "servers": 2, "size_bytes": size, "nic_mbit": None, "tensors": 8,
+                "results": rows, "speedup": {"allreduce": 0.0} if settings.compare else {}}
+
+    monkeypatch.setattr(bench, "bench_cluster", fake_cluster)
+    monkeypatch.setattr(bench, "comm_point", fake_point)
+    settings = bench.CommSettings(workers=2, servers=2, sizes=(1 << 20,), repeats=6,
+                                  compare=("allreduce",), raw=False,
+                                  security=("hmac", "curve", "none"))
+    report = bench.run_comm(Config(), settings)
+    assert [c[0] for c in calls] == ["hmac", "curve", "none"] * 3
+    assert calls[0] == ("hmac", 6, ("allreduce",), False)          # baselines once, in full
+    assert all(c[1:] == (2, (), False) for c in calls[1:])
+    assert [(r["system"], r.get("security"), len(r.get("seconds_all", [])))
+            for r in report["results"]] == [("bpsctl", "hmac", 6), ("bpsctl", "curve", 6),
+                                            ("bpsctl", "none", 6), ("allreduce", None, 0)]
+    assert report["security_cost"] == {"hmac": 1.0, "curve": 4.0, "none": 1.0}
+    assert report["speedup"]["allreduce"] == 3.0 and report["repeats"] == 6
+
+
 # --------------------------------------------------------------------------- bad modes
 
 def test_a_bad_security_mode_is_refused_naming_the_choices(tmp_path, monkeypatch):

@@ -24,6 +24,8 @@ from .comm import zmq_pair_seconds
 #: TCP goodput as a share of an emulated NIC's configured rate (shared/ENVIRONMENT.md)
 GOODPUT_SHARE = 0.957
 COMM_BASELINES = ("allreduce",)
+#: interleaved passes over the security modes when `bench comm --security` compares several
+SECURITY_PASSES = 3
 
 
 class BenchError(RuntimeError):
@@ -168,36 +170,62 @@ def run_comm(config: Config, settings: CommSettings, output: IO[str] | None = No
     output = output if output is not None else sys.stderr
     progress = progress or (lambda message: None)
     modes = settings.security or (config.security,)
-    per_mode = []
-    for index, mode in enumerate(modes):
-        # baselines and raw ZeroMQ do not depend on the mode: measured once, beside the first
-        mode_settings = settings if index == 0 else dataclasses.replace(settings, compare=(),
-                                                                         raw=False)
-        with bench_cluster(config.replace(security=mode), settings.workers, settings.servers,
-                           "--security" if settings.security else "") as (cluster_config, nic):
-            points = []
-            for size in settings.sizes:
-                progress(f"{size} bytes" + (f", security {mode}" if settings.security else ""))
-                points.append(comm_point(cluster_config, mode_settings, size, nic, output))
-        per_mode.append(points)
-    reports = [_with_security_modes(points, modes) for points in zip(*per_mode)]
+    # several modes: each on a cluster of its own, all up at once, measured in interleaved
+    # passes so that a burst of load on this machine does not fall on one mode only
+    passes = min(SECURITY_PASSES, settings.repeats) if len(modes) > 1 else 1
+    per_pass = -(-settings.repeats // passes)           # rounds of each mode in each pass
+    with contextlib.ExitStack() as stack:
+        clusters = [stack.enter_context(bench_cluster(
+            config.replace(security=mode), settings.workers, settings.servers,
+            "--security" if settings.security else "")) for mode in modes]
+        reports = []
+        for size in settings.sizes:
+            points: list[list[dict[str, Any]]] = [[] for _ in modes]
+            for done in range(passes):
+                for index, (mode, (cluster_config, nic)) in enumerate(zip(modes, clusters)):
+                    progress(f"{size} bytes" + (f", security {mode}, pass {done + 1} of "
+                                                f"{passes}" if settings.security else ""))
+                    # the baselines and raw ZeroMQ do not depend on the mode: measured once,
+                    # with all the repeats asked for
+                    first = index == 0 and done == 0
+                    pass_settings = dataclasses.replace(
+                        settings, repeats=settings.repeats if first else per_pass,
+                        warmup=settings.warmup if done == 0 else 1,
+                        compare=settings.compare if first else (), raw=settings.raw and first)
+                    points[index].append(comm_point(cluster_config, pass_settings, size, nic,
+                                                    output))
+            reports.append(_with_security_modes(points, modes, per_pass))
     if len(reports) == 1:
         return reports[0]
     return {"kind": "comm", "workers": settings.workers, "servers": settings.servers,
             "nic_mbit": reports[0]["nic_mbit"], "sizes": reports}
 
 
-def _with_security_modes(points: tuple[dict[str, Any], ...], modes: tuple[str, ...]
-                         ) -> dict[str, Any]:
-    """One size's report with a bpsctl row per security mode, and each mode's time over the
-    reference's (``none`` if measured, else the first mode) as ``security_cost``."""
-    report = points[0]
-    rows = [dict(point["results"][0], security=mode) for point, mode in zip(points, modes)]
-    report["results"] = [rows[0], *report["results"][1:]]
+def _with_security_modes(points: list[list[dict[str, Any]]], modes: tuple[str, ...],
+                         per_pass: int) -> dict[str, Any]:
+    """One size's report from each mode's passes: a bpsctl row per security mode (the median
+    of its last ``per_pass`` rounds of each pass), and each mode's time over the reference's
+    (``none`` if measured, else the first mode) as ``security_cost``."""
+    report = points[0][0]
+    n, k, size, nic = report["workers"], report["servers"], report["size_bytes"], report["nic_mbit"]
+    rows = []
+    for mode, passes in zip(modes, points):
+        seconds = [s for point in passes for s in point["results"][0]["seconds_all"][-per_pass:]]
+        row = _row("bpsctl", __version__, seconds, size, n, k, nic)
+        row["push_pulls_per_s"] = report["tensors"] / row["seconds"]
+        rows.append(dict(row, security=mode))
+    report["results"] = [rows[0], *rows[1:], *report["results"][1:]]
+    report["repeats"] = len(rows[0]["seconds_all"])
     if len(modes) > 1:
-        report["results"][1:1] = rows[1:]
         reference = rows[modes.index("none") if "none" in modes else 0]["seconds"]
         report["security_cost"] = {row["security"]: row["seconds"] / reference for row in rows}
+        report["security_passes"] = len(points[0])
+    if "fraction_of_raw" in report:
+        raw = next(r for r in report["results"] if r["system"] == "zmq_raw")
+        report["fraction_of_raw"] = rows[0]["algbw_MBps"] / raw["algbw_MBps"]
+    if "allreduce" in report["speedup"]:
+        theirs = next(r for r in report["results"] if r["system"] == "allreduce")
+        report["speedup"]["allreduce"] = theirs["seconds"] / rows[0]["seconds"]
     return report
 
 
