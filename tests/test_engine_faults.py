@@ -325,14 +325,12 @@ def test_the_scheduler_killed_mid_round_fails_every_worker_and_stops_the_servers
     killer.start()
     results = run_job(cluster, 2, 2, body, partition_bytes=64 * 1024)
     killer.join(5)
-    # Servers exit when they lose the scheduler; on a loaded machine a worker occasionally sees
-    # that consequence before the scheduler's own disconnect, and names the server instead.
-    named_server = [f"worker {{rank}}: lost server {p.rank} at {p.host}:{p.port}: the connection "
-                    "closed (its process died)" for p in cluster.processes if p.role == "server"]
+    # Servers exit when they lose the scheduler, telling their workers why: a worker names the
+    # scheduler, whether it noticed itself or heard it from a server first.
     for rank, (after_s, message) in enumerate(results):
-        assert message.startswith(f"worker {rank}: lost the scheduler at {cluster.scheduler}: "
-                                  "the connection closed (its process died)") or any(
-            message.startswith(prefix.format(rank=rank)) for prefix in named_server), message
+        assert message.startswith(f"worker {rank}: "), message
+        assert f"lost the scheduler at {cluster.scheduler}: the connection closed (its process " \
+               "died)" in message, message
         assert after_s < REPORT_WITHIN_S
     # servers cannot go on without it either
     wait_until(lambda: all(gone(pid) for pid in servers), REPORT_WITHIN_S, "the servers to exit")
@@ -383,12 +381,14 @@ def test_a_worker_that_never_arrives_is_named_after_the_start_timeout(cluster, t
         workers.start(cmd, config.replace(rank=rank))
     outputs = workers.outputs(timeout_s=20)
 
+    elapsed = []
     for rank, (code, output) in enumerate(outputs):
         assert code == 1, output
         assert (f"message rank {rank}: job {config.job_id!r}: worker rank(s) [2] never registered "
                 "within 2 s (raise it with BPSCTL_START_TIMEOUT") in output, output
-        elapsed = float(output.split("elapsed ")[1].split()[0])
-        assert 1.5 <= elapsed < 2.0 + 3.0, output
+        elapsed.append(float(output.split("elapsed ")[1].split()[0]))
+    # the timeout runs from the first registration: a rank slowed by a loaded machine joins later
+    assert 1.5 <= max(elapsed) and max(elapsed) < 2.0 + 3.0, outputs
     # the scheduler forgot the failed job: a complete one runs on the same cluster
     assert run_job(cluster, 2, 2, lambda w: w.push_pull(np.ones(3), name="x", average=False)
                    .tolist()) == [[2.0] * 3] * 2

@@ -7,7 +7,9 @@ cores; the full-size run is `python -m bpsctl.bench.load` (figures in issue 8's 
 """
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +17,7 @@ from bpsctl.bench.load import LoadSettings, gradient_sizes, run_load
 from bpsctl.config import Config
 
 STEPS = int(os.environ.get("BPSCTL_LOAD_STEPS", "1000"))
+REPORT_FILE = os.environ.get("BPSCTL_LOAD_REPORT")      # the run's figures as JSON, if set
 
 
 def test_the_gradient_set_is_resnet50s_at_full_scale_and_keeps_its_161_tensors_scaled():
@@ -29,6 +32,8 @@ def test_the_gradient_set_is_resnet50s_at_full_scale_and_keeps_its_161_tensors_s
 def test_8_workers_4_servers_1000_steps_exact_sums_and_flat_memory():
     settings = LoadSettings(workers=8, servers=4, steps=STEPS, warmup=STEPS // 10, scale=0.001)
     report = run_load(Config(), settings)
+    if REPORT_FILE:
+        Path(REPORT_FILE).write_text(json.dumps(report, indent=2))
     assert report["tensors"] == 162 and report["steps"] == STEPS
     for role, entry in report["roles"].items():
         assert entry["max_growth"] < 0.05, (role, report["rss_MiB"])

@@ -1,6 +1,6 @@
 """Load: many steps of a ResNet50-shaped gradient set, exact sums, memory that stays flat.
 
-    bpsctl bench load [--workers 8] [--servers 4] [--steps 1000] [--scale 1.0] [--warmup 50]
+    bpsctl bench load [--workers 8] [--servers 4] [--steps 1000] [--scale 1.0] [--warmup 100]
                       [--json FILE]
 
 On the embedded default (a private scheduler and servers over loopback) every worker process
@@ -47,7 +47,7 @@ class LoadSettings:
     workers: int = 8
     servers: int = 4
     steps: int = 1000
-    warmup: int = 50
+    warmup: int = 100
     scale: float = 1.0              # of each ResNet50 tensor's element count
     checkpoints: int = 4            # RSS readings after the warm-up one (the last at the end)
     max_growth: float = 0.05

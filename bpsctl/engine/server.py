@@ -198,9 +198,7 @@ class Server:
                     self._drain_scheduler()
                 if self.sched_monitor in ready and \
                         zmq.EVENT_DISCONNECTED in monitor_events(self.sched_monitor):
-                    raise EngineError(lost_link(f"the scheduler at {self.scheduler_address}",
-                                                self.config.heartbeat_timeout_s)
-                                      + "; the cluster cannot go on without it")
+                    self._lost_scheduler()
                 now = time.monotonic()
                 if now >= next_heartbeat:
                     self.sched.send_multipart(P.control(P.HEARTBEAT))
@@ -211,6 +209,22 @@ class Server:
             if self.zap is not None:
                 self.zap.stop()
             self.ctx.destroy(linger=0)
+
+    def _lost_scheduler(self) -> None:
+        """Tell the job's workers why this server stops, then raise. Otherwise they would only
+        see its connection close and name this server, not the scheduler, as the culprit."""
+        message = (lost_link(f"the scheduler at {self.scheduler_address}",
+                             self.config.heartbeat_timeout_s)
+                   + "; the cluster cannot go on without it")
+        told = P.control(P.ERROR, {"message": f"server {self.rank} at {self.config.host}:"
+                                              f"{self.port} stopped: {message}"})
+        for rid in self.peers:
+            try:
+                self.sock.send_multipart([rid, *told], zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass            # that worker is gone already
+        self.sock.close(linger=1000)        # a moment for the words to leave
+        raise EngineError(message)
 
     def _drain_workers(self) -> None:
         sock = self.sock
