@@ -3,17 +3,16 @@
 Runs inside each worker process (``python -m bpsctl.bench.allreduce``), started by the same
 launcher on the same hosts as the bpsctl workers, reading the standard RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT. It allreduces one flat float32 buffer of the same bytes — the
-baseline's best case (no per-tensor calls) — and rank 0 writes the round times as JSON.
+baseline's best case (no per-tensor calls) — and rank 0 prints the round times (``print_result``).
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import time
-from pathlib import Path
 
 from ..config import parse_size
+from .comm import print_result
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,7 +24,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=120.0)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
     torch.set_num_threads(1)
@@ -49,9 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     if float(buffer[0]) != expected or float(buffer[-1]) != expected:
         raise SystemExit(f"rank {rank}: allreduce gave {float(buffer[0])}, expected {expected}")
     if rank == 0:
-        Path(args.out).write_text(json.dumps({
-            "seconds": seconds, "size_bytes": numel * 4,
-            "version": f"torch {torch.__version__} gloo"}))
+        print_result({"seconds": seconds, "size_bytes": numel * 4,
+                      "version": f"torch {torch.__version__} gloo"})
     dist.destroy_process_group()
 
 

@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import socket
 import statistics
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from .. import __version__, launch
 from ..config import SECURITY_MODES, Config, ConfigError
-from .comm import zmq_pair_seconds
+from .comm import RESULT_MARKER, zmq_pair_seconds
 
 #: TCP goodput as a share of an emulated NIC's configured rate (shared/ENVIRONMENT.md)
 GOODPUT_SHARE = 0.957
@@ -75,18 +75,64 @@ def ideal_seconds(system: str, size_bytes: int, workers: int, servers: int,
     return max(size_bytes, workers * size_bytes / servers) / goodput_bytes_s
 
 
+def ssh_cluster(state_dir: Path | str) -> Any | None:
+    """The SSH cluster `bpsctl up --hosts` recorded in ``state_dir``, or None (then the [ssh]
+    extra is not needed)."""
+    if not (Path(state_dir) / "ssh-cluster.json").exists():
+        return None
+    from ..launch import ssh
+    return ssh.load_cluster(state_dir)
+
+
+def _refuse_live(config: Config, flags: tuple[str, ...]) -> None:
+    for flag in flags:
+        if flag:
+            raise ConfigError(f"{flag}: a cluster is already up in {config.state_dir}; bench "
+                              f"uses it as it is (drop {flag}), or run `bpsctl down` first")
+
+
+def cluster_size(config: Config, workers: int | None, servers: int | None,
+                 own_cluster_for: str = "") -> tuple[int, int]:
+    """(workers, servers) a benchmark runs with. On an SSH cluster: one worker per slot of its
+    hosts file (a different --workers is refused) and its servers (--servers may use fewer).
+    Otherwise the flags', by default 2 workers and num_servers of the config or as many servers
+    as workers."""
+    cluster = ssh_cluster(config.state_dir)
+    if cluster is None:
+        workers = workers or 2
+        return workers, servers or config.num_servers or workers
+    _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for))
+    slots = sum(entry.count for entry in cluster.hosts.workers)
+    total = sum(entry.count for entry in cluster.hosts.servers)
+    where = f"the SSH cluster up in {config.state_dir} (hosts file {cluster.hosts.source})"
+    if workers is not None and workers != slots:
+        raise ConfigError(f"--workers: {where} has {slots} worker slots, and bench runs one "
+                          f"worker per slot: drop --workers (or give --workers {slots}), or "
+                          "change the slots in the hosts file and `bpsctl up --hosts` again")
+    if servers is not None and servers > total:
+        raise ConfigError(f"--servers: {where} has {total} servers; give at most {total}")
+    return slots, servers or min(config.num_servers or total, total)
+
+
 @contextlib.contextmanager
-def bench_cluster(config: Config, workers: int, servers: int,
+def bench_cluster(config: Config, workers: int | None, servers: int | None,
                   own_cluster_for: str = "") -> Iterator[tuple[Config, float | None]]:
-    """The cluster to measure on: the one `bpsctl up` started, or a private one (emulated
-    with ``config.emulate``). Yields a config whose state dir names it, and the NIC rate.
+    """The cluster to measure on: the one `bpsctl up` started (local, emulated or over SSH),
+    or a private one (emulated with ``config.emulate``). Yields a config whose state dir names
+    it, and the NIC rate (an SSH cluster's is unknown: ``--nic`` if given, else None).
     ``own_cluster_for`` names a flag that needs a private cluster (a live one is an error)."""
+    workers, servers = cluster_size(config, workers, servers, own_cluster_for)
+    if ssh_cluster(config.state_dir) is not None:
+        from ..launch import ssh
+        problem = ssh.status_ssh(config.state_dir)["scheduler_error"]
+        if problem is not None:
+            raise BenchError(f"the SSH cluster recorded in {config.state_dir} is not healthy "
+                             f"({problem}); `bpsctl down`, then `bpsctl up --hosts` again")
+        yield config, config.nic_mbit
+        return
     live = launch.load_state(config.state_dir)
     if live is not None and launch.status(config.state_dir)["scheduler_error"] is None:
-        for flag, needs_own in (("--emulate", config.emulate), (own_cluster_for, own_cluster_for)):
-            if needs_own:
-                raise ConfigError(f"{flag}: a cluster is already up in {config.state_dir}; bench "
-                                  f"uses it as it is (drop {flag}), or run `bpsctl down` first")
+        _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for))
         nic = live.emulation["nic_mbit"] if live.emulation else None
         yield config, nic
         return
@@ -94,21 +140,52 @@ def bench_cluster(config: Config, workers: int, servers: int,
         yield config.replace(state_dir=Path(cluster.state_dir)), config.nic_mbit if config.emulate else None
 
 
+class _ResultCatcher(io.TextIOBase):
+    """Worker output on its way to ``output``, keeping rank 0's :data:`RESULT_MARKER` line.
+    The relays write each line whole in one call, prefixed with its ``[host:rank]``."""
+
+    def __init__(self, output: IO[str]):
+        super().__init__()
+        self.output = output
+        self.result: dict[str, Any] | None = None
+
+    def write(self, text: str) -> int:
+        _, marker, data = text.partition(RESULT_MARKER)
+        if marker:
+            self.result = json.loads(data)
+        self.output.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        self.output.flush()
+
+
 def _run_workers(config: Config, module: str, args: list[str], workers: int, servers: int,
                  output: IO[str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="bpsctl-bench-") as tmp:
-        out_file = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", module, *args, "--out", str(out_file)]
-        result = launch.run_local(cmd, workers, config.replace(num_servers=servers),
-                                  servers=servers, stdout=output, stderr=output)
-        if result.exit_code != 0:
-            detail = ""
-            if result.failures:
-                failure = result.failures[0]
-                detail = f": worker {failure.rank} exited {failure.exit_code}: " + \
-                    " | ".join(failure.last_lines[-3:])
-            raise BenchError(f"{module}'s workers failed{detail}")
-        return json.loads(out_file.read_text())
+    """``python -m module args`` as every worker of the cluster named by ``config`` (over SSH
+    with the hosts file's ``python:``); rank 0's result, read from the relayed output."""
+    catcher = _ResultCatcher(output)
+    job_config = config.replace(num_servers=servers)
+    cluster = ssh_cluster(config.state_dir)
+    if cluster is not None:
+        from ..launch import ssh
+        result = ssh.run_ssh([cluster.hosts.python, "-m", module, *args], job_config,
+                             stdout=catcher, stderr=catcher)
+    else:
+        result = launch.run_local([sys.executable, "-m", module, *args], workers, job_config,
+                                  servers=servers, stdout=catcher, stderr=catcher)
+    if result.exit_code != 0:
+        detail = ""
+        if result.failures:
+            failure = result.failures[0]
+            where = f" on {failure.host}" if failure.host else ""
+            detail = f": worker {failure.rank}{where} exited {failure.exit_code}: " + \
+                " | ".join(failure.last_lines[-3:])
+        raise BenchError(f"{module}'s workers failed{detail}")
+    if catcher.result is None:
+        raise BenchError(f"{module}'s workers exited 0, but rank 0 printed no "
+                         f"{RESULT_MARKER.strip()} line (its output is above)")
+    return catcher.result
 
 
 def _row(system: str, version: str, seconds: list[float], size: int, workers: int,
@@ -149,7 +226,7 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
     }
     if n > 1:
         report["theory_speedup"] = 2 * (n - 1) / n
-    if settings.raw and nic_mbit is None:
+    if settings.raw and nic_mbit is None and ssh_cluster(config.state_dir) is None:
         raw_seconds = zmq_pair_seconds(size, min(config.partition_bytes, size),
                                        repeats=max(5, settings.repeats))
         import zmq
@@ -288,18 +365,71 @@ class TrainSettings:
 
 def _host_plan(config: Config, workers: int) -> tuple[list[tuple[str, int]], tuple[str, ...]]:
     """Worker hosts with their slot counts in rank order (Horovod's -H), and how to run a
-    command on the first of them."""
+    command on the first of them (on this machine)."""
     cluster = launch.load_state(config.state_dir)
     if cluster is None:
         raise BenchError(f"no cluster recorded in {config.state_dir}")
     slots = launch.worker_slots(cluster, workers)
-    hosts: list[tuple[str, int]] = []
-    for slot in slots:
-        if hosts and hosts[-1][0] == slot.host:
-            hosts[-1] = (slot.host, hosts[-1][1] + 1)
+    return _grouped([slot.host for slot in slots]), slots[0].prefix
+
+
+def _grouped(hosts: list[str]) -> list[tuple[str, int]]:
+    """Each rank's host in rank order -> [(host, consecutive ranks on it)]."""
+    plan: list[tuple[str, int]] = []
+    for host in hosts:
+        if plan and plan[-1][0] == host:
+            plan[-1] = (host, plan[-1][1] + 1)
         else:
-            hosts.append((slot.host, 1))
-    return hosts, slots[0].prefix
+            plan.append((host, 1))
+    return plan
+
+
+@contextlib.contextmanager
+def _horovod_rendezvous(config: Config, workers: int) -> Iterator[tuple[list[tuple[str, int]], int]]:
+    """Horovod's rendezvous server on the first worker host (over SSH on an SSH cluster, in its
+    namespace on an emulated one); yields the host plan it serves and its port."""
+    cluster = ssh_cluster(config.state_dir)
+    if cluster is None:
+        from .horovod import rendezvous
+        hosts, prefix = _host_plan(config, workers)
+        with rendezvous(hosts, prefix) as port:
+            yield hosts, port
+        return
+    from ..launch import ssh
+    from ..launch.plan import plan
+    the_plan = plan(cluster.hosts, addresses=cluster.addresses)
+    hosts = _grouped([a.address for a in the_plan.workers])
+    argv = [cluster.hosts.python, "-m", "bpsctl.bench.horovod", "rendezvous", json.dumps(hosts)]
+    try:
+        with ssh.remote_service(cluster, the_plan.workers[0].host, argv) as line:
+            yield hosts, int(line)
+    except launch.LaunchError as exc:
+        raise BenchError(f"Horovod's rendezvous server: {exc}") from None
+
+
+def _check_horovod(config: Config) -> None:
+    """Horovod loads where its workers will run (every worker host of an SSH cluster), and on
+    an SSH cluster every worker host names the NIC its Gloo binds; a ConfigError otherwise."""
+    from .horovod import INSTALL_COMMAND, installed_version, missing_message
+    cluster = ssh_cluster(config.state_dir)
+    if cluster is None:
+        if installed_version() is None:
+            raise ConfigError(missing_message())
+        return
+    unnamed = [entry.host for entry in cluster.hosts.workers if not entry.interface]
+    if unnamed:
+        raise ConfigError(f"--compare horovod: worker host {', '.join(unnamed)} in "
+                          f"{cluster.hosts.source} has no `interface:`; Horovod's Gloo binds a "
+                          "named NIC (e.g. interface: eth0)")
+    from ..launch import ssh
+    python = cluster.hosts.python
+    answers = ssh.run_on_hosts(cluster, ssh.worker_hosts(cluster), [
+        python, "-c", "import horovod, horovod.torch; print(horovod.__version__)"], timeout_s=60)
+    missing = [f"{host} ({why})" for host, (ok, why) in answers.items() if not ok]
+    if missing:
+        raise ConfigError(f"--compare horovod: Horovod does not load with torch for {python} "
+                          f"on worker host {'; '.join(missing)}. Build it there "
+                          f"(`{INSTALL_COMMAND}` on that host), or drop horovod from --compare")
 
 
 def train_system(config: Config, settings: TrainSettings, system: str,
@@ -313,9 +443,7 @@ def train_system(config: Config, settings: TrainSettings, system: str,
             "--timeout", str(settings.timeout_s)]
     if system != "horovod":
         return _run_workers(config, "bpsctl.bench.train", args, n, k, output)
-    from .horovod import rendezvous
-    hosts, prefix = _host_plan(config, n)
-    with rendezvous(hosts, prefix) as port:
+    with _horovod_rendezvous(config, n) as (hosts, port):
         args += ["--horovod-hosts", ",".join(f"{h}:{c}" for h, c in hosts),
                  "--rendezvous-addr", hosts[0][0], "--rendezvous-port", str(port)]
         return _run_workers(config, "bpsctl.bench.train", args, n, k, output)
@@ -331,9 +459,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     output = output if output is not None else sys.stderr
     progress = progress or (lambda message: None)
     if "horovod" in settings.compare:
-        from .horovod import installed_version, missing_message
-        if installed_version() is None:
-            raise ConfigError(missing_message())
+        _check_horovod(config)
     from .models import build
     model = build(settings.model, settings.num_classes)
     params = [p.numel() for p in model.parameters()]

@@ -11,9 +11,12 @@ from rich.markup import escape
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, parse_size
 
-from .api import BenchError, CommSettings, TrainSettings, run_comm, run_sweep, run_train
+from .api import (BenchError, CommSettings, TrainSettings, cluster_size, run_comm, run_sweep,
+                  run_train, ssh_cluster)
 from .report import plot_comm, plot_train, print_comm, print_train
 
+WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on an SSH cluster: its hosts "
+                "file's worker slots).")
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
                         help="Benchmarks, measured side by side in one run.")
 
@@ -54,9 +57,19 @@ def _cluster_config(ctx: typer.Context, partition_bytes: Optional[str],
                               else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
              "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")}
     config = build_config(ctx, flags, config_file, read_file=True)
-    if config.nic and not config.emulate:
-        raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
+    if config.nic and not config.emulate and ssh_cluster(config.state_dir) is None:
+        raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate "
+                          "(or, as the ideal of nic_fraction, to an SSH cluster `bpsctl up "
+                          "--hosts` started)")
     return config
+
+
+def _where(config: Any) -> str:
+    """Where a benchmark runs, for its progress line."""
+    if config.emulate:
+        return f"emulated NIC {config.nic or 'unshaped'}"
+    cluster = ssh_cluster(config.state_dir)
+    return f"the SSH cluster of {cluster.hosts.source}" if cluster else "this machine"
 
 
 def _write_json(path: Optional[Path], report: dict[str, Any]) -> None:
@@ -71,8 +84,8 @@ def _write_json(path: Optional[Path], report: dict[str, Any]) -> None:
 
 @bench_app.command()
 def comm(ctx: typer.Context,
-         workers: int = typer.Option(2, "--workers", "-n", min=1,
-                                     help="Worker processes (with --emulate: worker hosts)."),
+         workers: Optional[int] = typer.Option(None, "--workers", "-n", min=1, show_default="2",
+                                               help=WORKERS_HELP),
          servers: Optional[int] = typer.Option(None, "--servers", min=1,
                                                help="Summation servers (default: num_servers of "
                                                     "the config, else as many as workers)."),
@@ -106,8 +119,8 @@ def comm(ctx: typer.Context,
     """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file)
-        settings = CommSettings(workers=workers, servers=servers or config.num_servers or workers,
-                                sizes=_sizes(size),
+        n, k = cluster_size(config, workers, servers, "--sweep" if sweep is not None else "")
+        settings = CommSettings(workers=n, servers=k, sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
                                 compare=_names(compare), security=_names(security))
         too_small = [s for s in settings.sizes if s < 4 * tensors]
@@ -118,7 +131,7 @@ def comm(ctx: typer.Context,
         if plot_file is not None:
             from .report import _pyplot
             _pyplot()                       # a missing matplotlib is a usage error, said up front
-        where = f"emulated NIC {config.nic or 'unshaped'}" if config.emulate else "this machine"
+        where = _where(config)
         with err_console.status(f"bench comm on {where}") as status:
             def progress(message: str) -> None:
                 status.update(f"bench comm on {where}: {message}")
@@ -137,7 +150,7 @@ def comm(ctx: typer.Context,
             err_console.print(f"wrote {plot_file}", highlight=False)
 
 
-def _train(ctx: typer.Context, model: str, workers: int, servers: Optional[int], batch_size: int,
+def _train(ctx: typer.Context, model: str, workers: Optional[int], servers: Optional[int], batch_size: int,
            image_size: int, num_classes: int, warmup: int, iters: int, batches_per_iter: int,
            compare: Optional[str], emulate: Optional[bool], nic: Optional[str],
            partition_bytes: Optional[str], credit_bytes: Optional[str],
@@ -145,15 +158,15 @@ def _train(ctx: typer.Context, model: str, workers: int, servers: Optional[int],
            config_file: Optional[Path]) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file)
-        settings = TrainSettings(model=model, workers=workers,
-                                 servers=servers or config.num_servers or workers,
+        workers, servers = cluster_size(config, workers, servers)
+        settings = TrainSettings(model=model, workers=workers, servers=servers,
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,
                                  batches_per_iter=batches_per_iter, compare=_names(compare))
         if plot_file is not None:
             from .report import _pyplot
             _pyplot()
-        where = f"emulated NIC {config.nic or 'unshaped'}" if config.emulate else "this machine"
+        where = _where(config)
         with err_console.status(f"bench {model} on {where}") as status:
             def progress(message: str) -> None:
                 status.update(f"bench {model} on {where}: training with {message}")
@@ -171,8 +184,8 @@ def _train(ctx: typer.Context, model: str, workers: int, servers: Optional[int],
 
 def _train_command(model: str, title: str) -> None:
     def command(ctx: typer.Context,
-                workers: int = typer.Option(2, "--workers", "-n", min=1,
-                                            help="Worker processes (with --emulate: worker hosts)."),
+                workers: Optional[int] = typer.Option(None, "--workers", "-n", min=1,
+                                                      show_default="2", help=WORKERS_HELP),
                 servers: Optional[int] = typer.Option(None, "--servers", min=1,
                                                       help="Summation servers (default: num_servers "
                                                            "of the config, else as many as workers)."),

@@ -4,7 +4,8 @@ Two halves:
 
 * :func:`worker_main` runs inside each worker process (``python -m bpsctl.bench.comm``):
   declares the tensors, warms up, then times rounds of push_pull of every tensor,
-  each round started together after a barrier. Rank 0 writes the round times as JSON.
+  each round started together after a barrier. Rank 0 prints the round times as one
+  :data:`RESULT_MARKER` line (the launcher relays it from any host: no shared filesystem).
 * :func:`zmq_pair_seconds` measures what this machine's ZeroMQ moves between two processes
   for the same bytes in the same message size: the limit the engine is judged against.
 """
@@ -26,6 +27,15 @@ from ..config import parse_size
 
 # ----------------------------------------------------------------------------- worker side
 
+#: starts the one stdout line of rank 0 that holds a benchmark worker's result as JSON
+RESULT_MARKER = "BPSCTL_RESULT "
+
+
+def print_result(result: dict) -> None:
+    """Rank 0's result, as the line :func:`bpsctl.bench.api` looks for in the relayed output."""
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
 
 def tensor_sizes(size_bytes: int, tensors: int, itemsize: int = 4) -> list[int]:
     """Element counts of ``tensors`` float32 tensors adding up to ``size_bytes`` (near enough)."""
@@ -42,7 +52,6 @@ def worker_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
     bps.init()
@@ -73,8 +82,8 @@ def worker_main(argv: list[str] | None = None) -> None:
         if o.size and not (o[0] == expected and o[-1] == expected):
             raise SystemExit(f"rank {rank}: wrong sum {o[0]} (expected {expected})")
     if rank == 0:
-        Path(args.out).write_text(json.dumps({"seconds": seconds, "tensors": len(arrays),
-                                              "size_bytes": int(sum(counts) * 4)}))
+        print_result({"seconds": seconds, "tensors": len(arrays),
+                      "size_bytes": int(sum(counts) * 4)})
     bps.shutdown()
 
 

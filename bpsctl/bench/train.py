@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
-import json
 import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 SYSTEMS = ("bpsctl", "horovod", "ddp")
@@ -112,7 +110,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--horovod-hosts", default="")
     parser.add_argument("--rendezvous-addr", default="")
     parser.add_argument("--rendezvous-port", type=int, default=0)
-    parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
     # a hang (a peer gone, a rendezvous never answered) ends in a traceback and exit, not forever
@@ -121,6 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.nn.functional as F
 
+    from .comm import print_result
     from .models import build
 
     # several workers share this machine's cores (Horovod's and DDP's runs alike)
@@ -165,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"({seconds / args.batches_per_iter:.3f} s/step)", flush=True)
     if rank == 0:
         mean, std = float(np.mean(img_secs)), float(np.std(img_secs))
-        Path(args.out).write_text(json.dumps({
+        print_result({
             "system": args.system, "version": version, "workers": size,
             "img_secs_per_worker": img_secs,
             "img_per_sec_per_worker": mean, "img_per_sec_per_worker_ci95": 1.96 * std,
@@ -173,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
             "step_seconds": args.batch_size / mean,
             "phase_seconds_per_step": {
                 "forward_backward": phases["backward_seconds"] / (args.iters * args.batches_per_iter),
-                "optimizer_step": phases["step_seconds"] / (args.iters * args.batches_per_iter)}}))
+                "optimizer_step": phases["step_seconds"] / (args.iters * args.batches_per_iter)}})
     shutdown()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()

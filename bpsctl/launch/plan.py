@@ -50,6 +50,8 @@ class Assignment:
                          "LOCAL_WORLD_SIZE": str(self.local_size),
                          "MASTER_ADDR": plan.master_addr, "MASTER_PORT": str(plan.master_port),
                          "PYTHONUNBUFFERED": "1"}
+            if self.entry.interface:        # gloo (DDP, Horovod) binds this NIC, not the hostname's
+                torch_env["GLOO_SOCKET_IFNAME"] = self.entry.interface
         else:
             process_config = config.replace(role=self.role, rank=-1, world_size=1, local_rank=0,
                                             local_size=1, port=self.port or 0, **common)

@@ -950,6 +950,68 @@ def _failure(worker: _RemoteWorker) -> WorkerFailure:
                          signal_name=signal_name, last_lines=lines, host=worker.assignment.host)
 
 
+# --------------------------------------------------------------------------- helpers for bench
+
+def worker_hosts(cluster: SshCluster) -> list[str]:
+    """The SSH targets of the worker entries, in rank order, each once."""
+    return list(dict.fromkeys(entry.host for entry in cluster.hosts.workers))
+
+
+def run_on_hosts(cluster: SshCluster, targets: Sequence[str], argv: Sequence[str],
+                 timeout_s: float = COMMAND_TIMEOUT_S) -> dict[str, tuple[bool, str]]:
+    """``argv`` once on every target at once: {host: (True, stdout) | (False, why)}."""
+    with Hosts(cluster.hosts, targets=targets) as session:
+        session.open()
+
+        def call(host: str) -> str:
+            done = session.connections[host].run(_remote_argv(argv), hide=True, warn=True,
+                                                 timeout=timeout_s)
+            if done.exited != 0:
+                tail = (done.stderr.strip() or done.stdout.strip()).splitlines()[-1:]
+                raise _HostFailure(f"`{' '.join(argv)}` exited {done.exited}"
+                                   + (f": {tail[0]}" if tail else ""))
+            return done.stdout
+
+        answers = parallel(list(session.connections), call)
+    return {host: answers.get(host, (False, session.failures.get(host, "not reached")))
+            for host in targets}
+
+
+@contextlib.contextmanager
+def remote_service(cluster: SshCluster, host: str, argv: Sequence[str],
+                   timeout_s: float = COMMAND_TIMEOUT_S) -> Iterator[str]:
+    """``argv`` on ``host`` for as long as the block lasts; yields the first line it prints.
+    Its stdin is the SSH channel: closing it (or losing the connection) ends the command."""
+    with Hosts(cluster.hosts, targets=[host]) as session:
+        failures = session.open()
+        if failures:
+            raise LaunchError(f"{host}: {failures[host]}")
+        channel = session.connections[host].client.get_transport().open_session(
+            timeout=timeout_s)
+        try:
+            channel.settimeout(timeout_s)
+            channel.exec_command(_remote_argv(argv))
+            try:
+                line = channel.makefile("rb").readline().decode(errors="replace").strip()
+            except socket.timeout:
+                line = ""
+            if not line:
+                error = b""
+                with contextlib.suppress(socket.timeout):
+                    error = channel.makefile_stderr("rb").read()
+                tail = error.decode(errors="replace").strip().splitlines()[-1:]
+                raise LaunchError(f"{host}: `{' '.join(argv)}` did not start"
+                                  + (f": {tail[0]}" if tail else f" within {timeout_s:g} s"))
+            yield line
+        finally:
+            with contextlib.suppress(Exception):
+                channel.shutdown_write()
+            deadline = time.monotonic() + STOP_GRACE_S
+            while not channel.exit_status_ready() and time.monotonic() < deadline:
+                time.sleep(_POLL_INTERVAL_S)
+            channel.close()
+
+
 __all__ = ["PreflightError", "RemoteProcess", "SshCluster",
-           "SshDownReport", "down_ssh", "load_cluster", "logs_ssh", "preflight", "run_ssh",
-           "status_ssh", "up_ssh"]
+           "SshDownReport", "down_ssh", "load_cluster", "logs_ssh", "preflight", "remote_service",
+           "run_on_hosts", "run_ssh", "status_ssh", "up_ssh", "worker_hosts"]
