@@ -200,6 +200,12 @@ def _row(system: str, version: str, seconds: list[float], size: int, workers: in
             "algbw_MBps": algbw, "busbw_MBps": algbw * bus_factor, "nic_fraction": fraction}
 
 
+def _cluster_keys(config: Config) -> dict[str, Any]:
+    """Report keys naming an SSH cluster's hosts file (the figures are not this machine's)."""
+    cluster = ssh_cluster(config.state_dir)
+    return {"cluster": "ssh", "hosts_file": cluster.hosts.source} if cluster else {}
+
+
 def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: float | None,
                output: IO[str]) -> dict[str, Any]:
     """One size on the cluster named by ``config``: bpsctl, then each baseline, then raw ZeroMQ."""
@@ -222,7 +228,7 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
         "tensors": ours["tensors"], "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "warmup": settings.warmup,
         "repeats": settings.repeats, "host": socket.gethostname(), "results": results,
-        "speedup": speedup,
+        "speedup": speedup, **_cluster_keys(config),
     }
     if n > 1:
         report["theory_speedup"] = 2 * (n - 1) / n
@@ -481,6 +487,6 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         "partition_bytes": config.partition_bytes, "credit_bytes": config.credit_bytes,
         "parameters": sum(params), "gradient_tensors": len(params),
         "gradient_bytes": 4 * sum(params), "host": socket.gethostname(),
-        "results": results,
+        "results": results, **_cluster_keys(config),
         "speedup": {r["system"]: ours / r["img_per_sec"] for r in results[1:]},
     }

@@ -21,10 +21,17 @@ def comm_reports(report: dict[str, Any]) -> list[dict[str, Any]]:
     return report.get("sizes", [report])
 
 
+def _network(report: dict[str, Any]) -> str:
+    """What the figures went through: the NIC rate, else an SSH cluster's hosts, else loopback."""
+    if report["nic_mbit"]:
+        return f"NIC {report['nic_mbit']:g} Mbit/s"
+    return f"SSH cluster of {report['hosts_file']}" if report.get("hosts_file") else "loopback"
+
+
 def print_comm(console: Console, report: dict[str, Any]) -> None:
     reports = comm_reports(report)
     first = reports[0]
-    nic = f"NIC {first['nic_mbit']:g} Mbit/s" if first["nic_mbit"] else "loopback"
+    nic = _network(first)
     sweep = report["kind"] == "comm_sweep"
     shape = "" if sweep else f"{first['workers']} workers x {first['servers']} servers, "
     table = Table(title=f"bench comm: {shape}{nic}, median of {first['repeats']}")
@@ -107,7 +114,7 @@ def plot_comm(report: dict[str, Any], path: Path) -> None:
 
 
 def print_train(console: Console, report: dict[str, Any]) -> None:
-    nic = f", NIC {report['nic_mbit']:g} Mbit/s" if report["nic_mbit"] else ", loopback"
+    nic = ", " + _network(report)
     table = Table(title=f"bench {report['model']}: {report['workers']} workers, "
                         f"{report['servers']} servers{nic}, batch {report['batch_size']}, "
                         f"{report['image_size']}x{report['image_size']} images, "
@@ -137,7 +144,7 @@ def plot_train(report: dict[str, Any], path: Path) -> None:
             ax.annotate(f"bpsctl {speedup:.2f}x", (bar.get_x() + bar.get_width() / 2,
                                                    bar.get_height()),
                         ha="center", va="bottom", xytext=(0, 4), textcoords="offset points")
-    nic = f", NIC {report['nic_mbit']:g} Mbit/s" if report["nic_mbit"] else ", loopback"
+    nic = ", " + _network(report)
     ax.set_title(f"{report['model']}: {report['workers']} workers x {report['servers']} servers"
                  f"{nic}, batch {report['batch_size']}")
     ax.set_ylabel("img/sec (whole job), ± 1.96σ")

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 from .. import launch
 from ..bench.api import (BenchError, CommSettings, TrainSettings, bench_cluster, comm_point,
-                         train_system)
+                         ssh_cluster, train_system)
 from ..config import Config, ConfigError, format_bytes
 from .model import ServerGuess, guess_servers
 
@@ -196,6 +196,15 @@ def _measure(config: Config, point: Point, settings: TuneSettings, workers: int,
 def _cluster_facts(config: Config, settings: TuneSettings, nic_mbit: float | None
                    ) -> tuple[int, list[str], list[str] | None, str]:
     """(workers, server hosts in job order, worker host of each rank or None, description)."""
+    ssh = ssh_cluster(config.state_dir)
+    if ssh is not None:         # its hosts file says it all; the NIC is unknown (--nic: the ideal)
+        from ..launch.plan import plan
+        the_plan = plan(ssh.hosts, addresses=ssh.addresses)
+        server_hosts = [a.address for a in the_plan.servers]
+        return (len(the_plan.workers), server_hosts, None,
+                f"SSH cluster of {ssh.hosts.source}: {len(the_plan.workers)} workers on "
+                f"{', '.join(dict.fromkeys(a.address for a in the_plan.workers))}, "
+                f"{len(server_hosts)} servers on {', '.join(dict.fromkeys(server_hosts))}")
     state = launch.load_state(config.state_dir)
     if state is None:
         raise BenchError(f"no cluster recorded in {config.state_dir}")
@@ -220,7 +229,8 @@ def run_tune(config: Config, settings: TuneSettings, progress: Progress | None =
     (``config.emulate``: emulated). Worker output goes to ``output`` (default: discarded)."""
     progress = progress or (lambda done, total, text: None)
     sink = output if output is not None else open(os.devnull, "w")
-    private_workers = settings.workers or 2
+    # an SSH cluster runs one worker per slot of its hosts file: no default to impose there
+    private_workers = settings.workers or (None if ssh_cluster(config.state_dir) else 2)
     try:
         with bench_cluster(config, private_workers, settings.servers or private_workers) as (
                 cluster_config, nic):
