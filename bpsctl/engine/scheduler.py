@@ -76,9 +76,9 @@ class Scheduler:
         self.members: dict[bytes, Member] = {}
         self.servers: list[Member] = []
         self.job: Job | None = None
-        # registrations for a new job that came while the previous job was ending (some of
-        # its workers left or went silent): (rid, message, member fields, answer-by time)
-        self.queued: list[tuple[bytes, dict[str, Any], dict[str, Any], float]] = []
+        # registrations for a new job that came while another job held the cluster: (rid,
+        # message, member fields, time to decide whether that job is ending, answer-by time)
+        self.queued: list[tuple[bytes, dict[str, Any], dict[str, Any], float, float]] = []
 
     @property
     def address(self) -> str:
@@ -193,14 +193,14 @@ class Scheduler:
         job_id, world_size = str(msg.get("job")), int(msg.get("world_size", 0))
         job = self.job
         if job is not None and job.id != job_id:
-            if self._ending(job):
-                # e.g. `bpsctl run` again right after a crash: the crashed job is declared
-                # lost within the heartbeat timeout, then this registration goes on
-                answer_by = (time.monotonic() + self.config.heartbeat_timeout_s
-                             + 2 * self.config.heartbeat_interval_s)
-                self.queued.append((rid, msg, common, answer_by))
-                return
-            self._send(rid, P.ERROR, {"message": self._busy_message(job)})
+            # e.g. `bpsctl run` again right after a crash: the crashed job is declared lost
+            # within the heartbeat timeout, then this registration goes on. Workers that died a
+            # moment ago still look alive, so a job that does not look like it is ending is
+            # looked at again once they would have missed two heartbeats, and only then is
+            # the cluster called busy (a healthy busy cluster answers within ~3 intervals).
+            now, interval = time.monotonic(), self.config.heartbeat_interval_s
+            self.queued.append((rid, msg, common, now + 3 * interval,
+                                now + self.config.heartbeat_timeout_s + 2 * interval))
             return
         if job is None:
             live = [s for s in self.servers if s.state == "running"]
@@ -254,13 +254,15 @@ class Scheduler:
         """Registrations that waited for the previous job to end: go on, or give up in time."""
         queued, self.queued = self.queued, []
         now = time.monotonic()
-        for rid, msg, common, answer_by in queued:
-            if self.job is not None and self.job.id != str(msg.get("job")) and now > answer_by:
-                self._send(rid, P.ERROR, {"message": self._busy_message(self.job)})
-            elif self.job is None or self.job.id == str(msg.get("job")):
+        for entry in queued:
+            rid, msg, common, decide_at, answer_by = entry
+            job = self.job
+            if job is None or job.id == str(msg.get("job")):
                 self._register_worker(rid, msg, {**common, "last_seen": now})
+            elif now > answer_by or (now >= decide_at and not self._ending(job)):
+                self._send(rid, P.ERROR, {"message": self._busy_message(job)})
             else:
-                self.queued.append((rid, msg, common, answer_by))
+                self.queued.append(entry)
 
     def _start_job(self, job: Job) -> None:
         job.started = True
