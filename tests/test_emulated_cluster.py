@@ -142,3 +142,36 @@ def test_down_removes_the_network_of_a_crashed_emulated_up(tmp_path):
     assert result.returncode == 0, result.stderr
     assert claim in result.stderr and "removed" in result.stderr
     assert not _namespaces(claim)
+
+
+@pytest.mark.timeout(120)
+def test_down_elsewhere_leaves_a_network_that_is_still_being_built(tmp_path):
+    """Another state dir's `bpsctl down` must not take a network whose builder is alive and
+    has not started its processes yet (it looks like a crashed run's leftovers); once the
+    builder is gone, the same network is a leftover and is removed."""
+    builder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys, time
+        from bpsctl.launch import emulate
+        network = emulate.create(emulate.plan_network(1, 1, "100mbit"))
+        print(network.plan.cluster_id, flush=True)
+        time.sleep(60)
+    """)], stdout=subprocess.PIPE, text=True)
+    try:
+        cluster_id = builder.stdout.readline().strip()
+        assert _namespaces(cluster_id), "the builder made no network"
+        down = [sys.executable, "-m", "bpsctl.cli", "down"]
+        env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "elsewhere")}
+        result = subprocess.run(down, capture_output=True, text=True, timeout=60, env=env)
+        assert result.returncode == 0, result.stderr
+        assert _namespaces(cluster_id), f"down removed a network still being built: {result.stderr}"
+        builder.kill()
+        builder.wait(10)
+        result = subprocess.run(down, capture_output=True, text=True, timeout=60, env=env)
+        assert cluster_id in result.stderr and "removed" in result.stderr, result.stderr
+        assert not _namespaces(cluster_id)
+    finally:
+        if builder.poll() is None:
+            builder.kill()
+            builder.wait(10)
+        if cluster_id := locals().get("cluster_id"):
+            emulate.remove_leftovers([cluster_id])

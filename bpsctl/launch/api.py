@@ -348,7 +348,8 @@ def _emulation_claim(state_dir: Path) -> Path:
 
 def _remove_leftovers(state_dir: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """Emulated clusters left by crashed runs: this state dir's claim, and any other whose
-    namespaces have no process left (one with processes may be someone's live cluster)."""
+    namespaces have no process left and whose builder has exited (one with processes, or
+    still being built, may be someone's live cluster)."""
     from bpsctl.launch import emulate
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return (), ()
@@ -360,7 +361,8 @@ def _remove_leftovers(state_dir: Path) -> tuple[tuple[str, ...], tuple[str, ...]
         claim.unlink(missing_ok=True)
         removed.append(cluster_id)
     for leftover in emulate.find_leftovers():
-        running = any(emulate.namespace_pids(ns) for ns in leftover.namespaces)
+        running = (any(emulate.namespace_pids(ns) for ns in leftover.namespaces)
+                   or emulate.owner_alive(leftover.cluster_id))
         if running:
             busy.append(leftover.cluster_id)
         else:

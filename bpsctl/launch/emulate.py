@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import psutil
+
 from bpsctl.config import ConfigError, parse_rate_mbit
 from bpsctl.launch.api import LaunchError
 
@@ -322,8 +324,16 @@ def create(plan: NetworkPlan) -> EmulatedNetwork:
     return EmulatedNetwork(plan=plan, setup_s=time.monotonic() - started)
 
 
+_OWNER_FILE = "owner"       # in the switch's /etc/netns dir: "PID START_TIME" of the builder
+
+
 def _build(plan: NetworkPlan) -> None:
     sw = plan.switch_namespace
+    # who is building it, so that another `bpsctl down` does not take a network whose
+    # processes have not started yet for a crashed run's leftovers (see owner_alive)
+    owner = NETNS_ETC / sw
+    owner.mkdir(parents=True, exist_ok=True)
+    (owner / _OWNER_FILE).write_text(f"{os.getpid()} {psutil.Process().create_time()}")
     _run(["ip", "netns", "add", sw])
     _run(["ip", "-n", sw, "link", "set", "lo", "up"])
     _run(["ip", "-n", sw, "link", "add", BRIDGE, "type", "bridge"])
@@ -469,6 +479,16 @@ def find_leftovers(cluster_ids: Sequence[str] | None = None) -> list[Leftover]:
     return [Leftover(cluster_id=cid, namespaces=tuple(sorted(ns)), netns_dirs=tuple(sorted(dirs)))
             for cid, (ns, dirs) in sorted(found.items())
             if cluster_ids is None or cid in cluster_ids]
+
+
+def owner_alive(cluster_id: str) -> bool:
+    """True while the process that built ``cluster_id``'s network still runs (it may be
+    about to start the cluster's processes, or be a test or tool that holds the network)."""
+    try:
+        pid, started = (NETNS_ETC / namespace_name(cluster_id, SWITCH_HOST) / _OWNER_FILE).read_text().split()
+        return abs(psutil.Process(int(pid)).create_time() - float(started)) < 0.01
+    except (OSError, ValueError, psutil.Error):
+        return False
 
 
 def remove_leftovers(cluster_ids: Sequence[str] | None = None) -> list[Leftover]:
