@@ -7,6 +7,7 @@ thread), so correctness tests run their workers as threads against real server p
 from __future__ import annotations
 
 import os
+import textwrap
 import signal
 import threading
 import time
@@ -59,6 +60,18 @@ def cluster_config(**knobs: Any) -> Config:
         "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "start_timeout_s": 20.0,
         **knobs})
 
+
+# worker scripts' check(): records each check's outcome (or traceback) in RESULTS and goes on,
+# so one failing check does not hide the others
+CHECK_HELPER = textwrap.dedent('''
+    def check(fn):
+        try:
+            fn()
+            RESULTS[fn.__name__] = "ok"
+        except BaseException as exc:
+            RESULTS[fn.__name__] = "".join(traceback.format_exception(exc))[-1500:]
+        return fn
+''')
 
 @pytest.fixture(scope="module")
 def engine_cluster():

@@ -20,6 +20,7 @@ import pytest
 
 from bpsctl.config import Config
 from bpsctl.launch.api import run_local
+from conftest import CHECK_HELPER
 
 try:
     import mxnet as mx
@@ -50,14 +51,7 @@ PRELUDE = textwrap.dedent('''
     OUT = sys.argv[1]
     RESULTS = {}
 
-    def check(fn):
-        try:
-            fn()
-            RESULTS[fn.__name__] = "ok"
-        except BaseException as exc:
-            RESULTS[fn.__name__] = "".join(traceback.format_exception(exc))[-1500:]
-        return fn
-''')
+''') + CHECK_HELPER
 
 EPILOGUE = textwrap.dedent('''
     with open(os.path.join(OUT, f"rank{R}.json"), "w") as f:

@@ -27,6 +27,7 @@ from bpsctl.engine.intranode import (_all_ranks_agree, chunk_layout,  # noqa: E4
                                      divide_exactly)
 from bpsctl.engine.worker import _divide_bf16  # noqa: E402
 from bpsctl.launch.api import run_local  # noqa: E402
+from conftest import CHECK_HELPER  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 GPUS = torch.cuda.device_count() if CUDA else 0
@@ -51,13 +52,7 @@ PRELUDE = textwrap.dedent('''
         torch.cuda.set_device(DEV)
         torch.backends.cuda.matmul.allow_tf32 = False
 
-    def check(fn):
-        try:
-            fn()
-            RESULTS[fn.__name__] = "ok"
-        except BaseException as exc:
-            RESULTS[fn.__name__] = "".join(traceback.format_exception(exc))[-1500:]
-        return fn
+''') + CHECK_HELPER + textwrap.dedent('''
 
     def save():
         stage = bps._p().stage

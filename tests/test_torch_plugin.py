@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from bpsctl.config import Config  # noqa: E402
+from conftest import CHECK_HELPER  # noqa: E402
 from bpsctl.launch.api import run_local  # noqa: E402
 
 PRELUDE = textwrap.dedent('''
@@ -27,13 +28,7 @@ PRELUDE = textwrap.dedent('''
     R, N = bps.rank(), bps.size()
     RESULTS = {}
 
-    def check(fn):
-        try:
-            fn()
-            RESULTS[fn.__name__] = "ok"
-        except BaseException as exc:
-            RESULTS[fn.__name__] = "".join(traceback.format_exception(exc))[-1500:]
-        return fn
+''') + CHECK_HELPER + textwrap.dedent('''
 
     def save():
         out = os.path.join(sys.argv[1], f"rank{R}.json")

@@ -419,8 +419,11 @@ def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
     index = {p: i for i, p in enumerate(params)}
     buckets: list[_Bucket] = []
     run: list[torch.nn.Parameter] = []
+    run_bytes = 0
 
     def close_run() -> None:
+        nonlocal run_bytes
+        run_bytes = 0
         if len(run) == 1:
             buckets.append(_Bucket(list(run), names[run[0]], -index[run[0]]))
         elif run:
@@ -431,14 +434,13 @@ def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
     for p in reversed(params):
         size = p.numel() * p.element_size()
         fits = (run and p.dtype == run[0].dtype and p.device == run[0].device
-                and size + sum(q.numel() * q.element_size() for q in run) <= fusion_bytes)
+                and run_bytes + size <= fusion_bytes)
         if not fits:
             close_run()
+        run.append(p)
+        run_bytes += size
         if size >= fusion_bytes:
-            run.append(p)
             close_run()
-        else:
-            run.append(p)
     close_run()
     return buckets
 
