@@ -120,6 +120,10 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
     low, high = queue_all()
     for h in low + [high]:
         bps.synchronize(h)
+    # every rank has its results before any rank pauses the servers (a rank still pulling
+    # from a paused server would wait until its heartbeat declares the server lost)
+    import bpsctl.engine
+    bpsctl.engine.barrier()
     # the order in which the engine's I/O thread completes push_pulls (polling from here
     # cannot tell: they all finish within a few milliseconds)
     finished, worker = [], bps._p().worker
