@@ -21,8 +21,12 @@ class EngineError(RuntimeError):
 def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     """A socket that never blocks on close and never drops messages at a high-water mark.
 
-    Memory stays bounded without HWMs: workers cap bytes in flight with their credit, and
-    servers only answer what was pushed.
+    Memory stays bounded without HWMs: workers cap bytes on the wire with their credit (a
+    server acknowledges a push when it arrives, not when it is summed), no worker pushes a
+    partition's next round before it has that round's sum, and servers only answer what was
+    pushed. So a server whose summation threads are starved of CPU holds at most one step's
+    pushes from every worker; glibc's heap keeps the worst such moment seen so far, which is
+    the server RSS growth the 1,000-step load run shows (bench/load.py).
     """
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
