@@ -102,3 +102,31 @@ def test_train_bench_on_emulated_hosts_against_the_baselines(tmp_path):
     assert "speedup" in result.stderr               # the table
     leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not leftovers
+
+
+@pytest.mark.timeout(300)
+def test_rounds_rotate_the_order_and_pair_the_ratios(tmp_path):
+    """--rounds 2 on the embedded default: every system runs twice, the second round led by
+    the baseline; the speedup is the median of the two rounds' own ratios."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = tmp_path / "train.json"
+    result = _bpsctl(["bench", "resnet50", "--workers", "2", "--servers", "1", "--batch-size", "2",
+                      "--warmup", "1", "--iters", "2", "--rounds", "2", "--compare", "ddp",
+                      "--json", str(out)], tmp_path / "state", 280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    order = [line.split()[1] for line in result.stderr.splitlines()
+             if line.startswith("[0] ") and " iter 1/2:" in line]
+    assert order == ["bpsctl", "ddp", "ddp", "bpsctl"]
+    report = json.loads(out.read_text())
+    assert report["rounds"] == 2
+    for row in report["results"]:
+        assert len(row["img_secs_per_worker"]) == 4                # 2 iterations x 2 rounds
+        assert len(row["img_per_sec_by_round"]) == 2
+        assert row["img_per_sec"] == pytest.approx(2 * sum(row["img_secs_per_worker"]) / 4)
+    ours, theirs = (row["img_per_sec_by_round"] for row in report["results"])
+    ratios = [a / b for a, b in zip(ours, theirs)]
+    assert report["speedup_by_round"]["ddp"] == pytest.approx(ratios)
+    assert report["speedup"]["ddp"] == pytest.approx(sum(ratios) / 2)    # the median of two
+    assert "round by round" in result.stderr
+    leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not leftovers

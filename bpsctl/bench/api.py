@@ -349,6 +349,7 @@ class TrainSettings:
     iters: int = 5
     batches_per_iter: int = 1
     compare: tuple[str, ...] = field(default=())
+    rounds: int = 1                      # each system runs once per round; rounds rotate the order
     timeout_s: float = 900.0             # per system; a hung worker exits after it
 
     def __post_init__(self) -> None:
@@ -362,7 +363,8 @@ class TrainSettings:
         for name, value, least in (("--batch-size", self.batch_size, 1),
                                    ("--image-size", self.image_size, 32),
                                    ("--warmup", self.warmup, 1), ("--iters", self.iters, 1),
-                                   ("--batches-per-iter", self.batches_per_iter, 1)):
+                                   ("--batches-per-iter", self.batches_per_iter, 1),
+                                   ("--rounds", self.rounds, 1)):
             if value < least:
                 raise ConfigError(f"{name}: expected at least {least}, got {value}"
                                   + (" (the warm-up declares every tensor before timing)"
@@ -470,23 +472,55 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     model = build(settings.model, settings.num_classes)
     params = [p.numel() for p in model.parameters()]
     del model
-    results = []
+    systems = ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare])
+    rounds: list[dict[str, dict[str, Any]]] = []
     with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
-        for system in ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare]):
-            progress(system)
-            row = train_system(cluster_config, settings, system, output)
-            results.append({"system": system, **{key: value for key, value in row.items()
-                                                 if key != "system"}})
-    ours = results[0]["img_per_sec"]
+        for index in range(settings.rounds):
+            # each system goes first in turn, so that a machine that slows down (or speeds
+            # up) during the run does not favour whichever always runs first
+            turn = index % len(systems)
+            rows = {}
+            for system in systems[turn:] + systems[:turn]:
+                progress(system if settings.rounds == 1
+                         else f"{system} (round {index + 1} of {settings.rounds})")
+                rows[system] = train_system(cluster_config, settings, system, output)
+            rounds.append(rows)
+    results = [_pooled(system, [rows[system] for rows in rounds], settings.batch_size)
+               for system in systems]
+    # per round, both sides measured minutes apart at most: the median of those paired ratios
+    speedup = {system: statistics.median(rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
+                                         for rows in rounds) for system in systems[1:]}
     return {
         "kind": "train", "model": settings.model, "workers": settings.workers,
         "servers": settings.servers, "batch_size": settings.batch_size, "nic_mbit": nic,
         "image_size": settings.image_size, "num_classes": settings.num_classes,
         "warmup": settings.warmup, "iters": settings.iters,
-        "batches_per_iter": settings.batches_per_iter,
+        "batches_per_iter": settings.batches_per_iter, "rounds": settings.rounds,
         "partition_bytes": config.partition_bytes, "credit_bytes": config.credit_bytes,
         "parameters": sum(params), "gradient_tensors": len(params),
         "gradient_bytes": 4 * sum(params), "host": socket.gethostname(),
         "results": results, **_cluster_keys(config),
-        "speedup": {r["system"]: ours / r["img_per_sec"] for r in results[1:]},
+        "speedup": speedup,
+        **({"speedup_by_round": {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
+                                          for rows in rounds] for system in systems[1:]}}
+           if settings.rounds > 1 else {}),
     }
+
+
+def _pooled(system: str, rows: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
+    """One system's result over all rounds: every timed iteration pooled, as if one run had
+    made them all (a single round's row is returned as it came)."""
+    if len(rows) == 1:
+        return {"system": system, **{key: value for key, value in rows[0].items() if key != "system"}}
+    img_secs = [value for row in rows for value in row["img_secs_per_worker"]]
+    mean, std = statistics.fmean(img_secs), statistics.pstdev(img_secs)
+    size = rows[0]["workers"]
+    return {"system": system, "version": rows[0]["version"], "workers": size,
+            "img_secs_per_worker": img_secs,
+            "img_per_sec_per_worker": mean, "img_per_sec_per_worker_ci95": 1.96 * std,
+            "img_per_sec": size * mean, "img_per_sec_ci95": size * 1.96 * std,
+            "img_per_sec_by_round": [row["img_per_sec"] for row in rows],
+            "step_seconds": batch_size / mean,
+            "phase_seconds_per_step": {phase: statistics.fmean(row["phase_seconds_per_step"][phase]
+                                                               for row in rows)
+                                       for phase in rows[0]["phase_seconds_per_step"]}}

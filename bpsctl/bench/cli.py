@@ -152,7 +152,7 @@ def comm(ctx: typer.Context,
 
 def _train(ctx: typer.Context, model: str, workers: Optional[int], servers: Optional[int], batch_size: int,
            image_size: int, num_classes: int, warmup: int, iters: int, batches_per_iter: int,
-           compare: Optional[str], emulate: Optional[bool], nic: Optional[str],
+           compare: Optional[str], rounds: int, emulate: Optional[bool], nic: Optional[str],
            partition_bytes: Optional[str], credit_bytes: Optional[str],
            json_file: Optional[Path], plot_file: Optional[Path],
            config_file: Optional[Path]) -> None:
@@ -162,7 +162,8 @@ def _train(ctx: typer.Context, model: str, workers: Optional[int], servers: Opti
         settings = TrainSettings(model=model, workers=workers, servers=servers,
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,
-                                 batches_per_iter=batches_per_iter, compare=_names(compare))
+                                 batches_per_iter=batches_per_iter, compare=_names(compare),
+                                 rounds=rounds)
         if plot_file is not None:
             from .report import _pyplot
             _pyplot()
@@ -201,6 +202,10 @@ def _train_command(model: str, title: str) -> None:
                 compare: Optional[str] = typer.Option(
                     None, "--compare", help="Baselines in the same run: horovod (Horovod with "
                     "Gloo; `bpsctl install horovod`), ddp (torch DDP, gloo, 25 MB buckets)."),
+                rounds: int = typer.Option(1, "--rounds", min=1,
+                                           help="Run every system this many times, each going "
+                                                "first in turn; speedup is the median of the "
+                                                "rounds' ratios (for machines whose speed drifts)."),
                 emulate: Optional[bool] = knob_option("emulate", "--emulate"),
                 nic: Optional[str] = knob_option("nic", "--nic"),
                 partition_bytes: Optional[str] = knob_option("partition_bytes", "--partition-bytes"),
@@ -212,7 +217,7 @@ def _train_command(model: str, title: str) -> None:
                 config_file: Optional[Path] = config_file_option(),
                 ) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
-               batches_per_iter, compare, emulate, nic, partition_bytes, credit_bytes,
+               batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "

@@ -118,7 +118,8 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
     table = Table(title=f"bench {report['model']}: {report['workers']} workers, "
                         f"{report['servers']} servers{nic}, batch {report['batch_size']}, "
                         f"{report['image_size']}x{report['image_size']} images, "
-                        f"{report['iters']} iters x {report['batches_per_iter']} batches")
+                        f"{report['iters']} iters x {report['batches_per_iter']} batches"
+                        + (f", {report['rounds']} rounds" if report.get("rounds", 1) > 1 else ""))
     for column in ("system", "img/sec", "± 1.96σ", "per worker", "s/step", "speedup", "version"):
         table.add_column(column, justify="left" if column in ("system", "version") else "right")
     for row in report["results"]:
@@ -127,6 +128,10 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
                       f"{row['img_per_sec_per_worker']:.2f}", f"{row['step_seconds']:.3f}",
                       "" if speedup is None else f"bpsctl {speedup:.2f}x", row.get("version", ""))
     console.print(table)
+    for system, ratios in report.get("speedup_by_round", {}).items():
+        console.print(f"bpsctl over {system}, round by round: "
+                      + ", ".join(f"{ratio:.2f}x" for ratio in ratios)
+                      + f" (median {report['speedup'][system]:.2f}x)", highlight=False)
 
 
 def plot_train(report: dict[str, Any], path: Path) -> None:
