@@ -68,3 +68,51 @@ def test_comm_bench_bad_flags_exit_2_naming_the_flag(tmp_path, args, flag):
     result = _bpsctl(["bench", "comm", *args], tmp_path / "state")
     assert result.returncode == 2
     assert flag in result.stderr
+
+
+@pytest.mark.timeout(150)
+def test_a_lost_server_fails_the_bench_and_its_logs_are_kept(tmp_path):
+    """kill -9 a server of the bench's private cluster mid-run: the bench exits 1 naming the
+    lost server, and says where a copy of the cluster's logs is (its state dir is gone)."""
+    import os
+    import re
+    import shutil
+    import signal
+    import time
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state")}
+    bench = subprocess.Popen([sys.executable, "-m", "bpsctl.cli", "bench", "comm", "--workers", "2",
+                              "--servers", "2", "--size", "16MiB", "--repeats", "2000"],
+                             env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        victim = None
+        while victim is None and time.monotonic() < deadline:
+            family = psutil.Process(bench.pid).children(recursive=True)
+            servers = [p for p in family if "bpsctl.engine.server" in " ".join(p.cmdline())]
+            timing = any("bpsctl.bench.comm" in " ".join(p.cmdline()) for p in family)
+            if timing and len(servers) == 2:
+                time.sleep(3)                       # well into the timed rounds
+                victim = servers[1]
+            time.sleep(0.2)
+        assert victim is not None, "the bench never started its workers"
+        victim.send_signal(signal.SIGKILL)
+        _, stderr = bench.communicate(timeout=60)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.communicate()
+    assert bench.returncode == 1, stderr[-2000:]
+    assert "lost server" in stderr
+    found = re.search(r"logs at that moment: (\S+)", stderr.replace("\n", ""))
+    assert found, stderr[-2000:]
+    kept = found.group(1)
+    try:
+        names = sorted(os.listdir(kept))
+        assert "scheduler-0.log" in names
+        assert len([n for n in names if n.startswith("server-")]) == 2
+        assert "started: 2 workers, 2 servers" in open(os.path.join(kept, "scheduler-0.log")).read()
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
+    leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not leftovers

@@ -10,9 +10,11 @@ import contextlib
 import dataclasses
 import io
 import json
+import shutil
 import socket
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
@@ -181,11 +183,25 @@ def _run_workers(config: Config, module: str, args: list[str], workers: int, ser
             where = f" on {failure.host}" if failure.host else ""
             detail = f": worker {failure.rank}{where} exited {failure.exit_code}: " + \
                 " | ".join(failure.last_lines[-3:])
-        raise BenchError(f"{module}'s workers failed{detail}")
+        kept = _keep_logs(config.state_dir) if cluster is None else None
+        raise BenchError(f"{module}'s workers failed{detail}"
+                         + (f"; the scheduler's and servers' logs at that moment: {kept}" if kept else ""))
     if catcher.result is None:
         raise BenchError(f"{module}'s workers exited 0, but rank 0 printed no "
                          f"{RESULT_MARKER.strip()} line (its output is above)")
     return catcher.result
+
+
+def _keep_logs(state_dir: Path | str) -> Path | None:
+    """A copy of the cluster's own logs as they are now, or None if it has none. A private
+    cluster's state dir goes away with it, and a lost server's or the scheduler's log is
+    where the reason is (the workers only see that it went quiet)."""
+    logs = Path(state_dir) / "logs"
+    if not logs.is_dir():
+        return None
+    kept = Path(tempfile.mkdtemp(prefix="bpsctl-bench-logs-"))
+    shutil.copytree(logs, kept, dirs_exist_ok=True)
+    return kept
 
 
 def _row(system: str, version: str, seconds: list[float], size: int, workers: int,
