@@ -2,15 +2,20 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
 
 
 def _bpsctl(args: list[str], state_dir, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    env = {**__import__("os").environ, "BPSCTL_STATE_DIR": str(state_dir)}
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir)}
     return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env, text=True,
                           capture_output=True, timeout=timeout_s)
 
@@ -74,11 +79,6 @@ def test_comm_bench_bad_flags_exit_2_naming_the_flag(tmp_path, args, flag):
 def test_a_lost_server_fails_the_bench_and_its_logs_are_kept(tmp_path):
     """kill -9 a server of the bench's private cluster mid-run: the bench exits 1 naming the
     lost server, and says where a copy of the cluster's logs is (its state dir is gone)."""
-    import os
-    import re
-    import shutil
-    import signal
-    import time
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state")}
     bench = subprocess.Popen([sys.executable, "-m", "bpsctl.cli", "bench", "comm", "--workers", "2",

@@ -22,6 +22,7 @@ from typing import IO, Any, Callable, Iterator
 from .. import __version__, launch
 from ..config import SECURITY_MODES, Config, ConfigError
 from .comm import RESULT_MARKER, zmq_pair_seconds
+from .train import throughput
 
 #: TCP goodput as a share of an emulated NIC's configured rate (shared/ENVIRONMENT.md)
 GOODPUT_SHARE = 0.957
@@ -199,8 +200,11 @@ def _keep_logs(state_dir: Path | str) -> Path | None:
     logs = Path(state_dir) / "logs"
     if not logs.is_dir():
         return None
-    kept = Path(tempfile.mkdtemp(prefix="bpsctl-bench-logs-"))
-    shutil.copytree(logs, kept, dirs_exist_ok=True)
+    try:
+        kept = Path(tempfile.mkdtemp(prefix="bpsctl-bench-logs-"))
+        shutil.copytree(logs, kept, dirs_exist_ok=True)
+    except OSError:
+        return None             # the failure itself is what the error must report
     return kept
 
 
@@ -504,8 +508,8 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     results = [_pooled(system, [rows[system] for rows in rounds], settings.batch_size)
                for system in systems]
     # per round, both sides measured minutes apart at most: the median of those paired ratios
-    speedup = {system: statistics.median(rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
-                                         for rows in rounds) for system in systems[1:]}
+    ratios = {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"] for rows in rounds]
+              for system in systems[1:]}
     return {
         "kind": "train", "model": settings.model, "workers": settings.workers,
         "servers": settings.servers, "batch_size": settings.batch_size, "nic_mbit": nic,
@@ -516,10 +520,8 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         "parameters": sum(params), "gradient_tensors": len(params),
         "gradient_bytes": 4 * sum(params), "host": socket.gethostname(),
         "results": results, **_cluster_keys(config),
-        "speedup": speedup,
-        **({"speedup_by_round": {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
-                                          for rows in rounds] for system in systems[1:]}}
-           if settings.rounds > 1 else {}),
+        "speedup": {system: statistics.median(values) for system, values in ratios.items()},
+        **({"speedup_by_round": ratios} if settings.rounds > 1 else {}),
     }
 
 
@@ -529,14 +531,9 @@ def _pooled(system: str, rows: list[dict[str, Any]], batch_size: int) -> dict[st
     if len(rows) == 1:
         return {"system": system, **{key: value for key, value in rows[0].items() if key != "system"}}
     img_secs = [value for row in rows for value in row["img_secs_per_worker"]]
-    mean, std = statistics.fmean(img_secs), statistics.pstdev(img_secs)
-    size = rows[0]["workers"]
-    return {"system": system, "version": rows[0]["version"], "workers": size,
-            "img_secs_per_worker": img_secs,
-            "img_per_sec_per_worker": mean, "img_per_sec_per_worker_ci95": 1.96 * std,
-            "img_per_sec": size * mean, "img_per_sec_ci95": size * 1.96 * std,
+    return {"system": system, "version": rows[0]["version"],
+            **throughput(img_secs, rows[0]["workers"], batch_size),
             "img_per_sec_by_round": [row["img_per_sec"] for row in rows],
-            "step_seconds": batch_size / mean,
             "phase_seconds_per_step": {phase: statistics.fmean(row["phase_seconds_per_step"][phase]
                                                                for row in rows)
                                        for phase in rows[0]["phase_seconds_per_step"]}}

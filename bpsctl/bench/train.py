@@ -15,6 +15,7 @@ import argparse
 import datetime
 import faulthandler
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -48,6 +49,16 @@ def horovod_env(rank: int, hosts: list[tuple[str, int]], rendezvous_addr: str,
             }
         first += count
     raise ValueError(f"rank {rank} is not in the host plan {hosts} ({size} slots)")
+
+
+def throughput(img_secs: list[float], workers: int, batch_size: int) -> dict[str, Any]:
+    """The result keys of img/sec per worker measured once per timed iteration: mean and
+    ± 1.96σ per worker and for the whole job, and the seconds per batch that mean gives."""
+    mean, std = statistics.fmean(img_secs), statistics.pstdev(img_secs)
+    return {"workers": workers, "img_secs_per_worker": img_secs,
+            "img_per_sec_per_worker": mean, "img_per_sec_per_worker_ci95": 1.96 * std,
+            "img_per_sec": workers * mean, "img_per_sec_ci95": workers * 1.96 * std,
+            "step_seconds": batch_size / mean}
 
 
 def parse_hosts(text: str) -> list[tuple[str, int]]:
@@ -114,7 +125,6 @@ def main(argv: list[str] | None = None) -> None:
 
     # a hang (a peer gone, a rendezvous never answered) ends in a traceback and exit, not forever
     faulthandler.dump_traceback_later(args.timeout, exit=True)
-    import numpy as np
     import torch
     import torch.nn.functional as F
 
@@ -162,13 +172,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{args.system} iter {i + 1}/{args.iters}: {img_secs[-1]:.2f} img/sec per worker "
                   f"({seconds / args.batches_per_iter:.3f} s/step)", flush=True)
     if rank == 0:
-        mean, std = float(np.mean(img_secs)), float(np.std(img_secs))
         print_result({
-            "system": args.system, "version": version, "workers": size,
-            "img_secs_per_worker": img_secs,
-            "img_per_sec_per_worker": mean, "img_per_sec_per_worker_ci95": 1.96 * std,
-            "img_per_sec": size * mean, "img_per_sec_ci95": size * 1.96 * std,
-            "step_seconds": args.batch_size / mean,
+            "system": args.system, "version": version,
+            **throughput(img_secs, size, args.batch_size),
             "phase_seconds_per_step": {
                 "forward_backward": phases["backward_seconds"] / (args.iters * args.batches_per_iter),
                 "optimizer_step": phases["step_seconds"] / (args.iters * args.batches_per_iter)}})
