@@ -329,7 +329,23 @@ def test_leftovers_of_a_crashed_run_are_found_and_removed(cluster_id):
     assert not any((emulate.NETNS_ETC / ns).exists() for ns in plan.namespaces)
 
 
-@pytest.mark.timeout(60)
+def best_of(tries, measure, level):
+    """Run ``measure()`` up to ``tries`` times, stopping at the first result whose ``level()`` is
+    within 10% of the goal (>= 0.9); returns every result, best level last.
+
+    A shaped NIC caps and shares; how close a flow comes to the cap also depends on the
+    machine. On a shared 2-core VM the whole machine is sometimes descheduled for a fraction of
+    a second (CI once saw all four hosts at 76% of the goodput in one 2-s window, still fair),
+    so a level check takes the best of a few windows, while the shape checks hold for each."""
+    results = []
+    for _ in range(tries):
+        results.append(measure())
+        if level(results[-1]) >= 0.9:
+            break
+    return sorted(results, key=level)
+
+
+@pytest.mark.timeout(90)
 @root_only
 def test_shaped_nics_full_duplex_fair_and_capped(cluster_id, tmp_path):
     """The emulator itself: all-to-all traffic gets every host R in and R out (TCP goodput,
@@ -340,46 +356,73 @@ def test_shaped_nics_full_duplex_fair_and_capped(cluster_id, tmp_path):
     expected = GOODPUT_FRACTION * nic_mbit
     duration_s = 2.0
     plan = emulate.plan_network(2, 2, f"{nic_mbit:g}mbit", cluster_id=cluster_id)
+    ports = iter(range(5201, 5220))
     with emulate.emulated_network(plan) as network:
         everyone = {h.name: [p.name for p in plan.hosts if p is not h] for h in plan.hosts}
-        reports = run_everywhere(network, script, everyone, warmup_s=0.7, duration_s=duration_s)
-        rates = rates_mbit(network, reports, duration_s)
+
+        def all_to_all():
+            reports = run_everywhere(network, script, everyone, warmup_s=0.7,
+                                     duration_s=duration_s, port=next(ports))
+            return reports, rates_mbit(network, reports, duration_s)
+
+        def mean_level(result):
+            _, rates = result
+            return sum(sent for sent, _ in rates.values()) / len(rates) / expected
+
+        tries = best_of(3, all_to_all, mean_level)
         print(f"\nall-to-all at R = {nic_mbit:g} Mbit/s (goodput limit {expected:.0f}):")
-        for name, (sent, received) in rates.items():
-            print(f"  {name}: sent {sent:.1f} Mbit/s, received {received:.1f} Mbit/s")
-        for name, (sent, received) in rates.items():
-            assert sent == pytest.approx(expected, rel=0.10), f"{name} sent {sent:.1f} Mbit/s"
-            assert received == pytest.approx(expected, rel=0.10), f"{name} got {received:.1f}"
-        # fair between peers: every pair's flow gets about R/(P-1)
-        for receiver, report in reports.items():
-            for source, nbytes in report["received"].items():
-                pair = nbytes * 8 / duration_s / 1e6
-                assert pair == pytest.approx(expected / 3, rel=0.25), \
-                    f"{source} -> {receiver}: {pair:.1f} Mbit/s"
+        for n, (reports, rates) in enumerate(tries, 1):
+            print(f" window {n} of {len(tries)}:")
+            for name, (sent, received) in rates.items():
+                print(f"  {name}: sent {sent:.1f} Mbit/s, received {received:.1f} Mbit/s")
+        for reports, rates in tries:
+            # capped, full duplex and fair in every window: each host sends and receives as
+            # much as the others, and every pair's flow gets a third of what its receiver got
+            mean = mean_level((reports, rates)) * expected
+            for name, (sent, received) in rates.items():
+                assert sent <= 1.10 * expected, f"{name} sent {sent:.1f} Mbit/s, over the cap"
+                assert received <= 1.10 * expected, f"{name} got {received:.1f}, over the cap"
+                assert sent == pytest.approx(mean, rel=0.10), f"{name} sent {sent:.1f} Mbit/s"
+                assert received == pytest.approx(mean, rel=0.10), f"{name} got {received:.1f}"
+            for receiver, report in reports.items():
+                for source, nbytes in report["received"].items():
+                    pair = nbytes * 8 / duration_s / 1e6
+                    assert pair == pytest.approx(mean / 3, rel=0.25), \
+                        f"{source} -> {receiver}: {pair:.1f} Mbit/s"
+        # and in the best window every host gets R in and R out
+        assert mean_level(tries[-1]) == pytest.approx(1.0, abs=0.10)
 
         # one flow alone borrows far beyond its per-peer share (R/3) up to the ceil R. A lone
         # TCP flow is at the mercy of a busy 2-core machine's scheduling (seen: 135-191 Mbit/s
-        # at R = 200), so this check takes the better of two tries and asks for 3/4 of the
-        # goodput: without borrowing it would get a third.
-        tries = []
-        for port in (5202, 5204):
+        # at R = 200), so this check asks for 3/4 of the goodput: without borrowing it would
+        # get a third.
+        def one_flow():
             reports = run_everywhere(network, script, {"w0": ["s0"]}, warmup_s=0.7,
-                                     duration_s=1.5, port=port)
-            tries.append(rates_mbit(network, reports, 1.5)["w0"][0])
-            if tries[-1] >= 0.9 * expected:
-                break
+                                     duration_s=1.5, port=next(ports))
+            return rates_mbit(network, reports, 1.5)["w0"][0]
+
+        tries = best_of(3, one_flow, lambda mbit: mbit / expected)
         print("one flow w0 -> s0: " + ", ".join(f"{mbit:.1f}" for mbit in tries) + " Mbit/s")
-        assert 0.75 * expected <= max(tries) <= 1.10 * expected
+        assert all(mbit <= 1.10 * expected for mbit in tries)
+        assert tries[-1] >= 0.75 * expected
 
         # incast: three senders into one receiver share its R evenly
-        reports = run_everywhere(network, script, {"w0": ["s0"], "w1": ["s0"], "s1": ["s0"]},
-                                 warmup_s=0.5, duration_s=1.5, port=5203)
-        flows = {source: nbytes * 8 / 1.5 / 1e6
-                 for source, nbytes in reports["s0"]["received"].items()}
-        print("incast into s0: " + ", ".join(f"{mbit:.1f}" for mbit in flows.values()) + " Mbit/s")
-        assert sum(flows.values()) == pytest.approx(expected, rel=0.10)
-        for source, mbit in flows.items():
-            assert mbit == pytest.approx(expected / 3, rel=0.15), f"{source} -> s0: {mbit:.1f}"
+        def incast():
+            reports = run_everywhere(network, script,
+                                     {"w0": ["s0"], "w1": ["s0"], "s1": ["s0"]},
+                                     warmup_s=0.5, duration_s=1.5, port=next(ports))
+            return {source: nbytes * 8 / 1.5 / 1e6
+                    for source, nbytes in reports["s0"]["received"].items()}
+
+        tries = best_of(3, incast, lambda flows: sum(flows.values()) / expected)
+        for flows in tries:
+            print("incast into s0: " + ", ".join(f"{mbit:.1f}" for mbit in flows.values())
+                  + " Mbit/s")
+            total = sum(flows.values())
+            assert total <= 1.10 * expected
+            for source, mbit in flows.items():
+                assert mbit == pytest.approx(total / 3, rel=0.15), f"{source} -> s0: {mbit:.1f}"
+        assert sum(tries[-1].values()) == pytest.approx(expected, rel=0.10)
 
 
 @pytest.mark.timeout(30)
