@@ -240,9 +240,13 @@ def test_gradients_are_pushed_during_backward_in_layer_order(trained):
 @pytest.mark.timeout(240)
 def test_a_late_high_priority_gradient_overtakes_earlier_low_priority_ones(trained):
     tmp, _ = trained
+    # in FIFO order the high would finish after all 40 lows; with priorities, after the one
+    # low each rank had in flight. A sum needs every rank's push, so a rank whose SIGSTOP took
+    # effect a moment late (a busy machine: one more low acknowledged and sent before the high)
+    # makes the others finish two lows first (seen once in a CI rehearsal on a loaded machine)
     for rank in range(WORKERS):
         report = json.loads((tmp / f"report.rank{rank}.json").read_text())
-        assert report["priority.lows_before_high"] <= 1, report
+        assert report["priority.lows_before_high"] <= 2, report
 
 
 @pytest.mark.parametrize("fusion_bytes, expected", [(0, 161), (4096000, 32)])
