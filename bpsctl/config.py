@@ -196,6 +196,9 @@ class Config:
                             in_file=True)
     server_threads: int = knob(2, "BPSCTL_SERVER_THREADS", "summation threads per server", "int",
                                 in_file=True)
+    server_malloc: str = knob("auto", "BPSCTL_SERVER_MALLOC",
+                              "allocator of a server process: auto (jemalloc when libjemalloc.so.2 "
+                              "is installed, else glibc's) or glibc", "str", in_file=True)
     local_reduce: str = knob("auto", "BPSCTL_LOCAL_REDUCE",
                              "intra-node stage of the torch plugin when several workers share a "
                              "host: auto (reduce-scatter before push, all-gather after pull) or off",
@@ -241,6 +244,8 @@ class Config:
             (1 <= self.server_threads <= 64, "BPSCTL_SERVER_THREADS", "1..64", self.server_threads),
             (self.local_reduce in ("auto", "off"), "BPSCTL_LOCAL_REDUCE", "auto or off",
              self.local_reduce),
+            (self.server_malloc in ("auto", "glibc"), "BPSCTL_SERVER_MALLOC", "auto or glibc",
+             self.server_malloc),
             (self.security in SECURITY_MODES, "BPSCTL_SECURITY", " or ".join(SECURITY_MODES),
              self.security),
             (0 <= self.master_port < 65536, "MASTER_PORT", "0..65535", self.master_port),

@@ -6,6 +6,13 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
+# jemalloc: a server's heap stays flat under load with it (BPSCTL_SERVER_MALLOC, README); the
+# distribution's current package, as in worker.Dockerfile
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends libjemalloc2 \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /opt/bpsctl
 COPY pyproject.toml README.md ./
 COPY bpsctl ./bpsctl

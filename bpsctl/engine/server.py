@@ -30,7 +30,8 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import (EngineError, bound_router, exit_on_sigterm, keep_large_buffers, lost_link, make_socket, monitor,
+from .common import (EngineError, bound_router, exec_with_jemalloc, exit_on_sigterm,
+                     jemalloc_loaded, keep_large_buffers, lost_link, make_socket, monitor,
                      monitor_events, setup_process_logging, watch_link, write_ready_file)
 from .security import Security, handshake_failed, refused_handshake, version_mismatch
 
@@ -107,7 +108,14 @@ class Server:
     def __init__(self, config: Config):
         self.config = config
         self.log = setup_process_logging("server")
-        keep_large_buffers()
+        if jemalloc_loaded():
+            self.log.info("allocator: jemalloc (BPSCTL_SERVER_MALLOC=glibc for glibc's malloc)")
+        else:
+            keep_large_buffers()
+            why = ("BPSCTL_SERVER_MALLOC=glibc" if config.server_malloc == "glibc" else
+                   "jemalloc is not installed; its heap does not grow under load: "
+                   "apt-get install libjemalloc2")
+            self.log.info("allocator: glibc's malloc (%s)", why)
         self.ctx = zmq.Context()
         self.security = Security(config.security, config.secret)
         self.zap = self.security.start_zap(self.ctx, "a server", self.log)
@@ -379,6 +387,7 @@ class Server:
 def main() -> None:
     exit_on_sigterm()
     config = Config.from_env(role="server")
+    exec_with_jemalloc("bpsctl.engine.server", config.server_malloc)
     if not config.scheduler:
         print("bpsctl server: BPSCTL_SCHEDULER is not set; a server must know the scheduler's "
               "host:port (`bpsctl up` sets it)", file=sys.stderr)

@@ -33,8 +33,7 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import (EngineError, keep_large_buffers, lost_link, make_socket, monitor, monitor_events,
-                     watch_link)
+from .common import (EngineError, lost_link, make_socket, monitor, monitor_events, watch_link)
 from .security import Login, Security, handshake_failed, refused_handshake
 
 
@@ -104,7 +103,7 @@ class Worker:
         self.local_rank = self.config.local_rank
         self.local_size = self.config.local_size
 
-        keep_large_buffers()
+        # glibc's malloc keeps its default thresholds here (see common.keep_large_buffers)
         self._ctx = zmq.Context()
         self._sched = self._linked_socket()
         self._sched_monitor = monitor(self._sched)
