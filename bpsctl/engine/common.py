@@ -72,11 +72,13 @@ def exec_with_jemalloc(module: str, choice: str) -> None:
 
     Why, for a server: ZeroMQ mallocs every message it receives, in its I/O thread, and the
     server frees it after summing, in another. With glibc's malloc (and
-    :func:`keep_large_buffers`) a server's RSS grew +22.9 % over 350 steps of ``bench load``
-    (8 workers, 4 servers, full size) while what it held stayed flat: the heap kept the worst
-    burst of pushes seen so far, fragmented. With jemalloc: -1.7 % over 900 steps. Cost: ``bench
-    comm`` (4 workers, 2 servers, 64 MiB) took a median 2 % longer per round over 8 alternating
-    pairs, inside their spread (-5 % to +24 %). A server is our own process; a worker lives in
+    :func:`keep_large_buffers`) a server's RSS is a ratchet: in ``bench load`` (8 workers, 4
+    servers, full size) it never went down from one checkpoint to the next and grew +22.9 % over
+    350 steps while what it held stayed flat: the heap kept the worst burst of pushes seen so far,
+    fragmented. With jemalloc it goes up and down with the bursts (no server monotone in three
+    runs; last checkpoint over the warm-up one: -1.7 %, -0.7 %, +7.8 % over 900 steps). Cost:
+    ``bench comm`` (4 workers, 2 servers, 64 MiB) took a median 2 % longer per round over 8
+    alternating pairs, inside their spread (-5 % to +24 %). A server is our own process; a worker lives in
     the user's training process, whose allocator is not ours to choose (it keeps glibc's
     defaults: see :func:`keep_large_buffers`)."""
     if choice != "auto" or os.environ.get(_REEXEC_MARK) or jemalloc_loaded():
@@ -101,9 +103,11 @@ def keep_large_buffers() -> None:
     1 server) ran at 1.26-1.41 GB/s against 1.01-1.20 without; set here in-process, runs on this
     noisy machine showed no clear difference (1.04-1.21 GB/s).
 
-    Not in workers any more: with it, their RSS grew +4.4 to +6.4 % in 1,000-step load runs
-    (the heap keeping old bursts of pulled sums); with glibc's default (dynamic) thresholds
-    +1.6 %, at a median 3 % longer ``bench comm`` round over 8 alternating pairs (-7 % to +10 %).
+    Not in workers any more: with it a worker's RSS can only ratchet up (nothing goes back; in
+    1,000-step load runs every worker's RSS rose or stayed at each checkpoint, +4.4 and +6.4 %
+    in all); with glibc's default (dynamic) thresholds it goes up and down (+1.6 % and +6.0 %
+    at the last checkpoint of two runs), at a median 3 % longer ``bench comm`` round over 8
+    alternating pairs (-7 % to +10 %).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
