@@ -6,7 +6,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 
-# jemalloc: a server's heap stays flat under load with it (BPSCTL_SERVER_MALLOC, README); the
+# jemalloc: with it a server's RSS does not ratchet up under load (BPSCTL_SERVER_MALLOC); the
 # distribution's current package, as in worker.Dockerfile
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -185,8 +185,8 @@ def _run_workers(config: Config, module: str, args: list[str], workers: int, ser
             detail = f": worker {failure.rank}{where} exited {failure.exit_code}: " + \
                 " | ".join(failure.last_lines[-3:])
         kept = _keep_logs(config.state_dir) if cluster is None else None
-        raise BenchError(f"{module}'s workers failed{detail}"
-                         + (f"; the scheduler's and servers' logs at that moment: {kept}" if kept else ""))
+        where_logs = f"; the scheduler's and servers' logs at that moment: {kept}" if kept else ""
+        raise BenchError(f"{module}'s workers failed{detail}{where_logs}")
     if catcher.result is None:
         raise BenchError(f"{module}'s workers exited 0, but rank 0 printed no "
                          f"{RESULT_MARKER.strip()} line (its output is above)")
@@ -508,8 +508,8 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     results = [_pooled(system, [rows[system] for rows in rounds], settings.batch_size)
                for system in systems]
     # per round, both sides measured minutes apart at most: the median of those paired ratios
-    ratios = {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"] for rows in rounds]
-              for system in systems[1:]}
+    ratios = {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
+                       for rows in rounds] for system in systems[1:]}
     return {
         "kind": "train", "model": settings.model, "workers": settings.workers,
         "servers": settings.servers, "batch_size": settings.batch_size, "nic_mbit": nic,

@@ -52,7 +52,6 @@ def bound_router(ctx: zmq.Context, host: str, port: int, security: Any,
     return sock, sock.bind_to_random_port(f"tcp://{host}")
 
 
-JEMALLOC = "libjemalloc.so.2"
 #: set on the re-executed process: it never tries a second time, even if the preload failed
 _REEXEC_MARK = "BPSCTL_MALLOC_REEXEC"
 
@@ -78,16 +77,17 @@ def exec_with_jemalloc(module: str, choice: str) -> None:
     fragmented. With jemalloc it goes up and down with the bursts (no server monotone in three
     runs; last checkpoint over the warm-up one: -1.7 %, -0.7 %, +7.8 % over 900 steps). Cost:
     ``bench comm`` (4 workers, 2 servers, 64 MiB) took a median 2 % longer per round over 8
-    alternating pairs, inside their spread (-5 % to +24 %). A server is our own process; a worker lives in
-    the user's training process, whose allocator is not ours to choose (it keeps glibc's
-    defaults: see :func:`keep_large_buffers`)."""
+    alternating pairs, inside their spread (-5 % to +24 %). A server is our own process; a
+    worker lives in the user's training process, whose allocator is not ours to choose (it
+    keeps glibc's defaults: see :func:`keep_large_buffers`)."""
     if choice != "auto" or os.environ.get(_REEXEC_MARK) or jemalloc_loaded():
         return
-    if ctypes.util.find_library("jemalloc") is None:
+    library = ctypes.util.find_library("jemalloc")     # its soname, e.g. libjemalloc.so.2
+    if library is None:
         return
     env = dict(os.environ)
     env[_REEXEC_MARK] = "1"
-    env["LD_PRELOAD"] = " ".join(x for x in (env.get("LD_PRELOAD", ""), JEMALLOC) if x)
+    env["LD_PRELOAD"] = " ".join(x for x in (env.get("LD_PRELOAD", ""), library) if x)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)

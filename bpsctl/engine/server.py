@@ -113,7 +113,7 @@ class Server:
         else:
             keep_large_buffers()
             why = ("BPSCTL_SERVER_MALLOC=glibc" if config.server_malloc == "glibc" else
-                   "jemalloc is not installed; its heap does not grow under load: "
+                   "jemalloc is not installed; with it RSS does not ratchet up under load: "
                    "apt-get install libjemalloc2")
             self.log.info("allocator: glibc's malloc (%s)", why)
         self.ctx = zmq.Context()
