@@ -199,6 +199,11 @@ class Config:
     server_malloc: str = knob("auto", "BPSCTL_SERVER_MALLOC",
                               "allocator of a server process: auto (jemalloc when libjemalloc.so.2 "
                               "is installed, else glibc's) or glibc", "str", in_file=True)
+    idle_release_s: float = knob(3.0, "BPSCTL_IDLE_RELEASE",
+                                 "seconds without push/pull traffic after which a server or a "
+                                 "worker's engine gives the free memory its allocator keeps "
+                                 "for the next burst back to the system (0: never)", "float",
+                                 in_file=True)
     local_reduce: str = knob("auto", "BPSCTL_LOCAL_REDUCE",
                              "intra-node stage of the torch plugin when several workers share a "
                              "host: auto (reduce-scatter before push, all-gather after pull) or off",
@@ -246,6 +251,8 @@ class Config:
              self.local_reduce),
             (self.server_malloc in ("auto", "glibc"), "BPSCTL_SERVER_MALLOC", "auto or glibc",
              self.server_malloc),
+            (self.idle_release_s >= 0, "BPSCTL_IDLE_RELEASE", "0 (never) or more seconds",
+             self.idle_release_s),
             (self.security in SECURITY_MODES, "BPSCTL_SECURITY", " or ".join(SECURITY_MODES),
              self.security),
             (0 <= self.master_port < 65536, "MASTER_PORT", "0..65535", self.master_port),

@@ -147,6 +147,8 @@ def test_every_knob_has_its_own_variable():
     ({"BPSCTL_NUM_SERVERS": "-1"}, "BPSCTL_NUM_SERVERS: expected 0 \\(all\\) or more, got -1"),
     ({"BPSCTL_SERVER_MALLOC": "tcmalloc"},
      "BPSCTL_SERVER_MALLOC: expected auto or glibc, got 'tcmalloc'"),
+    ({"BPSCTL_IDLE_RELEASE": "-1"},
+     "BPSCTL_IDLE_RELEASE: expected 0 \\(never\\) or more seconds, got -1.0"),
     ({"BPSCTL_START_TIMEOUT": "0"}, "BPSCTL_START_TIMEOUT: expected more than 0 s, got 0.0"),
     ({"BPSCTL_OP_TIMEOUT": "-3"}, "BPSCTL_OP_TIMEOUT: expected more than 0 s, got -3.0"),
     ({"BPSCTL_HEARTBEAT_INTERVAL": "1", "BPSCTL_HEARTBEAT_TIMEOUT": "0.5"},

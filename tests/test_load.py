@@ -1,5 +1,6 @@
 """Load on the embedded default: 8 workers x 4 servers, 1,000 steps of ResNet50's 161 gradient
-tensors plus a canary, every canary sum exact, and no process's RSS growing 5% after warm-up.
+tensors plus a canary, every canary sum exact, and no process's RSS growing 5% after warm-up
+(read at quiet checkpoints, once the processes have given back what their allocators kept).
 
 CI runs the gradient set scaled to a thousandth (the same 161 tensors, each 1/1000 of its size:
 the per-message work of a real step, a fraction of its bytes) so that 1,000 steps fit on two

@@ -32,7 +32,8 @@ from ..config import Config
 from . import protocol as P
 from .common import (EngineError, bound_router, exec_with_jemalloc, exit_on_sigterm,
                      jemalloc_loaded, keep_large_buffers, lost_link, make_socket, monitor,
-                     monitor_events, setup_process_logging, watch_link, write_ready_file)
+                     monitor_events, release_free_memory, setup_process_logging, watch_link,
+                     write_ready_file)
 from .security import Security, handshake_failed, refused_handshake, version_mismatch
 
 #: partitions at least this large are summed on a summation thread
@@ -193,13 +194,15 @@ class Server:
         poller = zmq.Poller()
         for sock in (self.sock, self.done, self.sched, self.sched_monitor):
             poller.register(sock, zmq.POLLIN)
-        interval = self.config.heartbeat_interval_s
+        interval, release_after = self.config.heartbeat_interval_s, self.config.idle_release_s
         next_heartbeat = time.monotonic() + interval
+        last_traffic, kept = 0.0, False        # kept: the allocator may hold freed messages
         try:
             while True:
                 ready = dict(poller.poll(int(interval * 1000)))
                 if self.sock in ready:
                     self._drain_workers()
+                    last_traffic, kept = time.monotonic(), True
                 if self.done in ready:
                     self._drain_done()
                 if self.sched in ready:
@@ -211,6 +214,11 @@ class Server:
                 if now >= next_heartbeat:
                     self.sched.send_multipart(P.control(P.HEARTBEAT))
                     next_heartbeat = now + interval
+                if kept and release_after and now - last_traffic >= release_after:
+                    kept = False
+                    released = release_free_memory()
+                    self.log.info("quiet for %g s: gave %.1f MiB of free memory back to the "
+                                  "system", release_after, released / 2**20)
         finally:
             for q in self.queues:
                 q.put(None)

@@ -22,6 +22,7 @@ import collections
 import heapq
 import itertools
 import json
+import logging
 import os
 import threading
 import time
@@ -33,7 +34,8 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import (EngineError, lost_link, make_socket, monitor, monitor_events, watch_link)
+from .common import (EngineError, lost_link, make_socket, monitor, monitor_events,
+                     release_free_memory, watch_link)
 from .security import Login, Security, handshake_failed, refused_handshake
 
 
@@ -82,6 +84,7 @@ class _Task:
 
 
 _WAKE = b"\0"
+log = logging.getLogger("bpsctl.worker")
 
 
 def _divide_bf16(bits: np.ndarray, divisor: int, out: np.ndarray) -> None:
@@ -103,7 +106,8 @@ class Worker:
         self.local_rank = self.config.local_rank
         self.local_size = self.config.local_size
 
-        # glibc's malloc keeps its default thresholds here (see common.keep_large_buffers)
+        # glibc's malloc keeps its default thresholds here (see common.keep_large_buffers);
+        # the I/O thread releases what it keeps once quiet (common.release_free_memory)
         self._ctx = zmq.Context()
         self._sched = self._linked_socket()
         self._sched_monitor = monitor(self._sched)
@@ -379,14 +383,22 @@ class Worker:
             poller.register(mon, zmq.POLLIN)
             handlers[sock] = lambda s=sock: self._drain_server(s)
             handlers[mon] = lambda i=index: self._check_server_link(i)
-        interval = self.config.heartbeat_interval_s
+        interval, release_after = self.config.heartbeat_interval_s, self.config.idle_release_s
         next_tick = time.monotonic() + interval
+        last_busy, kept = 0.0, False        # kept: the allocator may hold freed results
         try:
             while not self._stop:
                 for sock, _ in poller.poll(int(interval * 1000)):
                     handlers[sock]()
                 self._send_pushes()
                 now = time.monotonic()
+                if self._tasks:
+                    last_busy, kept = now, True
+                elif kept and release_after and now - last_busy >= release_after:
+                    kept = False            # quiet: see common.release_free_memory
+                    released = release_free_memory()
+                    log.debug("worker %d: quiet for %g s: gave %.1f MiB of free memory back to "
+                              "the system", self.rank, release_after, released / 2**20)
                 if now >= next_tick:
                     self._sched.send_multipart(P.control(P.HEARTBEAT))
                     self._fail_overdue(now)

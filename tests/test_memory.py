@@ -1,0 +1,161 @@
+"""Memory. A server's allocator: jemalloc when it is installed (with glibc's malloc a server's
+heap kept the worst burst of pushes it had seen, the load run's RSS growth; see engine/common.py
+``exec_with_jemalloc``), glibc's malloc when BPSCTL_SERVER_MALLOC=glibc asks for it. And what
+servers and workers give back once quiet for BPSCTL_IDLE_RELEASE seconds (release_free_memory)."""
+from __future__ import annotations
+
+import ctypes.util
+import logging
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from conftest import cluster_config, run_job
+
+from bpsctl.config import Config, ConfigError
+from bpsctl.engine import Worker
+from bpsctl.launch import api
+
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+
+
+@pytest.fixture
+def jemalloc_installed():
+    """Skips without jemalloc, except under CI, whose .ci/run installs libjemalloc2."""
+    if ctypes.util.find_library("jemalloc") is None:
+        message = "libjemalloc.so.2 is not installed (apt-get install libjemalloc2)"
+        if IN_CI:
+            pytest.fail(f"{message} under CI: .ci/run installs it")
+        pytest.skip(message)
+
+
+def test_the_allocator_choice_is_checked():
+    assert Config(server_malloc="glibc").server_malloc == "glibc"
+    with pytest.raises(ConfigError, match="BPSCTL_SERVER_MALLOC: expected auto or glibc"):
+        Config(server_malloc="tcmalloc")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("choice", ["auto", "glibc"])
+def test_a_server_runs_on_jemalloc_unless_told_to_use_glibc(jemalloc_installed, choice):
+    with api.local_cluster(cluster_config(server_malloc=choice), servers=1) as cluster:
+        server, = [p for p in cluster.processes if p.role == "server"]
+        # the launcher's recorded pid is the process that serves: the server re-executes itself
+        # in place (same pid) with jemalloc preloaded
+        maps = Path(f"/proc/{server.pid}/maps").read_text()
+        assert ("libjemalloc" in maps) == (choice == "auto"), choice
+
+        def body(w: Worker):
+            return w.push_pull(np.full(300_000, w.rank + 1, np.float32), name="x", average=False)
+
+        for result in run_job(cluster, 2, 1, body):
+            np.testing.assert_array_equal(result, np.full(300_000, 3, np.float32))
+        log = (Path(cluster.state_dir) / "logs" / "server-0.log").read_text()
+    expected = ("allocator: jemalloc" if choice == "auto"
+                else "allocator: glibc's malloc (BPSCTL_SERVER_MALLOC=glibc)")
+    assert expected in log, log
+
+
+# ------------------------------------------------------------------ giving memory back when quiet
+
+BURST = textwrap.dedent('''
+    import threading
+    import numpy as np
+    from bpsctl.engine.common import release_free_memory, _rss_bytes
+    np.ones(1 << 20, np.float32)                # freed at once: glibc raises its mmap threshold
+    held = []
+    def burst():                                # allocated in one thread, freed in another,
+        held.extend(np.ones(1 << 20, np.float32) for _ in range(60))   # like ZeroMQ's messages
+    thread = threading.Thread(target=burst)
+    thread.start()
+    thread.join()
+    del held[::2]                               # 120 MiB freed, between blocks still held
+    before = _rss_bytes()
+    released = release_free_memory()
+    print(before, released, _rss_bytes())
+''')
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("allocator", ["glibc", "jemalloc"])
+def test_release_gives_back_what_a_burst_freed_and_keeps_what_is_held(allocator, request):
+    env = dict(os.environ)
+    env.pop("LD_PRELOAD", None)
+    if allocator == "jemalloc":
+        request.getfixturevalue("jemalloc_installed")
+        env["LD_PRELOAD"] = ctypes.util.find_library("jemalloc")
+    out = subprocess.run([sys.executable, "-c", BURST], env=env, capture_output=True, text=True,
+                         timeout=50, check=True).stdout
+    before, released, after = (int(x) / 2**20 for x in out.split())
+    assert 100 <= released <= 135, (before, released, after)    # 120 MiB were free
+    assert before - after == pytest.approx(released, abs=1)
+    assert after > 120                            # the 120 MiB still held stay
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("choice", ["auto", "glibc"])
+def test_a_server_quiet_for_idle_release_seconds_gives_back_what_the_pushes_left(choice):
+    with api.local_cluster(cluster_config(server_malloc=choice, idle_release_s=0.6),
+                           servers=1) as cluster:
+        server, = [p for p in cluster.processes if p.role == "server"]
+        log = Path(cluster.state_dir) / "logs" / "server-0.log"
+
+        def body(w: Worker):
+            grad = np.full(16 << 20, w.rank + 1, np.float32)           # 64 MiB: 16 partitions
+            return [w.push_pull(grad, name="g", average=False)[-1] for _ in range(3)]
+
+        for result in run_job(cluster, 4, 1, body):
+            assert result == [10.0, 10.0, 10.0]
+        busy = psutil.Process(server.pid).memory_info().rss
+        deadline = time.monotonic() + 10
+        while "quiet for 0.6 s" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        quiet = psutil.Process(server.pid).memory_info().rss
+        lines = [line for line in log.read_text().splitlines() if "quiet for 0.6 s" in line]
+    assert len(lines) == 1, "one release per quiet spell:\n" + "\n".join(lines)
+    released = float(re.search(r"gave ([\d.]+) MiB", lines[0]).group(1))
+    # four workers' 64 MiB pushes went through it; once the job ended it freed its sums too
+    assert released >= 16, lines[0]
+    assert busy - quiet >= 16 * 2**20, (busy / 2**20, quiet / 2**20)
+
+
+@pytest.mark.timeout(60)
+def test_a_server_told_never_to_release_keeps_quiet():
+    with api.local_cluster(cluster_config(idle_release_s=0), servers=1) as cluster:
+        def body(w: Worker):
+            return w.push_pull(np.ones(1 << 20, np.float32), name="g", average=False)[0]
+
+        assert run_job(cluster, 2, 1, body) == [2.0, 2.0]
+        time.sleep(1.0)
+        log = (Path(cluster.state_dir) / "logs" / "server-0.log").read_text()
+    assert "quiet for" not in log, log
+
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("release_s", [0.4, 0])
+def test_a_worker_releases_once_per_quiet_spell_not_between_busy_steps(release_s, caplog):
+    caplog.set_level(logging.DEBUG, logger="bpsctl.worker")
+    with api.local_cluster(cluster_config(), servers=1) as cluster:
+        def body(w: Worker):
+            grad = np.ones(1 << 20, np.float32)
+            for _ in range(6):              # steps 0.1 s apart: busy, never quiet for long
+                w.push_pull(grad, name="g", average=False)
+                time.sleep(0.1)
+            time.sleep(1.5)                 # quiet spell 1
+            w.push_pull(grad, name="g", average=False)
+            time.sleep(1.5)                 # quiet spell 2
+            return w.rank
+
+        assert run_job(cluster, 2, 1, body, idle_release_s=release_s) == [0, 1]
+    quiet = [r.getMessage() for r in caplog.records if "quiet for" in r.getMessage()]
+    expected = 2 if release_s else 0
+    for rank in (0, 1):
+        assert sum(m.startswith(f"worker {rank}: ") for m in quiet) == expected, quiet
