@@ -68,7 +68,7 @@ def test_a_server_runs_on_jemalloc_unless_told_to_use_glibc(jemalloc_installed, 
 BURST = textwrap.dedent('''
     import threading
     import numpy as np
-    from bpsctl.engine.common import release_free_memory, _rss_bytes
+    from bpsctl.engine.common import release_free_memory, rss_bytes
     np.ones(1 << 20, np.float32)                # freed at once: glibc raises its mmap threshold
     held = []
     def burst():                                # allocated in one thread, freed in another,
@@ -77,9 +77,9 @@ BURST = textwrap.dedent('''
     thread.start()
     thread.join()
     del held[::2]                               # 120 MiB freed, between blocks still held
-    before = _rss_bytes()
+    before = rss_bytes()
     released = release_free_memory()
-    print(before, released, _rss_bytes())
+    print(before, released, rss_bytes())
 ''')
 
 

@@ -120,7 +120,8 @@ def keep_large_buffers() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """This process's resident set size, in bytes (0 if /proc cannot tell)."""
     try:
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
@@ -142,7 +143,7 @@ def release_free_memory() -> int:
     thread's heap, +3.2 % at most of their 248-255 MiB).
     jemalloc: purge every arena; tcmalloc: release its free pages; glibc: ``malloc_trim(0)``,
     which also returns whole free pages inside its heaps."""
-    before = _rss_bytes()
+    before = rss_bytes()
     maps = ""
     try:
         maps = Path("/proc/self/maps").read_text()
@@ -159,7 +160,7 @@ def release_free_memory() -> int:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         return 0                                # not glibc, or a library without the call
-    return max(0, before - _rss_bytes())
+    return max(0, before - rss_bytes())
 
 
 def monitor(sock: zmq.Socket) -> zmq.Socket:
