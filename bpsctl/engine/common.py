@@ -77,7 +77,7 @@ def exec_with_jemalloc(module: str, choice: str) -> None:
     fragmented. With jemalloc it goes up and down with the bursts (no server monotone in three
     runs; last checkpoint over the warm-up one: -1.7 %, -0.7 %, +7.8 % over 900 steps), and once
     quiet it gives them back (:func:`release_free_memory`): read after that, every server's RSS
-    stayed within 0.2 MiB of its warm-up figure over 900 steps. Cost:
+    stayed within 0.6 MiB of its warm-up figure over 900 steps (two runs). Cost:
     ``bench comm`` (4 workers, 2 servers, 64 MiB) took a median 2 % longer per round over 8
     alternating pairs, inside their spread (-5 % to +24 %). A server is our own process; a
     worker lives in the user's training process, whose allocator is not ours to choose (it
@@ -138,7 +138,7 @@ def release_free_memory() -> int:
     the last bursts overlapped, so a quiet process's RSS said little about what it holds: in
     ``bench load`` a server measured between steps read anywhere from -2 % to +8 % of its
     warm-up figure. Released when quiet, what is left is what the process holds: the same run's
-    servers then stayed within 0.2 MiB of their warm-up figure over 900 steps (workers on glibc:
+    servers then stayed within 0.6 MiB of their warm-up figure over 900 steps (workers on glibc:
     within one or two 3.9 MiB partitions, which ``malloc_trim`` cannot reach at the top of a
     thread's heap, +3.2 % at most of their 248-255 MiB).
     jemalloc: purge every arena; tcmalloc: release its free pages; glibc: ``malloc_trim(0)``,
