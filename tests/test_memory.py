@@ -138,7 +138,6 @@ def test_a_server_told_never_to_release_keeps_quiet():
     assert "quiet for" not in log, log
 
 
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("release_s", [0.4, 0])
 def test_a_worker_releases_once_per_quiet_spell_not_between_busy_steps(release_s, caplog):

@@ -56,12 +56,18 @@ def bound_router(ctx: zmq.Context, host: str, port: int, security: Any,
 _REEXEC_MARK = "BPSCTL_MALLOC_REEXEC"
 
 
+def loaded_allocator() -> str:
+    """This process's malloc: "jemalloc" or "tcmalloc" when mapped into it, else "glibc"."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "glibc"
+    return next((name for name in ("jemalloc", "tcmalloc") if f"lib{name}" in maps), "glibc")
+
+
 def jemalloc_loaded() -> bool:
     """Whether jemalloc is this process's allocator (mapped into it)."""
-    try:
-        return "libjemalloc" in Path("/proc/self/maps").read_text()
-    except OSError:
-        return False
+    return loaded_allocator() == "jemalloc"
 
 
 def exec_with_jemalloc(module: str, choice: str) -> None:
@@ -143,18 +149,13 @@ def release_free_memory() -> int:
     thread's heap, +3.2 % at most of their 248-255 MiB).
     jemalloc: purge every arena; tcmalloc: release its free pages; glibc: ``malloc_trim(0)``,
     which also returns whole free pages inside its heaps."""
-    before = rss_bytes()
-    maps = ""
+    before, allocator = rss_bytes(), loaded_allocator()
     try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        pass
-    try:
-        if "libjemalloc" in maps:
+        if allocator == "jemalloc":
             arenas_all = 4096                   # jemalloc's MALLCTL_ARENAS_ALL
             ctypes.CDLL(None).mallctl(f"arena.{arenas_all}.purge".encode(), None, None, None,
                                       ctypes.c_size_t(0))
-        elif "libtcmalloc" in maps:
+        elif allocator == "tcmalloc":
             ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
         else:
             ctypes.CDLL("libc.so.6").malloc_trim(0)
