@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -211,7 +212,10 @@ def test_plan_shaping_one_class_per_peer():
     switch_side = emulate.shaping_batch(plan, plan.host("w0"), "switch")
     assert "dev eth0" in host_side and "dev w0" in switch_side
     assert host_side.count("match ip dst") == 2 and switch_side.count("match ip src") == 2
-    assert host_side.count("match ip protocol 6") == 1      # the ACK class
+    # the ACK class: TCP packets of IP total length 32-63 and 64-127, not 0 (a BIG TCP segment)
+    assert host_side.count("match ip protocol 6") == 2
+    assert "match u16 0x0020 0xffe0 at 2 flowid 1:2" in host_side
+    assert "match u16 0x0040 0xffc0 at 2 flowid 1:2" in host_side
     assert "match ip dst 10.77.0.11/32" in host_side
     assert "match ip src 10.77.0.130/32" in switch_side
     # each peer R/(P-1) ceil R, after the 2% that TCP's ACKs get first
@@ -423,6 +427,36 @@ def test_shaped_nics_full_duplex_fair_and_capped(cluster_id, tmp_path):
             for source, mbit in flows.items():
                 assert mbit == pytest.approx(total / 3, rel=0.15), f"{source} -> s0: {mbit:.1f}"
         assert sum(tries[-1].values()) == pytest.approx(expected, rel=0.10)
+
+
+def _kernel_at_least(major, minor):
+    release = platform.release().split("-")[0].split(".")
+    return tuple(int(x) for x in release[:2] if x.isdigit()) >= (major, minor)
+
+
+@pytest.mark.timeout(60)
+@root_only
+@pytest.mark.skipif(not _kernel_at_least(6, 3), reason="IPv4 BIG TCP needs Linux 6.3 or newer; "
+                    "older kernels emulate the same rates at a higher CPU cost per byte")
+def test_tcp_hands_the_shaped_nic_segments_over_64_kib(cluster_id, tmp_path):
+    """What keeps the emulation's CPU cost per byte down (emulate._set_gso): at 1 Gbit the
+    sender's htb sees TCP segments above the 64 KiB default, and still caps the rate."""
+    script = tmp_path / "traffic.py"
+    script.write_text(TRAFFIC_SCRIPT)
+    plan = emulate.plan_network(1, 1, "1gbit", cluster_id=cluster_id)
+    with emulate.emulated_network(plan) as network:
+        reports = run_everywhere(network, script, {"w0": ["s0"]}, warmup_s=0.5, duration_s=1.5)
+        mbit = rates_mbit(network, reports, 1.5)["w0"][0]
+        # a veth counts what it passes on (tc counts wire packets)
+        link, = json.loads(subprocess.run(
+            network.command("w0", ["ip", "-s", "-j", "link", "show", "dev", "eth0"]),
+            capture_output=True, text=True, timeout=10, check=True).stdout)
+    sent = link["stats64"]["tx"]
+    mean_bytes = sent["bytes"] / max(1, sent["packets"])
+    print(f"\nw0 -> s0 at 1 Gbit: {mbit:.0f} Mbit/s, {sent['packets']} segments of "
+          f"{mean_bytes / 1024:.0f} KiB on average")
+    assert mbit <= 1.10 * GOODPUT_FRACTION * 1000
+    assert mean_bytes > 65536, "segments no larger than without BIG TCP: gso_ipv4_max_size unset?"
 
 
 @pytest.mark.timeout(30)
