@@ -77,7 +77,7 @@ def test_no_variables_give_the_defaults():
     assert Config.from_env({}) == Config()
     config = Config()
     assert (config.partition_bytes, config.credit_bytes, config.rank, config.world_size) == (
-        4_096_000, 16_384_000, -1, 1)
+        2 * 2**20, 64 * 2**20, -1, 1)
 
 
 def test_bpsctl_variables_are_parsed_by_kind(tmp_path):

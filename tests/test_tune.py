@@ -134,7 +134,7 @@ def test_precedence_flags_then_environment_then_file_then_defaults(tmp_path):
     assert Config.from_env(environ, file=path).partition_bytes == 2**20
     assert Config.from_env(environ, file=path, partition_bytes=64 * KiB).partition_bytes == 64 * KiB
     assert Config.from_env(environ, file=path).credit_bytes == 2 * 2**20
-    assert Config.from_env({}).partition_bytes == 4096000                # no file: the default
+    assert Config.from_env({}).partition_bytes == 2 * 2**20              # no file: the default
 
 
 def test_where_the_file_is_looked_for(tmp_path):
