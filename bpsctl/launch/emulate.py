@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import ipaddress
 import os
 import re
@@ -376,6 +377,8 @@ _NLM_F_REQUEST_ACK = 0x1 | 0x4
 _NLMSG_ERROR = 2
 _IFLA_GSO_IPV4_MAX_SIZE = 63
 _IFLA_GRO_IPV4_MAX_SIZE = 64
+# success (0), or a kernel without BIG TCP: its default size stays and the network works
+_GSO_OK_ANSWERS = (0, errno.EINVAL, errno.ERANGE, errno.EOPNOTSUPP)
 
 
 def _set_gso(namespace: str, devices: Sequence[str], size: int = GSO_BYTES) -> None:
@@ -385,7 +388,7 @@ def _set_gso(namespace: str, devices: Sequence[str], size: int = GSO_BYTES) -> N
     how many times per byte the kernel runs the stack, the bridge and both htb qdiscs; and
     on this machine every emulated host's kernel work is paid by the same few cores. At
     64 KiB (the default) a shaped 1 Gbit transfer costs ~1.3 core-seconds per GiB, at
-    256 KiB ~0.9 (README, "Emulated hosts"): closer to a real host, whose NIC segments in
+    256 KiB ~0.9 (README, "An emulated cluster on one machine"): closer to a real host, whose NIC segments in
     hardware. The wire's MTU stays 1500 and htb counts every byte, so rates are unchanged.
 
     iproute2 before 6.3 cannot set these sizes, so this speaks netlink itself, from a thread
@@ -411,9 +414,10 @@ def _set_gso(namespace: str, devices: Sequence[str], size: int = GSO_BYTES) -> N
                                         _NLM_F_REQUEST_ACK, seq, 0) + body)
                     reply = nl.recv(4096)
                     kind, = struct.unpack_from("H", reply, 4)
-                    errno, = struct.unpack_from("i", reply, 16)
-                    if kind == _NLMSG_ERROR and errno not in (0, -22, -34, -95):
-                        raise OSError(-errno, f"{device}: gso_ipv4_max_size {size}")
+                    code = -struct.unpack_from("i", reply, 16)[0]      # 0: done
+                    if kind == _NLMSG_ERROR and code not in _GSO_OK_ANSWERS:
+                        raise OSError(code, f"{device}: gso_ipv4_max_size {size}: "
+                                            f"{os.strerror(code)}")
         except BaseException as exc:       # noqa: BLE001 - handed to the caller's thread
             failure.append(exc)
 
