@@ -108,7 +108,7 @@ def test_a_server_quiet_for_idle_release_seconds_gives_back_what_the_pushes_left
         log = Path(cluster.state_dir) / "logs" / "server-0.log"
 
         def body(w: Worker):
-            grad = np.full(16 << 20, w.rank + 1, np.float32)           # 64 MiB: 16 partitions
+            grad = np.full(16 << 20, w.rank + 1, np.float32)           # 64 MiB: 32 partitions
             return [w.push_pull(grad, name="g", average=False)[-1] for _ in range(3)]
 
         for result in run_job(cluster, 4, 1, body):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
@@ -127,11 +128,8 @@ def keep_large_buffers() -> None:
 
 
 def rss_bytes() -> int:
-    """This process's resident set size, in bytes (0 if /proc cannot tell)."""
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
+    """This process's resident set size, in bytes."""
+    return psutil.Process().memory_info().rss
 
 
 def release_free_memory() -> int:
@@ -145,7 +143,7 @@ def release_free_memory() -> int:
     ``bench load`` a server measured between steps read anywhere from -2 % to +8 % of its
     warm-up figure. Released when quiet, what is left is what the process holds: the same run's
     servers then stayed within 0.6 MiB of their warm-up figure over 900 steps (workers on glibc:
-    within one or two 3.9 MiB partitions, which ``malloc_trim`` cannot reach at the top of a
+    within one or two 3.9 MiB partitions (the default size then), which ``malloc_trim`` cannot reach at the top of a
     thread's heap, +3.2 % at most of their 248-255 MiB).
     jemalloc: purge every arena; tcmalloc: release its free pages; glibc: ``malloc_trim(0)``,
     which also returns whole free pages inside its heaps."""
