@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from bpsctl import launch
+from bpsctl.errors import BpsctlError
 from bpsctl.config import (CONFIG_FILE_ENV, Config, ConfigError, default_config_file,
                             find_config_file)
 
@@ -70,15 +70,13 @@ def _print_error(exc: Exception) -> None:
 
 @contextlib.contextmanager
 def cli_errors() -> Iterator[None]:
-    """Report bpsctl's own errors in one line and exit 2 (usage, config) or 1 (runtime)."""
+    """Report bpsctl's own errors in one line and exit with the error's code: 2 for usage or
+    configuration, 1 at run time (:mod:`bpsctl.errors`)."""
     try:
         yield
-    except ConfigError as exc:
+    except BpsctlError as exc:
         _print_error(exc)
-        raise typer.Exit(2) from None
-    except launch.LaunchError as exc:
-        _print_error(exc)
-        raise typer.Exit(1) from None
+        raise typer.Exit(exc.exit_code) from None
     except KeyboardInterrupt as exc:     # launch.Interrupted carries SIGINT or SIGTERM
         signum = getattr(exc, "signum", signal.SIGINT)
         err_console.print(f"interrupted ({signal.Signals(signum).name}); stopped what was started")

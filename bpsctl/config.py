@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from bpsctl.errors import UsageError
+
 try:
     import tomllib
 except ImportError:                     # Python 3.10
@@ -26,7 +28,7 @@ SECURITY_MODES = ("hmac", "curve", "none")
 DEFAULT_SECURITY = "hmac"
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError, ValueError):
     """A knob has a value bpsctl cannot use; the message names it and the expected form."""
 
 

@@ -178,3 +178,27 @@ def test_status_without_a_cluster(state_dir):
     result = CliRunner().invoke(app, ["status", "--json"])
     assert result.exit_code == 0
     assert json.loads(result.stdout)["cluster"] is None
+
+
+@pytest.mark.parametrize("error, exit_code", [
+    ("bpsctl.config:ConfigError", 2), ("bpsctl.launch.emulate:EmulationUnavailable", 2),
+    ("bpsctl.launch.api:LaunchError", 1), ("bpsctl.engine:EngineError", 1),
+    ("bpsctl.bench.api:BenchError", 1), ("bpsctl.bench.load:LoadError", 1),
+    ("bpsctl.bench.horovod:HorovodError", 1), ("bpsctl.launch.emulate:EmulationError", 1),
+])
+def test_every_bpsctl_error_exits_with_its_code_and_its_message_verbatim(error, exit_code, capsys):
+    """One error family: the CLI catches its base once, prints the message as written (rich
+    markup in it is not interpreted) and exits 2 for usage/config errors, 1 at run time."""
+    import importlib
+
+    import typer
+
+    from bpsctl.cliutil import cli_errors
+    from bpsctl.errors import BpsctlError
+    module, name = error.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    assert issubclass(cls, BpsctlError)
+    with pytest.raises(typer.Exit) as exited, cli_errors():
+        raise cls("worker 1 at [bold]10.0.0.1[/bold] failed")
+    assert exited.value.exit_code == exit_code
+    assert "worker 1 at [bold]10.0.0.1[/bold] failed" in capsys.readouterr().err

@@ -21,6 +21,7 @@ from typing import IO, Any, Callable, Iterator
 
 from .. import __version__, launch
 from ..config import SECURITY_MODES, Config, ConfigError
+from ..errors import BpsctlError
 from .comm import RESULT_MARKER, zmq_pair_seconds
 from .train import throughput
 
@@ -31,7 +32,7 @@ COMM_BASELINES = ("allreduce",)
 SECURITY_PASSES = 3
 
 
-class BenchError(RuntimeError):
+class BenchError(BpsctlError, RuntimeError):
     """A benchmark could not produce its figures; the message says why."""
 
 

@@ -6,12 +6,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.markup import escape
 
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, parse_size
 
-from .api import (BenchError, CommSettings, TrainSettings, cluster_size, run_comm, run_sweep,
+from .api import (CommSettings, TrainSettings, cluster_size, run_comm, run_sweep,
                   run_train, ssh_cluster)
 from .report import plot_comm, plot_train, print_comm, print_train
 
@@ -135,14 +134,10 @@ def comm(ctx: typer.Context,
         with err_console.status(f"bench comm on {where}") as status:
             def progress(message: str) -> None:
                 status.update(f"bench comm on {where}: {message}")
-            try:
-                if worker_counts is None:
-                    report = run_comm(config, settings, progress=progress)
-                else:
-                    report = run_sweep(config, settings, worker_counts, servers, progress=progress)
-            except BenchError as exc:
-                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-                raise typer.Exit(1) from None
+            if worker_counts is None:
+                report = run_comm(config, settings, progress=progress)
+            else:
+                report = run_sweep(config, settings, worker_counts, servers, progress=progress)
         print_comm(err_console, report)
         _write_json(json_file, report)
         if plot_file is not None:
@@ -171,11 +166,7 @@ def _train(ctx: typer.Context, model: str, workers: Optional[int], servers: Opti
         with err_console.status(f"bench {model} on {where}") as status:
             def progress(message: str) -> None:
                 status.update(f"bench {model} on {where}: training with {message}")
-            try:
-                report = run_train(config, settings, progress=progress)
-            except BenchError as exc:
-                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-                raise typer.Exit(1) from None
+            report = run_train(config, settings, progress=progress)
         print_train(err_console, report)
         _write_json(json_file, report)
         if plot_file is not None:
@@ -247,7 +238,7 @@ def load(ctx: typer.Context,
          ) -> None:
     """Many steps of ResNet50's gradients on the embedded default: exact canary sums every
     step, and every process's memory flat after warm-up (exit 1 otherwise)."""
-    from .load import LoadError, LoadSettings, format_report, run_load
+    from .load import LoadSettings, format_report, run_load
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, None, None)
         try:
@@ -256,12 +247,8 @@ def load(ctx: typer.Context,
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         with err_console.status("bench load") as status:
-            try:
-                report = run_load(config, settings,
-                                  progress=lambda message: status.update(f"bench load: {message}"))
-            except LoadError as exc:
-                err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
-                raise typer.Exit(1) from None
+            report = run_load(config, settings,
+                              progress=lambda message: status.update(f"bench load: {message}"))
         err_console.print(format_report(report), highlight=False)
         _write_json(json_file, report)
         if not report["ok"]:

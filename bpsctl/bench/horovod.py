@@ -25,6 +25,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from bpsctl.errors import BpsctlError
+
 HOROVOD_VERSION = "0.28.1"
 INSTALL_COMMAND = "bpsctl install horovod"
 BUILD_ENV = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1",
@@ -33,7 +35,7 @@ BUILD_ENV = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITH_GLOO": "1", "HOROVOD_WIT
 _CXX_PATCH_FILES = ("CMakeLists.txt", "horovod/torch/CMakeLists.txt")
 
 
-class HorovodError(RuntimeError):
+class HorovodError(BpsctlError, RuntimeError):
     """Horovod could not be built or started; the message says why."""
 
 

@@ -37,13 +37,14 @@ import psutil
 from ..config import Config
 from ..engine import EngineError, Worker
 from ..launch.api import local_cluster
+from ..errors import BpsctlError
 from .grads import resnet50_shapes
 
 CANARY_ELEMENTS = 4096
 CHECKPOINT_TIMEOUT_S = 120.0        # a step, or waiting at a checkpoint, never takes longer
 
 
-class LoadError(RuntimeError):
+class LoadError(BpsctlError, RuntimeError):
     """A worker failed, a sum was wrong, or a deadline passed; the message says which."""
 
 

@@ -14,9 +14,10 @@ from typing import Any
 import psutil
 import zmq
 from zmq.utils.monitor import parse_monitor_message
+from bpsctl.errors import BpsctlError
 
 
-class EngineError(RuntimeError):
+class EngineError(BpsctlError, RuntimeError):
     """A distributed operation failed; the message names the culprit (role, rank, host:port)."""
 
 

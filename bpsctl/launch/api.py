@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any, Iterator
 
 from bpsctl.config import DEFAULT_SECURITY, Config, ConfigError
+from bpsctl.errors import BpsctlError
 from bpsctl.launch.output import OutputRelay
 from bpsctl.launch.processes import (Interrupted, ProcessIdentity, StopSignals, is_running,
                                      pid_running, reap_if_child, start_process, stop_groups,
@@ -40,7 +41,7 @@ _LOG_TAIL_LINES = 15
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]     # the directory that holds bpsctl/
 
 
-class LaunchError(RuntimeError):
+class LaunchError(BpsctlError, RuntimeError):
     """Starting, using or stopping a cluster failed; the message names the process and the fix."""
 
 

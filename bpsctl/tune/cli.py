@@ -9,7 +9,6 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bpsctl.bench.api import BenchError
 from bpsctl.bench.cli import _cluster_config, _write_json
 from bpsctl.cliutil import cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, default_config_file, parse_size
@@ -103,11 +102,7 @@ def tune(ctx: typer.Context,
 
             def progress(done: int, total: int, text: str) -> None:
                 bar.update(task, completed=done, total=total, description=text)
-            try:
-                tuning = run_tune(config, settings, progress=progress)
-            except BenchError as exc:
-                err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
-                raise typer.Exit(1) from None
+            tuning = run_tune(config, settings, progress=progress)
         report = tuning.report()
         report["config"] = str(out)
         write_tuned_file(out, report, shlex.join(["bpsctl", *sys.argv[1:]]))
