@@ -43,16 +43,21 @@ def _ship_option() -> Any:
                                               "host's `python:` before starting (with --hosts).")
 
 
-def _ssh(hosts: Optional[str], state_dir: Path) -> Any:
-    """The SSH launcher when --hosts is given or an SSH cluster is recorded, else None."""
-    if not hosts and not (Path(state_dir) / "ssh-cluster.json").exists():
-        return None
-    try:
-        from bpsctl.launch import ssh
-    except ImportError as exc:
-        raise ConfigError(f"--hosts needs the [ssh] extra ({exc}); pip install 'bpsctl[ssh]'"
-                          ) from None
-    return ssh
+def _check_ssh_extra(hosts: Optional[str]) -> None:
+    if hosts:
+        try:
+            import fabric  # noqa: F401
+            import pydantic  # noqa: F401
+            import yaml  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(f"--hosts needs the [ssh] extra ({exc}); pip install 'bpsctl[ssh]'"
+                              ) from None
+
+
+def _ignored_hosts_option() -> Any:
+    # kept so that scripts written when these commands took --hosts still run: the cluster is
+    # the one recorded in the state dir, whatever its kind
+    return typer.Option(None, "--hosts", hidden=True)
 
 
 # --------------------------------------------------------------------------- up
@@ -85,42 +90,29 @@ def up(ctx: typer.Context,
                                     "security": (security, "--security")},
                               config_file, read_file=True)
         servers = servers or config.num_servers or 1
+        _check_ssh_extra(hosts)
         if config.security == "none":
             err_console.print("[yellow]warning:[/] --security none: anyone who can reach the "
                               "cluster's ports can join it, read and change its gradients; "
                               "use it only on a trusted network", highlight=False)
-        if config.nic and not config.emulate:
-            raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
-        if config.emulate:
-            if hosts:
-                raise ConfigError("--emulate builds its own hosts; drop --hosts")
-            with err_console.status(f"building {workers} worker and {servers} server host(s)"):
-                cluster = launch.up_emulated(config, workers, servers)
-            err_console.print(f"emulated cluster [bold]{cluster.name}[/] is up, scheduler at "
-                              f"{cluster.scheduler}, NIC {config.nic or 'unshaped'}",
-                              highlight=False)
-            _print_processes(launch.status(config.state_dir)["processes"])
-            err_console.print(f"next: bpsctl run -np {workers} -- python train.py   (workers go to "
-                              "the worker hosts; bpsctl down removes everything)", highlight=False)
-            return
-        if hosts:
-            ssh = _ssh(hosts, config.state_dir)
-            with err_console.status("starting over SSH") as spinner:
-                cluster = ssh.up_ssh(hosts, config, ship_wheel=ship,
-                                     progress=lambda text: spinner.update(text))
-            err_console.print(f"cluster [bold]{cluster.name}[/] is up, scheduler at "
-                              f"{cluster.scheduler}", highlight=False)
-            _print_processes([{"role": p.role, "rank": p.rank, "host": p.host, "port": p.port,
-                               "pid": p.pid, "state": "running"} for p in cluster.processes])
-            err_console.print("next: bpsctl run -- python train.py   (bpsctl down stops it)",
-                              highlight=False)
-            return
-        with err_console.status(f"starting the scheduler and {servers} server(s)"):
-            cluster = launch.up_local(config, servers)
-        err_console.print(f"cluster [bold]{cluster.name}[/] is up, scheduler at "
-                          f"{cluster.scheduler}", highlight=False)
+        if config.emulate and not hosts:
+            doing = f"building {workers} worker and {servers} server host(s)"
+        elif hosts:
+            doing = "starting over SSH"
+        else:
+            doing = f"starting the scheduler and {servers} server(s)"
+        with err_console.status(doing) as spinner:
+            cluster = launch.up(config, servers=servers, workers=workers, hosts=hosts,
+                                ship_wheel=ship, progress=lambda text: spinner.update(text))
+        what = {"emulated": "emulated cluster"}.get(cluster.kind, "cluster")
+        nic_text = f", NIC {config.nic or 'unshaped'}" if cluster.kind == "emulated" else ""
+        err_console.print(f"{what} [bold]{escape(cluster.name)}[/] is up, scheduler at "
+                          f"{cluster.scheduler}{nic_text}", highlight=False)
         _print_processes(launch.status(config.state_dir)["processes"])
-        err_console.print("next: bpsctl run -np N -- python train.py   (bpsctl down stops it)",
+        np_hint = {"emulated": f" -np {workers}", "local": " -np N"}.get(cluster.kind, "")
+        where = (" (workers go to the worker hosts; bpsctl down removes everything)"
+                 if cluster.kind == "emulated" else "   (bpsctl down stops it)")
+        err_console.print(f"next: bpsctl run{np_hint} -- python train.py{where}",
                           highlight=False)
 
 
@@ -149,11 +141,8 @@ def run(ctx: typer.Context,
                                     "start_timeout_s": (start_timeout_s, "--start-timeout")},
                               config_file, read_file=True)
         servers = servers or config.num_servers or 1
-        ssh = _ssh(hosts, config.state_dir)
-        if ssh is not None:     # one worker per slot of the hosts file
-            result = ssh.run_ssh(cmd, config, hosts, ship_wheel=ship)
-        else:
-            result = launch.run_local(cmd, config.world_size, config, servers=servers)
+        _check_ssh_extra(hosts)
+        result = launch.run(cmd, config, servers=servers, hosts=hosts, ship_wheel=ship)
     if result.lost:
         label = "[bold red]error:[/]" if result.exit_code else "[yellow]warning:[/]"
         err_console.print(f"{label} {escape(result.lost)}", highlight=False)
@@ -166,9 +155,9 @@ def run(ctx: typer.Context,
 
 def _print_failures(result: launch.RunResult) -> None:
     root_cause = result.failures[0]
-    where = f" on {root_cause.host}" if getattr(root_cause, "host", "") else ""
-    err_console.print(f"[bold red]error:[/] worker {root_cause.rank}{where} exited with code "
-                      f"{root_cause.exit_code}; the remaining workers were stopped",
+    where = f" on {root_cause.host}" if root_cause.host else ""
+    err_console.print(f"[bold red]error:[/] worker {root_cause.rank}{escape(where)} exited with "
+                      f"code {root_cause.exit_code}; the remaining workers were stopped",
                       highlight=False)
     table = Table(show_lines=True)
     for column in ("", "rank", "pid", "exit code", "last output"):
@@ -187,7 +176,7 @@ def _print_failures(result: launch.RunResult) -> None:
 @app.command()
 def status(ctx: typer.Context,
            json_output: bool = typer.Option(False, "--json", help="Print only JSON, on stdout."),
-           hosts: Optional[str] = _hosts_option(),
+           hosts: Optional[str] = _ignored_hosts_option(),
            ) -> None:
     """Show the cluster's processes: running, lost (silent to the scheduler) or exited.
 
@@ -195,16 +184,15 @@ def status(ctx: typer.Context,
     """
     with cli_errors():
         config = build_config(ctx, {})
-        ssh = _ssh(hosts, config.state_dir)
-        info = ssh.status_ssh(config.state_dir) if ssh else launch.status(config.state_dir)
+        info = launch.status(config.state_dir)
     if json_output:
         typer.echo(json.dumps(info, indent=2))
     elif info["cluster"] is None:
         err_console.print(f"no cluster is up (state dir {config.state_dir}); "
                           "`bpsctl up` starts one", highlight=False)
     else:
-        err_console.print(f"cluster [bold]{info['cluster']}[/], scheduler at {info['scheduler']}",
-                          highlight=False)
+        err_console.print(f"cluster [bold]{escape(info['cluster'])}[/], scheduler at "
+                          f"{info['scheduler']}", highlight=False)
         _print_processes(info["processes"])
         if info["scheduler_error"]:
             err_console.print(f"[yellow]warning:[/] {escape(info['scheduler_error'])}",
@@ -232,43 +220,38 @@ def logs(ctx: typer.Context,
          role: Optional[str] = typer.Argument(
              None, metavar="[ROLE]",
              help="scheduler | server | server:N | worker | worker:N (default: all logs)."),
-         hosts: Optional[str] = _hosts_option(),
+         hosts: Optional[str] = _ignored_hosts_option(),
          ) -> None:
     """Print the logs of the cluster's processes and of the last run's workers."""
     with cli_errors():
         config = build_config(ctx, {})
-        ssh = _ssh(hosts, config.state_dir)
-        text = ssh.logs_ssh(config.state_dir, role) if ssh else launch.logs(config.state_dir, role)
+        text = launch.logs(config.state_dir, role)
     sys.stdout.write(text)
 
 
 @app.command()
-def down(ctx: typer.Context, hosts: Optional[str] = _hosts_option()) -> None:
+def down(ctx: typer.Context, hosts: Optional[str] = _ignored_hosts_option()) -> None:
     """Stop the cluster that `up` started (its logs are kept)."""
     with cli_errors():
         config = build_config(ctx, {})
-        ssh = _ssh(hosts, config.state_dir)
-        report = ssh.down_ssh(config.state_dir) if ssh else launch.down(config.state_dir)
-    removed = getattr(report, "removed_leftovers", ())
-    busy = getattr(report, "busy_leftovers", ())
-    if removed:
+        report = launch.down(config.state_dir)
+    if report.removed_leftovers:
         err_console.print(f"removed the network namespaces of crashed emulated cluster(s) "
-                          f"{', '.join(removed)}", highlight=False)
-    if busy:
-        err_console.print(f"[yellow]note:[/] emulated cluster(s) {', '.join(busy)} still have "
-                          "processes in their namespaces and were left alone (`ip netns pids "
-                          "bps-<id>-s0` lists them; stop them by PID, then run `bpsctl down` again)",
+                          f"{', '.join(report.removed_leftovers)}", highlight=False)
+    if report.busy_leftovers:
+        err_console.print(f"[yellow]note:[/] emulated cluster(s) "
+                          f"{', '.join(report.busy_leftovers)} still have processes in their "
+                          "namespaces and were left alone (`ip netns pids bps-<id>-s0` lists "
+                          "them; stop them by PID, then run `bpsctl down` again)",
                           highlight=False)
     if report.cluster is None:
-        if not removed:
+        if not report.removed_leftovers:
             err_console.print(f"no cluster is up (state dir {config.state_dir}); nothing to stop",
                               highlight=False)
         return
     if report.survivors:
-        survivors = ", ".join(p if isinstance(p, str) else f"{p.name} (pid {p.pid})"
-                              for p in report.survivors)     # SSH: "what on host: why"
-        err_console.print(f"[bold red]error:[/] could not stop {survivors}; run `bpsctl down` "
-                          "again or kill them by PID", highlight=False)
+        err_console.print(f"[bold red]error:[/] could not stop {escape('; '.join(report.survivors))}"
+                          "; run `bpsctl down` again or kill them by PID", highlight=False)
         raise typer.Exit(1)
     err_console.print(f"stopped cluster {report.cluster} ({len(report.stopped)} processes); "
                       f"logs are in {launch.logs_dir(config.state_dir)}", highlight=False)

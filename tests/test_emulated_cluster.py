@@ -124,11 +124,10 @@ def test_down_removes_the_network_of_a_crashed_emulated_up(tmp_path):
     script = textwrap.dedent(f"""
         import os, signal
         from bpsctl.config import Config
-        from bpsctl.launch import api, emulate
-        real_up = api._up
+        from bpsctl.launch import api, emulate, local
         def crash(*args, **kwargs):          # the hosts exist; die before anything is recorded
             os.kill(os.getpid(), signal.SIGKILL)
-        api._up = crash
+        local._up = crash
         api.up_emulated(Config(state_dir={str(state_dir)!r}, emulate=True, nic="100mbit"), 1, 1)
     """)
     crashed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

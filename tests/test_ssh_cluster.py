@@ -181,7 +181,7 @@ def state(tmp_path, cluster_hosts):
     """A state dir for one test; whatever the test left up is brought down afterwards."""
     state_dir = tmp_path / "state"
     yield ["--state-dir", str(state_dir)]
-    if (state_dir / "ssh-cluster.json").exists():
+    if (state_dir / "cluster.json").exists():
         cluster_hosts.bpsctl("--state-dir", str(state_dir), "down")
 
 
@@ -253,7 +253,7 @@ def test_a_server_killed_during_run_fails_it_fast_naming_the_server(cluster_host
     hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
     up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
     assert up.returncode == 0, up.stderr
-    cluster = json.loads((Path(state[1]) / "ssh-cluster.json").read_text())
+    cluster = json.loads((Path(state[1]) / "cluster.json").read_text())
     server = next(p for p in cluster["processes"] if p["role"] == "server" and p["rank"] == 1)
     script = tmp_path / "job.py"
     script.write_text(JOB_UNTIL_STOPPED)
@@ -297,7 +297,7 @@ def test_curve_keys_reach_the_hosts_only_inside_ssh_and_private_files(cluster_ho
     up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file), "--security", "curve")
     assert up.returncode == 0, up.stderr
     state_dir = Path(state[1])
-    state_path = state_dir / "ssh-cluster.json"
+    state_path = state_dir / "cluster.json"
     cluster = json.loads(state_path.read_text())
     secret = cluster["secret"].encode()
     assert cluster["security"] == "curve" and len(secret) == 64
@@ -355,7 +355,7 @@ def test_preflight_reports_a_stopped_sshd_and_a_cut_scheduler_port_together(
             in message)
     assert (f"{hosts.address('w0')}: cannot open a TCP connection to the scheduler "
             f"({scheduler}) at {scheduler}:9000" in message)
-    assert not (Path(state[1]) / "ssh-cluster.json").exists()
+    assert not (Path(state[1]) / "cluster.json").exists()
     _nothing_left(hosts)
 
 
@@ -500,5 +500,5 @@ def test_ship_into_a_python_without_pip_fails_naming_each_host(cluster_hosts, st
         assert (f"{hosts.address(name)}: --ship: pip install of bpsctl-0.1.0-py3-none-any.whl "
                 f"into {python} failed (exit 1)" in message), message
     assert f"{python}: No module named pip (pip is needed for --ship)" in message, message
-    assert not (Path(state[1]) / "ssh-cluster.json").exists()
+    assert not (Path(state[1]) / "cluster.json").exists()
     _nothing_left(hosts)

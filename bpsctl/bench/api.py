@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterator
 
 from .. import __version__, launch
+from ..launch.local import host_command
 from ..config import SECURITY_MODES, Config, ConfigError
 from ..errors import BpsctlError
 from .comm import RESULT_MARKER, zmq_pair_seconds
@@ -79,13 +80,10 @@ def ideal_seconds(system: str, size_bytes: int, workers: int, servers: int,
     return max(size_bytes, workers * size_bytes / servers) / goodput_bytes_s
 
 
-def ssh_cluster(state_dir: Path | str) -> Any | None:
-    """The SSH cluster `bpsctl up --hosts` recorded in ``state_dir``, or None (then the [ssh]
-    extra is not needed)."""
-    if not (Path(state_dir) / "ssh-cluster.json").exists():
-        return None
-    from ..launch import ssh
-    return ssh.load_cluster(state_dir)
+def ssh_cluster(state_dir: Path | str) -> launch.ClusterState | None:
+    """The SSH cluster `bpsctl up --hosts` recorded in ``state_dir``, or None."""
+    cluster = launch.load_state(state_dir)
+    return cluster if cluster is not None and cluster.kind == "ssh" else None
 
 
 def _refuse_live(config: Config, flags: tuple[str, ...]) -> None:
@@ -106,7 +104,8 @@ def cluster_size(config: Config, workers: int | None, servers: int | None,
         workers = workers or 2
         return workers, servers or config.num_servers or workers
     _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for))
-    slots = sum(entry.count for entry in cluster.hosts.workers)
+    assert cluster.hosts is not None
+    slots = cluster.hosts.world_size
     total = sum(entry.count for entry in cluster.hosts.servers)
     where = f"the SSH cluster up in {config.state_dir} (hosts file {cluster.hosts.source})"
     if workers is not None and workers != slots:
@@ -127,8 +126,7 @@ def bench_cluster(config: Config, workers: int | None, servers: int | None,
     ``own_cluster_for`` names a flag that needs a private cluster (a live one is an error)."""
     workers, servers = cluster_size(config, workers, servers, own_cluster_for)
     if ssh_cluster(config.state_dir) is not None:
-        from ..launch import ssh
-        problem = ssh.status_ssh(config.state_dir)["scheduler_error"]
+        problem = launch.status(config.state_dir)["scheduler_error"]
         if problem is not None:
             raise BenchError(f"the SSH cluster recorded in {config.state_dir} is not healthy "
                              f"({problem}); `bpsctl down`, then `bpsctl up --hosts` again")
@@ -171,13 +169,9 @@ def _run_workers(config: Config, module: str, args: list[str], workers: int, ser
     catcher = _ResultCatcher(output)
     job_config = config.replace(num_servers=servers)
     cluster = ssh_cluster(config.state_dir)
-    if cluster is not None:
-        from ..launch import ssh
-        result = ssh.run_ssh([cluster.hosts.python, "-m", module, *args], job_config,
-                             stdout=catcher, stderr=catcher)
-    else:
-        result = launch.run_local([sys.executable, "-m", module, *args], workers, job_config,
-                                  servers=servers, stdout=catcher, stderr=catcher)
+    python = cluster.hosts.python if cluster is not None and cluster.hosts else sys.executable
+    result = launch.run([python, "-m", module, *args], job_config, workers=workers,
+                        servers=servers, stdout=catcher, stderr=catcher)
     if result.exit_code != 0:
         detail = ""
         if result.failures:
@@ -224,7 +218,8 @@ def _row(system: str, version: str, seconds: list[float], size: int, workers: in
 def _cluster_keys(config: Config) -> dict[str, Any]:
     """Report keys naming an SSH cluster's hosts file (the figures are not this machine's)."""
     cluster = ssh_cluster(config.state_dir)
-    return {"cluster": "ssh", "hosts_file": cluster.hosts.source} if cluster else {}
+    return {"cluster": "ssh", "hosts_file": cluster.hosts.source} if cluster and cluster.hosts \
+        else {}
 
 
 def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: float | None,
@@ -399,7 +394,8 @@ def _host_plan(config: Config, workers: int) -> tuple[list[tuple[str, int]], tup
     if cluster is None:
         raise BenchError(f"no cluster recorded in {config.state_dir}")
     slots = launch.worker_slots(cluster, workers)
-    return _grouped([slot.host for slot in slots]), slots[0].prefix
+    return (_grouped([slot.address for slot in slots]),
+            tuple(host_command(cluster, slots[0].address)))
 
 
 def _grouped(hosts: list[str]) -> list[tuple[str, int]]:
@@ -424,13 +420,13 @@ def _horovod_rendezvous(config: Config, workers: int) -> Iterator[tuple[list[tup
         with rendezvous(hosts, prefix) as port:
             yield hosts, port
         return
-    from ..launch import ssh
-    from ..launch.plan import plan
-    the_plan = plan(cluster.hosts, addresses=cluster.addresses)
-    hosts = _grouped([a.address for a in the_plan.workers])
+    from ..launch.transport import remote_service
+    assert cluster.hosts is not None
+    slots = launch.worker_slots(cluster)
+    hosts = _grouped([a.address for a in slots])
     argv = [cluster.hosts.python, "-m", "bpsctl.bench.horovod", "rendezvous", json.dumps(hosts)]
     try:
-        with ssh.remote_service(cluster, the_plan.workers[0].host, argv) as line:
+        with remote_service(cluster.hosts, slots[0].host, argv) as line:
             yield hosts, int(line)
     except launch.LaunchError as exc:
         raise BenchError(f"Horovod's rendezvous server: {exc}") from None
@@ -445,14 +441,16 @@ def _check_horovod(config: Config) -> None:
         if installed_version() is None:
             raise ConfigError(missing_message())
         return
+    assert cluster.hosts is not None
     unnamed = [entry.host for entry in cluster.hosts.workers if not entry.interface]
     if unnamed:
         raise ConfigError(f"--compare horovod: worker host {', '.join(unnamed)} in "
                           f"{cluster.hosts.source} has no `interface:`; Horovod's Gloo binds a "
                           "named NIC (e.g. interface: eth0)")
-    from ..launch import ssh
+    from ..launch.transport import run_on_hosts
     python = cluster.hosts.python
-    answers = ssh.run_on_hosts(cluster, ssh.worker_hosts(cluster), [
+    worker_hosts = list(dict.fromkeys(entry.host for entry in cluster.hosts.workers))
+    answers = run_on_hosts(cluster.hosts, worker_hosts, [
         python, "-c", "import horovod, horovod.torch; print(horovod.__version__)"], timeout_s=60)
     missing = [f"{host} ({why})" for host, (ok, why) in answers.items() if not ok]
     if missing:

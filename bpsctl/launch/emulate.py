@@ -35,7 +35,7 @@ from typing import Iterator, Sequence
 import psutil
 
 from bpsctl.config import ConfigError, parse_rate_mbit
-from bpsctl.launch.api import LaunchError
+from bpsctl.launch.types import LaunchError
 
 NAMESPACE_PREFIX = "bps-"
 SUBNET = ipaddress.IPv4Network("10.77.0.0/24")   # exists only inside the namespaces

@@ -1,4 +1,4 @@
-"""hosts.yaml (shared/DESIGN.md §1), Horovod's ``-H h1:4,h2:4`` and ``host slots=N`` hostfiles.
+"""hosts.yaml (docs/design.md), Horovod's ``-H h1:4,h2:4`` and ``host slots=N`` hostfiles.
 
 :func:`load_hosts` turns any of them into a validated, frozen :class:`HostsSpec`. The YAML form
 is checked with pydantic models (unknown keys, wrong types, ``slots: 0``); every error names
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import getpass
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -16,91 +15,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from bpsctl.config import ConfigError
+from bpsctl.launch.types import DEFAULT_MASTER_PORT, HostSpec, HostsSpec, SshOptions
 
-DEFAULT_SSH_PORT = 22
 DEFAULT_SCHEDULER_PORT = 9000
-DEFAULT_MASTER_PORT = 29500
 DEFAULT_PYTHON = "python3"
 DEFAULT_WORKDIR = "~/.bpsctl/remote"
-DEFAULT_CONNECT_TIMEOUT_S = 10.0
-DEFAULT_RETRIES = 2
 
 _HOROVOD_RE = re.compile(r"^\s*[^\s,:]+(:\d+)?(\s*,\s*[^\s,:]+(:\d+)?)*\s*$")
-
-
-# --------------------------------------------------------------------------- the spec (frozen)
-
-@dataclass(frozen=True)
-class SshOptions:
-    """How to reach one host over SSH."""
-
-    user: str
-    port: int = DEFAULT_SSH_PORT
-    key: str | None = None                  # None: the SSH agent and ~/.ssh keys
-    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
-    retries: int = DEFAULT_RETRIES         # extra connection attempts after the first
-
-
-@dataclass(frozen=True)
-class HostSpec:
-    """One entry of the file: a machine and what runs on it.
-
-    ``count`` is servers on the host for a server entry, worker processes (slots) for a worker
-    entry, 1 for the scheduler. ``port`` is the first port a scheduler/server entry binds.
-    """
-
-    role: str                               # scheduler | server | worker
-    host: str                               # what SSH connects to
-    count: int
-    ssh: SshOptions
-    port: int | None = None
-    interface: str | None = None            # bind/advertise this NIC's IPv4 address
-    address: str | None = None              # or this address (default: ``host``)
-    line: int | None = None                 # where the entry is in its file
-
-
-@dataclass(frozen=True)
-class HostsSpec:
-    """A whole validated hosts file; rank order follows the file."""
-
-    source: str                             # the file (or -H text) it came from
-    python: str
-    workdir: str                            # logs and pid files on each host
-    scheduler: HostSpec
-    servers: tuple[HostSpec, ...]
-    workers: tuple[HostSpec, ...]
-    master_port: int = DEFAULT_MASTER_PORT
-    env: tuple[tuple[str, str], ...] = field(default=())   # extra environment for every role
-
-    @property
-    def entries(self) -> tuple[HostSpec, ...]:
-        return (self.scheduler, *self.servers, *self.workers)
-
-    def ssh_hosts(self) -> dict[str, SshOptions]:
-        """Every distinct SSH target, in file order."""
-        found: dict[str, SshOptions] = {}
-        for entry in self.entries:
-            found.setdefault(entry.host, entry.ssh)
-        return found
-
-    @property
-    def world_size(self) -> int:
-        return sum(w.count for w in self.workers)
-
-    def to_json(self) -> dict[str, Any]:
-        import dataclasses
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "HostsSpec":
-        def entry(d: dict[str, Any]) -> HostSpec:
-            return HostSpec(**{**d, "ssh": SshOptions(**d["ssh"])})
-        return cls(source=data["source"], python=data["python"], workdir=data["workdir"],
-                   scheduler=entry(data["scheduler"]),
-                   servers=tuple(entry(s) for s in data["servers"]),
-                   workers=tuple(entry(w) for w in data["workers"]),
-                   master_port=data["master_port"],
-                   env=tuple(tuple(kv) for kv in data["env"]))
 
 
 # --------------------------------------------------------------------------- schema (pydantic)

@@ -17,8 +17,9 @@ class OutputRelay:
     """
 
     def __init__(self, rank: int, stdout_pipe: BinaryIO, stderr_pipe: BinaryIO,
-                 out: IO[str], err: IO[str], log_path: Path, tail_lines: int = 20):
-        self.prefix = f"[{rank}] "
+                 out: IO[str], err: IO[str], log_path: Path, tail_lines: int = 20,
+                 prefix: str | None = None):
+        self.prefix = prefix if prefix is not None else f"[{rank}] "
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         # unbuffered, so each line is one write() and lines of the two pipes stay whole
         self._log = open(log_path, "wb", buffering=0)

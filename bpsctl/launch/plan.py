@@ -4,14 +4,17 @@
 ranks, ports and the environment each process starts with (``BPSCTL_*`` from
 :meth:`Config.to_env` plus torch's ``RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT``). Worker ranks follow the file: host by host, slot by slot.
+
+Every backend plans through it: an SSH cluster from its hosts file, a local or emulated one
+from :func:`cluster_hosts`, which describes the recorded cluster as a hosts file would.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Mapping
 
-from bpsctl.config import Config
-from bpsctl.launch.hosts import HostSpec, HostsSpec
+from bpsctl.config import Config, ConfigError
+from bpsctl.launch.types import LOCALHOST, ClusterState, HostSpec, HostsSpec, SshOptions
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,11 @@ class Assignment:
         common = dict(scheduler=plan.scheduler_address, secret=plan.secret, host=self.address,
                       state_dir=plan.workdir, job_id=plan.job_id)
         if self.role == "worker":
+            # the intra-node stage meets at MASTER_ADDR:MASTER_PORT, as torch.distributed does
             process_config = config.replace(
                 role="worker", rank=self.rank, world_size=plan.world_size,
                 local_rank=self.local_rank, local_size=self.local_size, port=0,
-                # the intra-node stage rendezvous on this host, beside the job-wide MASTER_*
-                master_addr=self.address, master_port=plan.master_port + 1, **common)
+                master_addr=plan.master_addr, master_port=plan.master_port, **common)
             torch_env = {"RANK": str(self.rank), "WORLD_SIZE": str(plan.world_size),
                          "LOCAL_RANK": str(self.local_rank),
                          "LOCAL_WORLD_SIZE": str(self.local_size),
@@ -120,4 +123,33 @@ def plan(hosts: HostsSpec, config: Config | None = None, *, secret: str = "",
                 extra_env=hosts.env)
 
 
-__all__ = ["Assignment", "Plan", "plan"]
+def cluster_hosts(cluster: ClusterState, workers: int, master_port: int) -> HostsSpec:
+    """A local or emulated cluster as a hosts file would describe it, with ``workers`` slots.
+
+    The scheduler and servers are the recorded ones. On the embedded default every worker is on
+    this machine; on an emulated cluster ranks go to the worker hosts in contiguous blocks, as
+    even as possible, in host order.
+    """
+    if workers < 1:
+        raise ConfigError(f"-np: expected at least 1 worker, got {workers}")
+    local = SshOptions(user="")         # never used to connect: these hosts are this machine
+    host, _, port = cluster.scheduler.rpartition(":")
+    scheduler = HostSpec(role="scheduler", host=host, count=1, ssh=local, port=int(port))
+    servers = tuple(HostSpec(role="server", host=p.host, count=1, ssh=local, port=p.port)
+                    for p in cluster.processes if p.role == "server")
+    if cluster.emulation is None:
+        hosts = [HostSpec(role="worker", host=LOCALHOST, count=workers, ssh=local)]
+    else:
+        emulated = cluster.emulation["workers"]
+        hosts = []
+        for index, entry in enumerate(emulated):
+            count = workers // len(emulated) + (1 if index < workers % len(emulated) else 0)
+            if count:
+                hosts.append(HostSpec(role="worker", host=entry["address"], count=count, ssh=local,
+                                      interface=entry["interface"]))
+    return HostsSpec(source=f"cluster {cluster.name}", python="", workdir=cluster.state_dir,
+                     scheduler=scheduler, servers=servers, workers=tuple(hosts),
+                     master_port=master_port)
+
+
+__all__ = ["Assignment", "Plan", "cluster_hosts", "plan"]

@@ -197,13 +197,12 @@ def _cluster_facts(config: Config, settings: TuneSettings, nic_mbit: float | Non
                    ) -> tuple[int, list[str], list[str] | None, str]:
     """(workers, server hosts in job order, worker host of each rank or None, description)."""
     ssh = ssh_cluster(config.state_dir)
-    if ssh is not None:         # its hosts file says it all; the NIC is unknown (--nic: the ideal)
-        from ..launch.plan import plan
-        the_plan = plan(ssh.hosts, addresses=ssh.addresses)
-        server_hosts = [a.address for a in the_plan.servers]
-        return (len(the_plan.workers), server_hosts, None,
-                f"SSH cluster of {ssh.hosts.source}: {len(the_plan.workers)} workers on "
-                f"{', '.join(dict.fromkeys(a.address for a in the_plan.workers))}, "
+    if ssh is not None and ssh.hosts:   # its hosts file says it all; the NIC is unknown
+        workers = launch.worker_slots(ssh)
+        server_hosts = [p.host for p in ssh.processes if p.role == "server"]
+        return (len(workers), server_hosts, None,
+                f"SSH cluster of {ssh.hosts.source}: {len(workers)} workers on "
+                f"{', '.join(dict.fromkeys(a.address for a in workers))}, "
                 f"{len(server_hosts)} servers on {', '.join(dict.fromkeys(server_hosts))}")
     state = launch.load_state(config.state_dir)
     if state is None:
@@ -212,7 +211,7 @@ def _cluster_facts(config: Config, settings: TuneSettings, nic_mbit: float | Non
                                            key=lambda p: p.rank)]
     emulated = state.emulation["workers"] if state.emulation else None
     workers = settings.workers or (len(emulated) if emulated else 2)
-    worker_hosts = ([slot.host for slot in launch.worker_slots(state, workers)]
+    worker_hosts = ([slot.address for slot in launch.worker_slots(state, workers)]
                     if emulated else None)
     if emulated:
         description = (f"emulated cluster: {len(emulated)} worker hosts "

@@ -1,0 +1,171 @@
+"""One interface to every cluster: ``up``, ``down``, ``status``, ``logs`` and ``run``.
+
+The backend is chosen once: by the flags for ``up`` (``--emulate``: emulated hosts,
+``--hosts``: SSH, else the embedded default of local processes), and by what the state dir
+records for everything after it. ``run`` uses the recorded cluster, or starts a private one
+for the job (and stops it afterwards). The CLI, ``bench`` and ``tune`` call only this module.
+"""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from bpsctl.config import Config, ConfigError
+from bpsctl.launch import local, ssh, state
+from bpsctl.launch.plan import Assignment, Plan, cluster_hosts, plan
+from bpsctl.launch.processes import stop_signals_recorded
+from bpsctl.launch.runloop import STOP_GRACE_S, new_job_id, run_workers
+from bpsctl.launch.status import no_cluster
+from bpsctl.launch.types import ClusterState, DownReport, HostsSpec, LaunchError, RunResult
+
+
+def up(config: Config, *, servers: int, workers: int | None = None,
+       hosts: HostsSpec | str | Path | None = None, ship_wheel: bool = False,
+       progress: Callable[[str], None] | None = None) -> ClusterState:
+    """Start a scheduler and ``servers`` summation servers and record them in the state dir:
+    on emulated hosts with ``config.emulate`` (``workers`` worker hosts), on the hosts of
+    ``hosts`` over SSH, else on this machine."""
+    if config.emulate:
+        if hosts:
+            raise ConfigError("--emulate builds its own hosts; drop --hosts")
+        if workers is None:
+            raise ConfigError("--workers: an emulated cluster needs the number of worker hosts")
+        return local.up_emulated(config, workers, servers)
+    if config.nic:
+        raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
+    if hosts:
+        return ssh.up(hosts, config, ship_wheel=ship_wheel, progress=progress)
+    return local.up_local(config, servers)
+
+
+def down(state_dir: Path | str) -> DownReport:
+    """Stop the cluster recorded in ``state_dir`` and forget it; logs are kept. With none
+    recorded, remove what crashed emulated runs left. Safe to repeat: if a process survives,
+    the state file is kept so that ``down`` can be run again."""
+    state_dir = Path(state_dir)
+    if not state.state_file(state_dir).exists():
+        removed, busy = local.remove_leftovers(state_dir)
+        return DownReport(cluster=None, removed_leftovers=removed, busy_leftovers=busy)
+    # Ctrl-C is recorded and ignored: stopping half the cluster would help nobody.
+    with state.state_lock(state_dir), stop_signals_recorded():
+        cluster = state.load_state(state_dir)
+        if cluster is None:
+            return DownReport(cluster=None)
+        return ssh.down(cluster) if cluster.kind == "ssh" else local.down(cluster)
+
+
+def status(state_dir: Path | str) -> dict[str, Any]:
+    """The recorded cluster as JSON (see :func:`bpsctl.launch.status.report`)."""
+    cluster = state.load_state(state_dir)
+    if cluster is None:
+        return no_cluster(state_dir)
+    return ssh.status(cluster) if cluster.kind == "ssh" else local.status(cluster)
+
+
+def logs(state_dir: Path | str, role: str | None = None) -> str:
+    """The logs of ``role`` (scheduler | server | server:N | worker | worker:N | None for all),
+    fetched from the hosts first for an SSH cluster."""
+    cluster = state.load_state(state_dir)
+    if cluster is not None and cluster.kind == "ssh":
+        ssh.fetch_logs(cluster, role)
+    return state.read_logs(state_dir, role)
+
+
+def recorded(state_dir: Path | str) -> ClusterState | None:
+    """The cluster recorded in ``state_dir`` that still runs, or None. A local cluster whose
+    servers run but whose scheduler has exited is an error that says how to recover."""
+    cluster = state.load_state(state_dir)
+    if cluster is None or cluster.kind == "ssh":
+        return cluster
+    return local.live_cluster(Path(state_dir))
+
+
+@contextlib.contextmanager
+def private_cluster(config: Config, *, servers: int = 1, workers: int | None = None,
+                    hosts: HostsSpec | str | Path | None = None,
+                    ship_wheel: bool = False) -> Iterator[ClusterState]:
+    """A cluster for one job: on ``hosts`` over SSH, recorded in ``config.state_dir`` (where
+    ``run`` records every job's logs); else local or emulated, in a temporary state dir.
+    Always stopped (and a temporary state dir removed) on exit."""
+    if not hosts:
+        with local.local_cluster(config, servers, workers) as cluster:
+            yield cluster
+        return
+    cluster = ssh.up(hosts, config, ship_wheel=ship_wheel)
+    try:
+        yield cluster
+    finally:
+        down(cluster.state_dir)
+
+
+def worker_plan(cluster: ClusterState, config: Config, workers: int | None = None,
+                job_id: str = "") -> Plan:
+    """Every worker of one job on ``cluster``: one per slot of an SSH cluster's hosts file, else
+    ``workers`` of them (the embedded default: on this machine; emulated: spread over the
+    worker hosts)."""
+    config = config.replace(security=cluster.security)
+    job_id = job_id or new_job_id()
+    if cluster.kind == "ssh":
+        return ssh.worker_plan(cluster, config, job_id)
+    hosts = cluster_hosts(cluster, workers if workers is not None else config.world_size,
+                          master_port=local.free_port())
+    return plan(hosts, config, secret=cluster.secret, job_id=job_id)
+
+
+def worker_slots(cluster: ClusterState, workers: int | None = None) -> tuple[Assignment, ...]:
+    """Where each worker rank of a job on ``cluster`` would run (``.rank``, ``.host``,
+    ``.address``, ``.local_rank``, ...)."""
+    return worker_plan(cluster, Config(), workers).workers
+
+
+def run(cmd: list[str], config: Config, *, workers: int | None = None, servers: int = 1,
+        hosts: HostsSpec | str | Path | None = None, ship_wheel: bool = False,
+        stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+        stop_grace_s: float = STOP_GRACE_S) -> RunResult:
+    """Run the workers of ``cmd`` on the recorded cluster, or on a private one (``servers``
+    servers, on ``hosts`` if given) stopped afterwards; stream their output prefixed with
+    their rank. ``workers`` (default ``config.world_size``) is the job's size except on an SSH
+    cluster, where it is the hosts file's slots.
+
+    The first worker to fail is the root cause: the others are stopped and its exit code is
+    returned. Ctrl-C or SIGTERM stops every worker. Every worker has been waited for when this
+    returns.
+    """
+    workers = config.world_size if workers is None else workers
+    if workers < 1:
+        raise ConfigError(f"-np: expected at least 1 worker, got {workers}")
+    if not cmd:
+        raise ConfigError("CMD: expected the command to run after `--`, e.g. "
+                          "`bpsctl run -np 2 -- python train.py`")
+    state_dir = Path(config.state_dir).resolve()
+    config = config.replace(state_dir=state_dir)
+    state.make_state_dir(state_dir)
+    cluster = recorded(state_dir)
+    if cluster is not None:
+        return run_on(cluster, cmd, config, workers, stdout=stdout, stderr=stderr,
+                      stop_grace_s=stop_grace_s)
+    with private_cluster(config, servers=servers, hosts=hosts, ship_wheel=ship_wheel) as cluster:
+        return run_on(cluster, cmd, config, workers, stdout=stdout, stderr=stderr,
+                      stop_grace_s=stop_grace_s)
+
+
+def run_on(cluster: ClusterState, cmd: list[str], config: Config, workers: int | None = None, *,
+           stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+           stop_grace_s: float = STOP_GRACE_S) -> RunResult:
+    """Run one job's workers on ``cluster`` through the one run loop (see :func:`run`)."""
+    stdout = stdout if stdout is not None else sys.stdout
+    stderr = stderr if stderr is not None else sys.stderr
+    the_plan = worker_plan(cluster, config, workers)
+    config = config.replace(security=cluster.security)
+    if cluster.kind == "ssh":
+        with ssh.SshSpawner(cluster, cmd, config, stdout, stderr) as spawner:
+            return run_workers(spawner, the_plan, config, stop_grace_s=stop_grace_s)
+    if shutil.which(cmd[0]) is None:
+        raise LaunchError(f"cannot run {cmd[0]!r}: no such executable (in PATH)")
+    # the worker logs of a private cluster go to the caller's state dir, which outlives it
+    spawner = local.LocalSpawner(cluster, cmd, config, stdout, stderr)
+    return run_workers(spawner, the_plan, config, stop_grace_s=stop_grace_s)

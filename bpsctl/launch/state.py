@@ -1,0 +1,152 @@
+"""Where a cluster is recorded, whatever its kind: ``<state_dir>/cluster.json`` and its logs.
+
+The state file (mode 0600 in a 0700 directory: it holds the cluster's secret) is written
+atomically and only under the state dir's lock, which serialises ``up`` and ``down``. Logs of
+the scheduler, servers and workers live in ``<state_dir>/logs/<role>-<rank>.log``; the previous
+cluster's in ``logs.previous/`` until the next ``up``.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bpsctl.config import ConfigError
+from bpsctl.launch.types import ClusterState, LaunchError
+
+STATE_FILE_NAME = "cluster.json"
+LOG_ROLES = ("scheduler", "server", "worker")
+_LOG_TAIL_LINES = 15
+
+
+def state_file(state_dir: Path | str) -> Path:
+    return Path(state_dir) / STATE_FILE_NAME
+
+
+def logs_dir(state_dir: Path | str) -> Path:
+    return Path(state_dir) / "logs"
+
+
+def control_socket(state_dir: Path | str) -> Path:
+    """The scheduler's socket file: reachable from this machine whatever network namespace
+    the scheduler runs in (its TCP address may exist only inside an emulated host)."""
+    return Path(state_dir) / "scheduler.sock"
+
+
+def emulation_claim(state_dir: Path | str) -> Path:
+    """Names the emulated network ``up`` is building, before the state file can."""
+    return Path(state_dir) / "emulation.claim"
+
+
+def load_state(state_dir: Path | str) -> ClusterState | None:
+    """The cluster recorded in ``state_dir``, or None if there is none."""
+    path = state_file(state_dir)
+    try:
+        return ClusterState.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise LaunchError(f"{path} is not a bpsctl cluster state file ({exc}); check that no "
+                          "bpsctl scheduler or server it names is left running (on this machine "
+                          "or its hosts), then delete it") from None
+
+
+def write_private_json(path: Path, data: Any) -> None:
+    """Atomically write JSON readable only by its owner (a cluster's state holds its secret)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump(data, out, indent=2)
+    os.replace(tmp, path)
+
+
+def write_state(cluster: ClusterState) -> None:
+    write_private_json(state_file(cluster.state_dir), cluster.to_json())
+
+
+def forget(state_dir: Path | str) -> None:
+    state_file(state_dir).unlink(missing_ok=True)
+
+
+def make_state_dir(state_dir: Path | str) -> None:
+    Path(state_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    logs_dir(state_dir).mkdir(mode=0o700, exist_ok=True)
+
+
+@contextlib.contextmanager
+def state_lock(state_dir: Path | str) -> Iterator[None]:
+    """Serialises `up` and `down` on one state dir (two `bpsctl up` at once start one cluster)."""
+    make_state_dir(state_dir)
+    with open(Path(state_dir) / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def rotate_logs(state_dir: Path | str) -> None:
+    """The previous cluster's logs stay readable (logs.previous/) until the next `up`."""
+    current, previous = logs_dir(state_dir), Path(state_dir) / "logs.previous"
+    if current.exists() and any(current.iterdir()):
+        shutil.rmtree(previous, ignore_errors=True)
+        current.rename(previous)
+    current.mkdir(mode=0o700, exist_ok=True)
+
+
+def log_tail(path: Path | str, lines: int = _LOG_TAIL_LINES) -> str:
+    """The last lines of a log, indented for quoting in an error message."""
+    try:
+        with open(path, "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - 16384))
+            text = log.read().decode("utf-8", errors="replace")
+    except OSError:
+        return "(no log)"
+    return indent(text.splitlines()[-lines:])
+
+
+def indent(lines: list[str] | str) -> str:
+    if isinstance(lines, str):
+        lines = lines.splitlines()
+    return "\n".join(f"    {line}" for line in lines) if lines else "    (log is empty)"
+
+
+def parse_log_role(text: str | None) -> tuple[str | None, int | None]:
+    """``"server:1"`` -> ("server", 1); ``"worker"`` -> ("worker", None); None -> (None, None)."""
+    if text is None:
+        return None, None
+    role, sep, rank = text.partition(":")
+    if role not in LOG_ROLES or (sep and not rank.isdigit()):
+        raise ConfigError(f"ROLE: expected scheduler, server, server:N, worker or worker:N, "
+                          f"got {text!r}")
+    return role, int(rank) if sep else None
+
+
+def log_files(state_dir: Path | str, role: str | None = None) -> list[Path]:
+    """The log files of ``role`` (``"server:1"``, ``"worker"``, None for all), in rank order."""
+    wanted_role, wanted_rank = parse_log_role(role)
+    directory = logs_dir(state_dir)
+    found = []
+    for each_role in LOG_ROLES:
+        if wanted_role not in (None, each_role):
+            continue
+        for path in directory.glob(f"{each_role}-*.log"):
+            rank = path.stem.rpartition("-")[2]
+            if rank.isdigit() and wanted_rank in (None, int(rank)):
+                found.append((LOG_ROLES.index(each_role), int(rank), path))
+    return [path for _, _, path in sorted(found)]
+
+
+def read_logs(state_dir: Path | str, role: str | None = None) -> str:
+    """The logs of ``role`` in the state dir; several files are each headed ``==> path <==``,
+    as ``tail`` does."""
+    paths = log_files(state_dir, role)
+    if not paths:
+        raise LaunchError(f"no {role or 'bpsctl'} logs in {logs_dir(state_dir)} "
+                          "(`bpsctl up` and `bpsctl run` write them there)")
+    if len(paths) == 1:
+        return paths[0].read_text(errors="replace")
+    return "".join(f"==> {path} <==\n{path.read_text(errors='replace')}\n" for path in paths)

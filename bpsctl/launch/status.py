@@ -1,0 +1,59 @@
+"""The status report every backend returns: the recorded processes merged with the scheduler's
+view of the cluster (which marks silent members lost and knows the workers of a running job).
+"""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any
+
+from bpsctl.launch.processes import pid_running
+from bpsctl.launch.types import ClusterState, ProcessRecord
+
+
+def no_cluster(state_dir: Path | str) -> dict[str, Any]:
+    return {"cluster": None, "kind": None, "scheduler": None, "state_dir": str(state_dir),
+            "processes": [], "job": None, "scheduler_error": None}
+
+
+def report(cluster: ClusterState, running: dict[ProcessRecord, bool | None],
+           view: dict[str, Any] | None, scheduler_error: str | None) -> dict[str, Any]:
+    """``{"cluster", "kind", "scheduler", "state_dir", "created", "processes": [{"role", "rank",
+    "host", "port", "pid", "state"}], "job", "scheduler_error"}``.
+
+    ``running`` says whether each recorded process still runs (None: could not be asked);
+    ``view`` is the scheduler's answer, None if it gave none. A process's state is running,
+    lost (running but silent to the scheduler), exited, or unknown.
+    """
+    seen_servers = {(s["host"], int(s["port"])): s for s in view["servers"]} if view else {}
+    processes = []
+    for record in cluster.processes:
+        alive = running.get(record)
+        state = "running" if alive else ("unknown" if alive is None else "exited")
+        seen = (seen_servers.pop((record.host, record.port), None) if record.role == "server"
+                else None)
+        if state == "running" and seen is not None and seen["state"] != "running":
+            state = "lost"
+        row = {"role": record.role, "rank": record.rank, "host": record.host,
+               "port": record.port, "pid": record.pid, "state": state}
+        if record.ssh_host:
+            row["ssh_host"] = record.ssh_host
+        processes.append(row)
+    # members the scheduler knows that `up` did not start: the workers of a job, and servers
+    # some other launcher started
+    unrecorded = [("server", member) for member in seen_servers.values()]
+    unrecorded += [("worker", member) for member in (view["workers"] if view else [])]
+    for role, member in unrecorded:
+        state = {"running": "running", "lost": "lost"}.get(member["state"], "exited")
+        if state == "running" and _is_this_machine(member["host"]) \
+                and not pid_running(member["pid"]):
+            state = "exited"
+        processes.append({"role": role, "rank": member["rank"], "host": member["host"],
+                          "port": member["port"], "pid": member["pid"], "state": state})
+    return {"cluster": cluster.name, "kind": cluster.kind, "scheduler": cluster.scheduler,
+            "state_dir": cluster.state_dir, "created": cluster.created, "processes": processes,
+            "job": view["job"] if view else None, "scheduler_error": scheduler_error}
+
+
+def _is_this_machine(host: str) -> bool:
+    return host in ("127.0.0.1", "localhost", "::1", socket.gethostname())
