@@ -182,9 +182,9 @@ class Config:
                     "each emulated host's full-duplex NIC rate, e.g. 500mbit or 1gbit (empty: unshaped)",
                     "str")
 
-    # data path. Defaults measured with ResNet50 on 4 x 4 emulated hosts at 1 Gbit: 2 MiB pieces
-    # and 64 MiB in flight trained at 12.2 img/s (median of 9 runs), 4096000 and 16384000 (BytePS's
-    # sizes, the defaults before) at 9.7: the smaller window left uplinks idle waiting for ACKs
+    # data path. Defaults chosen with ResNet50 on 4 x 4 emulated hosts at 1 Gbit, where they
+    # trained fastest; BytePS's 4096000 / 16384000 left uplinks idle waiting for ACKs (figures
+    # in docs/benchmarks.md)
     partition_bytes: int = knob(2097152, "BPSCTL_PARTITION_BYTES",
                                 "largest piece a tensor is cut into for push/pull", "size",
                                 in_file=True)

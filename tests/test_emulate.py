@@ -25,7 +25,7 @@ def root_only(test):
                               "(run the tests as root; CI does)")
     return pytest.mark.root(skip(test))
 
-#: TCP goodput through a shaped NIC, as a fraction of the configured rate (ENVIRONMENT.md)
+#: TCP goodput through a shaped NIC, as a fraction of the configured rate (docs/benchmarks.md)
 GOODPUT_FRACTION = 0.957
 
 # One script for every namespace: it listens on its address and counts what each peer sends

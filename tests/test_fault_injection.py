@@ -12,8 +12,8 @@ fault_worker.py`, then the fault, then `bpsctl down`. For each run it asserts:
 - after `bpsctl down`, no recorded process (cluster, launcher, workers) and no namespace is left.
 
 Worker kills share one cluster (a rerun right after a crash must work); every other fault
-brings up a fresh one. ``BPSCTL_FAULT_RUNS`` runs of each kind (default 4, for CI; the closing
-note of issue 8 has a run of 20), seeded by ``BPSCTL_FAULT_SEED``; with
+brings up a fresh one. ``BPSCTL_FAULT_RUNS`` runs of each kind (default 4, for CI; 20 for a
+longer soak), seeded by ``BPSCTL_FAULT_SEED``; with
 ``BPSCTL_FAULT_REPORT=FILE`` the per-run figures are written there as JSON.
 """
 from __future__ import annotations
@@ -42,7 +42,7 @@ pytestmark = [
 RUNS = int(os.environ.get("BPSCTL_FAULT_RUNS", "4"))
 SEED = int(os.environ.get("BPSCTL_FAULT_SEED", "8"))
 REPORT_FILE = os.environ.get("BPSCTL_FAULT_REPORT")
-EXIT_WITHIN_S = 15.0            # issue 8: every remaining process exits within 15 s
+EXIT_WITHIN_S = 15.0            # every remaining process exits within 15 s
 STEPS = 600                     # far more than a run lasts: every run ends by its fault
 RUN_BOUND_S = 60.0              # a run that has not ended by then has hung
 WORKER_SCRIPT = Path(__file__).resolve().parent / "fault_worker.py"

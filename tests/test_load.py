@@ -4,7 +4,7 @@ tensors plus a canary, every canary sum exact, and no process's RSS growing 5% a
 
 CI runs the gradient set scaled to a thousandth (the same 161 tensors, each 1/1000 of its size:
 the per-message work of a real step, a fraction of its bytes) so that 1,000 steps fit on two
-cores; the full-size run is `python -m bpsctl.bench.load` (figures in issue 8's closing note).
+cores; the full-size run is `python -m bpsctl.bench.load` (figures in docs/benchmarks.md).
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from ..errors import BpsctlError
 from .comm import RESULT_MARKER, zmq_pair_seconds
 from .train import throughput
 
-#: TCP goodput as a share of an emulated NIC's configured rate (shared/ENVIRONMENT.md)
+#: TCP goodput as a share of an emulated NIC's configured rate (docs/benchmarks.md)
 GOODPUT_SHARE = 0.957
 COMM_BASELINES = ("allreduce",)
 #: interleaved passes over the security modes when `bench comm --security` compares several
@@ -71,7 +71,7 @@ class CommSettings:
 
 def ideal_seconds(system: str, size_bytes: int, workers: int, servers: int,
                   nic_mbit: float) -> float:
-    """The NIC-bound time of one round (shared/DESIGN.md §4): a parameter server moves S out
+    """The NIC-bound time of one round (docs/design.md §7): a parameter server moves S out
     and S in through each worker's NIC (and n·S/K through each server's); ring allreduce moves
     2(n-1)/n · S each way."""
     goodput_bytes_s = nic_mbit * 1e6 / 8 * GOODPUT_SHARE
@@ -264,7 +264,7 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
 
 def run_comm(config: Config, settings: CommSettings, output: IO[str] | None = None,
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The comm benchmark on one cluster. One size gives the JSON of shared/DESIGN.md
+    """The comm benchmark on one cluster. One size gives the JSON of docs/design.md
     (``kind: comm``); several give ``{"kind": "comm", "sizes": [that, ...]}``."""
     output = output if output is not None else sys.stderr
     progress = progress or (lambda message: None)
@@ -479,7 +479,7 @@ def train_system(config: Config, settings: TrainSettings, system: str,
 def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = None,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """bpsctl, then each baseline of ``settings.compare``, training ``settings.model`` on
-    synthetic data on one cluster; the JSON of shared/DESIGN.md (``kind: train``).
+    synthetic data on one cluster; the JSON of docs/design.md (``kind: train``).
 
     A baseline that is not installed is a :class:`ConfigError` raised before anything starts:
     there is no silent substitute."""

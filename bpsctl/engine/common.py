@@ -79,15 +79,12 @@ def exec_with_jemalloc(module: str, choice: str) -> None:
 
     Why, for a server: ZeroMQ mallocs every message it receives, in its I/O thread, and the
     server frees it after summing, in another. With glibc's malloc (and
-    :func:`keep_large_buffers`) a server's RSS is a ratchet: in ``bench load`` (8 workers, 4
-    servers, full size) it never went down from one checkpoint to the next and grew +22.9 % over
-    350 steps while what it held stayed flat: the heap kept the worst burst of pushes seen so far,
-    fragmented. With jemalloc it goes up and down with the bursts (no server monotone in three
-    runs; last checkpoint over the warm-up one: -1.7 %, -0.7 %, +7.8 % over 900 steps), and once
-    quiet it gives them back (:func:`release_free_memory`): read after that, every server's RSS
-    stayed within 0.6 MiB of its warm-up figure over 900 steps (two runs). Cost:
-    ``bench comm`` (4 workers, 2 servers, 64 MiB) took a median 2 % longer per round over 8
-    alternating pairs, inside their spread (-5 % to +24 %). A server is our own process; a
+    :func:`keep_large_buffers`) a server's RSS is a ratchet: over a long ``bench load`` it
+    never goes down from one checkpoint to the next while what the server holds stays flat, as
+    the heap keeps the worst burst of pushes seen so far, fragmented. With jemalloc it goes up
+    and down with the bursts, and once quiet it gives them back
+    (:func:`release_free_memory`), at a cost per push_pull within the machine's noise (figures
+    in docs/benchmarks.md, "Memory over many steps"). A server is our own process; a
     worker lives in the user's training process, whose allocator is not ours to choose (it
     keeps glibc's defaults: see :func:`keep_large_buffers`)."""
     if choice != "auto" or os.environ.get(_REEXEC_MARK) or jemalloc_loaded():
@@ -108,16 +105,13 @@ def keep_large_buffers() -> None:
     that run on glibc's malloc (BPSCTL_SERVER_MALLOC=glibc, or jemalloc not installed).
 
     ZeroMQ allocates every received message; by default glibc serves big ones with mmap and
-    unmaps them on free, so every partition costs a fresh round of page faults. With the same
-    settings given as MALLOC_* environment variables, a 64 MiB push_pull over loopback (1 worker,
-    1 server) ran at 1.26-1.41 GB/s against 1.01-1.20 without; set here in-process, runs on this
-    noisy machine showed no clear difference (1.04-1.21 GB/s).
+    unmaps them on free, so every partition costs a fresh round of page faults. Keeping them
+    mapped made loopback push_pulls faster when set through glibc's MALLOC_* environment
+    variables; set here in-process, no clear gain stood out of the noise (docs/benchmarks.md).
 
-    Not in workers any more: with it a worker's RSS can only ratchet up (nothing goes back; in
-    1,000-step load runs every worker's RSS rose or stayed at each checkpoint, +4.4 and +6.4 %
-    in all); with glibc's default (dynamic) thresholds it goes up and down (+1.6 % and +6.0 %
-    at the last checkpoint of two runs), at a median 3 % longer ``bench comm`` round over 8
-    alternating pairs (-7 % to +10 %).
+    Not in workers any more: with it a worker's RSS can only ratchet up (nothing goes back);
+    with glibc's default (dynamic) thresholds it goes up and down over a long ``bench load``,
+    at a cost per push_pull within the machine's noise.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -138,14 +132,11 @@ def release_free_memory() -> int:
     bytes RSS fell by. For an engine that has gone quiet (see Config.idle_release_s).
 
     Why: the allocator keeps what a burst of messages freed, to serve the next burst without
-    page faults (on this machine a fresh 4 MiB buffer costs 2.5 ms of faults against 0.5 ms to
-    fill one it kept). That is right while traffic flows, but how much it keeps depends on how
-    the last bursts overlapped, so a quiet process's RSS said little about what it holds: in
-    ``bench load`` a server measured between steps read anywhere from -2 % to +8 % of its
-    warm-up figure. Released when quiet, what is left is what the process holds: the same run's
-    servers then stayed within 0.6 MiB of their warm-up figure over 900 steps (workers on glibc:
-    within one or two 3.9 MiB partitions (the default size then), which ``malloc_trim`` cannot reach at the top of a
-    thread's heap, +3.2 % at most of their 248-255 MiB).
+    page faults (a fresh buffer's faults cost several times filling one it kept). That is
+    right while traffic flows, but how much it keeps depends on how the last bursts
+    overlapped, so a quiet process's RSS says little about what it holds. Released when quiet,
+    what is left is what the process holds, up to a partition or two of a worker's that
+    ``malloc_trim`` cannot reach at the top of a thread's heap (figures in docs/benchmarks.md).
     jemalloc: purge every arena; tcmalloc: release its free pages; glibc: ``malloc_trim(0)``,
     which also returns whole free pages inside its heaps."""
     before, allocator = rss_bytes(), loaded_allocator()

@@ -129,7 +129,7 @@ class Space:
 
 @dataclass
 class Tuning:
-    """What one tuning run measured; :meth:`report` is the JSON of shared/DESIGN.md."""
+    """What one tuning run measured; :meth:`report` is the JSON of docs/design.md."""
 
     settings: TuneSettings
     space: Space
