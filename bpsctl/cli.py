@@ -23,7 +23,13 @@ app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                   rich_markup_mode="markdown",              # re-flows docstring paragraphs
                   pretty_exceptions_show_locals=False,      # locals would show the secret
                   help="Launch, benchmark and tune data-parallel training around an embedded "
-                       "parameter server. Everything runs on this machine as local processes.")
+                       "BytePS-style parameter server, with no MPI. By default the scheduler, "
+                       "servers and workers run as local processes on this machine; --emulate "
+                       "builds an emulated cluster instead (a network namespace per host, NIC "
+                       "rate set by --nic; needs root), and --hosts runs on real hosts over SSH. "
+                       "`bpsctl bench` measures push_pull and synthetic training against ring "
+                       "allreduce, Horovod and torch DDP; `bpsctl tune` finds the partition size, "
+                       "server count and credit that are fastest on your hosts.")
 @app.callback()
 def root(ctx: typer.Context,
          state_dir: Optional[Path] = knob_option("state_dir", "--state-dir")) -> None:

@@ -12,10 +12,11 @@ import time
 
 import psutil
 import pytest
+from test_bench_output import assert_table_fits_80, sentence
 
 
 def _bpsctl(args: list[str], state_dir, timeout_s: float = 120) -> subprocess.CompletedProcess:
-    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir)}
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "80"}
     return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env, text=True,
                           capture_output=True, timeout=timeout_s)
 
@@ -46,8 +47,26 @@ def test_comm_bench_reports_design_keys_and_leaves_nothing(tmp_path):
         ours["algbw_MBps"] / systems["zmq_raw"]["algbw_MBps"])
     assert "bpsctl" in result.stderr and "zmq_raw" in result.stderr   # the table
     assert result.stdout == ""                                        # JSON went to the file
+    assert "BPSCTL_RESULT" not in result.stderr
     leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not leftovers
+
+
+@pytest.mark.timeout(180)
+def test_comm_bench_against_allreduce_shows_a_table_and_what_it_means(tmp_path):
+    """What a user sees at 80 columns: the table whole, one sentence under it, and none of the
+    workers' result records."""
+    result = _bpsctl(["bench", "comm", "--workers", "2", "--servers", "2", "--size", "1MiB",
+                      "--tensors", "2", "--warmup", "1", "--repeats", "2", "--compare",
+                      "allreduce"], tmp_path / "state")
+    assert result.returncode == 0, result.stderr
+    assert "BPSCTL_RESULT" not in result.stdout + result.stderr
+    assert_table_fits_80(result.stderr, rows=3)                    # bpsctl, allreduce, zmq_raw
+    assert re.search(r"│ allreduce .*│ bpsctl \d+\.\d\dx │", result.stderr), result.stderr
+    said = sentence(result.stderr)
+    assert re.search(r"bpsctl's push_pull of 1\.0 MiB with 2 workers was (faster than|slower "
+                     r"than|as fast as) ring allreduce \(\d+\.\d\d×; theory 2\(n-1\)/n = 1\.00×\) "
+                     r"on loopback, where there is no network bottleneck", said), said
 
 
 @pytest.mark.timeout(120)

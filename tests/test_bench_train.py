@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 import psutil
 import pytest
+from test_bench_output import assert_table_fits_80, sentence
 
 from bpsctl.bench import horovod as horovod_mod
 from bpsctl.bench.models import build
@@ -19,7 +21,7 @@ HOROVOD = horovod_mod.installed_version()
 
 
 def _bpsctl(args: list[str], state_dir, timeout_s: float = 150) -> subprocess.CompletedProcess:
-    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir)}
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "80"}
     return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env, text=True,
                           capture_output=True, timeout=timeout_s, check=False)
 
@@ -99,7 +101,12 @@ def test_train_bench_on_emulated_hosts_against_the_baselines(tmp_path):
     for row in report["results"][1:]:
         assert report["speedup"][row["system"]] == pytest.approx(ours / row["img_per_sec"])
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "speedup" in result.stderr               # the table
+    assert "BPSCTL_RESULT" not in result.stdout + result.stderr
+    assert_table_fits_80(result.stderr, rows=len(systems))
+    said = sentence(result.stderr)
+    assert re.search(r"bpsctl (was (faster|slower): it )?trained at \d+\.\d\d× "
+                     r"(Horovod|DDP)'s speed", said), said
+    assert "through emulated 1000 Mbit/s NICs" in said
     leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not leftovers
 
@@ -128,5 +135,14 @@ def test_rounds_rotate_the_order_and_pair_the_ratios(tmp_path):
     assert report["speedup_by_round"]["ddp"] == pytest.approx(ratios)
     assert report["speedup"]["ddp"] == pytest.approx(sum(ratios) / 2)    # the median of two
     assert "round by round" in result.stderr
+    # what the user sees: the records stay between the processes, the table fits 80 columns
+    # with the speedup on one line, and a sentence says what it means
+    assert "BPSCTL_RESULT" not in result.stdout + result.stderr
+    assert_table_fits_80(result.stderr, rows=2)
+    assert re.search(r"│ ddp .*│ bpsctl \d+\.\d\dx │", result.stderr), result.stderr
+    said = sentence(result.stderr)
+    assert re.search(r"bpsctl (was (faster|slower): it )?trained at \d+\.\d\d× DDP's speed on "
+                     r"loopback, where there is no network bottleneck", said), said
+    assert "try --emulate --nic 1gbit or --hosts." in said
     leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not leftovers

@@ -10,11 +10,13 @@ import contextlib
 import dataclasses
 import io
 import json
+import re
 import shutil
 import socket
 import statistics
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator
@@ -143,20 +145,48 @@ def bench_cluster(config: Config, workers: int | None, servers: int | None,
 
 
 class _ResultCatcher(io.TextIOBase):
-    """Worker output on its way to ``output``, keeping rank 0's :data:`RESULT_MARKER` line.
-    The relays write each line whole in one call, prefixed with its ``[host:rank]``."""
+    """Worker output on its way to ``output``, less the :data:`RESULT_MARKER` lines: those are
+    records for bench itself, kept (rank 0's is :attr:`result`) and never forwarded.
+
+    The relays write whole lines, each prefixed with its ``[rank] `` or ``[host:rank] ``; text
+    is still split into lines here (several threads write, so under a lock), so that a line
+    cut over two writes is read whole."""
+
+    _RANK = re.compile(r"\[(?:[^\]]*:)?(\d+)\] $")   # "[1] " or "[10.0.0.2:1] " before the marker
 
     def __init__(self, output: IO[str]):
         super().__init__()
         self.output = output
-        self.result: dict[str, Any] | None = None
+        self.results: dict[int, dict[str, Any]] = {}
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    @property
+    def result(self) -> dict[str, Any] | None:
+        """Rank 0's record (a marker line without a rank prefix counts as rank 0's)."""
+        with self._lock:
+            if self._partial:                       # a last line without its newline
+                self._line(self._partial)
+                self._partial = ""
+        return self.results.get(0)
 
     def write(self, text: str) -> int:
-        _, marker, data = text.partition(RESULT_MARKER)
-        if marker:
-            self.result = json.loads(data)
-        self.output.write(text)
+        with self._lock:
+            *lines, self._partial = (self._partial + text).split("\n")
+            for line in lines:
+                self._line(line + "\n")
         return len(text)
+
+    def _line(self, line: str) -> None:
+        prefix, marker, data = line.partition(RESULT_MARKER)
+        rank = self._RANK.search(prefix)
+        if marker and (rank or not prefix):
+            try:
+                self.results[int(rank.group(1)) if rank else 0] = json.loads(data)
+                return
+            except ValueError:
+                pass                                # not a record after all: the user sees it
+        self.output.write(line)
 
     def flush(self) -> None:
         self.output.flush()

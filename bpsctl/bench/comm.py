@@ -5,7 +5,8 @@ Two halves:
 * :func:`worker_main` runs inside each worker process (``python -m bpsctl.bench.comm``):
   declares the tensors, warms up, then times rounds of push_pull of every tensor,
   each round started together after a barrier. Rank 0 prints the round times as one
-  :data:`RESULT_MARKER` line (the launcher relays it from any host: no shared filesystem).
+  :data:`RESULT_MARKER` line (the launcher relays it from any host: no shared filesystem;
+  bench reads it from the relayed output and keeps it off the user's terminal).
 * :func:`zmq_pair_seconds` measures what this machine's ZeroMQ moves between two processes
   for the same bytes in the same message size: the limit the engine is judged against.
 """
@@ -32,9 +33,9 @@ RESULT_MARKER = "BPSCTL_RESULT "
 
 
 def print_result(result: dict) -> None:
-    """Rank 0's result, as the line :func:`bpsctl.bench.api` looks for in the relayed output."""
+    """Rank 0's result, as the line :func:`bpsctl.bench.api` looks for in the relayed output
+    (and takes out of it: the user sees the table, not this line)."""
     print(RESULT_MARKER + json.dumps(result), flush=True)
-
 
 
 def tensor_sizes(size_bytes: int, tensors: int, itemsize: int = 4) -> list[int]:

@@ -25,32 +25,99 @@ def _network(report: dict[str, Any]) -> str:
     """What the figures went through: the NIC rate, else an SSH cluster's hosts, else loopback."""
     if report["nic_mbit"]:
         return f"NIC {report['nic_mbit']:g} Mbit/s"
-    return f"SSH cluster of {report['hosts_file']}" if report.get("hosts_file") else "loopback"
+    return (f"SSH cluster of {Path(report['hosts_file']).name}" if report.get("hosts_file")
+            else "loopback")
+
+
+#: how the summary sentence names each system
+_NAMES = {"ddp": "DDP", "horovod": "Horovod", "allreduce": "ring allreduce"}
+_TRY_NETWORK = "try --emulate --nic 1gbit or --hosts"
+
+
+def _table(title: str, columns: list[str], left: tuple[str, ...]) -> Table:
+    """A results table whose cells never wrap (the columns are chosen to fit 80 columns)."""
+    table = Table(title=title, min_width=len(title))
+    for column in columns:
+        table.add_column(column, justify="left" if column in left else "right", no_wrap=True)
+    return table
+
+
+def _where(report: dict[str, Any], slower: bool) -> str:
+    """Where the figures were measured, for the summary sentence; when bpsctl was slower, what
+    in that setting works against it."""
+    if report.get("hosts_file"):
+        return f"on the SSH cluster of {report['hosts_file']}"
+    if report["nic_mbit"]:
+        return f"through emulated {report['nic_mbit']:g} Mbit/s NICs" + (
+            ", on hosts that share this machine's CPU cores" if slower else "")
+    return "on loopback, where there is no network bottleneck" + (
+        " and the servers share the workers' CPU cores" if slower else "")
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'s' if n != 1 else ''}"
+
+
+def _sentence(text: str, *hints: str) -> str:
+    """``text``, then what to try (the hints that are not empty), as one sentence."""
+    given = [hint for hint in hints if hint]
+    return text + (" — " + ", or ".join(given) if given else "") + "."
+
+
+def comm_summary(report: dict[str, Any]) -> str:
+    """One sentence on what a comm result means: the point with the most workers and bytes."""
+    r = max(comm_reports(report), key=lambda r: (r["workers"], r["size_bytes"]))
+    ours, n = r["results"][0], r["workers"]
+    what = f"bpsctl's push_pull of {format_bytes(r['size_bytes'])} with {_workers(n)}"
+    speedup = r["speedup"].get("allreduce")
+    if speedup is not None:
+        verdict = ("faster than" if speedup > 1.05 else "slower than" if speedup < 0.95
+                   else "as fast as")
+        theory = f"; theory 2(n-1)/n = {r['theory_speedup']:.2f}×" if "theory_speedup" in r else ""
+        text = f"{what} was {verdict} ring allreduce ({speedup:.2f}×{theory})"
+    elif ours["nic_fraction"] is not None:
+        text = f"{what} reached {ours['nic_fraction']:.0%} of what the NICs allow"
+    else:
+        text = f"{what} took {ours['seconds']:.3g} s ({ours['algbw_MBps']:.0f} MB/s algbw)"
+    slower = speedup is not None and speedup < 0.95
+    network = not r["nic_mbit"] and not r.get("hosts_file")
+    return _sentence(f"{text} {_where(r, slower)}",
+                     "" if speedup is not None else "add --compare allreduce",
+                     _TRY_NETWORK if network else "")
 
 
 def print_comm(console: Console, report: dict[str, Any]) -> None:
     reports = comm_reports(report)
     first = reports[0]
-    nic = _network(first)
     sweep = report["kind"] == "comm_sweep"
+    several = len(reports) > 1 and not sweep
     shape = "" if sweep else f"{first['workers']} workers x {first['servers']} servers, "
-    table = Table(title=f"bench comm: {shape}{nic}, median of {first['repeats']}")
-    columns = (["workers"] if sweep else []) + ["size", "system", "seconds", "algbw MB/s",
-                                                 "busbw MB/s", "NIC frac", "speedup"]
-    for column in columns:
-        table.add_column(column, justify="left" if column == "system" else "right", no_wrap=True)
-    for r in reports:
-        for row in r["results"]:
-            speedup = r["speedup"].get(row["system"])
-            system = row["system"] + (f" {row['security']}" if "security_cost" in r
-                                      and "security" in row else "")
-            cells = ([str(r["workers"])] if sweep else []) + [
-                format_bytes(r["size_bytes"]), system, f"{row['seconds']:.4f}",
-                f"{row['algbw_MBps']:.0f}", f"{row['busbw_MBps']:.0f}",
-                _fmt(row["nic_fraction"], ".2f"), "" if speedup is None else f"{speedup:.2f}x"]
-            table.add_row(*cells)
+    rows = [(r, row) for r in reports for row in r["results"]]
+    nic = any(row["nic_fraction"] is not None for _, row in rows)
+    # two-line headers: the widest table (a sweep with a NIC) still fits 80 columns
+    headers = {"workers": "workers", "size": "size", "system": "system", "seconds": "seconds",
+               "algbw": "algbw\nMB/s", "busbw": "busbw\nMB/s", "nic": "NIC\nfrac",
+               "speedup": "speedup"}
+    keys = ((["workers"] if sweep else []) + (["size"] if several else [])
+            + ["system", "seconds", "algbw", "busbw"] + (["nic"] if nic else [])
+            + (["speedup"] if any(r["speedup"] for r in reports) else []))
+    table = _table(f"bench comm: {shape}{_network(first)}", [headers[k] for k in keys],
+                   ("system",))
+    for r, row in rows:
+        speedup = r["speedup"].get(row["system"])
+        system = row["system"] + (f" {row['security']}" if "security_cost" in r
+                                  and "security" in row else "")
+        cells = {"workers": str(r["workers"]), "size": format_bytes(r["size_bytes"]),
+                 "system": system, "seconds": f"{row['seconds']:.4f}",
+                 "algbw": f"{row['algbw_MBps']:.0f}", "busbw": f"{row['busbw_MBps']:.0f}",
+                 "nic": _fmt(row["nic_fraction"], ".2f"),
+                 "speedup": "" if speedup is None else f"bpsctl {speedup:.2f}x"}
+        table.add_row(*(cells[k] for k in keys))
     console.print(table)
-    for r in comm_reports(report):
+    console.print(("each size" if several else f"{format_bytes(first['size_bytes'])} per worker")
+                  + f" in {first['tensors']} tensors, median of {first['repeats']} rounds after "
+                  f"{first['warmup']} warm-up", highlight=False)
+    for r in reports:
         if "fraction_of_raw" in r:
             console.print(f"{format_bytes(r['size_bytes'])}: bpsctl algbw is "
                           f"{r['fraction_of_raw']:.0%} of raw ZeroMQ one-way throughput "
@@ -60,10 +127,11 @@ def print_comm(console: Console, report: dict[str, Any]) -> None:
                           + ("none" if "none" in r["security_cost"] else "the first") + ": "
                           + ", ".join(f"{mode} {cost:.2f}x" for mode, cost in r["security_cost"].items()),
                           highlight=False)
-        if "allreduce" in r["speedup"] and "theory_speedup" in r:
+        if "allreduce" in r["speedup"] and "theory_speedup" in r and len(reports) > 1:
             console.print(f"{r['workers']} workers, {format_bytes(r['size_bytes'])}: speedup over "
                           f"ring allreduce {r['speedup']['allreduce']:.2f}x "
                           f"(theory 2(n-1)/n = {r['theory_speedup']:.2f}x)", highlight=False)
+    console.print(comm_summary(report), highlight=False)
 
 
 def _pyplot():
@@ -113,25 +181,52 @@ def plot_comm(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def train_summary(report: dict[str, Any]) -> str:
+    """One sentence on what a training result means, e.g. "bpsctl was slower: it trained at
+    0.61× DDP's speed on loopback, where there is no network bottleneck — try ..."."""
+    ratios = [(system, report["speedup"][system]) for system in
+              (row["system"] for row in report["results"]) if system in report["speedup"]]
+    if ratios:
+        speeds = [f"{ratio:.2f}× {_NAMES.get(system, system)}'s" for system, ratio in ratios]
+        speeds[0] += " speed"                   # "0.61× DDP's speed and 0.83× Horovod's"
+        faster = all(ratio > 1.05 for _, ratio in ratios)
+        slower = all(ratio < 0.95 for _, ratio in ratios)
+        verdict = f"was {'faster' if faster else 'slower'}: it " if faster or slower else ""
+        lead = f"bpsctl {verdict}trained at {' and '.join(speeds)}"
+    else:
+        slower = False
+        lead = (f"bpsctl trained {report['model']} at {report['results'][0]['img_per_sec']:.1f} "
+                f"img/sec on {_workers(report['workers'])}")
+    network = not report["nic_mbit"] and not report.get("hosts_file")
+    return _sentence(f"{lead} {_where(report, slower)}",
+                     "" if ratios else "add --compare horovod,ddp to see the baselines",
+                     _TRY_NETWORK if network else "")
+
+
 def print_train(console: Console, report: dict[str, Any]) -> None:
-    nic = ", " + _network(report)
-    table = Table(title=f"bench {report['model']}: {report['workers']} workers, "
-                        f"{report['servers']} servers{nic}, batch {report['batch_size']}, "
-                        f"{report['image_size']}x{report['image_size']} images, "
-                        f"{report['iters']} iters x {report['batches_per_iter']} batches"
-                        + (f", {report['rounds']} rounds" if report.get("rounds", 1) > 1 else ""))
-    for column in ("system", "img/sec", "± 1.96σ", "per worker", "s/step", "speedup", "version"):
-        table.add_column(column, justify="left" if column in ("system", "version") else "right")
+    table = _table(f"bench {report['model']}: {report['workers']} workers, {report['servers']} "
+                   f"servers, {_network(report)}",
+                   ["system", "img/sec", "± 1.96σ", "per worker", "s/step"]
+                   + (["speedup"] if report["speedup"] else []), ("system",))
     for row in report["results"]:
         speedup = report["speedup"].get(row["system"])
-        table.add_row(row["system"], f"{row['img_per_sec']:.2f}", f"{row['img_per_sec_ci95']:.2f}",
-                      f"{row['img_per_sec_per_worker']:.2f}", f"{row['step_seconds']:.3f}",
-                      "" if speedup is None else f"bpsctl {speedup:.2f}x", row.get("version", ""))
+        cells = [row["system"], f"{row['img_per_sec']:.2f}", f"{row['img_per_sec_ci95']:.2f}",
+                 f"{row['img_per_sec_per_worker']:.2f}", f"{row['step_seconds']:.3f}",
+                 "" if speedup is None else f"bpsctl {speedup:.2f}x"]
+        table.add_row(*cells[:len(table.columns)])
     console.print(table)
+    batches = report["batches_per_iter"]
+    versions = ", ".join(row["version"] for row in report["results"] if row.get("version"))
+    console.print(f"batch {report['batch_size']} per worker, {report['image_size']}x"
+                  f"{report['image_size']} images, {report['iters']} iters x {batches} "
+                  f"batch{'es' if batches > 1 else ''}"
+                  + (f", {report['rounds']} rounds" if report.get("rounds", 1) > 1 else "")
+                  + f"; {versions}", highlight=False)
     for system, ratios in report.get("speedup_by_round", {}).items():
         console.print(f"bpsctl over {system}, round by round: "
                       + ", ".join(f"{ratio:.2f}x" for ratio in ratios)
                       + f" (median {report['speedup'][system]:.2f}x)", highlight=False)
+    console.print(train_summary(report), highlight=False)
 
 
 def plot_train(report: dict[str, Any], path: Path) -> None:

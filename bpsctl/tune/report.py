@@ -114,10 +114,11 @@ def _key(trial: dict[str, Any]) -> tuple[int, int, int]:
 def print_tune(console: Console, report: dict[str, Any]) -> None:
     """The finalists against the current config, then the choice beside the model's guess."""
     table = Table(title=f"bpsctl tune ({report['mode']}): {report['measurements']} measurements "
-                        f"of {report['space_points']} points; {report['benchmark']}")
-    for column in ("", "partition", "servers", "credit", f"{report['score_unit']} (median)",
-                   "vs current"):
-        table.add_column(column, justify="left" if not column else "right")
+                        f"of {report['space_points']} points")
+    # two-line headers, so that the table fits 80 columns with a "chosen + current" row
+    for column in ("", "partition", "servers", "credit", f"{report['score_unit']}\n(median)",
+                   "vs\ncurrent"):
+        table.add_column(column, justify="left" if not column else "right", no_wrap=True)
     base = report["baseline"]
     for t in report["finalists"]:
         label = " + ".join(name for name, other in (("chosen", report["best"]), ("current", base))
@@ -126,6 +127,7 @@ def print_tune(console: Console, report: dict[str, Any]) -> None:
                       format_bytes(t["credit"]), f"{t['score']:.1f}",
                       "" if not base else f"{t['score'] / base['score']:.2f}x")
     console.print(table)
+    console.print(f"score: {report['benchmark']}", highlight=False)
     guess = report["model_guess"]
     if guess is not None:
         console.print(f"servers: measured best {report['best']['servers']}, traffic model "

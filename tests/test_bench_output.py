@@ -1,0 +1,212 @@
+"""What `bpsctl bench` (and `bpsctl tune`) shows a user: the workers' result records kept off
+the terminal, results tables that fit 80 columns, and one sentence saying what a result means.
+The end-to-end runs are in test_bench_comm.py and test_bench_train.py; they use the helpers
+here."""
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from bpsctl.bench.api import _ResultCatcher
+from bpsctl.bench.report import print_comm, print_train
+from bpsctl.tune.report import print_tune
+
+MiB = 1024 * 1024
+
+# --------------------------------------------------------------------------- helpers
+
+
+def table_rows(text: str) -> list[str]:
+    """The body lines of the results table(s) in a command's output."""
+    return [line for line in text.splitlines() if line.startswith("│")]
+
+
+def assert_table_fits_80(text: str, rows: int) -> None:
+    """Every table line fits 80 columns, no cell was cut short, and each of the ``rows`` rows
+    is one line (a wrapped cell, such as "bpsctl" over "0.61x", would add lines)."""
+    table = [line for line in text.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table, text
+    assert all(len(line) <= 80 for line in table), "\n".join(table)
+    assert "…" not in "\n".join(table)
+    assert len(table_rows(text)) == rows, "\n".join(table)
+
+
+def sentence(text: str) -> str:
+    """The output with its line breaks undone, to look for the summary sentence in."""
+    return " ".join(text.split())
+
+
+def render(print_fn, report: dict) -> str:
+    console = Console(width=80, record=True, file=io.StringIO())
+    print_fn(console, report)
+    return console.export_text()
+
+
+# --------------------------------------------------------------------------- result records
+
+
+@pytest.mark.parametrize("prefix", ["[0] ", "[10.77.0.2:0] ", "[fe80::2:0] ",
+                                    "[w0.example.com:0] ", ""])
+def test_rank_0s_record_is_read_and_no_record_reaches_the_terminal(prefix):
+    out = io.StringIO()
+    catcher = _ResultCatcher(out)
+    catcher.write(prefix.replace("0]", "1]") + 'BPSCTL_RESULT {"rank": 1}\n')
+    catcher.write(prefix + "bpsctl iter 1/2: 3.5 img/sec per worker\n")
+    catcher.write(prefix + 'BPSCTL_RESULT {"rank": 0}\n')
+    catcher.write(prefix.replace("0]", "1]") + "done\n")
+    assert catcher.result == {"rank": 0}
+    assert out.getvalue() == (prefix + "bpsctl iter 1/2: 3.5 img/sec per worker\n"
+                              + prefix.replace("0]", "1]") + "done\n")
+
+
+def test_a_record_cut_over_writes_is_read_whole():
+    out = io.StringIO()
+    catcher = _ResultCatcher(out)
+    catcher.write("[0] BPSCTL_RES")
+    catcher.write('ULT {"seconds": [0.5]}\n[0] after')
+    assert catcher.result == {"seconds": [0.5]}
+    catcher.write(" it\n[0] BPSCTL_RESULT {\"last\": true}")      # no newline at the end
+    assert catcher.result == {"last": True}
+    assert out.getvalue() == "[0] after it\n"
+
+
+def test_lines_that_only_mention_the_marker_are_shown():
+    out = io.StringIO()
+    catcher = _ResultCatcher(out)
+    lines = ["[0] print BPSCTL_RESULT {}\n", "[0] BPSCTL_RESULT not json\n"]
+    for line in lines:
+        catcher.write(line)
+    assert catcher.result is None
+    assert out.getvalue() == "".join(lines)
+
+
+# --------------------------------------------------------------------------- reports
+
+
+def _comm_row(system: str, seconds: float, nic_fraction: float | None = None, **extra) -> dict:
+    algbw = 64 * MiB / seconds / 1e6
+    return {"system": system, "version": "v", "seconds": seconds, "seconds_all": [seconds],
+            "algbw_MBps": algbw, "busbw_MBps": algbw, "nic_fraction": nic_fraction, **extra}
+
+
+def comm_report(workers: int = 2, nic: float | None = None, allreduce: float | None = 0.57,
+                size: int = 64 * MiB, security: bool = False, hosts_file: str = "") -> dict:
+    ours = [_comm_row("bpsctl", 0.9, 0.9 if nic else None)]
+    if security:
+        ours = [dict(_comm_row("bpsctl", 0.9), security=mode) for mode in ("none", "curve", "hmac")]
+    results = [*ours, *([_comm_row("allreduce", 0.9 * allreduce, 0.8 if nic else None)]
+                        if allreduce else []),
+               *([_comm_row("zmq_raw", 0.03)] if not nic and not hosts_file else [])]
+    report = {"kind": "comm", "workers": workers, "servers": workers, "nic_mbit": nic,
+              "size_bytes": size, "tensors": 8, "warmup": 3, "repeats": 10, "results": results,
+              "speedup": {"allreduce": allreduce} if allreduce else {},
+              "theory_speedup": 2 * (workers - 1) / workers}
+    if security:
+        report["security_cost"] = {"none": 1.0, "curve": 1.3, "hmac": 1.1}
+    if hosts_file:
+        report.update(cluster="ssh", hosts_file=hosts_file)
+    return report
+
+
+def train_report(speedup: dict[str, float], nic: float | None = None,
+                 hosts_file: str = "") -> dict:
+    versions = {"bpsctl": "bpsctl 0.1.0", "horovod": "horovod 0.28.1 gloo",
+                "ddp": "torch 2.13.0+cpu DDP gloo (bucket 25 MB)"}
+    ours = 123.45
+
+    def row(system: str, img_per_sec: float) -> dict:
+        return {"system": system, "version": versions[system], "workers": 2,
+                "img_secs_per_worker": [img_per_sec / 2] * 2,
+                "img_per_sec_per_worker": img_per_sec / 2, "img_per_sec_per_worker_ci95": 1.5,
+                "img_per_sec": img_per_sec, "img_per_sec_ci95": 3.0,
+                "step_seconds": 32 / (img_per_sec / 2)}
+    report = {"kind": "train", "model": "resnet50", "workers": 2, "servers": 2,
+              "batch_size": 32, "nic_mbit": nic, "image_size": 224, "num_classes": 1000,
+              "warmup": 2, "iters": 5, "batches_per_iter": 1, "rounds": 1,
+              "results": [row("bpsctl", ours)] + [row(s, ours / r) for s, r in speedup.items()],
+              "speedup": speedup}
+    if hosts_file:
+        report.update(cluster="ssh", hosts_file=hosts_file)
+    return report
+
+
+def test_train_table_fits_80_columns_and_says_slower_on_loopback():
+    text = render(print_train, train_report({"horovod": 0.83, "ddp": 0.61}))
+    assert_table_fits_80(text, rows=3)
+    assert any("bpsctl 0.83x" in line for line in table_rows(text))
+    assert any("bpsctl 0.61x" in line for line in table_rows(text))
+    said = sentence(text)
+    assert ("bpsctl was slower: it trained at 0.83× Horovod's speed and 0.61× DDP's on "
+            "loopback, where there is no network bottleneck") in said
+    assert "try --emulate --nic 1gbit or --hosts." in said
+    assert "torch 2.13.0+cpu DDP gloo (bucket 25 MB)" in said        # versions, under the table
+
+
+def test_train_sentence_on_emulated_nics_and_on_an_ssh_cluster():
+    said = sentence(render(print_train, train_report({"horovod": 1.65, "ddp": 1.31}, nic=1000)))
+    assert ("bpsctl was faster: it trained at 1.65× Horovod's speed and 1.31× DDP's through "
+            "emulated 1000 Mbit/s NICs.") in said
+    assert "--emulate" not in said
+
+    said = sentence(render(print_train, train_report({"ddp": 1.0}, hosts_file="/etc/h.yaml")))
+    assert "bpsctl trained at 1.00× DDP's speed on the SSH cluster of /etc/h.yaml." in said
+
+    text = render(print_train, train_report({}))
+    assert_table_fits_80(text, rows=1)
+    assert "add --compare horovod,ddp to see the baselines" in sentence(text)
+
+
+@pytest.mark.parametrize("report, rows", [
+    (comm_report(), 3),
+    (comm_report(security=True), 5),
+    ({"kind": "comm", "workers": 2, "servers": 2, "nic_mbit": None,            # several sizes
+      "sizes": [comm_report(size=s, security=True) for s in (MiB, 256 * MiB)]}, 10),
+    ({"kind": "comm_sweep", "nic_mbit": 1000, "size_bytes": 64 * MiB,          # the widest
+      "points": [comm_report(workers=n, nic=1000, allreduce=1.4) for n in (2, 4, 8, 16)]}, 8),
+])
+def test_comm_tables_fit_80_columns(report, rows):
+    assert_table_fits_80(render(print_comm, report), rows)
+
+
+def test_comm_sentence_says_what_the_point_means():
+    said = sentence(render(print_comm, comm_report()))
+    assert ("bpsctl's push_pull of 64.0 MiB with 2 workers was slower than ring allreduce "
+            "(0.57×; theory 2(n-1)/n = 1.00×) on loopback") in said
+    assert "try --emulate --nic 1gbit or --hosts." in said
+
+    sweep = {"kind": "comm_sweep", "nic_mbit": 1000, "size_bytes": 64 * MiB,
+             "points": [comm_report(workers=n, nic=1000, allreduce=1.4) for n in (2, 8)]}
+    said = sentence(render(print_comm, sweep))
+    assert ("with 8 workers was faster than ring allreduce (1.40×; theory 2(n-1)/n = 1.75×) "
+            "through emulated 1000 Mbit/s NICs.") in said
+
+    said = sentence(render(print_comm, comm_report(allreduce=None, hosts_file="/etc/h.yaml")))
+    assert "MB/s algbw) on the SSH cluster of /etc/h.yaml — add --compare allreduce." in said
+
+
+def test_tune_table_fits_80_columns_when_the_choice_is_the_current_config():
+    point = {"partition_bytes": 512 * 1024, "servers": 2, "credit": 64 * MiB, "score": 1234.5}
+    other = dict(point, partition_bytes=4 * MiB, score=1100.0)
+    report = {"mode": "tpe", "measurements": 24, "space_points": 120,
+              "benchmark": "bench comm: push_pull of 67108864 bytes in 8 tensors, algbw of the "
+                           "median of 5 rounds after 2 warm-up",
+              "score_unit": "algbw MB/s", "finalists": [point, other], "best": point,
+              "baseline": point, "model_guess": None, "model_note": "no traffic model"}
+    text = render(print_tune, report)
+    assert_table_fits_80(text, rows=2)
+    assert "chosen + current" in text
+
+
+def test_top_level_help_describes_all_of_bpsctl():
+    from typer.testing import CliRunner
+
+    from bpsctl.cli import app
+    result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    said = sentence(result.output)
+    assert "Everything runs on this machine" not in said
+    for words in ("local processes", "--emulate", "--hosts", "over SSH", "Horovod", "DDP",
+                  "bpsctl tune"):
+        assert words in said, words
