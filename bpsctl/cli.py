@@ -118,7 +118,7 @@ def up(ctx: typer.Context,
         np_hint = {"emulated": f" -np {workers}", "local": " -np N"}.get(cluster.kind, "")
         where = (" (workers go to the worker hosts; bpsctl down removes everything)"
                  if cluster.kind == "emulated" else "   (bpsctl down stops it)")
-        err_console.print(f"next: bpsctl run{np_hint} -- python train.py{where}",
+        err_console.print(f"next: bpsctl run{np_hint} -- python examples/train.py{where}",
                           highlight=False)
 
 

@@ -6,7 +6,7 @@ namespaces: nothing is routed to or from this machine's own network. Each host's
 full duplex to a rate R with htb, one class per peer (``rate R/(P-1) ceil R`` under a parent
 class of ``rate R``): the host side's egress classifies by destination (what the host sends),
 the switch side's egress by source (what the host receives), so incast is fair and both
-directions are capped (ENVIRONMENT.md, "Emulated cluster", has the measurements).
+directions are capped (docs/benchmarks.md has the measurements).
 
 Namespaces are named ``bps-<cluster id>-<host>`` (hosts ``w0..``, ``s0..``, switch ``sw``), so
 a crashed run's leftovers can be found (:func:`find_leftovers`) and removed
@@ -386,10 +386,9 @@ def _set_gso(namespace: str, devices: Sequence[str], size: int = GSO_BYTES) -> N
 
     A veth passes a segment through whole and never splits it into packets, so the size sets
     how many times per byte the kernel runs the stack, the bridge and both htb qdiscs; and
-    on this machine every emulated host's kernel work is paid by the same few cores. At
-    64 KiB (the default) a shaped 1 Gbit transfer costs ~1.3 core-seconds per GiB, at
-    256 KiB ~0.9 (README, "An emulated cluster on one machine"): closer to a real host, whose NIC segments in
-    hardware. The wire's MTU stays 1500 and htb counts every byte, so rates are unchanged.
+    on one machine every emulated host's kernel work is paid by the same few cores. Larger
+    segments cost fewer core-seconds per byte (docs/benchmarks.md), which is closer to a real
+    host, whose NIC segments in hardware. The wire's MTU stays 1500 and htb counts every byte, so rates are unchanged.
 
     iproute2 before 6.3 cannot set these sizes, so this speaks netlink itself, from a thread
     that enters the namespace. A kernel without BIG TCP rejects or ignores the sizes: the
