@@ -68,7 +68,8 @@ def _where(config: Any) -> str:
     if config.emulate:
         return f"emulated NIC {config.nic or 'unshaped'}"
     cluster = ssh_cluster(config.state_dir)
-    return f"the SSH cluster of {cluster.hosts.source}" if cluster else "this machine"
+    return f"the SSH cluster of {cluster.hosts.source}" if cluster and cluster.hosts \
+        else "this machine"
 
 
 def _write_json(path: Optional[Path], report: dict[str, Any]) -> None:

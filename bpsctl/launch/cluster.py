@@ -167,5 +167,5 @@ def run_on(cluster: ClusterState, cmd: list[str], config: Config, workers: int |
     if shutil.which(cmd[0]) is None:
         raise LaunchError(f"cannot run {cmd[0]!r}: no such executable (in PATH)")
     # the worker logs of a private cluster go to the caller's state dir, which outlives it
-    spawner = local.LocalSpawner(cluster, cmd, config, stdout, stderr)
-    return run_workers(spawner, the_plan, config, stop_grace_s=stop_grace_s)
+    return run_workers(local.LocalSpawner(cluster, cmd, config, stdout, stderr), the_plan, config,
+                       stop_grace_s=stop_grace_s)

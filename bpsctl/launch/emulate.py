@@ -155,7 +155,7 @@ def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
             raise ConfigError(f"--nic: expected a rate such as 500mbit or 1gbit, got {nic!r}")
         nic_mbit = float(nic)
     else:
-        nic_mbit = parse_rate_mbit(nic, "--nic")
+        nic_mbit = parse_rate_mbit(str(nic), "--nic")
     cluster_id = new_cluster_id() if cluster_id is None else cluster_id
     if not _CLUSTER_ID_RE.match(cluster_id):
         raise ConfigError(f"emulated cluster id: expected 1-12 lowercase letters or digits, "
@@ -517,8 +517,8 @@ def _signals_deferred() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        for signum in received[:1]:
-            os.kill(os.getpid(), signum)
+        for pending in received[:1]:
+            os.kill(os.getpid(), pending)
 
 
 # --------------------------------------------------------------------------- leftovers

@@ -313,10 +313,10 @@ def _explain(exc: ValidationError, data: dict[str, Any], where: str,
 
 
 def _did_you_mean(loc: tuple) -> str:
-    models = {"ssh": _SshModel, "scheduler": _SchedulerModel, "servers": _ServerModel,
-              "workers": _WorkerModel}
+    models: dict[str, type[BaseModel]] = {"ssh": _SshModel, "scheduler": _SchedulerModel,
+                                          "servers": _ServerModel, "workers": _WorkerModel}
     parent = [p for p in loc[:-1] if isinstance(p, str)]
-    model = _HostsModel
+    model: type[BaseModel] = _HostsModel
     if parent:
         model = _SshModel if parent[-1] == "ssh" else models.get(parent[0], _HostsModel)
     return f" (expected one of: {', '.join(model.model_fields)})"
@@ -361,10 +361,10 @@ def _build(model: _HostsModel, where: str, lines: dict[tuple, int],
                           "one server (leave `servers:` out for one on each worker host)")
     # Ports: each host's servers take consecutive ports after the scheduler's (or after the
     # entry's own `port:`), so nothing collides unless the file says so.
-    next_port: dict[str, int] = {scheduler.host: scheduler.port + 1}
-    default_first = scheduler.port + 1
+    next_port: dict[str, int] = {scheduler.host: sched_model.port + 1}
+    default_first = sched_model.port + 1
     servers = []
-    used: dict[tuple[str, int], str] = {(scheduler.host, scheduler.port): "scheduler.port"}
+    used: dict[tuple[str, int], str] = {(scheduler.host, sched_model.port): "scheduler.port"}
     for i, s in enumerate(server_models):
         first = s.port if s.port is not None else next_port.get(s.host, default_first)
         if first + s.count - 1 > 65535:

@@ -442,6 +442,7 @@ class LocalSpawner:
         except OSError as exc:
             raise LaunchError(f"cannot start worker {assignment.rank}: {self.cmd[0]}: "
                               f"{exc.strerror}") from None
+        assert process.stdout is not None and process.stderr is not None     # PIPE
         relay = OutputRelay(assignment.rank, process.stdout, process.stderr, self.stdout,
                             self.stderr, state.logs_dir(self.config.state_dir)
                             / f"worker-{assignment.rank}.log")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import collections
 import threading
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO
 
 # One lock for every relay in the process, so lines of different ranks never interleave.
 _WRITE_LOCK = threading.Lock()
@@ -16,7 +16,7 @@ class OutputRelay:
     Keeps the last ``tail_lines`` lines of both pipes for the root-cause report.
     """
 
-    def __init__(self, rank: int, stdout_pipe: BinaryIO, stderr_pipe: BinaryIO,
+    def __init__(self, rank: int, stdout_pipe: IO[bytes], stderr_pipe: IO[bytes],
                  out: IO[str], err: IO[str], log_path: Path, tail_lines: int = 20,
                  prefix: str | None = None):
         self.prefix = prefix if prefix is not None else f"[{rank}] "
@@ -32,7 +32,7 @@ class OutputRelay:
         for thread in self._threads:
             thread.start()
 
-    def _relay(self, pipe: BinaryIO, stream: IO[str]) -> None:
+    def _relay(self, pipe: IO[bytes], stream: IO[str]) -> None:
         with pipe:
             for raw_line in iter(pipe.readline, b""):
                 if not raw_line.endswith(b"\n"):

@@ -105,13 +105,13 @@ def plan(hosts: HostsSpec, config: Config | None = None, *, secret: str = "",
     s = hosts.scheduler
     scheduler = Assignment(role="scheduler", rank=0, host=s.host, address=address_of(s),
                            port=s.port, local_rank=0, local_size=1, entry=s)
-    servers = []
+    servers: list[Assignment] = []
     for entry in hosts.servers:
         for index in range(entry.count):
             servers.append(Assignment(role="server", rank=len(servers), host=entry.host,
                                       address=address_of(entry), port=(entry.port or 0) + index,
                                       local_rank=index, local_size=entry.count, entry=entry))
-    workers = []
+    workers: list[Assignment] = []
     for entry in hosts.workers:
         for slot in range(entry.count):
             workers.append(Assignment(role="worker", rank=len(workers), host=entry.host,

@@ -88,7 +88,7 @@ def _check_reachability(session: Hosts, hosts: HostsSpec, addresses: dict[str, s
     the_plan = plan(hosts, addresses=addresses)
     listeners: dict[str, list[int]] = {}
     for a in (the_plan.scheduler, *the_plan.servers):
-        if a.host not in skip:
+        if a.host not in skip and a.port is not None:
             listeners.setdefault(a.host, []).append(a.port)
     channels: dict[str, Any] = {}
     try:

@@ -347,7 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] in ("listen", "exec"):
         # a daemon thread is still blocked reading stdin: leave without the interpreter's
         # shutdown, which would wait on that stdin's lock
-        code = cmd_exec(spec) if argv[0] == "exec" else (cmd_listen(spec) or 0)
+        if argv[0] == "exec":
+            code = cmd_exec(spec)
+        else:
+            cmd_listen(spec)
+            code = 0
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

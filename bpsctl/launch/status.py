@@ -25,7 +25,8 @@ def report(cluster: ClusterState, running: dict[ProcessRecord, bool | None],
     ``view`` is the scheduler's answer, None if it gave none. A process's state is running,
     lost (running but silent to the scheduler), exited, or unknown.
     """
-    seen_servers = {(s["host"], int(s["port"])): s for s in view["servers"]} if view else {}
+    seen_servers: dict[tuple[str, int | None], dict[str, Any]] = (
+        {(s["host"], int(s["port"])): s for s in view["servers"]} if view else {})
     processes = []
     for record in cluster.processes:
         alive = running.get(record)

@@ -198,11 +198,11 @@ def _cluster_facts(config: Config, settings: TuneSettings, nic_mbit: float | Non
     """(workers, server hosts in job order, worker host of each rank or None, description)."""
     ssh = ssh_cluster(config.state_dir)
     if ssh is not None and ssh.hosts:   # its hosts file says it all; the NIC is unknown
-        workers = launch.worker_slots(ssh)
+        slots = launch.worker_slots(ssh)
         server_hosts = [p.host for p in ssh.processes if p.role == "server"]
-        return (len(workers), server_hosts, None,
-                f"SSH cluster of {ssh.hosts.source}: {len(workers)} workers on "
-                f"{', '.join(dict.fromkeys(a.address for a in workers))}, "
+        return (len(slots), server_hosts, None,
+                f"SSH cluster of {ssh.hosts.source}: {len(slots)} workers on "
+                f"{', '.join(dict.fromkeys(a.address for a in slots))}, "
                 f"{len(server_hosts)} servers on {', '.join(dict.fromkeys(server_hosts))}")
     state = launch.load_state(config.state_dir)
     if state is None:
