@@ -22,6 +22,7 @@ from typing import Iterator
 from bpsctl.launch import emulate
 
 SSHD = "/usr/sbin/sshd"
+OTHER_SSH_PORT = 2222           # every sshd listens on 22 and on this port
 SSHD_READY_TIMEOUT_S = 10.0
 
 
@@ -45,6 +46,7 @@ class SshHosts:
     key: Path
     sshd: dict[str, subprocess.Popen] = field(default_factory=dict)
     launcher: str = ""
+    host_keys: dict[str, Path] = field(default_factory=dict)    # else the shared host_key
 
     def address(self, name: str) -> str:
         return self.network.address(name)
@@ -58,8 +60,9 @@ class SshHosts:
         log = self.directory / f"sshd-{name}.log"
         conf.write_text(textwrap.dedent(f"""\
             Port 22
+            Port {OTHER_SSH_PORT}
             ListenAddress {host.address}
-            HostKey {self.directory / 'host_key'}
+            HostKey {self.host_keys.get(name, self.directory / 'host_key')}
             PidFile {self.directory / f'sshd-{name}.pid'}
             AuthorizedKeysFile {self.directory / 'authorized_keys'}
             PermitRootLogin prohibit-password
@@ -87,6 +90,23 @@ class SshHosts:
             os.killpg(process.pid, signal.SIGKILL)
         if process is not None:
             process.wait()
+
+    def replace_host_key(self, name: str) -> None:
+        """Give ``name``'s sshd a new host key of its own, and restart it (by PID)."""
+        key = self.directory / f"host_key-{name}"
+        for path in (key, Path(f"{key}.pub")):
+            path.unlink(missing_ok=True)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key)],
+                       check=True)
+        self.stop_sshd(name)
+        self.host_keys[name] = key
+        self.start_sshd(name)
+
+    def restore_host_key(self, name: str) -> None:
+        """Back to the shared host key."""
+        if self.host_keys.pop(name, None) is not None:
+            self.stop_sshd(name)
+            self.start_sshd(name)
 
     def pids(self, name: str) -> list[int]:
         out = subprocess.run(["ip", "netns", "pids", self.namespace(name)], capture_output=True,
@@ -500,5 +520,108 @@ def test_ship_into_a_python_without_pip_fails_naming_each_host(cluster_hosts, st
         assert (f"{hosts.address(name)}: --ship: pip install of bpsctl-0.1.0-py3-none-any.whl "
                 f"into {python} failed (exit 1)" in message), message
     assert f"{python}: No module named pip (pip is needed for --ship)" in message, message
+    assert not (Path(state[1]) / "cluster.json").exists()
+    _nothing_left(hosts)
+
+
+# --------------------------------------------------------------------------- host keys
+
+def _known_keys(path: Path) -> dict[str, set[str]]:
+    """known_hosts name -> the base64 keys recorded for it."""
+    import paramiko
+    return {name: {key.get_base64() for key in keys.values()}
+            for name, keys in paramiko.HostKeys(str(path)).items()}
+
+
+def _public_key(path: Path) -> str:
+    return Path(f"{path}.pub").read_text().split()[1]
+
+
+def _fix_from(message: str) -> list[str]:
+    """The command the error says to run to accept a host's new key."""
+    import re
+    import shlex
+    found = re.search(r"remove the old key with `(ssh-keygen -R [^`]+)`", message)
+    assert found, message
+    return shlex.split(found.group(1))
+
+
+@pytest.mark.timeout(150)
+def test_host_keys_are_trusted_on_first_use_and_a_changed_one_is_refused(cluster_hosts, state,
+                                                                         tmp_path):
+    hosts = cluster_hosts
+    hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
+    state_dir = Path(state[1])
+    known_hosts = state_dir / "known_hosts"
+    w1 = hosts.address("w1")
+    up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+    assert up.returncode == 0, up.stderr
+    assert known_hosts.stat().st_mode & 0o777 == 0o600
+    shared = _public_key(hosts.directory / "host_key")
+    assert _known_keys(known_hosts) == {hosts.address(n): {shared} for n in HOSTS_WITH_BPSCTL}
+    cluster = json.loads((state_dir / "cluster.json").read_text())
+    assert {w["ssh"]["known_hosts"] for w in cluster["hosts"]["workers"]} == {str(known_hosts)}
+    down = hosts.bpsctl(*state, "down")
+    assert down.returncode == 0, down.stderr
+
+    hosts.replace_host_key("w1")
+    try:
+        up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+        message = " ".join(up.stderr.split())
+        assert up.returncode == 1, message
+        assert "preflight failed on 1 host(s), nothing was started" in message
+        assert (f"{w1}: the host key of {w1} has changed: {known_hosts} has ssh-ed25519 SHA256:"
+                in message), message
+        fix = _fix_from(message)
+        assert fix == ["ssh-keygen", "-R", w1, "-f", str(known_hosts)]
+        assert not (state_dir / "cluster.json").exists()
+        _nothing_left(hosts)
+        assert _known_keys(known_hosts)[w1] == {shared}            # never replaced silently
+
+        subprocess.run(fix, check=True, capture_output=True)
+        up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+        assert up.returncode == 0, up.stderr
+        assert _known_keys(known_hosts)[w1] == {_public_key(hosts.directory / "host_key-w1")}
+        down = hosts.bpsctl(*state, "down")
+        assert down.returncode == 0, down.stderr
+    finally:
+        hosts.restore_host_key("w1")
+    _nothing_left(hosts)
+
+
+@pytest.mark.timeout(120)
+def test_known_hosts_of_the_hosts_file_and_another_port(cluster_hosts, state, tmp_path):
+    """`ssh.known_hosts` names the user's file (kept as it was, keys added); a host on another
+    port is `[host]:port` there, and a changed key's fix says so."""
+    hosts = cluster_hosts
+    w1 = hosts.address("w1")
+    users = tmp_path / "dot-ssh" / "known_hosts"
+    users.parent.mkdir()
+    users.write_text("# the user's own\n")
+    hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
+    text = hosts_file.read_text().replace("retries: 1}", f"retries: 1, known_hosts: {users}}}")
+    text = text.replace(f"{{host: {w1}, slots: 2, interface: eth0}}",
+                        f"{{host: {w1}, slots: 2, interface: eth0, ssh: {{port: {OTHER_SSH_PORT}}}}}")
+    hosts_file.write_text(text)
+    up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+    assert up.returncode == 0, up.stderr
+    shared = _public_key(hosts.directory / "host_key")
+    assert users.read_text().startswith("# the user's own\n")
+    assert _known_keys(users) == {hosts.address("s0"): {shared}, hosts.address("w0"): {shared},
+                                  f"[{w1}]:{OTHER_SSH_PORT}": {shared}}
+    assert not (Path(state[1]) / "known_hosts").exists()
+    down = hosts.bpsctl(*state, "down")
+    assert down.returncode == 0, down.stderr
+
+    hosts.replace_host_key("w1")
+    try:
+        up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+    finally:
+        hosts.restore_host_key("w1")
+    message = " ".join(up.stderr.split())
+    assert up.returncode == 1, message
+    assert f"{w1}: the host key of [{w1}]:{OTHER_SSH_PORT} has changed: {users}" in message
+    assert _fix_from(message) == ["ssh-keygen", "-R", f"[{w1}]:{OTHER_SSH_PORT}", "-f",
+                                  str(users)]
     assert not (Path(state[1]) / "cluster.json").exists()
     _nothing_left(hosts)

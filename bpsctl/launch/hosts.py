@@ -7,6 +7,7 @@ the file, the line, the key and the form expected, as a :class:`~bpsctl.config.C
 from __future__ import annotations
 
 import getpass
+import os
 import re
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -39,6 +40,7 @@ class _SshModel(_Model):
     key: Optional[str] = None
     connect_timeout_s: Optional[Union[float, int]] = Field(default=None, gt=0)
     retries: Optional[int] = Field(default=None, ge=0, le=20)
+    known_hosts: Optional[str] = Field(default=None, min_length=1)
 
 
 class _SchedulerModel(_Model):
@@ -331,7 +333,9 @@ def _ssh(model: Optional[_SshModel], base: SshOptions) -> SshOptions:
         key=str(Path(model.key).expanduser()) if model.key is not None else base.key,
         connect_timeout_s=float(model.connect_timeout_s) if model.connect_timeout_s is not None
         else base.connect_timeout_s,
-        retries=model.retries if model.retries is not None else base.retries)
+        retries=model.retries if model.retries is not None else base.retries,
+        known_hosts=os.path.abspath(os.path.expanduser(model.known_hosts))
+        if model.known_hosts is not None else base.known_hosts)
 
 
 def _build(model: _HostsModel, where: str, lines: dict[tuple, int],

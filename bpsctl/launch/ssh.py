@@ -33,7 +33,8 @@ from bpsctl.launch.ship import ship
 from bpsctl.launch.status import report
 from bpsctl.launch.transport import (COMMAND_TIMEOUT_S, HostFailure, Hosts, check_keys, parallel,
                                      remote_argv)
-from bpsctl.launch.types import ClusterState, DownReport, HostsSpec, LaunchError, ProcessRecord
+from bpsctl.launch.types import (KNOWN_HOSTS_FILE, ClusterState, DownReport, HostsSpec,
+                                 LaunchError, ProcessRecord)
 
 _POLL_INTERVAL_S = 0.05
 _WATCH_INTERVAL_S = 5.0         # how often a run asks the hosts whether servers still run
@@ -68,9 +69,12 @@ def up(hosts: HostsSpec | str | Path, config: Config, *, ship_wheel: bool = Fals
     if not isinstance(hosts, HostsSpec):
         from bpsctl.launch.hosts import load_hosts     # PyYAML and pydantic: the [ssh] extra
         hosts = load_hosts(hosts)
+    state_dir = Path(config.state_dir).resolve()
+    # host keys: the hosts file's known_hosts, else the state dir's; recorded with the cluster,
+    # so that every later command checks against the same file
+    hosts = hosts.with_known_hosts(str(state_dir / KNOWN_HOSTS_FILE))
     check_keys(hosts)
     say = progress or (lambda text: None)
-    state_dir = Path(config.state_dir).resolve()
     with state.state_lock(state_dir), stop_signals_recorded() as stop_signals:
         existing = state.load_state(state_dir)
         if existing is not None:

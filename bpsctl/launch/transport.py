@@ -1,5 +1,6 @@
-"""SSH transport: one fabric connection per host, opened in parallel with retries, and the
-agent (:mod:`bpsctl.launch.remote`) run over raw channels; failures gathered per host.
+"""SSH transport: one fabric connection per host, opened in parallel with retries, each host's
+key verified (:mod:`bpsctl.launch.hostkeys`), and the agent (:mod:`bpsctl.launch.remote`) run
+over raw channels; failures gathered per host.
 """
 from __future__ import annotations
 
@@ -25,11 +26,17 @@ _POLL_INTERVAL_S = 0.05
 
 
 def check_keys(hosts: HostsSpec) -> None:
-    """A key file named in the hosts file must exist here (a config error, exit 2)."""
+    """A key file named in the hosts file must exist here, and a known_hosts file must be a
+    file if it exists (a config error, exit 2)."""
     for host, options in hosts.ssh_hosts().items():
         if options.key and not Path(options.key).is_file():
             raise ConfigError(f"{hosts.source}: ssh.key for {host}: {options.key}: no such file "
                               "(expected the private key SSH logs in with)")
+        known = options.known_hosts
+        if known and Path(known).exists() and not Path(known).is_file():
+            raise ConfigError(f"{hosts.source}: ssh.known_hosts for {host}: {known}: not a file "
+                              "(expected a known_hosts file such as ~/.ssh/known_hosts; it is "
+                              "created if missing)")
 
 
 def remote_argv(argv: Sequence[str]) -> str:
@@ -44,7 +51,8 @@ def remote_argv(argv: Sequence[str]) -> str:
 
 
 class Hosts:
-    """One fabric connection per host, opened in parallel with retries, closed on exit."""
+    """One fabric connection per host, opened in parallel with retries, closed on exit.
+    Every host's key is checked against its ``ssh.known_hosts`` (trusted on first use)."""
 
     def __init__(self, hosts: HostsSpec, targets: Sequence[str] | None = None):
         self.spec = hosts
@@ -77,9 +85,13 @@ class Hosts:
 
     def _connect(self, host: str) -> Any:
         from fabric import Connection
-        from paramiko.ssh_exception import (AuthenticationException, NoValidConnectionsError,
-                                            SSHException)
+        from paramiko.ssh_exception import (AuthenticationException, BadHostKeyException,
+                                            NoValidConnectionsError, SSHException)
+
+        from bpsctl.launch import hostkeys
         options: SshOptions = self.options[host]
+        if not options.known_hosts:
+            raise HostFailure("no known_hosts file to check its host key against")
         kwargs: dict[str, Any] = {"banner_timeout": options.connect_timeout_s,
                                   "auth_timeout": options.connect_timeout_s}
         if options.key:
@@ -92,8 +104,16 @@ class Hosts:
             conn = Connection(host, user=options.user, port=options.port,
                               connect_timeout=options.connect_timeout_s, connect_kwargs=kwargs)
             try:
+                hostkeys.load(conn.client, options.known_hosts)
                 conn.open()
                 return conn
+            except BadHostKeyException as exc:
+                conn.close()
+                raise HostFailure(hostkeys.changed_key_message(
+                    exc, host, options.port, options.known_hosts)) from None
+            except hostkeys.KnownHostsError as exc:
+                conn.close()
+                raise HostFailure(str(exc)) from None
             except AuthenticationException as exc:
                 conn.close()
                 key = f"key {options.key}" if options.key else "the agent's and ~/.ssh keys"

@@ -6,6 +6,7 @@ share them without importing each other.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,7 @@ DEFAULT_MASTER_PORT = 29500
 DEFAULT_CONNECT_TIMEOUT_S = 10.0
 DEFAULT_RETRIES = 2
 LOCALHOST = "127.0.0.1"
+KNOWN_HOSTS_FILE = "known_hosts"        # in the state dir, unless ssh.known_hosts names one
 
 
 class LaunchError(BpsctlError, RuntimeError):
@@ -35,6 +37,7 @@ class SshOptions:
     key: str | None = None                  # None: the SSH agent and ~/.ssh keys
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
     retries: int = DEFAULT_RETRIES         # extra connection attempts after the first
+    known_hosts: str | None = None          # host keys checked against; None: set by ``up``
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,17 @@ class HostsSpec:
     @property
     def world_size(self) -> int:
         return sum(w.count for w in self.workers)
+
+    def with_known_hosts(self, path: str) -> HostsSpec:
+        """Every entry that names no known_hosts file checks host keys against ``path``."""
+        def fill(entry: HostSpec) -> HostSpec:
+            if entry.ssh.known_hosts:
+                return entry
+            return dataclasses.replace(entry, ssh=dataclasses.replace(entry.ssh,
+                                                                      known_hosts=path))
+        return dataclasses.replace(self, scheduler=fill(self.scheduler),
+                                   servers=tuple(map(fill, self.servers)),
+                                   workers=tuple(map(fill, self.workers)))
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -169,6 +183,8 @@ class ClusterState:
         if data.get("kind", "local") not in KINDS:
             raise ValueError(f"kind {data.get('kind')!r} is not one of {', '.join(KINDS)}")
         hosts = HostsSpec.from_json(data["hosts"]) if data.get("hosts") else None
+        if hosts is not None:       # recorded before ssh.known_hosts: the state dir's file
+            hosts = hosts.with_known_hosts(os.path.join(data["state_dir"], KNOWN_HOSTS_FILE))
         processes = tuple(ProcessRecord(**p) for p in data["processes"])
         return cls(**{**data, "processes": processes, "hosts": hosts})
 
