@@ -2,7 +2,7 @@
 
 Modules, bottom up: ``types`` (hosts, cluster records, results), ``processes`` (process groups),
 ``output`` (worker output relay), ``state`` (the state dir), ``hosts`` (hosts files),
-``plan`` (pure: roles, ranks, ports, env), ``status`` (the status report), ``runloop`` (the one
+``plan`` (pure: roles, ranks, ports, env), ``report`` (the status report), ``runloop`` (the one
 run loop), ``emulate`` (network namespaces), ``transport``/``hostkeys``/``preflight``/``ship``
 (SSH), the backends ``local`` (local and emulated) and ``ssh``, then ``cluster`` (the one
 interface) and ``api`` (its entry points). ``remote`` is the agent that runs on SSH hosts.

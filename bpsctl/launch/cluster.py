@@ -19,7 +19,7 @@ from bpsctl.launch import local, ssh, state
 from bpsctl.launch.plan import Assignment, Plan, cluster_hosts, plan
 from bpsctl.launch.processes import stop_signals_recorded
 from bpsctl.launch.runloop import STOP_GRACE_S, new_job_id, run_workers
-from bpsctl.launch.status import no_cluster
+from bpsctl.launch.report import no_cluster
 from bpsctl.launch.types import ClusterState, DownReport, HostsSpec, LaunchError, RunResult
 
 
@@ -59,7 +59,7 @@ def down(state_dir: Path | str) -> DownReport:
 
 
 def status(state_dir: Path | str) -> dict[str, Any]:
-    """The recorded cluster as JSON (see :func:`bpsctl.launch.status.report`)."""
+    """The recorded cluster as JSON (see :func:`bpsctl.launch.report.status_report`)."""
     cluster = state.load_state(state_dir)
     if cluster is None:
         return no_cluster(state_dir)

@@ -33,7 +33,7 @@ from bpsctl.launch.plan import Assignment
 from bpsctl.launch.processes import (ProcessIdentity, StopSignals, is_running, reap_if_child,
                                      start_process, stop_groups, stop_signals_recorded)
 from bpsctl.launch.runloop import STOP_GRACE_S, WorkerProcess
-from bpsctl.launch.status import report
+from bpsctl.launch.report import status_report
 from bpsctl.launch.types import ClusterState, DownReport, LaunchError, ProcessRecord
 
 STATUS_TIMEOUT_S = 2.0          # how long `status` waits for the scheduler's answer
@@ -319,7 +319,7 @@ def _control_address(cluster: ClusterState) -> str:
 
 def status(cluster: ClusterState, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
     """The recorded cluster's processes, each checked here, merged with the scheduler's view
-    (see :func:`bpsctl.launch.status.report`)."""
+    (see :func:`bpsctl.launch.report.status_report`)."""
     running: dict[ProcessRecord, bool | None] = {p: is_running(p.identity)
                                                  for p in cluster.processes}
     view, scheduler_error = None, None
@@ -332,7 +332,7 @@ def status(cluster: ClusterState, timeout_s: float = STATUS_TIMEOUT_S) -> dict[s
             scheduler_error = str(exc)
     else:
         scheduler_error = f"the scheduler (pid {scheduler.pid}) has exited"
-    return report(cluster, running, view, scheduler_error)
+    return status_report(cluster, running, view, scheduler_error)
 
 
 def live_cluster(state_dir: Path) -> ClusterState | None:

@@ -30,7 +30,7 @@ from bpsctl.launch.preflight import preflight
 from bpsctl.launch.processes import stop_signals_recorded
 from bpsctl.launch.runloop import STOP_GRACE_S, WorkerProcess
 from bpsctl.launch.ship import ship
-from bpsctl.launch.status import report
+from bpsctl.launch.report import status_report
 from bpsctl.launch.transport import (COMMAND_TIMEOUT_S, HostFailure, Hosts, check_keys, parallel,
                                      remote_argv)
 from bpsctl.launch.types import (KNOWN_HOSTS_FILE, ClusterState, DownReport, HostsSpec,
@@ -274,7 +274,7 @@ def down(cluster: ClusterState) -> DownReport:
 
 def status(cluster: ClusterState) -> dict[str, Any]:
     """The SSH cluster's processes, checked on their hosts, merged with the scheduler's view
-    (asked on its host; see :func:`bpsctl.launch.status.report`)."""
+    (asked on its host; see :func:`bpsctl.launch.report.status_report`)."""
     scheduler = cluster.scheduler_record
     with Hosts(_hosts_of(cluster), targets=list(_by_host(cluster.processes))) as session:
         session.open()
@@ -295,7 +295,7 @@ def status(cluster: ClusterState) -> dict[str, Any]:
                 scheduler_error = answer.get("error")
             except HostFailure as exc:
                 scheduler_error = str(exc)
-    return report(cluster, running, view, scheduler_error)
+    return status_report(cluster, running, view, scheduler_error)
 
 
 def fetch_logs(cluster: ClusterState, role: str | None = None) -> None:

@@ -16,7 +16,7 @@ def no_cluster(state_dir: Path | str) -> dict[str, Any]:
             "processes": [], "job": None, "scheduler_error": None}
 
 
-def report(cluster: ClusterState, running: dict[ProcessRecord, bool | None],
+def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | None],
            view: dict[str, Any] | None, scheduler_error: str | None) -> dict[str, Any]:
     """``{"cluster", "kind", "scheduler", "state_dir", "created", "processes": [{"role", "rank",
     "host", "port", "pid", "state"}], "job", "scheduler_error"}``.
