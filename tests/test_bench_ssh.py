@@ -14,11 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from test_ssh_cluster import skip_reason, ssh_hosts
-
-REASON = skip_reason()
-pytestmark = [pytest.mark.root, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+from test_ssh_cluster import ssh_hosts
 
 
 def _horovod_loads() -> bool:

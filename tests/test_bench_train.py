@@ -14,7 +14,6 @@ from bpsctl.bench import horovod as horovod_mod
 from bpsctl.bench.models import build
 from bpsctl.bench.train import horovod_env
 
-is_root = os.geteuid() == 0
 HOROVOD = horovod_mod.installed_version()
 
 
@@ -72,8 +71,6 @@ def test_unknown_baseline_is_a_usage_error(tmp_path):
     assert "horovod, ddp" in result.stderr
 
 
-@pytest.mark.root
-@pytest.mark.skipif(not is_root, reason="emulated hosts need root (network namespaces)")
 @pytest.mark.timeout(170)
 def test_train_bench_on_emulated_hosts_against_the_baselines(tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}

@@ -14,11 +14,6 @@ import pytest
 from bpsctl.config import Config
 from bpsctl.launch import api, emulate
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="emulated clusters need root (network namespaces)"),
-]
-
 
 def _namespaces(cluster_id: str) -> list[str]:
     return [ns for ns in emulate.list_namespaces() if ns.startswith(f"bps-{cluster_id}-")]

@@ -34,11 +34,6 @@ from conftest import gone, kill_pids
 
 from bpsctl.launch import api, emulate
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="emulated clusters need root (network namespaces)"),
-]
-
 RUNS = int(os.environ.get("BPSCTL_FAULT_RUNS", "4"))
 SEED = int(os.environ.get("BPSCTL_FAULT_SEED", "8"))
 REPORT_FILE = os.environ.get("BPSCTL_FAULT_REPORT")

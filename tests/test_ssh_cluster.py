@@ -15,27 +15,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+
+from conftest import SSHD
 
 from bpsctl.launch import emulate
 
-SSHD = "/usr/sbin/sshd"
 SSHD_READY_TIMEOUT_S = 10.0
-
-
-def skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "emulated hosts need root (network namespaces); run the tests as root, CI does"
-    if not Path(SSHD).exists() or shutil.which("ssh-keygen") is None:
-        return ("sshd is not installed: apt-get update && apt-get install -y openssh-server")
-    try:
-        import fabric  # noqa: F401
-        import yaml  # noqa: F401
-    except ImportError:
-        return "the [ssh] extra is not installed: pip install -e '.[ssh]'"
-    return None
 
 
 @dataclass
@@ -164,8 +152,6 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-REASON = skip_reason()
-pytestmark = [pytest.mark.root, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 HOSTS_WITH_BPSCTL = ("w0", "w1", "s0")
 
 

@@ -20,7 +20,6 @@ from bpsctl.tune.model import guess_servers, round_seconds, summation_split
 from bpsctl.tune.report import tuned_file_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-IS_ROOT = os.geteuid() == 0
 KiB = 1024
 
 
@@ -264,9 +263,6 @@ def test_bench_reads_the_file_and_its_flags_win(env, tmp_path):
 
 # --------------------------------------------------------------------------- end to end
 
-@pytest.mark.root
-@pytest.mark.skipif(not IS_ROOT, reason="network namespaces need root (run the tests as root; "
-                                        "CI does)")
 @pytest.mark.timeout(300)
 def test_a_small_tuning_run_on_emulated_hosts(env, tmp_path):
     out, report_file = tmp_path / "tuned.toml", tmp_path / "tune.json"
