@@ -121,7 +121,7 @@ def test_rounds_rotate_the_order_and_pair_the_ratios(tmp_path):
         assert len(row["img_per_sec_by_round"]) == 2
         assert row["img_per_sec"] == pytest.approx(2 * sum(row["img_secs_per_worker"]) / 4)
     ours, theirs = (row["img_per_sec_by_round"] for row in report["results"])
-    ratios = [a / b for a, b in zip(ours, theirs)]
+    ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
     assert report["speedup_by_round"]["ddp"] == pytest.approx(ratios)
     assert report["speedup"]["ddp"] == pytest.approx(sum(ratios) / 2)    # the median of two
     assert "round by round" in result.stderr

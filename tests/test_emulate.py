@@ -364,7 +364,7 @@ def test_shaped_nics_full_duplex_fair_and_capped(cluster_id, tmp_path):
 
         tries = best_of(3, all_to_all, mean_level)
         print(f"\nall-to-all at R = {nic_mbit:g} Mbit/s (goodput limit {expected:.0f}):")
-        for n, (reports, rates) in enumerate(tries, 1):
+        for n, (_reports, rates) in enumerate(tries, 1):
             print(f" window {n} of {len(tries)}:")
             for name, (sent, received) in rates.items():
                 print(f"  {name}: sent {sent:.1f} Mbit/s, received {received:.1f} Mbit/s")

@@ -163,12 +163,13 @@ def strike_run(cluster: Cluster, tmp_path: Path, kind: str, index: int) -> Outco
         # a random point: while joining, or some steps in, part-way through a step
         if rng.random() < 0.2:
             phase = "startup"
-            wait_for(lambda: len(files(report_dir, "pid")) == np_workers, 30, "the workers to start")
+            wait_for(lambda: len(files(report_dir, "pid")) == np_workers, 30,
+                     "the workers to start")
         else:
             step = rng.randrange(4)
             phase = f"step {step}"
-            wait_for(lambda: sum(s >= step for s in files(report_dir, "step").values()) == np_workers,
-                     30, f"every worker to finish step {step}")
+            wait_for(lambda: sum(s >= step for s in files(report_dir, "step").values())
+                     == np_workers, 30, f"every worker to finish step {step}")
         offset_s = rng.uniform(0, 0.15)
         time.sleep(offset_s)
         phase += f" +{offset_s * 1000:.0f} ms"

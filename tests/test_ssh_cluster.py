@@ -105,8 +105,9 @@ class SshHosts:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
 
     def hosts_yaml(self, path: Path, *, python: str | None = None, key: str | None = None,
-                   servers_on: str = "s0", servers: int = 2, workers: tuple[str, ...] = ("w0", "w1"),
-                   slots: int = 2, extra: str = "", port: int = 9000) -> Path:
+                   servers_on: str = "s0", servers: int = 2,
+                   workers: tuple[str, ...] = ("w0", "w1"), slots: int = 2, extra: str = "",
+                   port: int = 9000) -> Path:
         lines = [f"ssh: {{user: root, key: {key or self.key}, connect_timeout_s: 3, retries: 1}}",
                  f"python: {python or sys.executable}",
                  f"workdir: {self.directory / 'remote'}",

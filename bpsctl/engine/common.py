@@ -143,8 +143,8 @@ def release_free_memory() -> int:
     ``bench load`` a server measured between steps read anywhere from -2 % to +8 % of its
     warm-up figure. Released when quiet, what is left is what the process holds: the same run's
     servers then stayed within 0.6 MiB of their warm-up figure over 900 steps (workers on glibc:
-    within one or two 3.9 MiB partitions (the default size then), which ``malloc_trim`` cannot reach at the top of a
-    thread's heap, +3.2 % at most of their 248-255 MiB).
+    within one or two 3.9 MiB partitions (the default size then), which ``malloc_trim`` cannot
+    reach at the top of a thread's heap, +3.2 % at most of their 248-255 MiB).
     jemalloc: purge every arena; tcmalloc: release its free pages; glibc: ``malloc_trim(0)``,
     which also returns whole free pages inside its heaps."""
     before, allocator = rss_bytes(), loaded_allocator()
@@ -189,7 +189,7 @@ def lost_link(peer: str, timeout_s: float) -> str:
 
 def monitor_events(mon: zmq.Socket) -> list[int]:
     """Drain a monitor socket, returning the event codes seen."""
-    events = []
+    events: list[int] = []
     while True:
         try:
             frames = mon.recv_multipart(zmq.NOBLOCK)
