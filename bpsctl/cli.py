@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
 import typer
 from rich.markup import escape
@@ -32,7 +32,7 @@ app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                        "server count and credit that are fastest on your hosts.")
 @app.callback()
 def root(ctx: typer.Context,
-         state_dir: Optional[Path] = knob_option("state_dir", "--state-dir")) -> None:
+         state_dir: Path | None = knob_option("state_dir", "--state-dir")) -> None:
     ctx.obj = {"state_dir": state_dir}
 
 
@@ -49,7 +49,7 @@ def _ship_option() -> Any:
                                               "host's `python:` before starting (with --hosts).")
 
 
-def _check_ssh_extra(hosts: Optional[str]) -> None:
+def _check_ssh_extra(hosts: str | None) -> None:
     if hosts:
         try:
             import fabric  # noqa: F401
@@ -70,19 +70,19 @@ def _ignored_hosts_option() -> Any:
 
 @app.command()
 def up(ctx: typer.Context,
-       servers: Optional[int] = typer.Option(
+       servers: int | None = typer.Option(
            None, "--servers", min=1,
            help="Summation servers to start (default: num_servers of the config file, else 1)."),
-       port: Optional[int] = knob_option("port", "--port"),
-       start_timeout_s: Optional[float] = knob_option("start_timeout_s", "--start-timeout"),
-       hosts: Optional[str] = _hosts_option(),
+       port: int | None = knob_option("port", "--port"),
+       start_timeout_s: float | None = knob_option("start_timeout_s", "--start-timeout"),
+       hosts: str | None = _hosts_option(),
        ship: bool = _ship_option(),
-       emulate: Optional[bool] = knob_option("emulate", "--emulate"),
+       emulate: bool | None = knob_option("emulate", "--emulate"),
        workers: int = typer.Option(2, "--workers", min=1,
                                    help="With --emulate: worker hosts to build."),
-       nic: Optional[str] = knob_option("nic", "--nic"),
-       security: Optional[str] = knob_option("security", "--security"),
-       config_file: Optional[Path] = config_file_option(),
+       nic: str | None = knob_option("nic", "--nic"),
+       security: str | None = knob_option("security", "--security"),
+       config_file: Path | None = config_file_option(),
        ) -> None:
     """Start a scheduler and summation servers on this machine (or over SSH with --hosts).
 
@@ -126,16 +126,16 @@ def up(ctx: typer.Context,
 
 @app.command(context_settings={"allow_interspersed_args": False})
 def run(ctx: typer.Context,
-        np: Optional[int] = knob_option("world_size", "-np", min=1),
-        servers: Optional[int] = typer.Option(
+        np: int | None = knob_option("world_size", "-np", min=1),
+        servers: int | None = typer.Option(
             None, "--servers", min=1, help="Servers of the private cluster started when none "
                                            "is up (default: num_servers of the config, else 1)."),
-        start_timeout_s: Optional[float] = knob_option("start_timeout_s", "--start-timeout"),
-        cmd: List[str] = typer.Argument(..., metavar="CMD",
+        start_timeout_s: float | None = knob_option("start_timeout_s", "--start-timeout"),
+        cmd: list[str] = typer.Argument(..., metavar="CMD",
                                         help="The worker command, e.g. python train.py."),
-        hosts: Optional[str] = _hosts_option(),
+        hosts: str | None = _hosts_option(),
         ship: bool = _ship_option(),
-        config_file: Optional[Path] = config_file_option(),
+        config_file: Path | None = config_file_option(),
         ) -> None:
     """Run N workers of CMD on the cluster that `up` started, or on a private one.
 
@@ -182,7 +182,7 @@ def _print_failures(result: launch.RunResult) -> None:
 @app.command()
 def status(ctx: typer.Context,
            json_output: bool = typer.Option(False, "--json", help="Print only JSON, on stdout."),
-           hosts: Optional[str] = _ignored_hosts_option(),
+           hosts: str | None = _ignored_hosts_option(),
            ) -> None:
     """Show the cluster's processes: running, lost (silent to the scheduler) or exited.
 
@@ -223,10 +223,10 @@ def _print_processes(processes: list[dict[str, Any]]) -> None:
 
 @app.command()
 def logs(ctx: typer.Context,
-         role: Optional[str] = typer.Argument(
+         role: str | None = typer.Argument(
              None, metavar="[ROLE]",
              help="scheduler | server | server:N | worker | worker:N (default: all logs)."),
-         hosts: Optional[str] = _ignored_hosts_option(),
+         hosts: str | None = _ignored_hosts_option(),
          ) -> None:
     """Print the logs of the cluster's processes and of the last run's workers."""
     with cli_errors():
@@ -236,7 +236,7 @@ def logs(ctx: typer.Context,
 
 
 @app.command()
-def down(ctx: typer.Context, hosts: Optional[str] = _ignored_hosts_option()) -> None:
+def down(ctx: typer.Context, hosts: str | None = _ignored_hosts_option()) -> None:
     """Stop the cluster that `up` started (its logs are kept)."""
     with cli_errors():
         config = build_config(ctx, {})
@@ -256,8 +256,9 @@ def down(ctx: typer.Context, hosts: Optional[str] = _ignored_hosts_option()) -> 
                               highlight=False)
         return
     if report.survivors:
-        err_console.print(f"[bold red]error:[/] could not stop {escape('; '.join(report.survivors))}"
-                          "; run `bpsctl down` again or kill them by PID", highlight=False)
+        survivors = escape("; ".join(report.survivors))
+        err_console.print(f"[bold red]error:[/] could not stop {survivors}; run `bpsctl down` "
+                          "again or kill them by PID", highlight=False)
         raise typer.Exit(1)
     err_console.print(f"stopped cluster {report.cluster} ({len(report.stopped)} processes); "
                       f"logs are in {launch.logs_dir(config.state_dir)}", highlight=False)
@@ -265,9 +266,9 @@ def down(ctx: typer.Context, hosts: Optional[str] = _ignored_hosts_option()) -> 
 
 # --------------------------------------------------------------------------- sub-apps
 
-from bpsctl.bench.cli import bench_app          # noqa: E402  (sub-apps after the root app)
-from bpsctl.bench.install import install_app     # noqa: E402
-from bpsctl.tune.cli import tune                 # noqa: E402
+from bpsctl.bench.cli import bench_app  # noqa: E402  (sub-apps after the root app)
+from bpsctl.bench.install import install_app  # noqa: E402
+from bpsctl.tune.cli import tune  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 app.add_typer(install_app, name="install")

@@ -4,16 +4,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
+from bpsctl.config import (
+    CONFIG_FILE_ENV,
+    Config,
+    ConfigError,
+    default_config_file,
+    find_config_file,
+)
 from bpsctl.errors import BpsctlError
-from bpsctl.config import (CONFIG_FILE_ENV, Config, ConfigError, default_config_file,
-                            find_config_file)
 
 err_console = Console(stderr=True)
 

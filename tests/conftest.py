@@ -1,18 +1,23 @@
-"""Shared pieces of the engine tests: a real cluster per module, jobs of worker threads, and
-process checks.
+"""Shared pieces of the tests: which tests are slow and what each needs (root, a GPU, sshd,
+jemalloc), a real cluster per module, jobs of worker threads, and process checks.
 
 Several ``Worker`` objects can live in one process (each owns its own ZeroMQ context and I/O
 thread), so correctness tests run their workers as threads against real server processes.
 """
 from __future__ import annotations
 
+import ctypes.util
+import functools
 import os
-import textwrap
+import shutil
 import signal
+import sys
+import textwrap
 import threading
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -21,6 +26,177 @@ import pytest
 from bpsctl.config import Config
 from bpsctl.engine import Worker
 from bpsctl.launch import api
+
+# --------------------------------------------------------------------------- tiers and needs
+#
+# Decided here and nowhere else. `python -m pytest -m "not slow"` is the developer loop (about
+# a minute on 2 cores); the README's `python -m pytest -q` runs everything, as CI does.
+
+#: tags of the tests, by module ("test_x.py"), by test ("test_x.py::name") or by one case of a
+#: parametrized test ("test_x.py::name[id]"); a test takes the tags of every key naming it.
+#: ``slow``, ``root`` and ``gpu`` become markers (declared in pyproject.toml); every other tag,
+#: and ``root`` and ``gpu``, is a need (NEEDS): without it the test skips, saying why. ``slow``
+#: is anything over about 5 s on a busy 2-core machine, setup included (a module-scoped
+#: fixture's cost falls on the module's first test), and the kinds that take minutes.
+TIERS: dict[str, set[str]] = {
+    # 8 workers x 4 servers for 1000 steps: about 2 minutes
+    "test_load.py": {"slow"},
+    # kill -9 / cut links on emulated clusters (4 runs of each fault): about 70 s
+    "test_fault_injection.py": {"slow", "root"},
+    # engine faults: processes killed or silent, deadlines running out (2-4 s each, 25 s in all)
+    "test_engine_faults.py": {"slow"},
+    "test_bench_comm.py::test_a_lost_server_fails_the_bench_and_its_logs_are_kept": {"slow"},
+    # hypothesis against live sockets: 2-5 s each
+    "test_fuzz_wire.py": {"slow"},
+    # allocators and idle release, each waiting for a quiet spell: 2-5 s each
+    "test_memory.py": {"slow"},
+    "test_memory.py::test_a_server_runs_on_jemalloc_unless_told_to_use_glibc": {"jemalloc"},
+    "test_memory.py::test_release_gives_back_what_a_burst_freed_and_keeps_what_is_held[jemalloc]":
+        {"jemalloc"},
+    # emulated clusters (network namespaces): 1-10 s each
+    "test_emulated_cluster.py": {"slow", "root"},
+    "test_emulate.py::test_create_reach_destroy": {"slow", "root"},
+    "test_emulate.py::test_teardown_on_keyboard_interrupt": {"slow", "root"},
+    "test_emulate.py::test_leftovers_of_a_crashed_run_are_found_and_removed": {"slow", "root"},
+    "test_emulate.py::test_shaped_nics_full_duplex_fair_and_capped": {"slow", "root"},
+    "test_emulate.py::test_tcp_hands_the_shaped_nic_segments_over_64_kib": {"slow", "root"},
+    "test_emulate.py::test_failed_create_removes_what_it_built": {"slow", "root"},
+    "test_tune.py::test_a_small_tuning_run_on_emulated_hosts": {"slow", "root"},
+    "test_tune.py::test_run_and_up_use_the_tuned_file_unless_overridden": {"slow"},
+    # SSH: a real sshd per emulated host
+    "test_ssh_cluster.py": {"slow", "root", "sshd", "ssh extra"},
+    "test_bench_ssh.py": {"slow", "root", "sshd", "ssh extra"},
+    # ResNet50 training against DDP and Horovod: 20-30 s each
+    "test_bench_train.py::test_train_bench_on_emulated_hosts_against_the_baselines":
+        {"slow", "root"},
+    "test_bench_train.py::test_rounds_rotate_the_order_and_pair_the_ratios": {"slow"},
+    # full training on 4 workers (the module's fixture trains every variant: about 12 s)
+    "test_torch_training.py": {"slow"},
+    # the plugins on more than 2 workers (5-7 s each launch under load); their 2-worker tests
+    # (torch: the API checks; mxnet: Gluon training) stay in the fast tier
+    "test_torch_plugin.py::test_intranode_stage_gives_exact_sums": {"slow"},
+    "test_mxnet_plugin.py::test_api_on_three_workers": {"slow"},
+    "test_mxnet_plugin.py::test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch[3]":
+        {"slow"},
+    "test_mxnet_plugin.py::test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch[4]":
+        {"slow"},
+    # CUDA; and a fresh interpreter importing torch, then a 2-worker job, for the CPU-only case
+    "test_torch_gpu.py::test_cpu_users_touch_no_cuda": {"slow"},
+    # the README's hello world: a 2-worker training job through the CLI, about 8 s
+    "test_examples.py": {"slow"},
+    "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu"},
+    "test_torch_gpu.py::test_cuda_sums_are_exact_with_the_stage_on_and_off": {"gpu", "2 gpus"},
+    "test_torch_gpu.py::test_distributed_optimizer_on_a_cuda_model_matches_the_cpu":
+        {"gpu", "2 gpus"},
+}
+MARKERS = ("slow", "root", "gpu")
+
+IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
+SSHD = Path("/usr/sbin/sshd")
+
+
+def _missing_root() -> str | None:
+    if os.geteuid() == 0:
+        return None
+    return "needs root (network namespaces): run the tests as root, as CI does"
+
+
+def _missing_sshd() -> str | None:
+    if SSHD.exists() and shutil.which("ssh-keygen") is not None:
+        return None
+    return "sshd is not installed: apt-get update && apt-get install -y openssh-server"
+
+
+def _missing_ssh_extra() -> str | None:
+    try:
+        import fabric  # noqa: F401
+        import yaml  # noqa: F401
+    except ImportError:
+        return "the [ssh] extra is not installed: pip install -e '.[ssh]'"
+    return None
+
+
+def _missing_jemalloc() -> str | None:
+    if ctypes.util.find_library("jemalloc") is not None:
+        return None
+    return "libjemalloc.so.2 is not installed (apt-get install libjemalloc2)"
+
+
+def _gpus() -> int:
+    torch = sys.modules.get("torch")        # the GPU tests' module imported it, if it could
+    if torch is None or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.device_count()
+
+
+def _missing_gpu() -> str | None:
+    if _gpus() > 0:
+        return None
+    return "torch.cuda.is_available() is False: no CUDA device (or a CPU-only torch)"
+
+
+def _missing_two_gpus() -> str | None:
+    if _gpus() >= 2:
+        return None
+    return ("the NCCL intra-node stage needs one GPU per local rank (NCCL refuses two ranks on "
+            f"one device): 2 local ranks need 2 GPUs, {_gpus()} visible")
+
+
+#: each need: why a test that has it skips here (None: this machine has it); checked in order
+NEEDS: dict[str, Callable[[], str | None]] = {
+    "root": _missing_root, "sshd": _missing_sshd, "ssh extra": _missing_ssh_extra,
+    "jemalloc": _missing_jemalloc, "gpu": _missing_gpu, "2 gpus": _missing_two_gpus,
+}
+#: needs that CI provides (.ci/run installs libjemalloc2): under CI a test skipped for one fails
+PROVIDED_IN_CI = {"jemalloc"}
+
+
+def tags(item: pytest.Item) -> set[str]:
+    """The TIERS tags of a collected test."""
+    module = item.path.name
+    name = item.name
+    keys = (module, f"{module}::{getattr(item, 'originalname', name)}", f"{module}::{name}")
+    return set().union(*(TIERS.get(key, set()) for key in keys))
+
+
+@functools.cache
+def missing(need: str) -> str | None:
+    return NEEDS[need]()
+
+
+@pytest.hookimpl(tryfirst=True)         # before -m selects by the markers added here
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        item_tags = tags(item)
+        for marker in MARKERS:
+            if marker in item_tags:
+                item.add_marker(marker)
+        for need in NEEDS:
+            reason = missing(need) if need in item_tags else None
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+                break
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI as root, a test marked ``root`` that skips has failed (see .ci/run); under CI,
+    so has a test that skips for lack of what CI provides (PROVIDED_IN_CI).
+
+    Without root those tests skip, saying why; with root (as CI runs) nothing should stop them.
+    """
+    outcome = yield
+    report = outcome.get_result()
+    if not (report.skipped and IN_CI):
+        return
+    if ((item.get_closest_marker("root") is not None and os.geteuid() == 0)
+            or tags(item) & PROVIDED_IN_CI):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI, which should provide what it needs: {reason}"
+
+
+# --------------------------------------------------------------------------- engine clusters
 
 #: servers in the module-scoped cluster; a job uses the first ``num_servers`` of them
 CLUSTER_SERVERS = 4
@@ -81,22 +257,6 @@ def engine_cluster():
         yield cluster
     kill_pids(pid for pid in pids if not gone(pid))
     assert all(gone(pid) for pid in pids), "the test cluster outlived its fixture"
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item, call):
-    """Under CI as root, a test marked ``root`` that skips has failed (see .ci/run).
-
-    Without root those tests skip, saying why; with root (as CI runs) nothing should stop them.
-    """
-    outcome = yield
-    report = outcome.get_result()
-    if (report.skipped and item.get_closest_marker("root") is not None
-            and os.environ.get("CI", "").lower() not in ("", "0", "false")
-            and os.geteuid() == 0):
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
-        report.outcome = "failed"
-        report.longrepr = f"a root test skipped under CI as root: {reason}"
 
 
 class JobFailed(AssertionError):

@@ -48,7 +48,8 @@ def state_dir(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("args, message", [
     (["run", "-np", "1"], "Missing argument 'CMD'."),
-    (["up", "--nic", "1gbit"], "--nic: a NIC rate only applies to an emulated cluster; add --emulate"),
+    (["up", "--nic", "1gbit"],
+     "--nic: a NIC rate only applies to an emulated cluster; add --emulate"),
     (["up", "--emulate", "--hosts", "h.yaml"], "--emulate builds its own hosts; drop --hosts"),
     (["bench", "comm", "--size", "16", "--tensors", "8"],
      "--size: 16 bytes is too small for 8 float32 tensors (at least 32 bytes)"),

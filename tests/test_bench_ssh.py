@@ -14,11 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from test_ssh_cluster import skip_reason, ssh_hosts
-
-REASON = skip_reason()
-pytestmark = [pytest.mark.root, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
+from test_ssh_cluster import ssh_hosts
 
 
 def _horovod_loads() -> bool:
@@ -38,8 +34,9 @@ def ssh_cluster_up(hosts, directory: Path, slots_w0: int, port: int):
     (at ``port``) and 2 servers; brought down on exit."""
     directory.mkdir(parents=True, exist_ok=True)
     hosts_file = hosts.hosts_yaml(directory / "hosts.yaml", slots=1, port=port)
+    w0 = hosts.address("w0")
     hosts_file.write_text(hosts_file.read_text().replace(
-        f"{{host: {hosts.address('w0')}, slots: 1,", f"{{host: {hosts.address('w0')}, slots: {slots_w0},"))
+        f"{{host: {w0}, slots: 1,", f"{{host: {w0}, slots: {slots_w0},"))
     state = ["--state-dir", str(directory / "state")]
     up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
     assert up.returncode == 0, up.stderr

@@ -18,13 +18,6 @@ from bpsctl.launch import emulate
 
 IS_ROOT = os.geteuid() == 0
 
-
-def root_only(test):
-    """Marked ``root``; skipped, saying why, when not root."""
-    skip = pytest.mark.skipif(not IS_ROOT, reason="network namespaces need root "
-                              "(run the tests as root; CI does)")
-    return pytest.mark.root(skip(test))
-
 #: TCP goodput through a shaped NIC, as a fraction of the configured rate (docs/benchmarks.md)
 GOODPUT_FRACTION = 0.957
 
@@ -267,7 +260,6 @@ def test_command_errors_carry_command_and_stderr():
 # --------------------------------------------------------------------------- as root
 
 @pytest.mark.timeout(30)
-@root_only
 def test_create_reach_destroy(cluster_id, tmp_path):
     script = tmp_path / "traffic.py"
     script.write_text(TRAFFIC_SCRIPT)
@@ -299,7 +291,6 @@ def test_create_reach_destroy(cluster_id, tmp_path):
 
 
 @pytest.mark.timeout(30)
-@root_only
 def test_teardown_on_keyboard_interrupt(cluster_id):
     plan = emulate.plan_network(1, 1, "100mbit", cluster_id=cluster_id)
     with pytest.raises(KeyboardInterrupt):
@@ -309,7 +300,6 @@ def test_teardown_on_keyboard_interrupt(cluster_id):
 
 
 @pytest.mark.timeout(30)
-@root_only
 def test_leftovers_of_a_crashed_run_are_found_and_removed(cluster_id):
     plan = emulate.plan_network(2, 1, "100mbit", cluster_id=cluster_id)
     network = emulate.create(plan)     # and never destroyed: a crashed run
@@ -350,7 +340,6 @@ def best_of(tries, measure, level):
 
 
 @pytest.mark.timeout(90)
-@root_only
 def test_shaped_nics_full_duplex_fair_and_capped(cluster_id, tmp_path):
     """The emulator itself: all-to-all traffic gets every host R in and R out (TCP goodput,
     ~95.7% of R), and one flow alone still gets all of R (the per-peer classes borrow)."""
@@ -375,7 +364,7 @@ def test_shaped_nics_full_duplex_fair_and_capped(cluster_id, tmp_path):
 
         tries = best_of(3, all_to_all, mean_level)
         print(f"\nall-to-all at R = {nic_mbit:g} Mbit/s (goodput limit {expected:.0f}):")
-        for n, (reports, rates) in enumerate(tries, 1):
+        for n, (_reports, rates) in enumerate(tries, 1):
             print(f" window {n} of {len(tries)}:")
             for name, (sent, received) in rates.items():
                 print(f"  {name}: sent {sent:.1f} Mbit/s, received {received:.1f} Mbit/s")
@@ -435,7 +424,6 @@ def _kernel_at_least(major, minor):
 
 
 @pytest.mark.timeout(60)
-@root_only
 @pytest.mark.skipif(not _kernel_at_least(6, 3), reason="IPv4 BIG TCP needs Linux 6.3 or newer; "
                     "older kernels emulate the same rates at a higher CPU cost per byte")
 def test_tcp_hands_the_shaped_nic_segments_over_64_kib(cluster_id, tmp_path):
@@ -460,7 +448,6 @@ def test_tcp_hands_the_shaped_nic_segments_over_64_kib(cluster_id, tmp_path):
 
 
 @pytest.mark.timeout(30)
-@root_only
 def test_failed_create_removes_what_it_built(cluster_id, monkeypatch):
     real_run = emulate._run
 

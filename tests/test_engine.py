@@ -154,7 +154,7 @@ def test_six_hundred_tensors_in_one_step(job):
         return [w.synchronize(h) for h in handles]
 
     for results in job(2, 4, body, partition_bytes=400):
-        for i, (size, result) in enumerate(zip(sizes, results)):
+        for i, (size, result) in enumerate(zip(sizes, results, strict=True)):
             assert_same(result, np.full(size, 2 * i * 10 + 1, np.float32))
 
 
@@ -168,8 +168,8 @@ def test_sixty_rounds_reuse_the_same_names_with_new_values(job):
         for step in range(rounds):
             handles = [w.push_pull_async(np.full(shape, step * 7 + w.rank + k, np.float64),
                                          name=name, average=False)
-                       for k, (name, shape) in enumerate(zip(names, shapes))]
-            for k, (handle, shape) in enumerate(zip(handles, shapes)):
+                       for k, (name, shape) in enumerate(zip(names, shapes, strict=True))]
+            for k, (handle, shape) in enumerate(zip(handles, shapes, strict=True)):
                 expected = np.full(shape, 3 * (step * 7 + k) + 3, np.float64)   # ranks 0, 1, 2
                 if not np.array_equal(w.synchronize(handle), expected):
                     wrong.append((step, names[k]))

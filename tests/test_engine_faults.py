@@ -136,7 +136,7 @@ class Workers:
         deadline = time.monotonic() + timeout_s
         outputs = [p.communicate(timeout=max(0.1, deadline - time.monotonic()))[0]
                    for p in self.processes]
-        return [(p.returncode, output) for p, output in zip(self.processes, outputs)]
+        return [(p.returncode, output) for p, output in zip(self.processes, outputs, strict=True)]
 
     def kill_all(self) -> None:
         for process in self.processes:
@@ -176,7 +176,7 @@ def test_workers_disagreeing_on_a_shape_all_fail_naming_it(cluster, tmp_path):
     assert result.exit_code == 1, output
     seen = errors_seen(output)
     assert sorted(seen) == [0, 1], output
-    for rank, (at, message) in seen.items():
+    for rank, (_at, message) in seen.items():
         assert message.startswith(f"EngineError: worker {rank}: workers disagree on tensor "
                                   "'layer3.weight': rank "), message
         assert "float32(4,)" in message and "float32(5,)" in message, message
@@ -492,7 +492,8 @@ def test_a_worker_that_leaves_early_is_named_within_seconds(engine_cluster):
             worker.shutdown()
 
 
-def test_a_rerun_right_after_a_crash_starts_once_the_crashed_job_is_declared_lost(cluster, tmp_path):
+def test_a_rerun_right_after_a_crash_starts_once_the_crashed_job_is_declared_lost(cluster,
+                                                                                   tmp_path):
     """The crashed job's workers went silent without leaving; the scheduler holds the new job's
     registrations until it declares them lost, instead of refusing them as a busy cluster."""
     config = run_config(cluster)

@@ -34,11 +34,6 @@ from conftest import gone, kill_pids
 
 from bpsctl.launch import api, emulate
 
-pytestmark = [
-    pytest.mark.root,
-    pytest.mark.skipif(os.geteuid() != 0, reason="emulated clusters need root (network namespaces)"),
-]
-
 RUNS = int(os.environ.get("BPSCTL_FAULT_RUNS", "4"))
 SEED = int(os.environ.get("BPSCTL_FAULT_SEED", "8"))
 REPORT_FILE = os.environ.get("BPSCTL_FAULT_REPORT")
@@ -168,12 +163,13 @@ def strike_run(cluster: Cluster, tmp_path: Path, kind: str, index: int) -> Outco
         # a random point: while joining, or some steps in, part-way through a step
         if rng.random() < 0.2:
             phase = "startup"
-            wait_for(lambda: len(files(report_dir, "pid")) == np_workers, 30, "the workers to start")
+            wait_for(lambda: len(files(report_dir, "pid")) == np_workers, 30,
+                     "the workers to start")
         else:
             step = rng.randrange(4)
             phase = f"step {step}"
-            wait_for(lambda: sum(s >= step for s in files(report_dir, "step").values()) == np_workers,
-                     30, f"every worker to finish step {step}")
+            wait_for(lambda: sum(s >= step for s in files(report_dir, "step").values())
+                     == np_workers, 30, f"every worker to finish step {step}")
         offset_s = rng.uniform(0, 0.15)
         time.sleep(offset_s)
         phase += f" +{offset_s * 1000:.0f} ms"

@@ -91,7 +91,8 @@ plausible = st.one_of(
                      "|V2", "bfloat16", secrets.token_hex(16), "", "x" * 300]),
     st.floats(allow_nan=True, allow_infinity=True))
 tensor_spec = st.fixed_dictionaries({}, optional={
-    "name": plausible, "dtype": st.sampled_from(["float32", "int8", "|V2", "complex64", "O"]) | plausible,
+    "name": plausible,
+    "dtype": st.sampled_from(["float32", "int8", "|V2", "complex64", "O"]) | plausible,
     "shape": st.lists(st.integers(-3, 1 << 62), max_size=4) | plausible})
 bodies = st.one_of(
     st.fixed_dictionaries({}, optional={f: plausible for f in FIELDS}),

@@ -21,7 +21,8 @@ def test_every_example_loads(name):
 def test_design_example_roles_ports_and_order():
     hosts = load_hosts(EXAMPLES / "hosts.yaml")
     assert hosts.python == "/opt/venv/bin/python"
-    assert (hosts.scheduler.host, hosts.scheduler.port, hosts.scheduler.line) == ("10.0.0.5", 9000, 4)
+    assert (hosts.scheduler.host, hosts.scheduler.port, hosts.scheduler.line) == (
+        "10.0.0.5", 9000, 4)
     assert [(s.host, s.count, s.port) for s in hosts.servers] == [("10.0.0.5", 2, 9001),
                                                                  ("10.0.0.6", 1, 9001)]
     assert [(w.host, w.count, w.interface) for w in hosts.workers] == [
@@ -73,11 +74,14 @@ BASE = "scheduler: {host: a}\nworkers:\n  - {host: b, slots: 2}\n"
     ("scheduler: {host: a}\n", "hosts.yaml: workers: missing (required)"),
     ("workers:\n  - {slots: 2}\n", ":2: workers[0].host: missing (required)"),
     # wrong type
-    ("workers:\n  - {host: b, slots: four}\n", ":2: workers[0].slots: expected a whole number, got 'four'"),
-    ("ssh: {port: '22'}\nworkers: [{host: b}]\n", ":1: ssh.port: expected a whole number, got '22'"),
+    ("workers:\n  - {host: b, slots: four}\n",
+     ":2: workers[0].slots: expected a whole number, got 'four'"),
+    ("ssh: {port: '22'}\nworkers: [{host: b}]\n",
+     ":1: ssh.port: expected a whole number, got '22'"),
     ("scheduler: [a]\nworkers: [{host: b}]\n", ":1: scheduler: expected a mapping such as"),
     # unknown key
-    ("workers:\n  - {host: b, slot: 2}\n", ":2: workers[0].slot: unknown key (expected one of: host, slots"),
+    ("workers:\n  - {host: b, slot: 2}\n",
+     ":2: workers[0].slot: unknown key (expected one of: host, slots"),
     ("pyhton: /usr/bin/python3\nworkers: [{host: b}]\n", ":1: pyhton: unknown key"),
     # slots: 0
     ("workers:\n  - {host: b, slots: 0}\n", ":2: workers[0].slots: expected at least 1, got 0"),
@@ -109,7 +113,8 @@ def test_every_problem_is_reported_at_once():
 def test_bad_hostfile_and_missing_file(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("h1 slots=4\nh2 slots=0\n")
-    with pytest.raises(ConfigError, match=r"hostfile:2: slots: expected a whole number of at least 1"):
+    with pytest.raises(ConfigError,
+                       match=r"hostfile:2: slots: expected a whole number of at least 1"):
         load_hosts(hostfile)
     hostfile.write_text("h1 cpus=4\n")
     with pytest.raises(ConfigError, match=r"hostfile:1: expected `host slots=N`"):

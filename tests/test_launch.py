@@ -13,7 +13,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import gone, kill_pids, wait_until
 
 from bpsctl.config import Config, ConfigError

@@ -39,6 +39,7 @@ def test_8_workers_4_servers_1000_steps_exact_sums_and_flat_memory():
     for role, entry in report["roles"].items():
         assert entry["max_growth"] < 0.05, (role, report["rss_MiB"])
     assert set(report["roles"]) == {"scheduler", "server", "worker"}
-    assert (report["roles"]["server"]["processes"], report["roles"]["worker"]["processes"]) == (4, 8)
+    roles = report["roles"]
+    assert (roles["server"]["processes"], roles["worker"]["processes"]) == (4, 8)
     assert report["ok"]
 

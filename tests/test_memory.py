@@ -23,18 +23,6 @@ from bpsctl.config import Config, ConfigError
 from bpsctl.engine import Worker
 from bpsctl.launch import api
 
-IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false")
-
-
-@pytest.fixture
-def jemalloc_installed():
-    """Skips without jemalloc, except under CI, whose .ci/run installs libjemalloc2."""
-    if ctypes.util.find_library("jemalloc") is None:
-        message = "libjemalloc.so.2 is not installed (apt-get install libjemalloc2)"
-        if IN_CI:
-            pytest.fail(f"{message} under CI: .ci/run installs it")
-        pytest.skip(message)
-
 
 def test_the_allocator_choice_is_checked():
     assert Config(server_malloc="glibc").server_malloc == "glibc"
@@ -44,7 +32,7 @@ def test_the_allocator_choice_is_checked():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("choice", ["auto", "glibc"])
-def test_a_server_runs_on_jemalloc_unless_told_to_use_glibc(jemalloc_installed, choice):
+def test_a_server_runs_on_jemalloc_unless_told_to_use_glibc(choice):
     with api.local_cluster(cluster_config(server_malloc=choice), servers=1) as cluster:
         server, = [p for p in cluster.processes if p.role == "server"]
         # the launcher's recorded pid is the process that serves: the server re-executes itself
@@ -85,11 +73,10 @@ BURST = textwrap.dedent('''
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("allocator", ["glibc", "jemalloc"])
-def test_release_gives_back_what_a_burst_freed_and_keeps_what_is_held(allocator, request):
+def test_release_gives_back_what_a_burst_freed_and_keeps_what_is_held(allocator):
     env = dict(os.environ)
     env.pop("LD_PRELOAD", None)
     if allocator == "jemalloc":
-        request.getfixturevalue("jemalloc_installed")
         env["LD_PRELOAD"] = ctypes.util.find_library("jemalloc")
     out = subprocess.run([sys.executable, "-c", BURST], env=env, capture_output=True, text=True,
                          timeout=50, check=True).stdout

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import CHECK_HELPER
 
 from bpsctl.config import Config
 from bpsctl.launch.api import run_local
-from conftest import CHECK_HELPER
 
 try:
     import mxnet as mx

@@ -64,7 +64,8 @@ class Intruder:
         if not self.sock.poll(timeout_ms):
             return None
         frames = self.sock.recv_multipart()
-        return P.unpack_header(frames[0])[0], (P.parse_control(frames)[1] if len(frames) == 2 else {})
+        body = P.parse_control(frames)[1] if len(frames) == 2 else {}
+        return P.unpack_header(frames[0])[0], body
 
     def close(self) -> None:
         self.sock.close(0)
@@ -280,8 +281,9 @@ def test_curve_refuses_a_worker_without_its_keys_or_mode_at_once(secret, mode, c
 
 
 def test_a_worker_in_another_mode_than_an_hmac_cluster_is_told_so(hmac_cluster):
-    with pytest.raises(EngineError, match="refused a connection that has not proven the cluster "
-                                          r"secret \(security mode hmac; BPSCTL_SECURITY must match"):
+    with pytest.raises(EngineError,
+                       match="refused a connection that has not proven the cluster "
+                             r"secret \(security mode hmac; BPSCTL_SECURITY must match"):
         Worker(_worker_config(hmac_cluster, security="none"))
 
 

@@ -15,28 +15,16 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+
+from conftest import SSHD
 
 from bpsctl.launch import emulate
 
-SSHD = "/usr/sbin/sshd"
 OTHER_SSH_PORT = 2222           # every sshd listens on 22 and on this port
 SSHD_READY_TIMEOUT_S = 10.0
-
-
-def skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "emulated hosts need root (network namespaces); run the tests as root, CI does"
-    if not Path(SSHD).exists() or shutil.which("ssh-keygen") is None:
-        return ("sshd is not installed: apt-get update && apt-get install -y openssh-server")
-    try:
-        import fabric  # noqa: F401
-        import yaml  # noqa: F401
-    except ImportError:
-        return "the [ssh] extra is not installed: pip install -e '.[ssh]'"
-    return None
 
 
 @dataclass
@@ -137,8 +125,9 @@ class SshHosts:
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
 
     def hosts_yaml(self, path: Path, *, python: str | None = None, key: str | None = None,
-                   servers_on: str = "s0", servers: int = 2, workers: tuple[str, ...] = ("w0", "w1"),
-                   slots: int = 2, extra: str = "", port: int = 9000) -> Path:
+                   servers_on: str = "s0", servers: int = 2,
+                   workers: tuple[str, ...] = ("w0", "w1"), slots: int = 2, extra: str = "",
+                   port: int = 9000) -> Path:
         lines = [f"ssh: {{user: root, key: {key or self.key}, connect_timeout_s: 3, retries: 1}}",
                  f"python: {python or sys.executable}",
                  f"workdir: {self.directory / 'remote'}",
@@ -184,8 +173,6 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-REASON = skip_reason()
-pytestmark = [pytest.mark.root, pytest.mark.skipif(REASON is not None, reason=REASON or "")]
 HOSTS_WITH_BPSCTL = ("w0", "w1", "s0")
 
 
@@ -600,8 +587,9 @@ def test_known_hosts_of_the_hosts_file_and_another_port(cluster_hosts, state, tm
     users.write_text("# the user's own\n")
     hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
     text = hosts_file.read_text().replace("retries: 1}", f"retries: 1, known_hosts: {users}}}")
-    text = text.replace(f"{{host: {w1}, slots: 2, interface: eth0}}",
-                        f"{{host: {w1}, slots: 2, interface: eth0, ssh: {{port: {OTHER_SSH_PORT}}}}}")
+    text = text.replace(
+        f"{{host: {w1}, slots: 2, interface: eth0}}",
+        f"{{host: {w1}, slots: 2, interface: eth0, ssh: {{port: {OTHER_SSH_PORT}}}}}")
     hosts_file.write_text(text)
     up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
     assert up.returncode == 0, up.stderr

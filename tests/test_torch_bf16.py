@@ -10,7 +10,7 @@ from bpsctl.engine import protocol as P  # noqa: E402
 from bpsctl.engine.server import PartitionState  # noqa: E402
 
 
-def bits(t: "torch.Tensor") -> np.ndarray:
+def bits(t: torch.Tensor) -> np.ndarray:
     return t.contiguous().view(torch.int16).numpy().view(np.uint16)
 
 
@@ -22,11 +22,12 @@ def test_server_sums_bfloat16_in_float32_and_rounds_like_torch(workers):
     pushes[0][:3] = torch.tensor([float("inf"), float("nan"), -0.0])
     state = PartitionState(part=0, dtype_code=P.BFLOAT16_CODE, nbytes=4099 * 2, thread=-1,
                            expected=workers)
-    for round_ in range(2):                          # buffers are reused across rounds
+    for _round in range(2):                          # buffers are reused across rounds
         done = [state.accumulate(bits(p).tobytes(), workers) for p in pushes]
         assert done == [False] * (workers - 1) + [True]
         want = sum(p.float() for p in pushes).to(torch.bfloat16)
-        got = torch.from_numpy(np.array(state.result, copy=True).view(np.int16)).view(torch.bfloat16)
+        result = np.array(state.result, copy=True).view(np.int16)
+        got = torch.from_numpy(result).view(torch.bfloat16)
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got[~want.isnan()], want[~want.isnan()])
         state.summed, state.round = 0, state.round + 1

@@ -15,8 +15,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from bpsctl.config import Config  # noqa: E402
 from conftest import CHECK_HELPER  # noqa: E402
+
+from bpsctl.config import Config  # noqa: E402
 from bpsctl.launch.api import run_local  # noqa: E402
 
 PRELUDE = textwrap.dedent('''
@@ -115,7 +116,8 @@ def in_place():
 def compression_fp16_and_bf16():
     x = torch.linspace(-3, 3, 1001) * (R + 1)
     exact = sum(torch.linspace(-3, 3, 1001) * (r + 1) for r in range(N)) / N
-    for name, comp, tol in [("fp16", bps.Compression.fp16, 1e-2), ("bf16", bps.Compression.bf16, 5e-2)]:
+    for name, comp, tol in [("fp16", bps.Compression.fp16, 1e-2),
+                            ("bf16", bps.Compression.bf16, 5e-2)]:
         got = bps.push_pull(x, name=f"compressed.{name}", compression=comp)
         assert got.dtype == torch.float32
         assert torch.allclose(got, exact, atol=tol, rtol=tol), (name, (got - exact).abs().max())

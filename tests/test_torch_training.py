@@ -58,7 +58,8 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
                                        compression=compression, backward_passes_per_step=passes)
         for step in range(STEPS):
             x, y = global_batch(step, N, LOCAL_BATCH)
-            x, y = x[R * LOCAL_BATCH:(R + 1) * LOCAL_BATCH], y[R * LOCAL_BATCH:(R + 1) * LOCAL_BATCH]
+            mine = slice(R * LOCAL_BATCH, (R + 1) * LOCAL_BATCH)
+            x, y = x[mine], y[mine]
             opt.zero_grad()
             for xs, ys in zip(x.chunk(passes), y.chunk(passes)):
                 loss = torch.nn.functional.cross_entropy(model(xs), ys) / passes
@@ -86,7 +87,8 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
             time.sleep(1.0)
             return grad
     first, last = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
-    opt = bps.DistributedOptimizer(torch.optim.SGD(list(first.parameters()) + list(last.parameters()), lr=0.1),
+    params = list(first.parameters()) + list(last.parameters())
+    opt = bps.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
                                    [("first.weight", first.weight), ("first.bias", first.bias),
                                     ("last.weight", last.weight), ("last.bias", last.bias)])
     pushed = {}
@@ -99,7 +101,8 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
     last(Slow.apply(first(torch.ones(2, 64)))).sum().backward()
     backward_end = time.monotonic()
     report["overlap.first_push_before_backward_end_s"] = backward_end - pushed[id(last.weight)]
-    report["overlap.last_layer_done_at_backward_end"] = bps.poll(opt._sync.handles[opt._sync.bucket_of[last.weight]])
+    report["overlap.last_layer_done_at_backward_end"] = bps.poll(
+        opt._sync.handles[opt._sync.bucket_of[last.weight]])
     report["overlap.first_layer_pushed_last"] = pushed[id(first.weight)] > pushed[id(last.bias)]
     opt.step()
 

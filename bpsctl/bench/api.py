@@ -17,14 +17,15 @@ import statistics
 import sys
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Iterator
+from typing import IO, Any, cast
 
 from .. import __version__, launch
-from ..launch.local import host_command
 from ..config import SECURITY_MODES, Config, ConfigError
 from ..errors import BpsctlError
+from ..launch.local import host_command
 from .comm import RESULT_MARKER, zmq_pair_seconds
 from .train import throughput
 
@@ -56,8 +57,8 @@ class CommSettings:
     def __post_init__(self) -> None:
         wrong = [m for m in self.security if m not in SECURITY_MODES]
         if wrong or len(set(self.security)) != len(self.security):
-            raise ConfigError(f"--security: expected distinct modes among {', '.join(SECURITY_MODES)}"
-                              f", got {','.join(self.security)}")
+            raise ConfigError(f"--security: expected distinct modes among "
+                              f"{', '.join(SECURITY_MODES)}, got {','.join(self.security)}")
         unknown = [c for c in self.compare if c not in COMM_BASELINES]
         if unknown:
             raise ConfigError(f"--compare: {', '.join(unknown)} is not a baseline of bench comm; "
@@ -67,8 +68,8 @@ class CommSettings:
             try:
                 import torch.distributed  # noqa: F401
             except ImportError:
-                raise ConfigError("--compare allreduce needs torch: pip install torch==2.13.0 "
-                                  "(the CPU build; a plain `pip install torch` pulls CUDA)") from None
+                raise ConfigError("--compare allreduce needs torch: pip install torch==2.13.0 (the "
+                                  "CPU build; a plain `pip install torch` pulls CUDA)") from None
 
 
 def ideal_seconds(system: str, size_bytes: int, workers: int, servers: int,
@@ -141,7 +142,8 @@ def bench_cluster(config: Config, workers: int | None, servers: int | None,
         yield config, nic
         return
     with launch.local_cluster(config, servers=servers, workers=workers) as cluster:
-        yield config.replace(state_dir=Path(cluster.state_dir)), config.nic_mbit if config.emulate else None
+        nic = config.nic_mbit if config.emulate else None
+        yield config.replace(state_dir=Path(cluster.state_dir)), nic
 
 
 class _ResultCatcher(io.TextIOBase):
@@ -197,11 +199,12 @@ def _run_workers(config: Config, module: str, args: list[str], workers: int, ser
     """``python -m module args`` as every worker of the cluster named by ``config`` (over SSH
     with the hosts file's ``python:``); rank 0's result, read from the relayed output."""
     catcher = _ResultCatcher(output)
+    stream = cast(IO[str], catcher)     # a text stream: the relays only write and flush
     job_config = config.replace(num_servers=servers)
     cluster = ssh_cluster(config.state_dir)
     python = cluster.hosts.python if cluster is not None and cluster.hosts else sys.executable
     result = launch.run([python, "-m", module, *args], job_config, workers=workers,
-                        servers=servers, stdout=catcher, stderr=catcher)
+                        servers=servers, stdout=stream, stderr=stream)
     if result.exit_code != 0:
         detail = ""
         if result.failures:
@@ -267,7 +270,8 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
     speedup: dict[str, float] = {}
     if "allreduce" in settings.compare:
         theirs = _run_workers(config, "bpsctl.bench.allreduce", common, n, k, output)
-        results.append(_row("allreduce", theirs["version"], theirs["seconds"], size, n, k, nic_mbit))
+        results.append(_row("allreduce", theirs["version"], theirs["seconds"], size, n, k,
+                            nic_mbit))
         speedup["allreduce"] = results[-1]["seconds"] / row["seconds"]
     report: dict[str, Any] = {
         "kind": "comm", "workers": n, "servers": k, "nic_mbit": nic_mbit, "size_bytes": size,
@@ -311,7 +315,8 @@ def run_comm(config: Config, settings: CommSettings, output: IO[str] | None = No
         for size in settings.sizes:
             points: list[list[dict[str, Any]]] = [[] for _ in modes]
             for done in range(passes):
-                for index, (mode, (cluster_config, nic)) in enumerate(zip(modes, clusters)):
+                for index, (mode, (cluster_config, nic)) in enumerate(
+                        zip(modes, clusters, strict=True)):
                     progress(f"{size} bytes" + (f", security {mode}, pass {done + 1} of "
                                                 f"{passes}" if settings.security else ""))
                     # the baselines and raw ZeroMQ do not depend on the mode: measured once,
@@ -338,7 +343,7 @@ def _with_security_modes(points: list[list[dict[str, Any]]], modes: tuple[str, .
     report = points[0][0]
     n, k, size, nic = report["workers"], report["servers"], report["size_bytes"], report["nic_mbit"]
     rows = []
-    for mode, passes in zip(modes, points):
+    for mode, passes in zip(modes, points, strict=True):
         seconds = [s for point in passes for s in point["results"][0]["seconds_all"][-per_pass:]]
         row = _row("bpsctl", __version__, seconds, size, n, k, nic)
         row["push_pulls_per_s"] = report["tensors"] / row["seconds"]
@@ -440,7 +445,8 @@ def _grouped(hosts: list[str]) -> list[tuple[str, int]]:
 
 
 @contextlib.contextmanager
-def _horovod_rendezvous(config: Config, workers: int) -> Iterator[tuple[list[tuple[str, int]], int]]:
+def _horovod_rendezvous(config: Config,
+                        workers: int) -> Iterator[tuple[list[tuple[str, int]], int]]:
     """Horovod's rendezvous server on the first worker host (over SSH on an SSH cluster, in its
     namespace on an emulated one); yields the host plan it serves and its port."""
     cluster = ssh_cluster(config.state_dir)
@@ -558,7 +564,8 @@ def _pooled(system: str, rows: list[dict[str, Any]], batch_size: int) -> dict[st
     """One system's result over all rounds: every timed iteration pooled, as if one run had
     made them all (a single round's row is returned as it came)."""
     if len(rows) == 1:
-        return {"system": system, **{key: value for key, value in rows[0].items() if key != "system"}}
+        return {"system": system,
+                **{key: value for key, value in rows[0].items() if key != "system"}}
     img_secs = [value for row in rows for value in row["img_secs_per_worker"]]
     return {"system": system, "version": rows[0]["version"],
             **throughput(img_secs, rows[0]["workers"], batch_size),

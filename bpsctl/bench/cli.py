@@ -3,15 +3,22 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, parse_size
 
-from .api import (CommSettings, TrainSettings, cluster_size, run_comm, run_sweep,
-                  run_train, ssh_cluster)
+from .api import (
+    CommSettings,
+    TrainSettings,
+    cluster_size,
+    run_comm,
+    run_sweep,
+    run_train,
+    ssh_cluster,
+)
 from .report import plot_comm, plot_train, print_comm, print_train
 
 WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on an SSH cluster: its hosts "
@@ -27,11 +34,11 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def _names(text: Optional[str]) -> tuple[str, ...]:
+def _names(text: str | None) -> tuple[str, ...]:
     return tuple(part.strip() for part in (text or "").split(",") if part.strip())
 
 
-def _sweep(text: Optional[str]) -> list[int] | None:
+def _sweep(text: str | None) -> list[int] | None:
     if text is None:
         return None
     key, sep, values = text.partition("=")
@@ -44,9 +51,9 @@ def _sweep(text: Optional[str]) -> list[int] | None:
     return counts
 
 
-def _cluster_config(ctx: typer.Context, partition_bytes: Optional[str],
-                    credit_bytes: Optional[str], emulate: Optional[bool],
-                    nic: Optional[str], config_file: Optional[Path] = None) -> Any:
+def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
+                    credit_bytes: str | None, emulate: bool | None,
+                    nic: str | None, config_file: Path | None = None) -> Any:
     """The Config every benchmark (and tune) shares: data-path knobs, the (emulated) cluster
     flags, and the tuned config file under them."""
     flags = {"partition_bytes": (None if partition_bytes is None
@@ -72,7 +79,7 @@ def _where(config: Any) -> str:
         else "this machine"
 
 
-def _write_json(path: Optional[Path], report: dict[str, Any]) -> None:
+def _write_json(path: Path | None, report: dict[str, Any]) -> None:
     if path is None:
         return
     if str(path) == "-":
@@ -84,37 +91,40 @@ def _write_json(path: Optional[Path], report: dict[str, Any]) -> None:
 
 @bench_app.command()
 def comm(ctx: typer.Context,
-         workers: Optional[int] = typer.Option(None, "--workers", "-n", min=1, show_default="2",
-                                               help=WORKERS_HELP),
-         servers: Optional[int] = typer.Option(None, "--servers", min=1,
-                                               help="Summation servers (default: num_servers of "
-                                                    "the config, else as many as workers)."),
+         workers: int | None = typer.Option(None, "--workers", "-n", min=1, show_default="2",
+                                            help=WORKERS_HELP),
+         servers: int | None = typer.Option(None, "--servers", min=1,
+                                            help="Summation servers (default: num_servers of "
+                                                 "the config, else as many as workers)."),
          size: str = typer.Option("64MiB", "--size", help="Bytes each worker push_pulls per round "
                                   "(64MiB, 4MB, 4096000), or several: 1MiB,16MiB,64MiB,256MiB."),
-         tensors: int = typer.Option(8, "--tensors", min=1, help="Tensors the bytes are spread over."),
+         tensors: int = typer.Option(8, "--tensors", min=1,
+                                     help="Tensors the bytes are spread over."),
          warmup: int = typer.Option(3, "--warmup", min=0, help="Untimed rounds first."),
-         repeats: int = typer.Option(10, "--repeats", min=1, help="Timed rounds (the median is reported)."),
-         compare: Optional[str] = typer.Option(None, "--compare",
-                                               help="Baselines in the same run: allreduce "
-                                                    "(torch.distributed gloo ring allreduce)."),
-         emulate: Optional[bool] = knob_option("emulate", "--emulate"),
-         nic: Optional[str] = knob_option("nic", "--nic"),
-         sweep: Optional[str] = typer.Option(None, "--sweep", metavar="workers=2,4,6,8",
-                                             help="A cluster per worker count; speedup over "
-                                                  "allreduce against the theory 2(n-1)/n."),
-         partition_bytes: Optional[str] = knob_option("partition_bytes", "--partition-bytes"),
-         credit_bytes: Optional[str] = knob_option("credit_bytes", "--credit-bytes"),
-         security: Optional[str] = typer.Option(
+         repeats: int = typer.Option(10, "--repeats", min=1,
+                                     help="Timed rounds (the median is reported)."),
+         compare: str | None = typer.Option(None, "--compare",
+                                            help="Baselines in the same run: allreduce "
+                                                 "(torch.distributed gloo ring allreduce)."),
+         emulate: bool | None = knob_option("emulate", "--emulate"),
+         nic: str | None = knob_option("nic", "--nic"),
+         sweep: str | None = typer.Option(None, "--sweep", metavar="workers=2,4,6,8",
+                                          help="A cluster per worker count; speedup over "
+                                               "allreduce against the theory 2(n-1)/n."),
+         partition_bytes: str | None = knob_option("partition_bytes", "--partition-bytes"),
+         credit_bytes: str | None = knob_option("credit_bytes", "--credit-bytes"),
+         security: str | None = typer.Option(
              None, "--security", metavar="MODE[,MODE]",
              help="Security modes to measure side by side, each on a private cluster: hmac, "
                   "curve, none (default: BPSCTL_SECURITY's mode only)."),
          raw: bool = typer.Option(True, "--raw/--no-raw",
-                                  help="Also measure raw ZeroMQ for the same bytes (loopback only)."),
-         json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
-                                                  help="Write the results as JSON (- for stdout)."),
-         plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
-                                                  help="Draw the results as a PNG."),
-         config_file: Optional[Path] = config_file_option(),
+                                  help="Also measure raw ZeroMQ for the same bytes (loopback "
+                                       "only)."),
+         json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
+                                               help="Write the results as JSON (- for stdout)."),
+         plot_file: Path | None = typer.Option(None, "--plot", metavar="FILE",
+                                               help="Draw the results as a PNG."),
+         config_file: Path | None = config_file_option(),
          ) -> None:
     """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
@@ -146,12 +156,13 @@ def comm(ctx: typer.Context,
             err_console.print(f"wrote {plot_file}", highlight=False)
 
 
-def _train(ctx: typer.Context, model: str, workers: Optional[int], servers: Optional[int], batch_size: int,
-           image_size: int, num_classes: int, warmup: int, iters: int, batches_per_iter: int,
-           compare: Optional[str], rounds: int, emulate: Optional[bool], nic: Optional[str],
-           partition_bytes: Optional[str], credit_bytes: Optional[str],
-           json_file: Optional[Path], plot_file: Optional[Path],
-           config_file: Optional[Path]) -> None:
+def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | None,
+           batch_size: int, image_size: int, num_classes: int, warmup: int, iters: int,
+           batches_per_iter: int,
+           compare: str | None, rounds: int, emulate: bool | None, nic: str | None,
+           partition_bytes: str | None, credit_bytes: str | None,
+           json_file: Path | None, plot_file: Path | None,
+           config_file: Path | None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file)
         workers, servers = cluster_size(config, workers, servers)
@@ -177,36 +188,43 @@ def _train(ctx: typer.Context, model: str, workers: Optional[int], servers: Opti
 
 def _train_command(model: str, title: str) -> None:
     def command(ctx: typer.Context,
-                workers: Optional[int] = typer.Option(None, "--workers", "-n", min=1,
-                                                      show_default="2", help=WORKERS_HELP),
-                servers: Optional[int] = typer.Option(None, "--servers", min=1,
-                                                      help="Summation servers (default: num_servers "
-                                                           "of the config, else as many as workers)."),
-                batch_size: int = typer.Option(4, "--batch-size", min=1, help="Images per worker per batch."),
+                workers: int | None = typer.Option(None, "--workers", "-n", min=1,
+                                                   show_default="2", help=WORKERS_HELP),
+                servers: int | None = typer.Option(None, "--servers", min=1,
+                                                   help="Summation servers (default: "
+                                                        "num_servers of the config, else as many "
+                                                        "as workers)."),
+                batch_size: int = typer.Option(4, "--batch-size", min=1,
+                                               help="Images per worker per batch."),
                 image_size: int = typer.Option(32, "--image-size", min=32,
-                                               help="Side of the square synthetic images (pixels)."),
-                num_classes: int = typer.Option(1000, "--num-classes", min=2, help="Output classes."),
+                                               help="Side of the square synthetic images "
+                                                    "(pixels)."),
+                num_classes: int = typer.Option(1000, "--num-classes", min=2,
+                                                help="Output classes."),
                 warmup: int = typer.Option(2, "--warmup", min=1,
-                                           help="Untimed batches first (they declare every tensor)."),
+                                           help="Untimed batches first (they declare every "
+                                                "tensor)."),
                 iters: int = typer.Option(5, "--iters", min=1, help="Timed iterations."),
                 batches_per_iter: int = typer.Option(1, "--batches-per-iter", min=1,
                                                      help="Batches per timed iteration."),
-                compare: Optional[str] = typer.Option(
+                compare: str | None = typer.Option(
                     None, "--compare", help="Baselines in the same run: horovod (Horovod with "
                     "Gloo; `bpsctl install horovod`), ddp (torch DDP, gloo, 25 MB buckets)."),
                 rounds: int = typer.Option(1, "--rounds", min=1,
                                            help="Run every system this many times, each going "
                                                 "first in turn; speedup is the median of the "
-                                                "rounds' ratios (for machines whose speed drifts)."),
-                emulate: Optional[bool] = knob_option("emulate", "--emulate"),
-                nic: Optional[str] = knob_option("nic", "--nic"),
-                partition_bytes: Optional[str] = knob_option("partition_bytes", "--partition-bytes"),
-                credit_bytes: Optional[str] = knob_option("credit_bytes", "--credit-bytes"),
-                json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
-                                                         help="Write the results as JSON (- for stdout)."),
-                plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
-                                                         help="Draw img/sec per system as a PNG."),
-                config_file: Optional[Path] = config_file_option(),
+                                                "rounds' ratios (for machines whose speed "
+                                                "drifts)."),
+                emulate: bool | None = knob_option("emulate", "--emulate"),
+                nic: str | None = knob_option("nic", "--nic"),
+                partition_bytes: str | None = knob_option("partition_bytes", "--partition-bytes"),
+                credit_bytes: str | None = knob_option("credit_bytes", "--credit-bytes"),
+                json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
+                                                      help="Write the results as JSON (- for "
+                                                           "stdout)."),
+                plot_file: Path | None = typer.Option(None, "--plot", metavar="FILE",
+                                                      help="Draw img/sec per system as a PNG."),
+                config_file: Path | None = config_file_option(),
                 ) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
@@ -232,10 +250,10 @@ def load(ctx: typer.Context,
                                      help="Of each ResNet50 gradient's size (1: 97.5 MiB in all)."),
          max_growth: float = typer.Option(0.05, "--max-growth", min=0.0,
                                           help="Largest RSS growth after warm-up that passes."),
-         partition_bytes: Optional[str] = knob_option("partition_bytes", "--partition-bytes"),
-         credit_bytes: Optional[str] = knob_option("credit_bytes", "--credit-bytes"),
-         json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
-                                                  help="Write the results as JSON (- for stdout)."),
+         partition_bytes: str | None = knob_option("partition_bytes", "--partition-bytes"),
+         credit_bytes: str | None = knob_option("credit_bytes", "--credit-bytes"),
+         json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
+                                               help="Write the results as JSON (- for stdout)."),
          ) -> None:
     """Many steps of ResNet50's gradients on the embedded default: exact canary sums every
     step, and every process's memory flat after warm-up (exit 1 otherwise)."""

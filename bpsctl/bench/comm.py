@@ -62,7 +62,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     arrays = [np.full(n, rank + 1, dtype=np.float32) for n in counts]
     outputs = [np.empty_like(a) for a in arrays]
     names = [f"bench.t{i}" for i in range(len(arrays))]
-    for name, a in zip(names, arrays):
+    for name, a in zip(names, arrays, strict=True):
         bps.declare(name, a.shape, a.dtype)
     expected = size * (size + 1) / 2
 
@@ -71,7 +71,7 @@ def worker_main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         # earlier tensors first, as a training step's next forward pass would want
         handles = [bps.push_pull_async(a, name=name, average=False, priority=-i, out=o)
-                   for i, (a, name, o) in enumerate(zip(arrays, names, outputs))]
+                   for i, (a, name, o) in enumerate(zip(arrays, names, outputs, strict=True))]
         for h in handles:
             bps.synchronize(h)
         return time.perf_counter() - start
@@ -117,12 +117,11 @@ def zmq_pair_seconds(size_bytes: int, message_bytes: int, repeats: int = 5, warm
 
     message_bytes = max(1, min(message_bytes, size_bytes))
     count, tail = divmod(size_bytes, message_bytes)
-    payload = np.ones(message_bytes, dtype=np.uint8)
+    payload = np.ones(message_bytes, dtype=np.uint8).data
     with tempfile.TemporaryDirectory() as tmp:
         port_file = os.path.join(tmp, "ports")
-        sink = subprocess.Popen([sys.executable, "-c",
-                                 f"from bpsctl.bench.comm import _zmq_sink; _zmq_sink({port_file!r})"],
-                                start_new_session=True)
+        sink = subprocess.Popen([sys.executable, "-c", "from bpsctl.bench.comm import _zmq_sink; "
+                                 f"_zmq_sink({port_file!r})"], start_new_session=True)
         ctx = zmq.Context()
         try:
             deadline = time.monotonic() + timeout_s

@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                  for r in range(args.workers)]
         for proc in procs:
             proc.start()
-        collected = []
+        collected: list[tuple[int, dict[str, list[float]], int, int]] = []
         try:
             deadline = time.monotonic() + 600
             while len(collected) < len(procs):

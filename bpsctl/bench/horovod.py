@@ -43,7 +43,8 @@ def installed_version(python: str = sys.executable, timeout_s: float = 60.0) -> 
     """Horovod's version if ``import horovod.torch`` works in ``python``, else None. Checked in
     a fresh interpreter: a build against another torch fails only when its extension loads."""
     try:
-        done = subprocess.run([python, "-c", "import horovod, horovod.torch; print(horovod.__version__)"],
+        done = subprocess.run([python, "-c",
+                               "import horovod, horovod.torch; print(horovod.__version__)"],
                               capture_output=True, text=True, timeout=timeout_s, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -71,10 +72,12 @@ def patch_cxx_standard(source: Path) -> list[Path]:
     return changed
 
 
-def _run(cmd: list[str], output: IO[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
+def _run(cmd: list[str], output: IO[str], env: dict[str, str] | None = None,
+         cwd: Path | None = None) -> None:
     output.write("$ " + " ".join(cmd) + "\n")
     output.flush()
-    done = subprocess.run(cmd, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=cwd, check=False)
+    done = subprocess.run(cmd, stdout=output, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                          check=False)
     if done.returncode != 0:
         raise HorovodError(f"`{' '.join(cmd)}` exited {done.returncode} (its output is above)")
 
@@ -150,33 +153,35 @@ def rendezvous(hosts: list[tuple[str, int]], prefix: tuple[str, ...] = (),
         [*prefix, sys.executable, "-m", "bpsctl.bench.horovod", "rendezvous", json.dumps(hosts)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)
+    stdin, stdout, stderr = process.stdin, process.stdout, process.stderr
+    assert stdin is not None and stdout is not None and stderr is not None     # PIPEs
     try:
         deadline = time.monotonic() + timeout_s
         line = ""
         while not line:
             left = deadline - time.monotonic()
             if process.poll() is not None or left <= 0:
-                error = process.stderr.read() if process.poll() is not None else ""
+                error = stderr.read() if process.poll() is not None else ""
                 raise HorovodError("Horovod's rendezvous server did not start"
                                    + (f": {error.strip().splitlines()[-1]}" if error.strip() else
                                       f" within {timeout_s:g} s"))
-            ready, _, _ = select.select([process.stdout], [], [], min(left, 0.5))
+            ready, _, _ = select.select([stdout], [], [], min(left, 0.5))
             if ready:
-                line = process.stdout.readline().strip()
+                line = stdout.readline().strip()
                 if not line:
                     continue
         yield int(line)
     finally:
         with contextlib.suppress(OSError):
-            process.stdin.close()
+            stdin.close()
         try:
             process.wait(timeout=5)
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, 9)
             process.wait()
-        process.stdout.close()
-        process.stderr.close()
+        stdout.close()
+        stderr.close()
 
 
 if __name__ == "__main__":

@@ -36,8 +36,8 @@ import psutil
 
 from ..config import Config
 from ..engine import EngineError, Worker
-from ..launch.api import local_cluster
 from ..errors import BpsctlError
+from ..launch.api import local_cluster
 from .grads import resnet50_shapes
 
 CANARY_ELEMENTS = 4096
@@ -92,7 +92,8 @@ def _worker(rank: int, settings: LoadSettings, config: Config, scheduler: str, s
         outs = [np.empty_like(g) for g in grads]
         grad_sum = size * (size + 1) // 2
         offsets = np.arange(CANARY_ELEMENTS, dtype=np.int64)
-        canary, canary_out = np.empty(CANARY_ELEMENTS, np.int64), np.empty(CANARY_ELEMENTS, np.int64)
+        canary = np.empty(CANARY_ELEMENTS, np.int64)
+        canary_out = np.empty(CANARY_ELEMENTS, np.int64)
         want = np.empty(CANARY_ELEMENTS, np.int64)
         checkpoints = settings.checkpoint_steps()
         step_times = []
@@ -101,7 +102,8 @@ def _worker(rank: int, settings: LoadSettings, config: Config, scheduler: str, s
             # rank r sends (r + 1) * (step + 1) + i: the sum is known exactly for every element
             np.add(offsets, (rank + 1) * (step + 1), out=canary)
             handles = [worker.push_pull_async(g, name=f"grad.{i}", average=False, priority=-i,
-                                              out=o) for i, (g, o) in enumerate(zip(grads, outs))]
+                                              out=o)
+                       for i, (g, o) in enumerate(zip(grads, outs, strict=True))]
             handles.append(worker.push_pull_async(canary, name="canary", average=False,
                                                   priority=-len(grads), out=canary_out))
             for handle in handles:
@@ -160,9 +162,10 @@ def run_load(config: Config, settings: LoadSettings,
         procs = [ctx.Process(target=_worker, args=(rank, settings, config, cluster.scheduler,
                                                    cluster.secret, job, events, resume))
                  for rank in range(settings.workers)]
-        for proc in procs:
+        for rank, proc in enumerate(procs):
             proc.start()
-        pids.update({f"worker:{rank}": proc.pid for rank, proc in enumerate(procs)})
+            assert proc.pid is not None                 # set by start()
+            pids[f"worker:{rank}"] = proc.pid
         readings: dict[int, dict[str, int]] = {}          # settled
         at_barrier: dict[int, dict[str, int]] = {}
         arrived: dict[int, int] = {}
@@ -243,12 +246,14 @@ def _mib(readings: dict[int, dict[str, int]]) -> dict[str, dict[str, float]]:
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [(f"{report['steps']} steps of {report['tensors']} tensors "
-              f"({report['gradient_bytes'] / 2**20:.1f} MiB of gradients, scale {report['scale']:g}), "
+              f"({report['gradient_bytes'] / 2**20:.1f} MiB of gradients, "
+              f"scale {report['scale']:g}), "
               f"{report['workers']} workers x {report['servers']} servers: every canary sum exact; "
-              f"median step {report['median_step_s'] * 1e3:.1f} ms, {report['wall_s']:.0f} s in all")]
+              f"median step {report['median_step_s'] * 1e3:.1f} ms, "
+              f"{report['wall_s']:.0f} s in all")]
     for role, entry in report["roles"].items():
-        lines.append(f"  {role:9} x{entry['processes']}: RSS {entry['warmup_rss_MiB']:.1f} MiB after "
-                     f"warm-up, {entry['end_rss_MiB']:.1f} MiB at the end (largest process); "
+        lines.append(f"  {role:9} x{entry['processes']}: RSS {entry['warmup_rss_MiB']:.1f} MiB "
+                     f"after warm-up, {entry['end_rss_MiB']:.1f} MiB at the end (largest process); "
                      f"growth at most {entry['max_growth'] * 100:+.2f}% "
                      f"({entry['max_growth_at_barrier'] * 100:+.2f}% at the barrier)")
     verdict = "within" if report["ok"] else "OVER"

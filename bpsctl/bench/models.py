@@ -23,7 +23,8 @@ class VGG(nn.Module):
             if v == "M":
                 layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
             else:
-                layers += [nn.Conv2d(channels, int(v), kernel_size=3, padding=1), nn.ReLU(inplace=True)]
+                layers += [nn.Conv2d(channels, int(v), kernel_size=3, padding=1),
+                           nn.ReLU(inplace=True)]
                 channels = int(v)
         self.features = nn.Sequential(*layers)
         self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
@@ -34,7 +35,8 @@ class VGG(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                nn.init.zeros_(m.bias)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
             elif isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, 0, 0.01)
                 nn.init.zeros_(m.bias)
@@ -90,7 +92,8 @@ class ResNet(nn.Module):
         downsample = None
         if stride != 1 or self.inplanes != width * Bottleneck.expansion:
             downsample = nn.Sequential(
-                nn.Conv2d(self.inplanes, width * Bottleneck.expansion, 1, stride=stride, bias=False),
+                nn.Conv2d(self.inplanes, width * Bottleneck.expansion, 1, stride=stride,
+                          bias=False),
                 nn.BatchNorm2d(width * Bottleneck.expansion))
         layers = [Bottleneck(self.inplanes, width, stride, downsample)]
         self.inplanes = width * Bottleneck.expansion

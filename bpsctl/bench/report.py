@@ -125,7 +125,8 @@ def print_comm(console: Console, report: dict[str, Any]) -> None:
         if "security_cost" in r:
             console.print(f"{format_bytes(r['size_bytes'])}: time of each security mode over "
                           + ("none" if "none" in r["security_cost"] else "the first") + ": "
-                          + ", ".join(f"{mode} {cost:.2f}x" for mode, cost in r["security_cost"].items()),
+                          + ", ".join(f"{mode} {cost:.2f}x"
+                                      for mode, cost in r["security_cost"].items()),
                           highlight=False)
         if "allreduce" in r["speedup"] and "theory_speedup" in r and len(reports) > 1:
             console.print(f"{r['workers']} workers, {format_bytes(r['size_bytes'])}: speedup over "
@@ -238,7 +239,7 @@ def plot_train(report: dict[str, Any], path: Path) -> None:
     errors = [row["img_per_sec_ci95"] for row in report["results"]]
     bars = ax.bar(systems, values, yerr=errors, capsize=6,
                   color=["tab:blue", "tab:orange", "tab:green", "tab:gray"][:len(systems)])
-    for bar, system in zip(bars, systems):
+    for bar, system in zip(bars, systems, strict=True):
         speedup = report["speedup"].get(system)
         if speedup is not None:
             ax.annotate(f"bpsctl {speedup:.2f}x", (bar.get_x() + bar.get_width() / 2,

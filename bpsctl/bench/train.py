@@ -81,7 +81,8 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
         bps.init()
         bps.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-        return model, optimizer, bps.rank(), bps.size(), f"bpsctl {bpsctl.__version__}", bps.shutdown
+        return (model, optimizer, bps.rank(), bps.size(), f"bpsctl {bpsctl.__version__}",
+                bps.shutdown)
     if system == "ddp":
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="env://",
@@ -172,12 +173,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{args.system} iter {i + 1}/{args.iters}: {img_secs[-1]:.2f} img/sec per worker "
                   f"({seconds / args.batches_per_iter:.3f} s/step)", flush=True)
     if rank == 0:
+        timed_batches = args.iters * args.batches_per_iter
         print_result({
             "system": args.system, "version": version,
             **throughput(img_secs, size, args.batch_size),
             "phase_seconds_per_step": {
-                "forward_backward": phases["backward_seconds"] / (args.iters * args.batches_per_iter),
-                "optimizer_step": phases["step_seconds"] / (args.iters * args.batches_per_iter)}})
+                "forward_backward": phases["backward_seconds"] / timed_batches,
+                "optimizer_step": phases["step_seconds"] / timed_batches}})
     shutdown()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()

@@ -23,7 +23,7 @@ def scheduler_status(address: str, secret: str, timeout_s: float = 3.0,
     """
     where = f"the scheduler at {address}"
     guard = Security(security, secret)
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     sock = make_socket(ctx, zmq.DEALER)
     guard.protect_connecting(sock)
     watch = monitor(sock)

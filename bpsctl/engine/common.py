@@ -14,6 +14,7 @@ from typing import Any
 import psutil
 import zmq
 from zmq.utils.monitor import parse_monitor_message
+
 from bpsctl.errors import BpsctlError
 
 
@@ -181,7 +182,7 @@ def lost_link(peer: str, timeout_s: float) -> str:
 
 def monitor_events(mon: zmq.Socket) -> list[int]:
     """Drain a monitor socket, returning the event codes seen."""
-    events = []
+    events: list[int] = []
     while True:
         try:
             frames = mon.recv_multipart(zmq.NOBLOCK)

@@ -34,7 +34,8 @@ import datetime
 import itertools
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,8 +118,9 @@ class LocalStage:
         self._streams: dict[tuple[int, str], Any] = {}      # (device, thread) -> side stream
         self._scatter_q: queue.SimpleQueue = queue.SimpleQueue()
         self._gather_q: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._scatter_loop, daemon=True, name="bps-local-rs"),
-                         threading.Thread(target=self._gather_loop, daemon=True, name="bps-local-ag")]
+        self._threads = [
+            threading.Thread(target=self._scatter_loop, daemon=True, name="bps-local-rs"),
+            threading.Thread(target=self._gather_loop, daemon=True, name="bps-local-ag")]
         for thread in self._threads:
             thread.start()
 
@@ -146,7 +148,8 @@ class LocalStage:
 
     # ------------------------------------------------------------------ threads
 
-    def _buffers_for(self, name: str, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _buffers_for(self, name: str,
+                     src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(padded input L*c, own chunk c, gathered L*c), kept per name: a name is never in
         flight twice, so they are free when it comes again."""
         chunk = -(-src.numel() // self.local_size)

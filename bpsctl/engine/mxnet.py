@@ -159,7 +159,7 @@ class _Op:
         self.array = array                      # keeps the memory behind the view alive
         view = _host_view(array, writable=True)
         self.staged = view is None
-        if self.staged:
+        if view is None:
             view = np.zeros(array.shape, array.dtype) if zero else array.asnumpy()  # copy
         elif zero:
             view[...] = 0                       # no NaN * 0: memory may be uninitialized
@@ -185,7 +185,7 @@ class _Batch:
               zero: bool = False) -> None:
         self.ops.append(_Op(array, name, average, priority, zero))
 
-    def __enter__(self) -> "_Batch":
+    def __enter__(self) -> _Batch:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
@@ -303,7 +303,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     def _do_push_pull(self, index, grad) -> None:
         indices, grads = (index, grad) if isinstance(index, (tuple, list)) else ([index], [grad])
         with _Batch() as batch:
-            for i, g in zip(indices, grads):
+            for i, g in zip(indices, grads, strict=True):
                 batch.start(g, f"DistributedOptimizer.grad.{i}", average=True, priority=-i)
 
     def update(self, index, weight, grad, state):
@@ -351,6 +351,8 @@ class DistributedTrainer(mx.gluon.Trainer):
     copies of a gradient are summed before the push.
     """
 
+    _params_to_init: list[Any]     # gluon.Trainer's: parameters it has not initialized yet
+
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None,
                  compression: type[Compressor] = Compression.none, root_rank: int = 0,
                  **kwargs: Any):
@@ -366,7 +368,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._init_params()
 
     def _init_params(self) -> None:
-        ready, deferred = [], []
+        ready: list[Any] = []
+        deferred: list[Any] = []
         for param in self._params_to_init:
             (deferred if param._deferred_init else ready).append(param)
         named = [(param.name, param.list_data()[0]) for param in ready]

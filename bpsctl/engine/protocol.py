@@ -31,7 +31,8 @@ REGISTER = 1        # any -> scheduler: {role, rank, world_size, job, host, port
 REGISTERED = 2      # scheduler -> any: {rank, servers: [{rank, host, port}], ...}
 HEARTBEAT = 3       # any -> scheduler: {}
 DECLARE = 4         # worker -> scheduler: {tensors: [{name, dtype, shape, nbytes}]}
-DECLARED = 5        # scheduler -> worker: {tensors: [{name, key, parts: [[pid, server, offset, length]]}]}
+DECLARED = 5        # scheduler -> worker: {tensors: [{name, key, parts}]},
+                    #   parts: [[pid, server, offset, length]]
 BARRIER = 6         # worker -> scheduler: {name}
 BARRIER_DONE = 7    # scheduler -> workers: {name}
 STATUS = 8          # client -> scheduler: {}
@@ -135,7 +136,8 @@ def unpack_header(frame: Any) -> tuple[int, int, int, int, int, int, int]:
         raise ProtocolError(f"bad magic {magic!r}: not a bpsctl peer")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"peer speaks bpsctl protocol version {version}, "
-                            f"this process speaks {PROTOCOL_VERSION}: install the same bpsctl version everywhere")
+                            f"this process speaks {PROTOCOL_VERSION}: install the same bpsctl "
+                            "version everywhere")
     return msg_type, dtype, flags, rank, part, round_, nbytes
 
 

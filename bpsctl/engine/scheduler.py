@@ -20,8 +20,8 @@ from .. import __version__
 from ..config import Config
 from . import protocol as P
 from .common import bound_router, exit_on_sigterm, setup_process_logging, write_ready_file
-from .security import Security, version_mismatch
 from .partition import Placement
+from .security import Security, version_mismatch
 
 
 @dataclass
@@ -167,7 +167,8 @@ class Scheduler:
 
     def _register(self, rid: bytes, msg: dict[str, Any]) -> None:
         if msg.get("version") != __version__:
-            self._send(rid, P.ERROR, {"message": version_mismatch(msg.get("version"), "the scheduler")})
+            self._send(rid, P.ERROR,
+                       {"message": version_mismatch(msg.get("version"), "the scheduler")})
             return
         if rid in self.members:
             raise P.ProtocolError(f"{self.members[rid].describe()} registered twice")
@@ -175,8 +176,9 @@ class Scheduler:
         if role == "worker":
             _check_worker_registration(msg)
         now = time.monotonic()
-        common = dict(rid=rid, role=role, host=P.str_field(msg, "host"),
-                      pid=P.int_field(msg, "pid", 0, 1 << 31, default=0), last_seen=now)
+        common: dict[str, Any] = dict(rid=rid, role=role, host=P.str_field(msg, "host"),
+                                      pid=P.int_field(msg, "pid", 0, 1 << 31, default=0),
+                                      last_seen=now)
         if role == "server":
             member = Member(rank=len(self.servers), port=P.int_field(msg, "port", 1, 65535),
                             **common)
@@ -207,7 +209,8 @@ class Scheduler:
             wanted = int(msg.get("num_servers") or 0) or len(live)
             if not live:
                 self._send(rid, P.ERROR, {"message": "no server has registered with the scheduler "
-                                          f"at {self.address}; start the cluster with `bpsctl up --servers K`"})
+                                          f"at {self.address}; start the cluster with "
+                                          "`bpsctl up --servers K`"})
                 return
             if wanted > len(live):
                 self._send(rid, P.ERROR, {"message": f"the job asks for {wanted} servers "
@@ -243,7 +246,8 @@ class Scheduler:
         """True when some worker of ``job`` has left or gone quiet: it will end by itself."""
         quiet_s = 2 * self.config.heartbeat_interval_s
         now = time.monotonic()
-        return any(w.state != "running" or now - w.last_seen > quiet_s for w in job.workers.values())
+        return any(w.state != "running" or now - w.last_seen > quiet_s
+                   for w in job.workers.values())
 
     @staticmethod
     def _busy_message(job: Job) -> str:
@@ -282,7 +286,8 @@ class Scheduler:
         if time.monotonic() - job.first_seen > job.start_timeout_s:
             missing = sorted(set(range(job.world_size)) - set(job.workers))
             message = (f"job {job.id!r}: worker rank(s) {missing} never registered within "
-                       f"{job.start_timeout_s:g} s (raise it with BPSCTL_START_TIMEOUT / --start-timeout)")
+                       f"{job.start_timeout_s:g} s (raise it with BPSCTL_START_TIMEOUT / "
+                       "--start-timeout)")
             self.log.warning(message)
             self._end_job(message, notify=job.workers.values())
 
@@ -290,7 +295,8 @@ class Scheduler:
 
     def _declare(self, member: Member, msg: dict[str, Any]) -> None:
         job = self.job
-        if job is None or not job.started or job.workers.get(member.rank) is not member:
+        if (job is None or not job.started or job.placement is None
+                or job.workers.get(member.rank) is not member):
             self._send(member.rid, P.ERROR, {"message": "declare outside a running job"})
             return
         answers = []
@@ -371,7 +377,8 @@ class Scheduler:
     def _check_liveness(self) -> None:
         now = time.monotonic()
         for member in list(self.members.values()):
-            if member.state != "running" or now - member.last_seen <= self.config.heartbeat_timeout_s:
+            if (member.state != "running"
+                    or now - member.last_seen <= self.config.heartbeat_timeout_s):
                 continue
             member.state = "lost"
             reason = f"no heartbeat for {now - member.last_seen:.1f} s"
@@ -395,7 +402,8 @@ class Scheduler:
         self._send(rid, P.STATUS_REPLY, {
             "servers": [s.as_dict(now) for s in self.servers],
             "workers": [w.as_dict(now) for w in workers],
-            "job": {"id": job.id, "world_size": job.world_size, "started": job.started} if job else None,
+            "job": ({"id": job.id, "world_size": job.world_size, "started": job.started}
+                    if job else None),
         })
 
 
@@ -412,7 +420,8 @@ def _check_worker_registration(msg: dict[str, Any]) -> None:
     P.float_field(msg, "start_timeout_s", 0, 1e6)
 
 
-def _checked_tensors(msg: dict[str, Any], partition_bytes: int) -> list[tuple[str, str, list[int], int]]:
+def _checked_tensors(msg: dict[str, Any],
+                     partition_bytes: int) -> list[tuple[str, str, list[int], int]]:
     """A DECLARE's tensors as (name, dtype, shape, nbytes), all checked before any is placed."""
     specs = msg.get("tensors", [])
     if not isinstance(specs, list) or len(specs) > P.MAX_TENSORS_PER_DECLARE:

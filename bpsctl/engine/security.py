@@ -75,7 +75,8 @@ class Security:
 
     def __post_init__(self) -> None:
         if self.mode not in SECURITY_MODES:
-            raise ValueError(f"security mode {self.mode!r}: expected one of {', '.join(SECURITY_MODES)}")
+            raise ValueError(f"security mode {self.mode!r}: expected one of "
+                             f"{', '.join(SECURITY_MODES)}")
 
     # ------------------------------------------------------------------ keys
 
@@ -95,7 +96,7 @@ class Security:
 
     # ------------------------------------------------------------------ sockets
 
-    def start_zap(self, ctx: zmq.Context, who: str, log: logging.Logger) -> "ZapHandler | None":
+    def start_zap(self, ctx: zmq.Context, who: str, log: logging.Logger) -> ZapHandler | None:
         """In ``curve`` mode, the ZAP handler of ``ctx`` (start it before binding)."""
         if self.mode != "curve":
             return None
@@ -119,10 +120,10 @@ class Security:
             sock.curve_publickey = keys.client_public
             sock.curve_secretkey = keys.client_secret
 
-    def gate(self, who: str, log: logging.Logger) -> "Gate":
+    def gate(self, who: str, log: logging.Logger) -> Gate:
         return Gate(self, who, log)
 
-    def login(self, sock: zmq.Socket, message: list[bytes], peer: str) -> "Login":
+    def login(self, sock: zmq.Socket, message: list[bytes], peer: str) -> Login:
         return Login(self, sock, message, peer)
 
 
@@ -206,7 +207,8 @@ class Gate:
         self._challenged: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()
         self._proven: OrderedDict[bytes, None] = OrderedDict()
 
-    def handle(self, rid: bytes, msg_type: int, msg: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
+    def handle(self, rid: bytes, msg_type: int,
+               msg: dict[str, Any]) -> tuple[int, dict[str, Any]] | None:
         """Answer an AUTH or PROOF message; returns the reply to send, if any."""
         mode = self.security.mode
         if mode != "hmac":
@@ -228,7 +230,8 @@ class Gate:
         proof = msg.get("proof")
         if nonces is None or not isinstance(proof, str) or not hmac.compare_digest(
                 proof.encode(), self.security._proof(b"connecting", nonces[1], nonces[0]).encode()):
-            self.log.warning("%s refused a connection that does not know the cluster secret", self.who)
+            self.log.warning("%s refused a connection that does not know the cluster secret",
+                             self.who)
             return P.ERROR, {"message": f"{self.who} refused this connection: wrong cluster "
                              "secret (BPSCTL_SECRET; `bpsctl run` sets it from the cluster state)"}
         _remember(self._proven, rid, None)

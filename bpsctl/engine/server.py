@@ -30,10 +30,22 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import (EngineError, bound_router, exec_with_jemalloc, exit_on_sigterm,
-                     jemalloc_loaded, keep_large_buffers, lost_link, make_socket, monitor,
-                     monitor_events, release_free_memory, setup_process_logging, watch_link,
-                     write_ready_file)
+from .common import (
+    EngineError,
+    bound_router,
+    exec_with_jemalloc,
+    exit_on_sigterm,
+    jemalloc_loaded,
+    keep_large_buffers,
+    lost_link,
+    make_socket,
+    monitor,
+    monitor_events,
+    release_free_memory,
+    setup_process_logging,
+    watch_link,
+    write_ready_file,
+)
 from .security import Security, handshake_failed, refused_handshake, version_mismatch
 
 #: partitions at least this large are summed on a summation thread
@@ -71,11 +83,8 @@ class PartitionState:
         if self.summed == 0:
             self.first = arr
         else:
-            if self.buffers is None:
-                count = self.nbytes // self.dtype.itemsize
-                self.buffers = [np.empty(count, self.dtype), np.empty(count, self.dtype)]
-            out = self.buffers[self.round & 1]
-            if self.summed == 1:
+            out = self._buffer()
+            if self.first is not None:          # the second push: first + second
                 np.add(self.first, arr, out=out)
                 self.first = None
             else:
@@ -83,15 +92,21 @@ class PartitionState:
         self.summed += 1
         if self.summed < num_workers:
             return False
-        self.result = self.first if num_workers == 1 else self.buffers[self.round & 1]
+        self.result = self.first if num_workers == 1 else self._buffer()
         self.first = None
         return True
+
+    def _buffer(self) -> np.ndarray:
+        """This round's sum: two buffers, used in turn by round, allocated on first use."""
+        if self.buffers is None:
+            count = self.nbytes // self.dtype.itemsize
+            self.buffers = [np.empty(count, self.dtype), np.empty(count, self.dtype)]
+        return self.buffers[self.round & 1]
 
     def _accumulate_bf16(self, arr: np.ndarray, num_workers: int) -> bool:
         if self.wide is None:
             count = self.nbytes // 2
             self.wide = (np.empty(count, np.float32), np.empty(count, np.float32))
-            self.buffers = [np.empty(count, np.uint16), np.empty(count, np.uint16)]
         total, scratch = self.wide
         if self.summed == 0:
             P.bf16_widen(arr, total)
@@ -100,8 +115,7 @@ class PartitionState:
         self.summed += 1
         if self.summed < num_workers:
             return False
-        out = self.buffers[self.round & 1]
-        self.result = P.bf16_round(total, scratch.view(np.uint32), out)
+        self.result = P.bf16_round(total, scratch.view(np.uint32), self._buffer())
         return True
 
 
@@ -176,10 +190,11 @@ class Server:
                                   f"{msg.get('message')}")
         if not connected:
             raise EngineError(f"cannot reach the scheduler at {self.scheduler_address} within "
-                              f"{self.config.start_timeout_s:g} s: nothing is listening there. Start "
-                              "the cluster with `bpsctl up`, or set BPSCTL_SCHEDULER")
+                              f"{self.config.start_timeout_s:g} s: nothing is listening there. "
+                              "Start the cluster with `bpsctl up`, or set BPSCTL_SCHEDULER")
         raise EngineError(f"the scheduler at {self.scheduler_address} did not answer the "
-                          f"registration within {self.config.start_timeout_s:g} s (BPSCTL_START_TIMEOUT)")
+                          f"registration within {self.config.start_timeout_s:g} s "
+                          "(BPSCTL_START_TIMEOUT)")
 
     # ------------------------------------------------------------------ loop
 
@@ -253,7 +268,8 @@ class Server:
             try:
                 if len(frames) < 2:
                     raise P.ProtocolError("message without a header")
-                msg_type, dtype, flags, rank, part, round_, nbytes = P.unpack_header(frames[1].buffer)
+                msg_type, dtype, flags, rank, part, round_, nbytes = P.unpack_header(
+                    frames[1].buffer)
                 if msg_type == P.PUSH:
                     self._push(rid, dtype, flags, part, round_, nbytes, frames)
                 elif msg_type in (P.HELLO, P.AUTH, P.PROOF):
@@ -312,7 +328,8 @@ class Server:
             raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
                                   f"{len(frames[2]) if len(frames) == 3 else 'no payload'}")
         if dtype >= len(P.DTYPES) or nbytes % P.DTYPES[dtype].itemsize:
-            raise P.ProtocolError(f"push of partition {part} has a bad dtype code {dtype} for {nbytes} bytes")
+            raise P.ProtocolError(f"push of partition {part} has a bad dtype code {dtype} for "
+                                  f"{nbytes} bytes")
         expected = self.num_hosts if flags & P.FLAG_HOST_REDUCED else self.num_workers
         state = self.parts.get(part)
         if state is None:
@@ -322,7 +339,8 @@ class Server:
             raise P.ProtocolError(
                 f"partition {part}: rank {rank} pushed {nbytes} bytes of {P.DTYPES[dtype]} "
                 f"(host-reduced: {bool(flags & P.FLAG_HOST_REDUCED)}) but earlier pushes had "
-                f"{state.nbytes} bytes of {P.DTYPES[state.dtype_code]} from {state.expected} pushers")
+                f"{state.nbytes} bytes of {P.DTYPES[state.dtype_code]} from {state.expected} "
+                "pushers")
         if round_ != state.round:
             raise P.ProtocolError(f"partition {part}: rank {rank} pushed round {round_}, "
                                   f"the server is at round {state.round}")
@@ -386,7 +404,8 @@ class Server:
                 return
             msg_type, msg = P.parse_control(frames)
             if msg_type == P.JOB_END and msg.get("job") == self.job_id:
-                self.log.info("job %s ended; freeing its %d partitions", self.job_id, len(self.parts))
+                self.log.info("job %s ended; freeing its %d partitions", self.job_id,
+                              len(self.parts))
                 self._reset(None, 0)
             elif msg_type == P.ERROR:
                 self.log.warning("scheduler: %s", msg.get("message"))

@@ -23,7 +23,8 @@ import io
 import itertools
 import pickle
 import threading
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -120,8 +121,9 @@ class _Plugin:
         w, cfg = self.worker, self.config
         if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0):
             if not cfg.master_port:
-                raise EngineError("the intra-node stage needs a rendezvous port: MASTER_PORT is not "
-                                  "set; launch with `bpsctl run`, or set BPSCTL_LOCAL_REDUCE=off")
+                raise EngineError("the intra-node stage needs a rendezvous port: MASTER_PORT is "
+                                  "not set; launch with `bpsctl run`, or set "
+                                  "BPSCTL_LOCAL_REDUCE=off")
             self.stage = LocalStage(w, cfg.master_addr, cfg.master_port, cfg.op_timeout_s)
 
     def close(self) -> None:
@@ -173,7 +175,8 @@ def local_rank() -> int:
     return _p().worker.local_rank
 
 
-def declare(name: str, shape: Iterable[int] | None = None, dtype: torch.dtype | None = None) -> None:
+def declare(name: str, shape: Iterable[int] | None = None,
+            dtype: torch.dtype | None = None) -> None:
     """Declare a tensor ahead of its first push_pull. BytePS's ``declare(name)`` (no shape) is
     accepted and does nothing: bpsctl needs no declaration order."""
     plugin = _p()
@@ -453,7 +456,8 @@ class _GradientSync:
                  compression: type[Compressor], passes_per_step: int,
                  before_first_push: Callable[[], None] | None = None):
         if passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step: expected at least 1, got {passes_per_step}")
+            raise ValueError(f"backward_passes_per_step: expected at least 1, "
+                             f"got {passes_per_step}")
         names = [name for name, _ in named_parameters]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
@@ -488,17 +492,19 @@ class _GradientSync:
                 self._push(bucket)
 
     def _push(self, bucket: _Bucket) -> None:
+        grads = []
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if len(bucket.params) == 1:
-            tensor = bucket.params[0].grad
+            grads.append(p.grad)
+        if len(grads) == 1:
+            tensor = grads[0]
         else:
             if bucket.flat is None:
                 first = bucket.params[0]
                 bucket.flat = torch.empty(sum(p.numel() for p in bucket.params),
                                           dtype=first.dtype, device=first.device)
-            torch.cat([p.grad.reshape(-1) for p in bucket.params], out=bucket.flat)
+            torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
             tensor = bucket.flat
         self.handles[bucket] = push_pull_async_inplace(tensor, average=True, name=bucket.name,
                                                        priority=bucket.priority,
@@ -516,7 +522,9 @@ class _GradientSync:
                 offset = 0
                 for p in bucket.params:
                     n = p.numel()
-                    p.grad.copy_(bucket.flat[offset:offset + n].view_as(p.grad))
+                    grad = p.grad
+                    assert grad is not None                 # _push gave every one a gradient
+                    grad.copy_(bucket.flat[offset:offset + n].view_as(grad))
                     offset += n
             bucket.ready = 0
         for p in self.params:
@@ -526,7 +534,9 @@ class _GradientSync:
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, params, named_parameters, compression, backward_passes_per_step):
-        super(self.__class__, self).__init__(params)
+        # the class is rebuilt on the wrapped optimizer's class (DistributedOptimizer): this is
+        # that optimizer's __init__, whose hyperparameters all have defaults
+        super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
         all_params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters is not None:
             named = list(named_parameters)

@@ -19,6 +19,7 @@ Path of one ``push_pull``:
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import json
@@ -26,7 +27,8 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import zmq
@@ -34,8 +36,15 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
-from .common import (EngineError, lost_link, make_socket, monitor, monitor_events,
-                     release_free_memory, watch_link)
+from .common import (
+    EngineError,
+    lost_link,
+    make_socket,
+    monitor,
+    monitor_events,
+    release_free_memory,
+    watch_link,
+)
 from .security import Login, Security, handshake_failed, refused_handshake
 
 
@@ -135,7 +144,8 @@ class Worker:
 
         # owned by the I/O thread
         self._tensors: dict[str, dict[str, Any]] = {}         # name -> {key, parts, dtype, shape}
-        self._awaiting_declare: dict[str, tuple[dict[str, Any], list[_Task]]] = {}  # name -> (spec, tasks)
+        # name -> (spec, tasks)
+        self._awaiting_declare: dict[str, tuple[dict[str, Any], list[_Task]]] = {}
         self._queue: list[tuple[int, int, _Task, list[int]]] = []
         self._seq = itertools.count()
         self._inflight_bytes = 0
@@ -168,8 +178,8 @@ class Worker:
                 mode = state.get("security", mode)
             except FileNotFoundError:
                 raise EngineError("no scheduler to connect to: BPSCTL_SCHEDULER is not set and no "
-                                  f"cluster is recorded in {state_file}. Start one with `bpsctl up`, "
-                                  "or launch this script with `bpsctl run`") from None
+                                  f"cluster is recorded in {state_file}. Start one with "
+                                  "`bpsctl up`, or launch this script with `bpsctl run`") from None
             except (ValueError, KeyError, TypeError) as exc:
                 raise EngineError(f"cannot read the cluster state in {state_file}: {exc}; "
                                   "run `bpsctl down` and `bpsctl up` again") from None
@@ -216,7 +226,8 @@ class Worker:
             try:
                 msg_type, msg = P.parse_control(self._sched.recv_multipart())
             except P.ProtocolError as exc:
-                raise EngineError(f"rank {cfg.rank}: {where} answered with a bad message: {exc}") from None
+                raise EngineError(f"rank {cfg.rank}: {where} answered with a bad message: "
+                                  f"{exc}") from None
             if self._answer(login, msg_type, msg):
                 continue
             if msg_type == P.ERROR:
@@ -378,11 +389,12 @@ class Worker:
             self._sched: self._drain_scheduler,
             self._sched_monitor: self._check_scheduler_link,
         }
-        for index, (sock, mon) in enumerate(zip(self._server_socks, self._server_monitors)):
+        for index, (sock, mon) in enumerate(zip(self._server_socks, self._server_monitors,
+                                                strict=True)):
             poller.register(sock, zmq.POLLIN)
             poller.register(mon, zmq.POLLIN)
-            handlers[sock] = lambda s=sock: self._drain_server(s)
-            handlers[mon] = lambda i=index: self._check_server_link(i)
+            handlers[sock] = functools.partial(self._drain_server, sock)
+            handlers[mon] = functools.partial(self._check_server_link, index)
         interval, release_after = self.config.heartbeat_interval_s, self.config.idle_release_s
         next_tick = time.monotonic() + interval
         last_busy, kept = 0.0, False        # kept: the allocator may hold freed results
@@ -421,7 +433,8 @@ class Worker:
             if kind == "task":
                 self._start_task(payload, declares)
             elif kind == "declare":
-                if payload["name"] not in self._tensors and payload["name"] not in self._awaiting_declare:
+                if (payload["name"] not in self._tensors
+                        and payload["name"] not in self._awaiting_declare):
                     self._awaiting_declare[payload["name"]] = (payload, [])
                     declares.append(payload)
             elif kind == "barrier":
@@ -455,7 +468,8 @@ class Worker:
         if info["dtype"] != str(task.dtype) or info["shape"] != task.shape:
             self._finish(task, ValueError(
                 f"tensor {task.name!r} was declared as {info['dtype']}{tuple(info['shape'])} but "
-                f"push_pull got {task.dtype}{tuple(task.shape)}; use another name for another tensor"))
+                f"push_pull got {task.dtype}{tuple(task.shape)}; use another name for another "
+                "tensor"))
             return
         task.parts = info["parts"]
         task.remaining = len(task.parts)
@@ -479,7 +493,7 @@ class Worker:
                                     rank=self.rank,
                                     part=part_id, round=self._rounds.get(part_id, 0),
                                     nbytes=length), zmq.SNDMORE)
-            sock.send(task.src[offset:offset + length], copy=False)
+            sock.send(task.src[offset:offset + length].data, copy=False)
             self._inflight_bytes += length
             self._unacked[part_id] = length
             self._active[part_id] = (task, part)
@@ -510,7 +524,7 @@ class Worker:
             itemsize = task.dtype.itemsize
             start = part[2] // itemsize
             dst = task.dst[start:start + part[3] // itemsize]
-            src = np.frombuffer(payload, dtype=task.dtype)
+            src = np.frombuffer(payload.buffer, dtype=task.dtype)
             if task.divisor is None:
                 np.copyto(dst, src)
             elif task.dtype == P.BFLOAT16:
@@ -584,7 +598,8 @@ class Worker:
                 f"the scheduler at {self.scheduler_address}", self.config.heartbeat_timeout_s)))
 
     def _check_server_link(self, index: int) -> None:
-        if zmq.EVENT_DISCONNECTED in monitor_events(self._server_monitors[index]) and not self._stop:
+        if (zmq.EVENT_DISCONNECTED in monitor_events(self._server_monitors[index])
+                and not self._stop):
             server = self._servers[index]
             self._fail_all(EngineError(f"worker {self.rank}: " + lost_link(
                 f"server {server['rank']} at {server['host']}:{server['port']}",

@@ -10,13 +10,29 @@ from pathlib import Path
 from typing import IO
 
 from bpsctl.config import Config
-from bpsctl.launch.cluster import (down, logs, private_cluster, recorded, run, run_on, status,
-                                   up, worker_plan, worker_slots)
+from bpsctl.launch.cluster import (
+    down,
+    logs,
+    private_cluster,
+    recorded,
+    run,
+    run_on,
+    status,
+    up,
+    worker_plan,
+    worker_slots,
+)
 from bpsctl.launch.local import local_cluster, up_emulated, up_local
 from bpsctl.launch.runloop import STOP_GRACE_S
 from bpsctl.launch.state import load_state, log_files, logs_dir, state_file
-from bpsctl.launch.types import (ClusterState, DownReport, LaunchError, ProcessRecord, RunResult,
-                                 WorkerFailure)
+from bpsctl.launch.types import (
+    ClusterState,
+    DownReport,
+    LaunchError,
+    ProcessRecord,
+    RunResult,
+    WorkerFailure,
+)
 
 
 def run_local(cmd: list[str], np: int, config: Config, servers: int = 1,

@@ -18,8 +18,8 @@ from bpsctl.config import Config, ConfigError
 from bpsctl.launch import local, ssh, state
 from bpsctl.launch.plan import Assignment, Plan, cluster_hosts, plan
 from bpsctl.launch.processes import stop_signals_recorded
-from bpsctl.launch.runloop import STOP_GRACE_S, new_job_id, run_workers
 from bpsctl.launch.report import no_cluster
+from bpsctl.launch.runloop import STOP_GRACE_S, new_job_id, run_workers
 from bpsctl.launch.types import ClusterState, DownReport, HostsSpec, LaunchError, RunResult
 
 

@@ -28,9 +28,9 @@ import struct
 import subprocess
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import psutil
 
@@ -388,7 +388,8 @@ def _set_gso(namespace: str, devices: Sequence[str], size: int = GSO_BYTES) -> N
     how many times per byte the kernel runs the stack, the bridge and both htb qdiscs; and
     on one machine every emulated host's kernel work is paid by the same few cores. Larger
     segments cost fewer core-seconds per byte (docs/benchmarks.md), which is closer to a real
-    host, whose NIC segments in hardware. The wire's MTU stays 1500 and htb counts every byte, so rates are unchanged.
+    host, whose NIC segments in hardware. The wire's MTU stays 1500 and htb counts every byte,
+    so rates are unchanged.
 
     iproute2 before 6.3 cannot set these sizes, so this speaks netlink itself, from a thread
     that enters the namespace. A kernel without BIG TCP rejects or ignores the sizes: the
@@ -556,7 +557,8 @@ def owner_alive(cluster_id: str) -> bool:
     """True while the process that built ``cluster_id``'s network still runs (it may be
     about to start the cluster's processes, or be a test or tool that holds the network)."""
     try:
-        pid, started = (NETNS_ETC / namespace_name(cluster_id, SWITCH_HOST) / _OWNER_FILE).read_text().split()
+        owner = NETNS_ETC / namespace_name(cluster_id, SWITCH_HOST) / _OWNER_FILE
+        pid, started = owner.read_text().split()
         return abs(psutil.Process(int(pid)).create_time() - float(started)) < 0.01
     except (OSError, ValueError, psutil.Error):
         return False

@@ -10,7 +10,7 @@ import getpass
 import os
 import re
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -35,47 +35,47 @@ _Port = Field(ge=1, le=65535)
 
 
 class _SshModel(_Model):
-    user: Optional[str] = None
-    port: Optional[int] = Field(default=None, ge=1, le=65535)
-    key: Optional[str] = None
-    connect_timeout_s: Optional[Union[float, int]] = Field(default=None, gt=0)
-    retries: Optional[int] = Field(default=None, ge=0, le=20)
-    known_hosts: Optional[str] = Field(default=None, min_length=1)
+    user: str | None = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    key: str | None = None
+    connect_timeout_s: float | int | None = Field(default=None, gt=0)
+    retries: int | None = Field(default=None, ge=0, le=20)
+    known_hosts: str | None = Field(default=None, min_length=1)
 
 
 class _SchedulerModel(_Model):
     host: str = Field(min_length=1)
     port: int = Field(default=DEFAULT_SCHEDULER_PORT, ge=1, le=65535)
-    interface: Optional[str] = None
-    address: Optional[str] = None
-    ssh: Optional[_SshModel] = None
+    interface: str | None = None
+    address: str | None = None
+    ssh: _SshModel | None = None
 
 
 class _ServerModel(_Model):
     host: str = Field(min_length=1)
     count: int = Field(default=1, ge=1, le=256)
-    port: Optional[int] = Field(default=None, ge=1, le=65535)
-    interface: Optional[str] = None
-    address: Optional[str] = None
-    ssh: Optional[_SshModel] = None
+    port: int | None = Field(default=None, ge=1, le=65535)
+    interface: str | None = None
+    address: str | None = None
+    ssh: _SshModel | None = None
 
 
 class _WorkerModel(_Model):
     host: str = Field(min_length=1)
     slots: int = Field(default=1, ge=1, le=1024)
-    interface: Optional[str] = None
-    address: Optional[str] = None
-    ssh: Optional[_SshModel] = None
+    interface: str | None = None
+    address: str | None = None
+    ssh: _SshModel | None = None
 
 
 class _HostsModel(_Model):
-    ssh: Optional[_SshModel] = None
+    ssh: _SshModel | None = None
     python: str = Field(default=DEFAULT_PYTHON, min_length=1)
     workdir: str = Field(default=DEFAULT_WORKDIR, min_length=1)
     master_port: int = Field(default=DEFAULT_MASTER_PORT, ge=1, le=65535)
     env: dict[str, str] = Field(default_factory=dict)
-    scheduler: Optional[_SchedulerModel] = None
-    servers: Optional[list[_ServerModel]] = None
+    scheduler: _SchedulerModel | None = None
+    servers: list[_ServerModel] | None = None
     workers: list[_WorkerModel]
 
 
@@ -257,7 +257,8 @@ def _expand_workers(value: Any, where: str, lines: dict[tuple, int]) -> Any:
     line = _line_of(lines, ("workers",))
     if isinstance(value, str):
         parsed = _parse_horovod(value, where, line)
-    elif isinstance(value, dict) and set(value) == {"hostfile"} and isinstance(value["hostfile"], str):
+    elif (isinstance(value, dict) and set(value) == {"hostfile"}
+          and isinstance(value["hostfile"], str)):
         hostfile = Path(value["hostfile"]).expanduser()
         if not hostfile.is_absolute():
             hostfile = Path(where).resolve().parent / hostfile
@@ -324,7 +325,7 @@ def _did_you_mean(loc: tuple) -> str:
     return f" (expected one of: {', '.join(model.model_fields)})"
 
 
-def _ssh(model: Optional[_SshModel], base: SshOptions) -> SshOptions:
+def _ssh(model: _SshModel | None, base: SshOptions) -> SshOptions:
     if model is None:
         return base
     return SshOptions(

@@ -30,10 +30,17 @@ from bpsctl.engine.security import new_secret
 from bpsctl.launch import emulate, state
 from bpsctl.launch.output import OutputRelay
 from bpsctl.launch.plan import Assignment
-from bpsctl.launch.processes import (ProcessIdentity, StopSignals, is_running, reap_if_child,
-                                     start_process, stop_groups, stop_signals_recorded)
-from bpsctl.launch.runloop import STOP_GRACE_S, WorkerProcess
+from bpsctl.launch.processes import (
+    ProcessIdentity,
+    StopSignals,
+    is_running,
+    reap_if_child,
+    start_process,
+    stop_groups,
+    stop_signals_recorded,
+)
 from bpsctl.launch.report import status_report
+from bpsctl.launch.runloop import STOP_GRACE_S, WorkerProcess
 from bpsctl.launch.types import ClusterState, DownReport, LaunchError, ProcessRecord
 
 STATUS_TIMEOUT_S = 2.0          # how long `status` waits for the scheduler's answer
@@ -234,7 +241,7 @@ def _up(config: Config, servers: int, network: emulate.EmulatedNetwork | None) -
                                      config.security, deadline, config.start_timeout_s,
                                      stop_signals)
             server_records = []
-            for child, info in zip(server_children, server_ready):
+            for child, info in zip(server_children, server_ready, strict=True):
                 rank = int(info["rank"])
                 child.log_path = child.log_path.rename(
                     state.logs_dir(state_dir) / f"server-{rank}.log")

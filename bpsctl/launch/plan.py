@@ -10,8 +10,8 @@ from :func:`cluster_hosts`, which describes the recorded cluster as a hosts file
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from bpsctl.config import Config, ConfigError
 from bpsctl.launch.types import LOCALHOST, ClusterState, HostSpec, HostsSpec, SshOptions
@@ -38,7 +38,7 @@ class Assignment:
     def name(self) -> str:
         return f"{self.role}-{self.rank}"
 
-    def to_env(self, config: Config, plan: "Plan") -> dict[str, str]:
+    def to_env(self, config: Config, plan: Plan) -> dict[str, str]:
         """Everything this process needs in its environment (no other variable is read)."""
         common = dict(scheduler=plan.scheduler_address, secret=plan.secret, host=self.address,
                       state_dir=plan.workdir, job_id=plan.job_id)

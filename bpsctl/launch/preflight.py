@@ -11,7 +11,7 @@ from typing import Any
 
 import bpsctl
 from bpsctl.launch.plan import plan
-from bpsctl.launch.transport import COMMAND_TIMEOUT_S, Hosts, HostFailure, parallel
+from bpsctl.launch.transport import COMMAND_TIMEOUT_S, HostFailure, Hosts, parallel
 from bpsctl.launch.types import HostsSpec, LaunchError
 
 PROBE_TIMEOUT_S = 3.0
@@ -103,7 +103,8 @@ def _check_reachability(session: Hosts, hosts: HostsSpec, addresses: dict[str, s
                 return json.loads(answer)
             except ValueError:
                 err = channel.makefile_stderr("rb").read().decode(errors="replace")
-                raise HostFailure(f"the port check could not start: {err.strip()[-300:]}")
+                raise HostFailure(f"the port check could not start: {err.strip()[-300:]}"
+                                  ) from None
 
         for host, (ok, value) in parallel(list(listeners), listen).items():
             if not ok:

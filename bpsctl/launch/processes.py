@@ -12,9 +12,10 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Sequence
+from typing import IO, Any
 
 import psutil
 

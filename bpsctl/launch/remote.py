@@ -1,4 +1,5 @@
-"""The agent ``bpsctl up --hosts`` runs on each host over SSH: ``python -m bpsctl.launch.remote CMD``.
+"""The agent ``bpsctl up --hosts`` runs on each host over SSH:
+``python -m bpsctl.launch.remote CMD``.
 
 It reads one JSON line on stdin (so secrets never appear in a command line) and answers one
 JSON line on stdout, except ``listen`` (a first line, then waits for stdin to close) and
@@ -240,8 +241,8 @@ def cmd_stop(spec: dict[str, Any]) -> dict[str, Any]:
 
 def cmd_scheduler(spec: dict[str, Any]) -> dict[str, Any]:
     """The scheduler's view, waiting up to ``timeout_s`` for ``servers`` to have registered."""
-    from bpsctl.engine import EngineError
     from bpsctl.config import DEFAULT_SECURITY
+    from bpsctl.engine import EngineError
     from bpsctl.engine.client import scheduler_status
     from bpsctl.launch.processes import is_running
     deadline = time.monotonic() + float(spec.get("timeout_s", 2))

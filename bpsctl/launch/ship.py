@@ -4,11 +4,11 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import bpsctl
-from bpsctl.launch.transport import Hosts, HostFailure, parallel, remote_argv
+from bpsctl.launch.transport import HostFailure, Hosts, parallel, remote_argv
 from bpsctl.launch.types import LaunchError
 
 
@@ -18,8 +18,9 @@ def build_wheel(out_dir: Path) -> Path:
     if not (root / "pyproject.toml").exists():
         raise LaunchError(f"--ship: bpsctl at {root} is not a source tree (no pyproject.toml); "
                           "install the same bpsctl version on every host instead")
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                           "-q", "-w", str(out_dir), str(root)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "-q", "-w", str(out_dir), str(root)],
+                          capture_output=True, text=True)
     wheels = sorted(out_dir.glob("bpsctl-*.whl"))
     if done.returncode != 0 or not wheels:
         raise LaunchError(f"--ship: building the bpsctl wheel failed: {done.stderr.strip()[-500:]}")

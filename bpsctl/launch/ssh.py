@@ -28,13 +28,25 @@ from bpsctl.launch.output import OutputRelay
 from bpsctl.launch.plan import Assignment, Plan, plan
 from bpsctl.launch.preflight import preflight
 from bpsctl.launch.processes import stop_signals_recorded
+from bpsctl.launch.report import status_report
 from bpsctl.launch.runloop import STOP_GRACE_S, WorkerProcess
 from bpsctl.launch.ship import ship
-from bpsctl.launch.report import status_report
-from bpsctl.launch.transport import (COMMAND_TIMEOUT_S, HostFailure, Hosts, check_keys, parallel,
-                                     remote_argv)
-from bpsctl.launch.types import (KNOWN_HOSTS_FILE, ClusterState, DownReport, HostsSpec,
-                                 LaunchError, ProcessRecord)
+from bpsctl.launch.transport import (
+    COMMAND_TIMEOUT_S,
+    HostFailure,
+    Hosts,
+    check_keys,
+    parallel,
+    remote_argv,
+)
+from bpsctl.launch.types import (
+    KNOWN_HOSTS_FILE,
+    ClusterState,
+    DownReport,
+    HostsSpec,
+    LaunchError,
+    ProcessRecord,
+)
 
 _POLL_INTERVAL_S = 0.05
 _WATCH_INTERVAL_S = 5.0         # how often a run asks the hosts whether servers still run
@@ -67,7 +79,7 @@ def up(hosts: HostsSpec | str | Path, config: Config, *, ship_wheel: bool = Fals
     :class:`~bpsctl.launch.preflight.PreflightError`) names the host and the problem.
     """
     if not isinstance(hosts, HostsSpec):
-        from bpsctl.launch.hosts import load_hosts     # PyYAML and pydantic: the [ssh] extra
+        from bpsctl.launch.hosts import load_hosts  # PyYAML and pydantic: the [ssh] extra
         hosts = load_hosts(hosts)
     state_dir = Path(config.state_dir).resolve()
     # host keys: the hosts file's known_hosts, else the state dir's; recorded with the cluster,
@@ -217,7 +229,7 @@ def _process_states(session: Hosts, processes: Sequence[ProcessRecord],
         h, "ps", {"records": [agent_record(p) for p in by_host[h]]}, timeout_s=timeout_s))
     for host, (ok, value) in results.items():
         if ok:
-            for p, running in zip(by_host[host], value["running"]):
+            for p, running in zip(by_host[host], value["running"], strict=False):
                 states[p] = bool(running)
     return states
 

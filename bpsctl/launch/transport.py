@@ -10,10 +10,10 @@ import shlex
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import bpsctl
 from bpsctl.config import ConfigError
@@ -61,7 +61,7 @@ class Hosts:
         self.connections: dict[str, Any] = {}
         self.failures: dict[str, str] = {}
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self) -> Hosts:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -85,8 +85,12 @@ class Hosts:
 
     def _connect(self, host: str) -> Any:
         from fabric import Connection
-        from paramiko.ssh_exception import (AuthenticationException, BadHostKeyException,
-                                            NoValidConnectionsError, SSHException)
+        from paramiko.ssh_exception import (
+            AuthenticationException,
+            BadHostKeyException,
+            NoValidConnectionsError,
+            SSHException,
+        )
 
         from bpsctl.launch import hostkeys
         options: SshOptions = self.options[host]
@@ -121,7 +125,7 @@ class Hosts:
                                    "check ssh.key and ssh.user in the hosts file") from None
             except NoValidConnectionsError as exc:
                 last = "; ".join(sorted({e.strerror or str(e) for e in exc.errors.values()}))
-            except (socket.timeout, TimeoutError):
+            except TimeoutError:
                 last = f"timed out after {options.connect_timeout_s:g} s"
             except (OSError, SSHException, EOFError) as exc:
                 last = str(exc) or type(exc).__name__
@@ -148,7 +152,7 @@ class Hosts:
             reader.join(timeout_s)
             code = channel.recv_exit_status()
             channel.close()
-        except (socket.timeout, TimeoutError):
+        except TimeoutError:
             raise HostFailure(f"`bpsctl agent {command}` did not answer within "
                                f"{timeout_s:g} s") from None
         except Exception as exc:        # noqa: BLE001 - the connection broke
@@ -243,7 +247,7 @@ def remote_service(hosts: HostsSpec, host: str, argv: Sequence[str],
             channel.exec_command(remote_argv(argv))
             try:
                 line = channel.makefile("rb").readline().decode(errors="replace").strip()
-            except socket.timeout:
+            except TimeoutError:
                 line = ""
             if not line:
                 error = b""

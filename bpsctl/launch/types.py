@@ -101,7 +101,7 @@ class HostsSpec:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "HostsSpec":
+    def from_json(cls, data: dict[str, Any]) -> HostsSpec:
         def entry(d: dict[str, Any]) -> HostSpec:
             return HostSpec(**{**d, "ssh": SshOptions(**d["ssh"])})
         return cls(source=data["source"], python=data["python"], workdir=data["workdir"],

@@ -17,12 +17,20 @@ from __future__ import annotations
 import math
 import os
 import statistics
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from .. import launch
-from ..bench.api import (BenchError, CommSettings, TrainSettings, bench_cluster, comm_point,
-                         ssh_cluster, train_system)
+from ..bench.api import (
+    BenchError,
+    CommSettings,
+    TrainSettings,
+    bench_cluster,
+    comm_point,
+    ssh_cluster,
+    train_system,
+)
 from ..config import Config, ConfigError, format_bytes
 from .model import ServerGuess, guess_servers
 
@@ -39,7 +47,8 @@ class TuneSettings:
     trials: int = 16                     # points the search measures (the grid: all of them)
     grid: bool = False                   # measure every point instead of searching
     model: str | None = None             # score on this training benchmark, not comm
-    workers: int | None = None           # None: one per emulated worker host of a live cluster, else 2
+    workers: int | None = None           # None: one per emulated worker host of a live
+                                         # cluster, else 2
     servers: int | None = None           # servers of a private cluster (None: as many as workers)
     size_bytes: int = 32 * 1024 * 1024   # comm: bytes each worker push_pulls per round
     tensors: int = 8
@@ -86,7 +95,7 @@ class Space:
     credit_bytes: int
 
     @classmethod
-    def build(cls, config: Config, settings: TuneSettings, cluster_servers: int) -> "Space":
+    def build(cls, config: Config, settings: TuneSettings, cluster_servers: int) -> Space:
         current_servers = min(config.num_servers or cluster_servers, cluster_servers)
         return cls(
             partitions=(settings.partition_sizes if "partition_bytes" in settings.knobs

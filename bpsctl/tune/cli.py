@@ -4,7 +4,6 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -29,21 +28,22 @@ def tune(ctx: typer.Context,
                                     help="Points the search measures (besides the current config "
                                          "and the re-measured leaders)."),
          grid: bool = typer.Option(False, "--grid",
-                                   help="Measure every point instead of searching (for comparison)."),
-         out: Optional[Path] = typer.Option(None, "--out", metavar="FILE",
-                                            help=f"Tuned config file to write (default: "
-                                                 f"{default_config_file()})."),
-         model: Optional[str] = typer.Option(None, "--model", metavar="vgg16|resnet50",
-                                             help="Score on this training benchmark (img/sec) "
-                                                  "instead of push_pull throughput."),
-         workers: Optional[int] = typer.Option(None, "--workers", "-n", min=1,
-                                               help="Worker processes (default: one per worker "
-                                                    "host of a running emulated cluster, else 2)."),
-         servers: Optional[int] = typer.Option(None, "--servers", min=1,
-                                               help="Servers of the private cluster, the most a "
-                                                    "job may use (default: as many as workers)."),
-         emulate: Optional[bool] = knob_option("emulate", "--emulate"),
-         nic: Optional[str] = knob_option("nic", "--nic"),
+                                   help="Measure every point instead of searching (for "
+                                        "comparison)."),
+         out: Path | None = typer.Option(None, "--out", metavar="FILE",
+                                         help=f"Tuned config file to write (default: "
+                                              f"{default_config_file()})."),
+         model: str | None = typer.Option(None, "--model", metavar="vgg16|resnet50",
+                                          help="Score on this training benchmark (img/sec) "
+                                               "instead of push_pull throughput."),
+         workers: int | None = typer.Option(None, "--workers", "-n", min=1,
+                                            help="Worker processes (default: one per worker "
+                                                 "host of a running emulated cluster, else 2)."),
+         servers: int | None = typer.Option(None, "--servers", min=1,
+                                            help="Servers of the private cluster, the most a "
+                                                 "job may use (default: as many as workers)."),
+         emulate: bool | None = knob_option("emulate", "--emulate"),
+         nic: str | None = knob_option("nic", "--nic"),
          size: str = typer.Option("32MiB", "--size",
                                   help="Comm score: bytes each worker push_pulls per round."),
          tensors: int = typer.Option(8, "--tensors", min=1,
@@ -57,16 +57,16 @@ def tune(ctx: typer.Context,
                                           help="Interleaved re-measurements of the finalists "
                                                "and the current config (the median decides)."),
          seed: int = typer.Option(0, "--seed", help="Seed of the TPE sampler."),
-         json_file: Optional[Path] = typer.Option(None, "--json", metavar="FILE",
-                                                  help="Write every trial and the choice as "
-                                                       "JSON (- for stdout)."),
-         plot_file: Optional[Path] = typer.Option(None, "--plot", metavar="FILE",
-                                                  help="Draw score against partition size, one "
-                                                       "line per server count, as a PNG."),
-         csv_file: Optional[Path] = typer.Option(None, "--csv", metavar="FILE",
-                                                 help="CSV of every trial (default: beside the "
-                                                      "tuned file, *.trials.csv)."),
-         config_file: Optional[Path] = config_file_option(),
+         json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
+                                               help="Write every trial and the choice as "
+                                                    "JSON (- for stdout)."),
+         plot_file: Path | None = typer.Option(None, "--plot", metavar="FILE",
+                                               help="Draw score against partition size, one "
+                                                    "line per server count, as a PNG."),
+         csv_file: Path | None = typer.Option(None, "--csv", metavar="FILE",
+                                              help="CSV of every trial (default: beside the "
+                                                   "tuned file, *.trials.csv)."),
+         config_file: Path | None = config_file_option(),
          ) -> None:
     """Find the partition size, server count and credit that make push_pull (or training)
     fastest on these hosts, and write them to the tuned config file that `up`, `run` and
@@ -78,7 +78,8 @@ def tune(ctx: typer.Context,
     """
     with cli_errors():
         config = _cluster_config(ctx, None, None, emulate, nic, config_file)
-        chosen = [k for k, on in zip(KNOBS, (partition_bytes, server_count, credit)) if on]
+        flags = (partition_bytes, server_count, credit)
+        chosen = [k for k, on in zip(KNOBS, flags, strict=True) if on]
         settings = TuneSettings(knobs=tuple(chosen) or KNOBS, trials=trials, grid=grid,
                                 model=model, workers=workers, servers=servers,
                                 size_bytes=parse_size(size, "--size"), tensors=tensors,

@@ -15,8 +15,8 @@ s ≥ n·R_w/R_s, i.e. s ≥ n at equal NIC rates. Servers on the worker hosts t
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..bench.api import GOODPUT_SHARE
 
@@ -33,7 +33,7 @@ def round_seconds(size_bytes: float, worker_hosts: Sequence[str], server_hosts: 
     sent: dict[str, float] = defaultdict(float)
     received: dict[str, float] = defaultdict(float)
     for worker in worker_hosts:
-        for server, share in zip(server_hosts, shares):
+        for server, share in zip(server_hosts, shares, strict=True):
             if server == worker:
                 continue
             piece = share * size_bytes
