@@ -224,6 +224,17 @@ class Config:
     master_port: int = knob(0, "MASTER_PORT",
                             "rendezvous port of the intra-node stage (0: none)", "int")
 
+    # timelines (engine/trace.py); BytePS's BYTEPS_TRACE_ON=1 with BYTEPS_TRACE_DIR works too
+    trace_dir: str = knob("", "BPSCTL_TRACE_DIR",
+                          "write Chrome traces of workers and servers under this directory "
+                          "(empty: no tracing)", "str")
+    trace_start_step: int = knob(0, "BPSCTL_TRACE_START_STEP",
+                                 "first training step traced (steps count push_pulls of the "
+                                 "first tensor)", "int", ("BYTEPS_TRACE_START_STEP",))
+    trace_end_step: int = knob(0, "BPSCTL_TRACE_END_STEP",
+                               "step at which tracing stops and the trace is written "
+                               "(0: at shutdown)", "int", ("BYTEPS_TRACE_END_STEP",))
+
     # deadlines
     start_timeout_s: float = knob(30.0, "BPSCTL_START_TIMEOUT",
                                   "seconds to wait for the scheduler and every peer to register",
@@ -265,6 +276,11 @@ class Config:
             (self.security in SECURITY_MODES, "BPSCTL_SECURITY", " or ".join(SECURITY_MODES),
              self.security),
             (0 <= self.master_port < 65536, "MASTER_PORT", "0..65535", self.master_port),
+            (self.trace_start_step >= 0, "BPSCTL_TRACE_START_STEP", "0 or more",
+             self.trace_start_step),
+            (self.trace_end_step == 0 or self.trace_end_step > self.trace_start_step,
+             "BPSCTL_TRACE_END_STEP", f"0 (at shutdown) or more than BPSCTL_TRACE_START_STEP "
+             f"({self.trace_start_step})", self.trace_end_step),
             (self.start_timeout_s > 0, "BPSCTL_START_TIMEOUT", "more than 0 s",
              self.start_timeout_s),
             (self.op_timeout_s > 0, "BPSCTL_OP_TIMEOUT", "more than 0 s", self.op_timeout_s),
@@ -303,6 +319,8 @@ class Config:
                 if text is not None and text != "":
                     values[f.name] = _PARSERS[f.metadata["kind"]](text, env)
                     break
+        if environ.get("BYTEPS_TRACE_ON") == "1" and not values.get("trace_dir"):
+            values["trace_dir"] = environ.get("BYTEPS_TRACE_DIR") or "./traces"   # as BytePS
         values.update(overrides)
         return cls(**values)
 

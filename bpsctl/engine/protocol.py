@@ -80,6 +80,8 @@ MAX_PARTITIONS_PER_DECLARE = 1 << 20
 #: PUSH flag: the payload is already summed over the pusher's host (intra-node stage), so the
 #: round completes after one push per host instead of one per worker
 FLAG_HOST_REDUCED = 1
+#: a push inside a worker's traced window: the server traces its round too (engine/trace.py)
+FLAG_TRACED = 2
 
 
 class ProtocolError(ValueError):

@@ -22,6 +22,7 @@ import struct
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -47,6 +48,7 @@ from .common import (
     write_ready_file,
 )
 from .security import Security, handshake_failed, refused_handshake, version_mismatch
+from .trace import STAGE, Trace, now_ns
 
 #: partitions at least this large are summed on a summation thread
 THREADED_SUM_BYTES = 256 * 1024
@@ -58,7 +60,8 @@ class PartitionState:
     ``summed``/``first``/``buffers``/``result`` to the partition's summation thread."""
 
     __slots__ = ("part", "dtype", "dtype_code", "nbytes", "expected", "round", "received",
-                 "waiting", "summed", "first", "buffers", "result", "thread", "wide")
+                 "waiting", "summed", "first", "buffers", "result", "thread", "wide",
+                 "first_push_ns", "traced")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int):
         self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
@@ -74,6 +77,8 @@ class PartitionState:
         self.first: np.ndarray | None = None
         self.buffers: list[np.ndarray] | None = None
         self.result: Any = None
+        self.first_push_ns = 0              # traced rounds: when the round's first push came
+        self.traced = False                 # a worker traces this round (engine/trace.py)
 
     def accumulate(self, payload: Any, num_workers: int) -> bool:
         """Add one push; return True when the round's sum is complete (in ``result``)."""
@@ -149,6 +154,10 @@ class Server:
         self.num_hosts = 0                          # pushes per round of host-reduced partitions
         self.peers: dict[bytes, int] = {}           # worker routing id -> rank
         self.parts: dict[int, PartitionState] = {}
+        # the job's timeline, when its workers trace (their HELLO names the directory); the
+        # summation threads record into it too
+        self.trace: Trace | None = None
+        self.trace_lock = threading.Lock()
 
         # summation threads report completed partitions through an inproc socket
         self.done_endpoint = f"inproc://bps-done-{id(self)}"
@@ -237,6 +246,7 @@ class Server:
         finally:
             for q in self.queues:
                 q.put(None)
+            self._write_trace()
             if self.zap is not None:
                 self.zap.stop()
             self.ctx.destroy(linger=0)
@@ -311,12 +321,28 @@ class Server:
         rank = P.int_field(msg, "rank", 0, world_size - 1)
         if job != self.job_id:
             self._reset(job, world_size, hosts)
+        trace_dir = msg.get("trace_dir")
+        if isinstance(trace_dir, str) and trace_dir and self.trace is None:
+            self.trace = Trace(Path(trace_dir) / f"server-{self.rank}" / "comm.json", "server",
+                               self.rank)
         self.peers[rid] = rank
 
     def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0) -> None:
+        self._write_trace()
         self.job_id, self.num_workers, self.num_hosts = job_id, num_workers, num_hosts
         self.peers = {}
         self.parts = {}
+
+    def _write_trace(self) -> None:
+        """The finished job's timeline, if it was traced (a server outlives its jobs)."""
+        if self.trace is not None:
+            with self.trace_lock:
+                try:
+                    if self.trace.count:
+                        self.trace.close()
+                except OSError as exc:
+                    self.log.warning("cannot write the trace %s: %s", self.trace.path, exc)
+                self.trace = None
 
     def _push(self, rid: bytes, dtype: int, flags: int, part: int, round_: int, nbytes: int,
               frames: list[zmq.Frame]) -> None:
@@ -352,19 +378,46 @@ class Server:
         state.waiting.append(rid)
         self.sock.send(rid, zmq.SNDMORE)
         self.sock.send(P.pack_header(P.ACK, part=part, round=round_))
+        traced = bool(flags & P.FLAG_TRACED) and self.trace is not None
+        if traced:
+            self._trace_arrival(state, rank)
         if state.thread < 0:
-            if state.accumulate(frames[2], expected):
+            if self._accumulate(state, frames[2], expected, rank, traced):
                 self._complete(state)
         else:
-            self.queues[state.thread].put((state, frames[2], expected))
+            self.queues[state.thread].put((state, frames[2], expected, rank, traced))
+
+    def _trace_arrival(self, state: PartitionState, rank: int) -> None:
+        now = now_ns()
+        if state.received == 1:
+            state.first_push_ns, state.traced = now, True
+        if state.received == state.expected and state.traced and self.trace is not None:
+            with self.trace_lock:
+                self.trace.span(STAGE["wait_workers"], self.trace.name_id(f"part {state.part}"),
+                                state.first_push_ns, now, state.part, state.round, state.nbytes,
+                                rank)
+
+    def _accumulate(self, state: PartitionState, payload: Any, expected: int, rank: int,
+                    traced: bool) -> bool:
+        """``state.accumulate``, timed when traced (on the I/O or a summation thread)."""
+        if not traced:
+            return state.accumulate(payload, expected)
+        start = now_ns()
+        complete = state.accumulate(payload, expected)
+        trace = self.trace
+        if trace is not None:
+            with self.trace_lock:
+                trace.span(STAGE["sum"], trace.name_id(f"part {state.part}"), start, now_ns(),
+                           state.part, state.round, state.nbytes, rank)
+        return complete
 
     def _sum_loop(self, work: queue.SimpleQueue) -> None:
         done = make_socket(self.ctx, zmq.PUSH)
         done.connect(self.done_endpoint)
         try:
             while (item := work.get()) is not None:
-                state, payload, num_workers = item
-                if state.accumulate(payload, num_workers):
+                state, payload, num_workers, rank, traced = item
+                if self._accumulate(state, payload, num_workers, rank, traced):
                     done.send(_PART_ID.pack(state.part))
         finally:
             done.close(0)
@@ -383,6 +436,7 @@ class Server:
         header = P.pack_header(P.RESULT, dtype=state.dtype_code, part=state.part,
                                round=state.round, nbytes=state.nbytes)
         result = state.result
+        start = now_ns() if state.traced else 0
         for rid in state.waiting:
             try:
                 self.sock.send(rid, zmq.SNDMORE)
@@ -390,6 +444,11 @@ class Server:
                 self.sock.send(result, copy=False)
             except zmq.ZMQError:
                 pass    # that worker is gone; the scheduler tells the others
+        if start and self.trace is not None:
+            with self.trace_lock:
+                self.trace.span(STAGE["send_result"], self.trace.name_id(f"part {state.part}"),
+                                start, now_ns(), state.part, state.round, state.nbytes)
+        state.traced = False
         state.waiting.clear()
         state.received = 0
         state.summed = 0

@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,7 @@ from .common import (
     watch_link,
 )
 from .security import Login, Security, handshake_failed, refused_handshake
+from .trace import STAGE, Trace, now_ns
 
 
 class Handle:
@@ -74,7 +76,7 @@ class _Task:
     """The I/O thread's record of one push_pull."""
 
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
-                 "remaining", "deadline", "parts", "flags")
+                 "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
                  divisor: int | None, deadline: float, flags: int = 0):
@@ -90,6 +92,7 @@ class _Task:
         self.deadline = deadline
         self.parts: list[list[int]] = []
         self.flags = flags
+        self.called_ns = self.queued_ns = 0         # traced: when push_pull and the queue saw it
 
 
 _WAKE = b"\0"
@@ -124,6 +127,10 @@ class Worker:
         self._servers: list[dict[str, Any]] = []
         self._server_socks: list[zmq.Socket] = []
         self._server_monitors: list[zmq.Socket] = []
+        self._trace: Trace | None = None        # with BPSCTL_TRACE_DIR; opened once ranked
+        self._step_tensor: str | None = None    # traced steps count push_pulls of the first tensor
+        self._trace_sent: dict[int, int] = {}   # part id -> ns its traced push left
+        self._trace_acked: dict[int, int] = {}  # part id -> ns its ACK came
         try:
             self._register()
         except BaseException:
@@ -250,9 +257,13 @@ class Worker:
                               f"within {cfg.start_timeout_s:g} s (BPSCTL_START_TIMEOUT)")
         # pushes of a host-reduced partition per round: one per host (see push_pull_async)
         self.hosts = self.size // self.local_size if self.size % self.local_size == 0 else self.size
-        hello = P.control(P.HELLO, {"job": cfg.job_id, "rank": self.rank,
-                                    "world_size": self.size, "hosts": self.hosts,
-                                    "version": __version__})
+        hello_body: dict[str, Any] = {"job": cfg.job_id, "rank": self.rank,
+                                      "world_size": self.size, "hosts": self.hosts,
+                                      "version": __version__}
+        if cfg.trace_dir:
+            self._trace = self._open_trace(Path(cfg.trace_dir))
+            hello_body["trace_dir"] = str(Path(cfg.trace_dir).resolve())    # servers trace too
+        hello = P.control(P.HELLO, hello_body)
         logins = []
         for server in self._servers:
             sock = self._linked_socket()
@@ -262,6 +273,19 @@ class Worker:
                 sock, hello, f"server {server['rank']} at {server['host']}:{server['port']}"))
             self._server_socks.append(sock)
         self._await_logins(logins, time.monotonic() + cfg.start_timeout_s)
+
+    def _open_trace(self, directory: Path) -> Trace:
+        path = directory / f"worker-{self.rank}" / "comm.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not os.access(path.parent, os.W_OK):
+                raise PermissionError(f"cannot write to {path.parent}")
+        except OSError as exc:
+            raise EngineError(f"BPSCTL_TRACE_DIR: cannot write traces under {directory}: "
+                              f"{exc.strerror or exc}; choose a writable directory") from None
+        cfg = self.config
+        return Trace(path, "worker", self.rank, start_step=cfg.trace_start_step,
+                     end_step=cfg.trace_end_step or None)
 
     def _answer(self, login: Login, msg_type: int, msg: dict[str, Any]) -> bool:
         try:
@@ -329,6 +353,8 @@ class Worker:
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s,
                      P.FLAG_HOST_REDUCED if host_reduced else 0)
+        if self._trace is not None:
+            task.called_ns = now_ns()
         self._command("task", task)
         return handle
 
@@ -367,6 +393,10 @@ class Worker:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._ctx.destroy(linger=0)
+        if self._trace is not None:
+            warning = self._trace.close()
+            if warning:
+                log.warning("worker %d: %s", self.rank, warning)
 
     def _command(self, kind: str, payload: Any) -> None:
         self._commands.append((kind, payload))
@@ -451,6 +481,8 @@ class Worker:
             self._finish(task, self._broken)
             return
         self._tasks.add(task)
+        if self._trace is not None:
+            self._count_step(task.name)
         if self._peer_left:
             task.deadline = min(task.deadline, time.monotonic() + self.config.heartbeat_timeout_s)
         info = self._tensors.get(task.name)
@@ -464,6 +496,16 @@ class Worker:
             return
         self._enqueue(task, info)
 
+    def _count_step(self, name: str) -> None:
+        """Each push_pull of the job's first tensor starts a step (the traced window counts
+        them); the first one only starts the count."""
+        assert self._trace is not None
+        if self._step_tensor is None:
+            self._step_tensor = name
+            self._trace.step_started_ns = now_ns()
+        elif name == self._step_tensor:
+            self._trace.next_step(self._trace.name_id("step"))
+
     def _enqueue(self, task: _Task, info: dict[str, Any]) -> None:
         if info["dtype"] != str(task.dtype) or info["shape"] != task.shape:
             self._finish(task, ValueError(
@@ -473,12 +515,14 @@ class Worker:
             return
         task.parts = info["parts"]
         task.remaining = len(task.parts)
+        if self._trace is not None:
+            task.queued_ns = now_ns()
         order = -task.priority
         for part in task.parts:
             heapq.heappush(self._queue, (order, next(self._seq), task, part))
 
     def _send_pushes(self) -> None:
-        queue, credit = self._queue, self.config.credit_bytes
+        queue, credit, trace = self._queue, self.config.credit_bytes, self._trace
         while queue:
             part = queue[0][3]
             length = part[3]
@@ -488,11 +532,16 @@ class Worker:
             if task.handle.error is not None:       # failed meanwhile (e.g. a key error)
                 continue
             part_id, server, offset = part[0], part[1], part[2]
+            round_, flags = self._rounds.get(part_id, 0), task.flags
+            if trace is not None and trace.on:
+                now = self._trace_sent[part_id] = now_ns()
+                trace.span(STAGE["queued"], trace.name_id(task.name), task.queued_ns, now,
+                           part_id, round_, length, server, task.priority)
+                flags |= P.FLAG_TRACED
             sock = self._server_socks[server]
-            sock.send(P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[task.dtype], flags=task.flags,
-                                    rank=self.rank,
-                                    part=part_id, round=self._rounds.get(part_id, 0),
-                                    nbytes=length), zmq.SNDMORE)
+            sock.send(P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[task.dtype], flags=flags,
+                                    rank=self.rank, part=part_id, round=round_, nbytes=length),
+                      zmq.SNDMORE)
             sock.send(task.src[offset:offset + length].data, copy=False)
             self._inflight_bytes += length
             self._unacked[part_id] = length
@@ -507,6 +556,8 @@ class Worker:
             msg_type, _, _, _, part_id, round_, nbytes = P.unpack_header(frames[0].buffer)
             if msg_type == P.ACK:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
+                if self._trace is not None and part_id in self._trace_sent:
+                    self._trace_acked[part_id] = now_ns()
             elif msg_type == P.RESULT:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 self._result(part_id, round_, frames[1])
@@ -520,6 +571,7 @@ class Worker:
             return                                 # its task already failed
         task, part = entry
         self._rounds[part_id] = round_ + 1
+        arrived_ns = now_ns() if self._trace is not None else 0
         if task.handle.error is None:
             itemsize = task.dtype.itemsize
             start = part[2] // itemsize
@@ -531,15 +583,38 @@ class Worker:
                 _divide_bf16(src.view(np.uint16), task.divisor, dst.view(np.uint16))
             else:
                 np.divide(src, task.divisor, out=dst)
+        if arrived_ns:
+            self._trace_result(task, part, round_, arrived_ns)
         task.remaining -= 1
         if task.remaining == 0:
             self._finish(task, None)
+
+    def _trace_result(self, task: _Task, part: list[int], round_: int, arrived_ns: int) -> None:
+        """The spans of a partition's round once its sum is in the output: on the wire to the
+        server and acknowledged, waiting for the sum, copied out."""
+        trace, part_id = self._trace, part[0]
+        assert trace is not None
+        sent = self._trace_sent.pop(part_id, None)
+        acked = self._trace_acked.pop(part_id, arrived_ns)
+        if sent is None or not trace.on:
+            return                          # pushed before the window opened
+        name, nbytes, server = trace.name_id(task.name), part[3], part[1]
+        trace.span(STAGE["push"], name, sent, acked, part_id, round_, nbytes, server,
+                   task.priority)
+        trace.span(STAGE["wait_result"], name, acked, arrived_ns, part_id, round_, nbytes,
+                   server, task.priority)
+        trace.span(STAGE["copy_out"], name, arrived_ns, now_ns(), part_id, round_, nbytes,
+                   server, task.priority)
 
     def _finish(self, task: _Task, error: BaseException | None) -> None:
         self._tasks.discard(task)
         handle = task.handle
         if handle.done():
             return
+        trace = self._trace
+        if trace is not None and trace.on and task.called_ns and error is None:
+            trace.span(STAGE["push_pull"], trace.name_id(task.name), task.called_ns, now_ns(),
+                       nbytes=task.src.nbytes, priority=task.priority)
         if handle.error is None:
             handle.error = error
         with self._lock:

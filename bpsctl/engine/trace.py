@@ -1,0 +1,172 @@
+"""Timelines of the engine, in Chrome trace event format (Perfetto, chrome://tracing).
+
+With ``BPSCTL_TRACE_DIR`` set, each worker writes ``DIR/worker-<rank>/comm.json`` and each
+server ``DIR/server-<rank>/comm.json``: one span per partition, round and stage, named by the
+tensor, with the partition, round, bytes, peer and priority in its args.
+
+Cost: with tracing off the engine holds ``None`` and pays one branch per message. With it on,
+a span is a few stores into preallocated arrays (a ring that keeps the newest ``capacity``
+spans); nothing is formatted or written until the traced window closes or the process shuts
+down.
+
+Clocks: timestamps are ``time.monotonic_ns()``, one clock for every process of a machine, so
+the files of one machine line up exactly as they are. Each file also records its machine's boot
+id and one reading of the wall clock taken with the monotonic one; ``bpsctl trace`` aligns the
+files of other machines through their wall clocks (as well as NTP keeps those in step).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+
+#: the spans a worker or server records; the index is what the arrays store
+STAGES = (
+    "push_pull",        # worker: one tensor, from the call to its last partition's result
+    "queued",           # worker: a partition waiting for credit (or behind higher priorities)
+    "push",             # worker: a partition on the wire, from send to the server's ACK
+    "wait_result",      # worker: from the ACK until the sum arrives (the other workers, the sum)
+    "copy_out",         # worker: the sum copied (or divided) into the output
+    "wait_workers",     # server: from a partition's first push of a round to its last
+    "sum",              # server: one push added into the round's buffer
+    "send_result",      # server: the round's result handed to every worker's connection
+    "backward",         # plugin: from a gradient's hook to its push_pull being started
+    "synchronize",      # plugin: optimizer.step() waiting for the averaged gradients
+    "step",             # worker: one training step, from one push of the first tensor to the next
+)
+STAGE = {name: index for index, name in enumerate(STAGES)}
+FORMAT = "bpsctl-trace"
+DEFAULT_CAPACITY = 1 << 18
+
+
+def boot_id() -> str:
+    """Which boot of which machine this is: processes with the same boot id share one
+    monotonic clock."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def now_ns() -> int:
+    return time.monotonic_ns()
+
+
+class Trace:
+    """The spans of one process, recorded between ``start_step`` and ``end_step``."""
+
+    def __init__(self, path: Path, role: str, rank: int, *, start_step: int = 0,
+                 end_step: int | None = None, capacity: int = DEFAULT_CAPACITY):
+        self.path = Path(path)
+        self.role, self.rank = role, rank
+        self.start_step, self.end_step = start_step, end_step
+        self.step = 0
+        self.on = start_step <= 0 and (end_step is None or end_step > 0)
+        self.window_ns: list[int | None] = [now_ns() if self.on else None, None]
+        self.capacity = capacity
+        self.count = 0                      # spans recorded, including those overwritten
+        self.stage = np.zeros(capacity, np.uint8)
+        self.name = np.zeros(capacity, np.int32)
+        self.start = np.zeros(capacity, np.int64)
+        self.end = np.zeros(capacity, np.int64)
+        self.part = np.zeros(capacity, np.int32)
+        self.round = np.zeros(capacity, np.int32)
+        self.nbytes = np.zeros(capacity, np.int64)
+        self.peer = np.zeros(capacity, np.int32)
+        self.priority = np.zeros(capacity, np.int32)
+        self.names: list[str] = []
+        self._name_ids: dict[str, int] = {}
+        self.written = False
+        self.step_started_ns = now_ns()
+
+    def name_id(self, name: str) -> int:
+        index = self._name_ids.get(name)
+        if index is None:
+            index = self._name_ids[name] = len(self.names)
+            self.names.append(name)
+        return index
+
+    def span(self, stage: int, name: int, start_ns: int, end_ns: int, part: int = -1,
+             round_: int = -1, nbytes: int = 0, peer: int = -1, priority: int = 0) -> None:
+        """Record one span (callers check ``self.on`` first)."""
+        i = self.count % self.capacity
+        self.stage[i], self.name[i], self.start[i], self.end[i] = stage, name, start_ns, end_ns
+        self.part[i], self.round[i], self.nbytes[i] = part, round_, nbytes
+        self.peer[i], self.priority[i] = peer, priority
+        self.count += 1
+
+    def next_step(self, name: int = 0) -> None:
+        """A training step ended: record it, open or close the window; write the file once the
+        window closes."""
+        now = now_ns()
+        if self.on:
+            self.span(STAGE["step"], name, self.step_started_ns, now, round_=self.step)
+        self.step += 1
+        self.step_started_ns = now
+        if not self.on and self.step == self.start_step and self.window_ns[1] is None:
+            self.on = True
+            self.window_ns[0] = now_ns()
+        elif self.on and self.end_step is not None and self.step >= self.end_step:
+            self.on = False
+            self.window_ns[1] = now_ns()
+            self.write()
+
+    def close(self) -> str | None:
+        """At shutdown: write what was recorded; returns a warning if the window never opened
+        (and writes nothing: an empty file would look like a trace)."""
+        if self.on:
+            self.on = False
+            self.window_ns[1] = now_ns()
+        if self.written:
+            return None
+        if self.window_ns[0] is None:
+            return (f"BPSCTL_TRACE_START_STEP={self.start_step}: the traced window never opened "
+                    f"({self.step} steps ran); no trace written to {self.path}")
+        self.write()
+        return None
+
+    def write(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as out:
+            json.dump(self.to_json(), out)
+        os.replace(tmp, self.path)
+        self.written = True
+
+    def to_json(self) -> dict[str, Any]:
+        kept = min(self.count, self.capacity)
+        first = self.count - kept
+        order = [(first + k) % self.capacity for k in range(kept)]
+        pid = f"{self.role} {self.rank}"
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": pid}}]
+        for i in order:
+            stage = STAGES[self.stage[i]]
+            args: dict[str, Any] = {}
+            if self.part[i] >= 0:
+                args.update(part=int(self.part[i]), round=int(self.round[i]))
+            if self.nbytes[i]:
+                args["bytes"] = int(self.nbytes[i])
+            if self.peer[i] >= 0:
+                args["server" if self.role == "worker" else "worker"] = int(self.peer[i])
+            if self.priority[i]:
+                args["priority"] = int(self.priority[i])
+            event_id = f"{int(self.part[i])}.{int(self.round[i])}.{int(self.peer[i])}"
+            common = {"name": self.names[self.name[i]], "cat": stage, "pid": pid, "tid": stage,
+                      "id": event_id}
+            # async begin/end pairs: spans of one stage overlap (many partitions in flight)
+            events.append({**common, "ph": "b", "ts": self.start[i] / 1000, "args": args})
+            events.append({**common, "ph": "e", "ts": self.end[i] / 1000})
+        wall_ns, mono_ns = time.time_ns(), now_ns()
+        return {"traceEvents": events, "displayTimeUnit": "ms",
+                "otherData": {"format": FORMAT, "version": __version__, "role": self.role,
+                              "rank": self.rank, "boot_id": boot_id(),
+                              "clock": {"wall_ns": wall_ns, "monotonic_ns": mono_ns},
+                              "window_ns": self.window_ns, "steps": self.step,
+                              "spans": kept, "dropped": first}}
