@@ -268,11 +268,13 @@ def down(ctx: typer.Context, hosts: str | None = _ignored_hosts_option()) -> Non
 
 from bpsctl.bench.cli import bench_app  # noqa: E402  (sub-apps after the root app)
 from bpsctl.bench.install import install_app  # noqa: E402
+from bpsctl.trace.cli import trace  # noqa: E402
 from bpsctl.tune.cli import tune  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 app.add_typer(install_app, name="install")
 app.command(name="tune")(tune)
+app.command(name="trace")(trace)
 
 
 

@@ -150,7 +150,9 @@ class Trace:
             stage = STAGES[self.stage[i]]
             args: dict[str, Any] = {}
             if self.part[i] >= 0:
-                args.update(part=int(self.part[i]), round=int(self.round[i]))
+                args["part"] = int(self.part[i])
+            if self.round[i] >= 0:
+                args["round"] = int(self.round[i])
             if self.nbytes[i]:
                 args["bytes"] = int(self.nbytes[i])
             if self.peer[i] >= 0:

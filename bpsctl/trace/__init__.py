@@ -1,0 +1,1 @@
+"""Reading the engine's traces (``bpsctl trace DIR``): merge, summary, picture."""

@@ -1,0 +1,275 @@
+"""Reading the engine's traces: merge every process's file into one timeline, and summarise it.
+
+The files are those :mod:`bpsctl.engine.trace` writes under a trace directory
+(``worker-<rank>/comm.json``, ``server-<rank>/comm.json``). :func:`load` checks and aligns
+them (files of one machine share its monotonic clock; files of other machines are shifted
+through the wall-clock reading each file carries), :func:`merge` writes ``merged.json``, and
+:func:`summarize` says where the steps' time went: per worker, per server, and the longest
+stalls of each worker's uplink, in words.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bpsctl import __version__
+from bpsctl.config import ConfigError
+from bpsctl.engine.trace import FORMAT
+
+
+@dataclass
+class Span:
+    stage: str
+    name: str
+    start_us: float
+    end_us: float
+    args: dict[str, Any]
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_us - self.start_us) / 1e6
+
+
+@dataclass
+class ProcessTrace:
+    """One process's file: its spans by stage, on the merged clock (µs)."""
+
+    path: Path
+    role: str
+    rank: int
+    meta: dict[str, Any]
+    events: list[dict[str, Any]]
+    spans: dict[str, list[Span]] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.role} {self.rank}"
+
+
+@dataclass
+class Timeline:
+    directory: Path
+    processes: list[ProcessTrace]
+
+    def of(self, role: str) -> list[ProcessTrace]:
+        return sorted((p for p in self.processes if p.role == role), key=lambda p: p.rank)
+
+
+# --------------------------------------------------------------------------- loading
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc})") from None
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not JSON, or cut short ({exc}); was the process stopped "
+                          "while it wrote the trace?") from None
+    meta = data.get("otherData") if isinstance(data, dict) else None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT \
+            or not isinstance(data.get("traceEvents"), list):
+        raise ConfigError(f"{path}: not a bpsctl trace (expected Chrome trace JSON with "
+                          f"otherData.format = {FORMAT!r})")
+    if meta.get("version") != __version__:
+        raise ConfigError(f"{path}: written by bpsctl {meta.get('version')}, this is bpsctl "
+                          f"{__version__}; read it with that version, or trace again")
+    return data
+
+
+def load(directory: Path | str) -> Timeline:
+    """Every trace file under ``directory``, checked and put on one clock; ConfigError (exit 2)
+    naming the file for anything that is not a trace of this bpsctl."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError(f"{directory}: no such directory (give the directory that "
+                          "BPSCTL_TRACE_DIR or `bench --trace` named)")
+    paths = sorted(directory.glob("worker-*/comm.json")) + sorted(
+        directory.glob("server-*/comm.json"))
+    if not paths:
+        raise ConfigError(f"{directory}: no traces (expected worker-<rank>/comm.json and "
+                          "server-<rank>/comm.json, as BPSCTL_TRACE_DIR=DIR or `bpsctl bench "
+                          "... --trace DIR` write them)")
+    loaded = [(path, _read(path)) for path in paths]
+    # the clock: the first worker's; files of another boot are shifted by their wall clocks
+    reference = loaded[0][1]["otherData"]
+    ref_clock = reference["clock"]
+    processes = []
+    for path, data in loaded:
+        meta = data["otherData"]
+        shift_ns = 0
+        if meta.get("boot_id") != reference.get("boot_id") or not meta.get("boot_id"):
+            clock = meta["clock"]
+            shift_ns = ((clock["wall_ns"] - clock["monotonic_ns"])
+                        - (ref_clock["wall_ns"] - ref_clock["monotonic_ns"]))
+        process = ProcessTrace(path, str(meta["role"]), int(meta["rank"]), meta,
+                               data["traceEvents"])
+        begins: dict[tuple[str, str], dict[str, Any]] = {}
+        for event in process.events:
+            if "ts" in event:
+                event["ts"] = event["ts"] + shift_ns / 1000
+            if event.get("ph") == "b":
+                begins[(event["cat"], event["id"])] = event
+            elif event.get("ph") == "e":
+                begin = begins.pop((event["cat"], event["id"]), None)
+                if begin is not None:
+                    process.spans.setdefault(event["cat"], []).append(
+                        Span(event["cat"], begin["name"], begin["ts"], event["ts"],
+                             begin.get("args", {})))
+        processes.append(process)
+    return Timeline(directory, processes)
+
+
+def merge(timeline: Timeline) -> Path:
+    """Write every process's events, on the merged clock, to ``<dir>/merged.json``."""
+    events: list[dict[str, Any]] = []
+    for process in timeline.processes:
+        events.extend(process.events)
+    path = timeline.directory / "merged.json"
+    path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms",
+                                "otherData": {"format": f"{FORMAT}-merged",
+                                              "version": __version__,
+                                              "files": [str(p.path) for p in
+                                                        timeline.processes]}}))
+    return path
+
+
+# --------------------------------------------------------------------------- summary
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def _idle_gaps(busy: list[tuple[float, float]], start: float, stop: float
+               ) -> list[tuple[float, float]]:
+    """The gaps in [start, stop) that no interval of ``busy`` covers."""
+    gaps, cursor = [], start
+    for begin, end in sorted(busy):
+        if begin > cursor:
+            gaps.append((cursor, min(begin, stop)))
+        cursor = max(cursor, end)
+        if cursor >= stop:
+            break
+    if cursor < stop:
+        gaps.append((cursor, stop))
+    return [(a, b) for a, b in gaps if b > a]
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
+    """Where the traced steps' time went (the keys are documented in docs/design.md)."""
+    workers, servers = timeline.of("worker"), timeline.of("server")
+    steps_by_worker = {w.rank: sorted(w.spans.get("step", []), key=lambda s: s.start_us)
+                       for w in workers}
+    worker_rows: list[dict[str, Any]] = []
+    stalls: list[dict[str, Any]] = []
+    first_push: dict[int, dict[int, float]] = {}     # step -> rank -> first push sent
+    last_result: dict[int, dict[int, float]] = {}    # step -> rank -> last result copied out
+    for w in workers:
+        steps = steps_by_worker[w.rank]
+        pushes = w.spans.get("push", [])
+        comm = pushes + w.spans.get("wait_result", [])
+        comm_s, step_s = [], []
+        for step in steps:
+            index = int(step.args.get("round", 0))
+            inside = [(s.start_us, s.end_us) for s in comm
+                      if s.end_us > step.start_us and s.start_us < step.end_us]
+            comm_s.append(_union_us([(max(a, step.start_us), min(b, step.end_us))
+                                     for a, b in inside]) / 1e6)
+            step_s.append(step.seconds)
+            step_pushes = [s for s in pushes if step.start_us <= s.start_us < step.end_us]
+            if step_pushes:
+                first_push.setdefault(index, {})[w.rank] = min(s.start_us for s in step_pushes)
+            copies = [s.end_us for s in w.spans.get("copy_out", [])
+                      if step.start_us <= s.end_us < step.end_us]
+            if copies:
+                last_result.setdefault(index, {})[w.rank] = max(copies)
+            # the uplink idle while the step was not finished: the longest gaps between pushes
+            for gap_start, gap_end in _idle_gaps([(s.start_us, s.end_us) for s in step_pushes],
+                                                 step.start_us, step.end_us):
+                after = next((s for s in sorted(step_pushes, key=lambda s: s.start_us)
+                              if s.start_us >= gap_end), None)
+                stalls.append({"worker": w.rank, "step": index,
+                               "seconds": (gap_end - gap_start) / 1e6,
+                               "at_s": (gap_start - step.start_us) / 1e6,
+                               "before": after.name if after else None})
+        worker_rows.append({
+            "rank": w.rank, "steps": len(steps), "step_s": _median(step_s),
+            "communication_s": _median(comm_s),
+            "bytes_pushed": sum(int(s.args.get("bytes", 0)) for s in pushes),
+            "queued_s": _median([s.seconds for s in w.spans.get("queued", [])]),
+            "push_s": _median([s.seconds for s in pushes]),
+            "wait_result_s": _median([s.seconds for s in w.spans.get("wait_result", [])])})
+    # per step: how much later than the earliest worker each one started pushing, and
+    # received its last result
+    skews = _behind_earliest(first_push)
+    lateness = _behind_earliest(last_result)
+    for row in worker_rows:
+        row["push_start_skew_s"] = _median(skews.get(row["rank"], []))
+        row["last_result_lateness_s"] = _median(lateness.get(row["rank"], []))
+
+    server_rows: list[dict[str, Any]] = []
+    last_pusher: dict[int, int] = {}
+    for s in servers:
+        sums = s.spans.get("sum", [])
+        waits = s.spans.get("wait_workers", [])
+        for wait in waits:
+            rank = int(wait.args.get("worker", -1))
+            last_pusher[rank] = last_pusher.get(rank, 0) + 1
+        server_rows.append({
+            "rank": s.rank, "rounds": len(waits),
+            "bytes_summed": sum(int(x.args.get("bytes", 0)) for x in sums),
+            "busy_s": _union_us([(x.start_us, x.end_us) for x in sums]) / 1e6,
+            "wait_workers_s": _median([x.seconds for x in waits])})
+    rounds = sum(last_pusher.values())
+    slowest = None
+    if rounds and len(workers) > 1:
+        # the worker whose push completes a round is the one the others waited for; one that
+        # completes clearly more than its share of rounds is the straggler
+        rank, count = max(last_pusher.items(), key=lambda item: item[1])
+        fraction = count / rounds
+        if fraction >= min(0.9, 1.5 / len(workers)):
+            slowest = {"rank": rank, "last_in_rounds": count, "rounds": rounds,
+                       "fraction": fraction}
+    stalls.sort(key=lambda s: s["seconds"], reverse=True)
+    summary: dict[str, Any] = {"kind": "trace", "directory": str(timeline.directory),
+                               "workers": worker_rows, "servers": server_rows,
+                               "slowest_worker": slowest, "stalls": stalls[:top]}
+    summary["sentences"] = _sentences(summary)
+    return summary
+
+
+def _behind_earliest(by_step: dict[int, dict[int, float]]) -> dict[int, list[float]]:
+    """rank -> seconds behind the earliest worker, one figure per step."""
+    behind: dict[int, list[float]] = {}
+    for by_rank in by_step.values():
+        earliest = min(by_rank.values())
+        for rank, at in by_rank.items():
+            behind.setdefault(rank, []).append((at - earliest) / 1e6)
+    return behind
+
+
+def _sentences(summary: dict[str, Any]) -> list[str]:
+    said = []
+    slowest = summary["slowest_worker"]
+    if slowest is not None:
+        said.append(f"worker {slowest['rank']} was the slowest: its push completed "
+                    f"{slowest['last_in_rounds']} of {slowest['rounds']} rounds on the servers "
+                    f"({slowest['fraction']:.0%}); the others waited for it")
+    for stall in summary["stalls"]:
+        before = f" before {stall['before']}'s push" if stall["before"] else \
+            " at the end of the step"
+        said.append(f"uplink of worker {stall['worker']} idle {stall['seconds']:.3f} s in step "
+                    f"{stall['step']}, {stall['at_s']:.3f} s into it{before}")
+    return said

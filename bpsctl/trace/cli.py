@@ -1,0 +1,67 @@
+"""``bpsctl trace DIR``: merge a trace directory into ``merged.json`` and say where time went."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from bpsctl.bench.cli import _write_json
+from bpsctl.cliutil import cli_errors, err_console
+
+from .api import load, merge, summarize
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def trace(directory: Path = typer.Argument(..., metavar="DIR",
+                                           help="The trace directory (BPSCTL_TRACE_DIR, or "
+                                                "`bench --trace DIR`)."),
+          json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
+                                                help="Write the summary as JSON (- for stdout)."),
+          plot_file: Path | None = typer.Option(None, "--plot", metavar="FILE",
+                                                help="Draw one traced step as lanes (PNG)."),
+          ) -> None:
+    """Merge the traces of every worker and server into DIR/merged.json (open it in Perfetto
+    or chrome://tracing) and summarise where the steps' time went."""
+    with cli_errors():
+        if plot_file is not None:
+            from bpsctl.bench.report import _pyplot
+            _pyplot()                       # a missing matplotlib is said up front
+        timeline = load(directory)
+        merged = merge(timeline)
+        summary = summarize(timeline)
+        summary["merged"] = str(merged)
+        _print(summary)
+        err_console.print(f"wrote {merged}", highlight=False)
+        _write_json(json_file, summary)
+        if plot_file is not None:
+            from .plot import plot_step
+            plot_step(timeline, plot_file)
+            err_console.print(f"wrote {plot_file}", highlight=False)
+
+
+def _print(summary: dict[str, Any]) -> None:
+    table = Table(title="workers (medians per step, seconds)")
+    for column in ("rank", "steps", "step", "comm", "queued", "push", "wait sum",
+                   "skew", "late"):
+        table.add_column(column, justify="right")
+    for w in summary["workers"]:
+        table.add_row(str(w["rank"]), str(w["steps"]), _s(w["step_s"]),
+                      _s(w["communication_s"]), _s(w["queued_s"]), _s(w["push_s"]),
+                      _s(w["wait_result_s"]), _s(w["push_start_skew_s"]),
+                      _s(w["last_result_lateness_s"]))
+    err_console.print(table)
+    if summary["servers"]:
+        table = Table(title="servers")
+        for column in ("rank", "rounds", "MiB summed", "busy s", "wait workers s"):
+            table.add_column(column, justify="right")
+        for s in summary["servers"]:
+            table.add_row(str(s["rank"]), str(s["rounds"]), f"{s['bytes_summed'] / 2**20:.1f}",
+                          _s(s["busy_s"]), _s(s["wait_workers_s"]))
+        err_console.print(table)
+    for sentence in summary["sentences"]:
+        err_console.print(f"- {sentence}", highlight=False)
