@@ -1,0 +1,165 @@
+"""Timelines: the trace files workers and servers write, and `bpsctl trace` reading them."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import run_job, wait_until
+
+from bpsctl.config import Config
+from bpsctl.engine import EngineError, Worker
+from bpsctl.engine.trace import Trace
+from bpsctl.trace.api import load, summarize
+
+STEPS = 5
+MiB = 1 << 20
+
+
+def _traced_job(cluster, trace_dir: Path, workers: int = 2, servers_trace: bool = True,
+                **knobs) -> None:
+    """``STEPS`` steps of three 2 MiB tensors, the first (pushed first, lowest priority) of
+    which counts the steps; the last pushed has the highest priority."""
+    def body(worker: Worker) -> None:
+        grads = [np.full(MiB // 2, worker.rank + 1, np.float32) for _ in range(3)]
+        for _ in range(STEPS):
+            handles = [worker.push_pull_async(g, name=f"layer{i}", priority=i, average=False)
+                       for i, g in enumerate(grads)]
+            for handle in handles:
+                worker.synchronize(handle)
+    run_job(cluster, workers, 2, body, trace_dir=str(trace_dir), partition_bytes=MiB,
+            credit_bytes=MiB, **knobs)
+    for rank in range(2 if servers_trace else 0):
+        wait_until(lambda r=rank: (trace_dir / f"server-{r}" / "comm.json").exists(), 20,
+                   f"server {rank}'s trace (written when the job ends)")
+
+
+def _spans(path: Path) -> list[dict]:
+    """A file's spans: each begin event with the end's ts as "end"."""
+    events = json.loads(path.read_text())["traceEvents"]
+    begins = {}
+    spans = []
+    for event in events:
+        assert {"ph", "pid", "tid", "name"} <= set(event)
+        key = (event.get("cat"), event.get("id"))
+        if event["ph"] == "b":
+            begins[key] = event
+        elif event["ph"] == "e":
+            spans.append({**begins.pop(key), "end": event["ts"]})
+    assert not begins, "every span that begins ends"
+    return spans
+
+
+def test_every_traced_push_has_its_sum_and_result_in_causal_order(engine_cluster, tmp_path):
+    _traced_job(engine_cluster, tmp_path)
+    workers = {r: _spans(tmp_path / f"worker-{r}" / "comm.json") for r in range(2)}
+    servers = [s for r in range(2) for s in _spans(tmp_path / f"server-{r}" / "comm.json")]
+    sums = {(s["args"]["part"], s["args"]["round"], s["args"]["worker"]): s
+            for s in servers if s["cat"] == "sum"}
+    sent = {(s["args"]["part"], s["args"]["round"]): s
+            for s in servers if s["cat"] == "send_result"}
+    checked = 0
+    for rank, spans in workers.items():
+        results = {(s["args"]["part"], s["args"]["round"]): s
+                   for s in spans if s["cat"] == "wait_result"}
+        for push in (s for s in spans if s["cat"] == "push"):
+            key = (push["args"]["part"], push["args"]["round"])
+            summed, answered, result = sums[(*key, rank)], sent[key], results[key]
+            assert push["ts"] <= summed["ts"] <= summed["end"] <= answered["ts"]
+            assert answered["ts"] <= result["end"]
+            checked += 1
+    # 3 tensors of 2 partitions, steps 0..STEPS-2 complete in the window (the last step has
+    # no following push of the first tensor to close it), on each of 2 workers
+    assert checked >= 2 * 3 * 2 * (STEPS - 1)
+
+
+def test_a_high_priority_tensor_leaves_before_one_queued_behind_the_credit(engine_cluster,
+                                                                           tmp_path):
+    _traced_job(engine_cluster, tmp_path)
+    spans = _spans(tmp_path / "worker-0" / "comm.json")
+    for step in (s for s in spans if s["cat"] == "step"):
+        pushes = [s for s in spans if s["cat"] == "push" and step["ts"] <= s["ts"] < step["end"]]
+        first_push = {name: min(s["ts"] for s in pushes if s["name"] == name)
+                      for name in ("layer0", "layer1", "layer2")}
+        # layer0 was called first and its first partition took the credit; then the queue
+        # orders by priority: layer2 before layer1, and both before layer0's second partition
+        assert first_push["layer2"] < first_push["layer1"]
+        second_of_layer0 = sorted(s["ts"] for s in pushes if s["name"] == "layer0")[1]
+        assert first_push["layer1"] < second_of_layer0
+
+
+def test_bpsctl_trace_merges_and_summarises(engine_cluster, tmp_path):
+    _traced_job(engine_cluster, tmp_path)
+    out = tmp_path / "summary.json"
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "trace", str(tmp_path),
+                           "--json", str(out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert {e["pid"] for e in merged["traceEvents"]} == {"worker 0", "worker 1", "server 0",
+                                                         "server 1"}
+    summary = json.loads(out.read_text())
+    assert [w["rank"] for w in summary["workers"]] == [0, 1]
+    assert all(w["steps"] == STEPS - 1 for w in summary["workers"])
+    assert sum(s["bytes_summed"] for s in summary["servers"]) > 0
+
+
+def test_a_window_that_never_opens_writes_nothing_and_says_so(engine_cluster, tmp_path, caplog):
+    _traced_job(engine_cluster, tmp_path, servers_trace=False, trace_start_step=STEPS + 10)
+    assert not list(tmp_path.glob("*/comm.json"))
+    assert "BPSCTL_TRACE_START_STEP=15: the traced window never opened" in caplog.text
+
+
+def test_an_unwritable_trace_dir_is_named_before_anything_is_pushed(engine_cluster, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    config = Config(rank=0, world_size=1, job_id="unwritable", trace_dir=str(blocker),
+                    scheduler=engine_cluster.scheduler, secret=engine_cluster.secret)
+    with pytest.raises(EngineError, match="BPSCTL_TRACE_DIR: cannot write traces under .*a-file"):
+        Worker(config)
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (None, "no traces"),
+    ("truncated", "not JSON, or cut short"),
+    ("version", "written by bpsctl 0.0.1"),
+    ("other", "not a bpsctl trace"),
+])
+def test_bpsctl_trace_refuses_what_is_not_a_trace_naming_the_file(tmp_path, damage, expected):
+    if damage is not None:
+        trace = Trace(tmp_path / "worker-0" / "comm.json", "worker", 0)
+        trace.write()
+        path = trace.path
+        text = path.read_text()
+        if damage == "truncated":
+            path.write_text(text[: len(text) // 2])
+        elif damage == "version":
+            data = json.loads(text)
+            data["otherData"]["version"] = "0.0.1"
+            path.write_text(json.dumps(data))
+        else:
+            path.write_text(json.dumps({"traceEvents": []}))
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "trace", str(tmp_path)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert expected in done.stderr
+    if damage is not None:
+        assert "worker-0/comm.json" in done.stderr
+
+
+def test_the_slowest_worker_is_the_one_that_completes_the_rounds(tmp_path):
+    """The summary names the straggler from the servers' view alone (unit level; the root
+    test with a slow emulated NIC is in test_emulated_cluster.py)."""
+    for rank in range(2):
+        trace = Trace(tmp_path / f"worker-{rank}" / "comm.json", "worker", rank)
+        trace.write()
+    server = Trace(tmp_path / "server-0" / "comm.json", "server", 0)
+    name = server.name_id("part 0")
+    for round_ in range(10):
+        server.span(5, name, round_ * 1000, round_ * 1000 + 500, 0, round_, 64, 1)
+    server.write()
+    summary = summarize(load(tmp_path))
+    assert summary["slowest_worker"]["rank"] == 1
+    assert "worker 1 was the slowest" in summary["sentences"][0]
