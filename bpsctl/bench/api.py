@@ -269,7 +269,8 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
     results = [row]
     speedup: dict[str, float] = {}
     if "allreduce" in settings.compare:
-        theirs = _run_workers(config, "bpsctl.bench.allreduce", common, n, k, output)
+        theirs = _run_workers(config.replace(trace_dir=""), "bpsctl.bench.allreduce", common,
+                              n, k, output)
         results.append(_row("allreduce", theirs["version"], theirs["seconds"], size, n, k,
                             nic_mbit))
         speedup["allreduce"] = results[-1]["seconds"] / row["seconds"]
@@ -504,6 +505,8 @@ def train_system(config: Config, settings: TrainSettings, system: str,
             "--num-classes", str(settings.num_classes), "--warmup", str(settings.warmup),
             "--iters", str(settings.iters), "--batches-per-iter", str(settings.batches_per_iter),
             "--timeout", str(settings.timeout_s)]
+    if system != "bpsctl":
+        config = config.replace(trace_dir="")       # --trace is bpsctl's timeline only
     if system != "horovod":
         return _run_workers(config, "bpsctl.bench.train", args, n, k, output)
     with _horovod_rendezvous(config, n) as (hosts, port):

@@ -53,7 +53,8 @@ def _sweep(text: str | None) -> list[int] | None:
 
 def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                     credit_bytes: str | None, emulate: bool | None,
-                    nic: str | None, config_file: Path | None = None) -> Any:
+                    nic: str | None, config_file: Path | None = None,
+                    trace_dir: Path | None = None) -> Any:
     """The Config every benchmark (and tune) shares: data-path knobs, the (emulated) cluster
     flags, and the tuned config file under them."""
     flags = {"partition_bytes": (None if partition_bytes is None
@@ -61,13 +62,41 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                                  "--partition-bytes"),
              "credit_bytes": (None if credit_bytes is None
                               else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
-             "emulate": (emulate, "--emulate"), "nic": (nic, "--nic")}
+             "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
+             "trace_dir": (None if trace_dir is None else str(trace_dir.resolve()), "--trace")}
     config = build_config(ctx, flags, config_file, read_file=True)
+    if config.trace_dir:
+        _check_trace_dir(Path(config.trace_dir))
     if config.nic and not config.emulate and ssh_cluster(config.state_dir) is None:
         raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate "
                           "(or, as the ideal of nic_fraction, to an SSH cluster `bpsctl up "
                           "--hosts` started)")
     return config
+
+
+def _check_trace_dir(directory: Path) -> None:
+    """A trace directory that cannot be written is a usage error, said before anything runs."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".bpsctl-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--trace / BPSCTL_TRACE_DIR: cannot write to {directory} "
+                          f"({exc.strerror or exc}); choose a writable directory") from None
+
+
+def _trace_option() -> Any:
+    return typer.Option(None, "--trace", metavar="DIR", envvar="BPSCTL_TRACE_DIR",
+                        show_envvar=True,
+                        help="Write bpsctl's timelines (every worker and server) under DIR; "
+                             "`bpsctl trace DIR` reads them. The baselines are not traced.")
+
+
+def _said_traces(config: Any) -> None:
+    if config.trace_dir:
+        err_console.print(f"traces of the last bpsctl run in {config.trace_dir}: "
+                          f"bpsctl trace {config.trace_dir}", highlight=False)
 
 
 def _where(config: Any) -> str:
@@ -124,11 +153,13 @@ def comm(ctx: typer.Context,
                                                help="Write the results as JSON (- for stdout)."),
          plot_file: Path | None = typer.Option(None, "--plot", metavar="FILE",
                                                help="Draw the results as a PNG."),
+         trace_dir: Path | None = _trace_option(),
          config_file: Path | None = config_file_option(),
          ) -> None:
     """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
-        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file)
+        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
+                                 trace_dir)
         n, k = cluster_size(config, workers, servers, "--sweep" if sweep is not None else "")
         settings = CommSettings(workers=n, servers=k, sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
@@ -150,6 +181,7 @@ def comm(ctx: typer.Context,
             else:
                 report = run_sweep(config, settings, worker_counts, servers, progress=progress)
         print_comm(err_console, report)
+        _said_traces(config)
         _write_json(json_file, report)
         if plot_file is not None:
             plot_comm(report, plot_file)
@@ -162,9 +194,10 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            compare: str | None, rounds: int, emulate: bool | None, nic: str | None,
            partition_bytes: str | None, credit_bytes: str | None,
            json_file: Path | None, plot_file: Path | None,
-           config_file: Path | None) -> None:
+           config_file: Path | None, trace_dir: Path | None = None) -> None:
     with cli_errors():
-        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file)
+        config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
+                                 trace_dir)
         workers, servers = cluster_size(config, workers, servers)
         settings = TrainSettings(model=model, workers=workers, servers=servers,
                                  batch_size=batch_size, image_size=image_size,
@@ -180,6 +213,7 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                 status.update(f"bench {model} on {where}: training with {message}")
             report = run_train(config, settings, progress=progress)
         print_train(err_console, report)
+        _said_traces(config)
         _write_json(json_file, report)
         if plot_file is not None:
             plot_train(report, plot_file)
@@ -224,11 +258,12 @@ def _train_command(model: str, title: str) -> None:
                                                            "stdout)."),
                 plot_file: Path | None = typer.Option(None, "--plot", metavar="FILE",
                                                       help="Draw img/sec per system as a PNG."),
+                trace_dir: Path | None = _trace_option(),
                 config_file: Path | None = config_file_option(),
                 ) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
-               json_file, plot_file, config_file)
+               json_file, plot_file, config_file, trace_dir)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")
