@@ -163,3 +163,30 @@ def test_the_slowest_worker_is_the_one_that_completes_the_rounds(tmp_path):
     summary = summarize(load(tmp_path))
     assert summary["slowest_worker"]["rank"] == 1
     assert "worker 1 was the slowest" in summary["sentences"][0]
+
+
+def test_bench_trace_writes_bpsctls_timeline_and_not_the_baselines(tmp_path):
+    traces = tmp_path / "traces"
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path),
+                           "bench", "comm", "--workers", "2", "--servers", "2", "--size", "1MiB",
+                           "--tensors", "2", "--warmup", "1", "--repeats", "3", "--no-raw",
+                           "--compare", "allreduce", "--trace", str(traces)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"bpsctl trace {traces}" in done.stderr
+    files = sorted(str(p.relative_to(traces)) for p in traces.glob("*/comm.json"))
+    assert files == ["server-0/comm.json", "server-1/comm.json", "worker-0/comm.json",
+                     "worker-1/comm.json"]
+    summary = summarize(load(traces))
+    assert all(w["steps"] >= 3 for w in summary["workers"])
+
+
+def test_bench_trace_into_an_unwritable_place_exits_2_before_anything_runs(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path),
+                           "bench", "comm", "--trace", str(blocker / "traces")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--trace / BPSCTL_TRACE_DIR: cannot write to" in done.stderr and "a-file" in done.stderr
+    assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").iterdir())

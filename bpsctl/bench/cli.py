@@ -95,8 +95,9 @@ def _trace_option() -> Any:
 
 def _said_traces(config: Any) -> None:
     if config.trace_dir:
+        # soft_wrap: the command stays whole, to copy and paste
         err_console.print(f"traces of the last bpsctl run in {config.trace_dir}: "
-                          f"bpsctl trace {config.trace_dir}", highlight=False)
+                          f"bpsctl trace {config.trace_dir}", highlight=False, soft_wrap=True)
 
 
 def _where(config: Any) -> str:
