@@ -45,8 +45,9 @@ def _hosts_option() -> Any:
 
 
 def _ship_option() -> Any:
-    return typer.Option(False, "--ship", help="Install this bpsctl (as a wheel) into every "
-                                              "host's `python:` before starting (with --hosts).")
+    return typer.Option(False, "--ship", help="Install this bpsctl (as a wheel), and what each "
+                                              "host lacks of its dependencies, into every host's "
+                                              "`python:` before starting (with --hosts).")
 
 
 def _check_ssh_extra(hosts: str | None) -> None:

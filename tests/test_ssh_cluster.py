@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -386,8 +387,13 @@ bpsctl.__version__ = "0.0.9"
 sys.argv = sys.argv[2:]
 runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
 """)
+    # bpsctl's source on the path of a Python without its dependencies
+    no_deps, _ = _venv(tmp_path / "no-deps", pip=False,
+                       packages=(Path(emulate.__file__).parents[1],))
     cases = [
         (no_bpsctl, "bpsctl is not installed for"),
+        (no_deps, f"bpsctl is installed for {no_deps} on this host but cannot be imported: "
+                  "ModuleNotFoundError: No module named '"),
         (other_version, "bpsctl 0.0.9 for"),
         ("/nonexistent/python", "/nonexistent/python: not found on this host"),
     ]
@@ -398,6 +404,9 @@ runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
         assert up.returncode == 1, message
         assert f"{s0}: {expected}" in message, message
         assert "preflight failed on 3 host(s)" in message
+        if python == no_deps:
+            assert re.search(r"No module named '(\w+)'; use --ship \(it installs bpsctl's "
+                             r"dependencies too\) or install \S+ there", message), message
     _nothing_left(hosts)
 
 
@@ -443,26 +452,60 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def _venv(path: Path, *, system_site_packages: bool) -> tuple[str, Path]:
-    """A throw-away venv: its python, and its site-packages. --without-pip: ensurepip takes
-    ~40 s on a loaded machine; with --system-site-packages the system's pip serves it (and
-    installs into the venv), without them the venv has no pip at all."""
-    flags = ["--system-site-packages"] if system_site_packages else []
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", *flags, str(path)],
-                   check=True)
+def _base_python() -> str:
+    """The interpreter this suite's Python was made from (itself, unless it is a venv's)."""
+    base = getattr(sys, "_base_executable", None)
+    if base and Path(base).exists():
+        return base
+    major, minor = sys.version_info[:2]
+    return str(Path(sys.base_prefix) / "bin" / f"python{major}.{minor}")
+
+
+def _venv(path: Path, *, pip: bool, packages: tuple[Path, ...] = ()) -> tuple[str, Path]:
+    """A throw-away venv made from the base interpreter, however this suite's Python was
+    installed (a venv's Python would base it on the system's, without the packages of either):
+    the standard library only, no numpy, pyzmq or bpsctl. Its python, and its site-packages.
+    --without-pip (ensurepip takes ~40 s on a loaded machine): with ``pip``, this Python's pip
+    is put on its path instead, like ``packages``, by a .pth file."""
+    subprocess.run([_base_python(), "-m", "venv", "--without-pip", str(path)], check=True)
     python = str(path / "bin" / "python")
-    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                         "['purelib'])"], capture_output=True, text=True,
-                          check=True, cwd="/").stdout.strip()
-    return python, Path(site)
+    site = Path(subprocess.run([python, "-I", "-c", "import sysconfig; print(sysconfig."
+                                "get_paths()['purelib'])"], capture_output=True, text=True,
+                               check=True, cwd="/").stdout.strip())
+    if pip:
+        import pip as this_pip
+        packages = (*packages, Path(this_pip.__file__).parent)
+    if packages:
+        links = path / "linked"
+        links.mkdir()
+        for package in packages:
+            (links / package.name).symlink_to(package)
+        (site / "linked.pth").write_text(f"{links}\n")
+    return python, site
+
+
+def _imports(python: str, *modules: str) -> dict[str, str | None]:
+    """Each module's version in ``python``, None where it cannot be imported."""
+    code = ("import importlib, json, sys\nfound = {}\nfor m in sys.argv[1:]:\n"
+            "    try:\n        found[m] = importlib.import_module(m).__version__\n"
+            "    except ImportError:\n        found[m] = None\nprint(json.dumps(found))")
+    return json.loads(subprocess.run([python, "-I", "-c", code, *modules], capture_output=True,
+                                     text=True, check=True, cwd="/").stdout)
 
 
 @pytest.mark.timeout(180)
 def test_ship_installs_this_bpsctl_into_the_hosts_python(cluster_hosts, state, tmp_path):
+    """--ship into a Python with pip and nothing else, on hosts with no route to any index:
+    bpsctl and its dependencies arrive, at the versions this launcher runs."""
+    import numpy
+    import zmq
     hosts = cluster_hosts
-    python, site = _venv(tmp_path / "venv", system_site_packages=True)
-    # before: the venv sees only the system's (editable) bpsctl
-    assert not list(site.glob("bpsctl*"))
+    python, site = _venv(tmp_path / "venv", pip=True)
+    assert _imports(python, "bpsctl", "numpy", "zmq") == {"bpsctl": None, "numpy": None,
+                                                          "zmq": None}
+    for name in HOSTS_WITH_BPSCTL:
+        assert subprocess.run(["ip", "-n", hosts.namespace(name), "route", "show", "default"],
+                              capture_output=True, text=True, check=True).stdout == ""
     hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml", python=python)
     # cwd tmp_path: the workers' cwd, so the source tree is not on their path
     up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file), "--ship", cwd=str(tmp_path),
@@ -475,6 +518,10 @@ def test_ship_installs_this_bpsctl_into_the_hosts_python(cluster_hosts, state, t
     direct_url = json.loads((dist_info / "direct_url.json").read_text())
     assert direct_url["url"].endswith(".whl") and "dir_info" not in direct_url, direct_url
     assert not list(site.glob("__editable__*"))
+    assert _imports(python, "numpy", "zmq") == {"numpy": numpy.__version__,
+                                                "zmq": zmq.__version__}
+    assert (site / "numpy").is_dir() and (site / "zmq").is_dir()
+    assert not (site / "torch").exists()
 
     job = tmp_path / "job.py"
     job.write_text(SHIPPED_JOB)
@@ -497,7 +544,7 @@ def test_ship_installs_this_bpsctl_into_the_hosts_python(cluster_hosts, state, t
 @pytest.mark.timeout(120)
 def test_ship_into_a_python_without_pip_fails_naming_each_host(cluster_hosts, state, tmp_path):
     hosts = cluster_hosts
-    python, _ = _venv(tmp_path / "bare", system_site_packages=False)
+    python, _ = _venv(tmp_path / "bare", pip=False)
     hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml", python=python)
     up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file), "--ship", cwd=str(tmp_path),
                       timeout_s=100)

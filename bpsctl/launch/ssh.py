@@ -98,7 +98,9 @@ def up(hosts: HostsSpec | str | Path, config: Config, *, ship_wheel: bool = Fals
             session.open()
             if ship_wheel and session.connections:
                 say("installing this bpsctl on every host (--ship)")
-                for host, message in ship(session, list(session.connections)).items():
+                for host, message in ship(session, list(session.connections),
+                                          cache_dir=state_dir / "wheelhouse",
+                                          progress=say).items():
                     session.failures[host] = message
                     session.connections.pop(host).close()
             say("preflight checks")

@@ -5,7 +5,9 @@ over raw channels; failures gathered per host.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
+import re
 import shlex
 import socket
 import threading
@@ -171,10 +173,21 @@ class Hosts:
         if code == 127:
             return (f"{python}: not found on this host; set `python:` in {self.spec.source} "
                     f"to an interpreter with bpsctl {bpsctl.__version__}")
-        if "No module named" in stderr and "bpsctl" in stderr:
+        missing = re.findall(r"No module named '([\w.]+)'", stderr)
+        if missing and missing[-1].split(".")[0] == "bpsctl":
             return (f"bpsctl is not installed for {python} on this host; install bpsctl "
                     f"{bpsctl.__version__} there (pip install bpsctl=={bpsctl.__version__}) "
                     "or use --ship")
+        error = re.findall(r"^(?:ModuleNotFoundError|ImportError): .*$", stderr, re.M)
+        if error:
+            # bpsctl was found, something it imports was not
+            fix = "use --ship (it installs bpsctl's dependencies too)"
+            if missing:
+                module = missing[-1].split(".")[0]
+                package = importlib.metadata.packages_distributions().get(module, [module])[0]
+                fix += f" or install {package} there ({python} -m pip install {package})"
+            return (f"bpsctl is installed for {python} on this host but cannot be imported: "
+                    f"{error[-1]}; {fix}")
         tail = stderr.strip().splitlines()[-3:]
         return f"{python} -m {AGENT} exited with code {code}: {' | '.join(tail)}"
 
