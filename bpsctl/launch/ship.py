@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
@@ -37,21 +36,14 @@ SHIP_TIMEOUT_S = 600
 
 
 def build_wheel(out_dir: Path) -> Path:
-    """A wheel of the bpsctl this launcher runs (from its source tree): built by setuptools
-    (without build isolation: no index needed), or packed directly where this Python has no
-    setuptools (a venv of Python 3.12 or later has none)."""
+    """A wheel of the bpsctl this launcher runs, packed from its source tree (see
+    :func:`pack_wheel`): no setuptools, no build isolation, no index needed, whatever Python
+    (a venv of Python 3.12+ has no setuptools, one of 3.11 no ``wheel`` for its bdist_wheel)."""
     root = Path(bpsctl.__file__).resolve().parents[1]
     if not (root / "pyproject.toml").exists():
         raise LaunchError(f"--ship: bpsctl at {root} is not a source tree (no pyproject.toml); "
                           "install the same bpsctl version on every host instead")
-    if importlib.util.find_spec("setuptools") is None:
-        return pack_wheel(root, out_dir)
-    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                           "-q", "-w", str(out_dir), str(root)], capture_output=True, text=True)
-    wheels = sorted(out_dir.glob("bpsctl-*.whl"))
-    if done.returncode != 0 or not wheels:
-        raise LaunchError(f"--ship: building the bpsctl wheel failed: {done.stderr.strip()[-500:]}")
-    return wheels[-1]
+    return pack_wheel(root, out_dir)
 
 
 def _record_line(arcname: str, data: bytes) -> str:
@@ -61,7 +53,7 @@ def _record_line(arcname: str, data: bytes) -> str:
 
 def pack_wheel(root: Path, out_dir: Path) -> Path:
     """The wheel setuptools builds of this pure-Python project, packed from ``pyproject.toml``
-    and the package's files (tests/test_ship.py checks that both agree)."""
+    and the package's files (tests/test_ship.py checks that the two agree)."""
     try:
         import tomllib
     except ImportError:                 # Python 3.10: tomli is one of bpsctl's requirements
