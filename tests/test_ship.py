@@ -21,6 +21,7 @@ import pytest
 import zmq
 from packaging import tags as packaging_tags
 from packaging.markers import default_environment
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 from bpsctl.launch import ship
@@ -127,10 +128,19 @@ def test_a_bare_python_gets_this_pythons_versions_repacked():
 
 def test_what_the_host_has_is_kept_and_what_is_too_old_replaced():
     needs = ship.plan_dependencies(CORE, this_python({"numpy": "1.20.0", "pyzmq": "26.0.0",
-                                                      "rich": "13.0.0"}))
+                                                      "rich": "14.0.0"}))
     assert "numpy" in needs.repack                  # 1.20 < 1.21
     assert "pyzmq" not in needs.repack and "rich" not in needs.repack
     assert "markdown-it-py" not in needs.repack     # rich's: the host's rich has them
+
+
+def test_what_the_host_has_is_checked_against_every_requirement_naming_it():
+    typer = importlib.metadata.distribution("typer")
+    wanted = next(r for r in typer.requires if r.startswith("rich"))     # rich>=13.8.0 here
+    needs = ship.plan_dependencies(CORE, this_python({"rich": "13.0.0", "numpy": "1.23.5",
+                                                      "pyzmq": "27.3.0", "psutil": "7.2.2"}))
+    assert "typer" in needs.repack
+    assert ("rich" in needs.repack) == (not Requirement(wanted).specifier.contains("13.0.0"))
 
 
 def test_another_python_gets_the_same_versions_downloaded_for_it():

@@ -73,7 +73,7 @@ def pack_wheel(root: Path, out_dir: Path) -> Path:
             metadata.append(f'Requires-Dist: {requirement}; {marker}extra == "{extra}"')
     info = f"{name}-{version}.dist-info"
     files: dict[str, bytes] = {}
-    package = Path(bpsctl.__file__).resolve().parent
+    package = root / "bpsctl"
     for path in sorted(package.rglob("*")):
         if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
             files[path.relative_to(package.parent).as_posix()] = path.read_bytes()
@@ -107,17 +107,15 @@ def wheel_requirements(wheel: Path) -> list[str]:
 # --------------------------------------------------------------------------- what a host needs
 
 def _packaging() -> Any:
-    """``packaging`` (requirements, markers, utils), or the copy pip vendors."""
+    """``packaging`` (its requirements and markers), or the copy pip vendors."""
     try:
         import packaging.markers
         import packaging.requirements
-        import packaging.utils
         return packaging
     except ImportError:             # pragma: no cover - pip always carries it
         from pip._vendor import packaging as vendored
         import pip._vendor.packaging.markers  # noqa: F401
         import pip._vendor.packaging.requirements  # noqa: F401
-        import pip._vendor.packaging.utils  # noqa: F401
         return vendored
 
 
@@ -203,19 +201,19 @@ def plan_dependencies(requirements: Sequence[str], host: HostPython,
     environment = {**(host.markers or {}), "extra": ""}
     accepted = set(host.tags or ())
     needs = Needs()
-    seen: set[str] = set()
+    decided: set[str] = set()
     todo = list(requirements)
     while todo:
         req = pk.requirements.Requirement(todo.pop(0))
         if req.marker is not None and not req.marker.evaluate(environment):
             continue
         name = canonical(req.name)
-        if name in seen:
+        if name in decided:
             continue
-        seen.add(name)
         have = host.installed.get(name)
         if have is not None and req.specifier.contains(have, prereleases=True):
-            continue
+            continue        # for this requirement; every other one naming it is checked too
+        decided.add(name)
         dist = local(name)
         if dist is None or not req.specifier.contains(dist.version, prereleases=True):
             needs.unpinned[name] = str(req.name) + str(req.specifier)
