@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 from conftest import JobFailed, cluster_config, run_job, wait_until
+from zmq.utils.monitor import parse_monitor_message
 
 import bpsctl
 from bpsctl.config import DEFAULT_SECURITY, Config

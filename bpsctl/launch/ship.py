@@ -24,12 +24,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import bpsctl
-from bpsctl.launch.transport import Hosts, HostFailure, parallel, remote_argv
+from bpsctl.launch.transport import HostFailure, Hosts, parallel, remote_argv
 from bpsctl.launch.types import LaunchError
 
 SHIP_TIMEOUT_S = 600
@@ -113,9 +114,9 @@ def _packaging() -> Any:
         import packaging.requirements
         return packaging
     except ImportError:             # pragma: no cover - pip always carries it
-        from pip._vendor import packaging as vendored
         import pip._vendor.packaging.markers  # noqa: F401
         import pip._vendor.packaging.requirements  # noqa: F401
+        from pip._vendor import packaging as vendored
         return vendored
 
 
@@ -154,7 +155,7 @@ class HostPython:
     markers: dict[str, str] | None
 
     @classmethod
-    def from_probe(cls, data: dict[str, Any]) -> "HostPython":
+    def from_probe(cls, data: dict[str, Any]) -> HostPython:
         return cls(python=data["python"], version=data["version"], platform=data["platform"],
                    installed=dict(data.get("installed") or {}), tags=data.get("tags"),
                    markers=data.get("markers"))
