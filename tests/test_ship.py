@@ -10,6 +10,7 @@ import base64
 import hashlib
 import importlib.metadata
 import importlib.util
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -73,8 +74,14 @@ def _wheel_contents(wheel: Path) -> tuple[list[str], set[str], str]:
 
 
 def _setuptools_wheel(root: Path, out_dir: Path) -> Path:
-    """The wheel setuptools builds: with this Python's setuptools if it can, else in pip's
-    build isolation (which needs an index)."""
+    """The wheel setuptools builds, from a clean copy of the source (in the tree it would add
+    stale modules from build/lib): with this Python's setuptools if it can, else in pip's build
+    isolation (which needs an index)."""
+    source = out_dir / "source"
+    shutil.copytree(root / "bpsctl", source / "bpsctl",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, source / name)
     isolation = []
     if importlib.util.find_spec("setuptools") is not None:     # not imported: it would put
         version = importlib.metadata.version("setuptools")      # its vendored copies on the path
@@ -83,7 +90,7 @@ def _setuptools_wheel(root: Path, out_dir: Path) -> Path:
         isolation = ["--no-build-isolation"] if can_build else []
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                            "--disable-pip-version-check", *isolation, "-w", str(out_dir),
-                           str(root)], capture_output=True, text=True)
+                           str(source)], capture_output=True, text=True)
     if done.returncode != 0:
         pytest.skip(f"setuptools cannot build the wheel to compare with here: "
                     f"{done.stderr.strip()[-300:]}")
@@ -236,3 +243,14 @@ def test_a_missing_bpsctl_is_told_apart_from_a_missing_dependency():
                       "ImportError: numpy.core.multiarray failed to import; use --ship (it "
                       "installs bpsctl's dependencies too)")
     assert explain(127, "").startswith("/h/python: not found on this host")
+
+
+def test_the_agent_check_says_what_the_roles_cannot_import(monkeypatch):
+    """bpsctl.launch imports lazily, so the agent runs where numpy or pyzmq are missing; its
+    check imports what the scheduler and servers will, and preflight reports what failed."""
+    from bpsctl.launch import remote
+    assert remote.cmd_check({"address": "127.0.0.1", "ports": []})["import_error"] is None
+    monkeypatch.setattr(remote, "_ROLE_MODULES", ("bpsctl.engine.server", "no_such_dependency"))
+    failed = remote.cmd_check({"address": "127.0.0.1", "ports": []})["import_error"]
+    assert failed == {"error": "ModuleNotFoundError: No module named 'no_such_dependency'",
+                      "module": "no_such_dependency"}

@@ -11,7 +11,7 @@ from typing import Any
 
 import bpsctl
 from bpsctl.launch.plan import plan
-from bpsctl.launch.transport import COMMAND_TIMEOUT_S, HostFailure, Hosts, parallel
+from bpsctl.launch.transport import COMMAND_TIMEOUT_S, HostFailure, Hosts, cannot_import, parallel
 from bpsctl.launch.types import HostsSpec, LaunchError
 
 PROBE_TIMEOUT_S = 3.0
@@ -69,6 +69,10 @@ def preflight(session: Hosts, hosts: HostsSpec) -> dict[str, str]:
             problems.setdefault(host, []).append(
                 f"bpsctl {value.get('version')} for {value.get('python')}, but this launcher is "
                 f"bpsctl {bpsctl.__version__}; install the same version there or use --ship")
+        failed = value.get("import_error")
+        if failed:
+            problems.setdefault(host, []).append(
+                cannot_import(hosts.python, failed["error"], failed.get("module")))
         problems_here = value.get("problems") or []
         if problems_here:
             problems.setdefault(host, []).extend(problems_here)

@@ -14,6 +14,7 @@ servers), ``exec`` (one worker).
 from __future__ import annotations
 
 import fcntl
+import importlib
 import json
 import os
 import signal
@@ -66,8 +67,24 @@ def _bind_problem(address: str, port: int) -> str | None:
         sock.close()
 
 
+#: what the scheduler, the servers and the agent's own commands import: all of bpsctl's
+#: dependencies they need (the agent itself imports no more than it must, to start quickly)
+_ROLE_MODULES = ("bpsctl.engine.scheduler", "bpsctl.engine.server", "bpsctl.launch.processes")
+
+
+def _import_error() -> dict[str, Any] | None:
+    """Why this Python cannot import what the roles run (a missing numpy or pyzmq), if so."""
+    for module in _ROLE_MODULES:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            return {"error": f"{type(exc).__name__}: {exc}", "module": exc.name}
+    return None
+
+
 def cmd_check(spec: dict[str, Any]) -> dict[str, Any]:
-    """Version, the address to bind (from an interface), and whether ports are free."""
+    """Version, whether the roles' modules import, the address to bind (from an interface),
+    and whether ports are free."""
     problems = []
     address = spec.get("address")
     interface = spec.get("interface")
@@ -95,7 +112,8 @@ def cmd_check(spec: dict[str, Any]) -> dict[str, Any]:
             if problem:
                 problems.append(problem)
     return {"version": bpsctl.__version__, "protocol": PROTOCOL, "python": sys.executable,
-            "hostname": socket.gethostname(), "address": address, "problems": problems}
+            "hostname": socket.gethostname(), "address": address, "problems": problems,
+            "import_error": _import_error()}
 
 
 def cmd_listen(spec: dict[str, Any]) -> None:

@@ -52,6 +52,16 @@ def remote_argv(argv: Sequence[str]) -> str:
     return " ".join(words)
 
 
+def cannot_import(python: str, error: str, module: str | None) -> str:
+    """A host's bpsctl is there but fails to import ``module`` (one of its dependencies)."""
+    fix = "use --ship (it installs bpsctl's dependencies too)"
+    if module:
+        top = module.split(".")[0]
+        package = importlib.metadata.packages_distributions().get(top, [top])[0]
+        fix += f" or install {package} there ({python} -m pip install {package})"
+    return f"bpsctl is installed for {python} on this host but cannot be imported: {error}; {fix}"
+
+
 class Hosts:
     """One fabric connection per host, opened in parallel with retries, closed on exit.
     Every host's key is checked against its ``ssh.known_hosts`` (trusted on first use)."""
@@ -179,15 +189,8 @@ class Hosts:
                     f"{bpsctl.__version__} there (pip install bpsctl=={bpsctl.__version__}) "
                     "or use --ship")
         error = re.findall(r"^(?:ModuleNotFoundError|ImportError): .*$", stderr, re.M)
-        if error:
-            # bpsctl was found, something it imports was not
-            fix = "use --ship (it installs bpsctl's dependencies too)"
-            if missing:
-                module = missing[-1].split(".")[0]
-                package = importlib.metadata.packages_distributions().get(module, [module])[0]
-                fix += f" or install {package} there ({python} -m pip install {package})"
-            return (f"bpsctl is installed for {python} on this host but cannot be imported: "
-                    f"{error[-1]}; {fix}")
+        if error:       # bpsctl was found, something it imports was not
+            return cannot_import(python, error[-1], missing[-1] if missing else None)
         tail = stderr.strip().splitlines()[-3:]
         return f"{python} -m {AGENT} exited with code {code}: {' | '.join(tail)}"
 
