@@ -159,8 +159,8 @@ def run_on(cluster: ClusterState, cmd: list[str], config: Config, workers: int |
     """Run one job's workers on ``cluster`` through the one run loop (see :func:`run`)."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
-    the_plan = worker_plan(cluster, config, workers)
     config = config.replace(security=cluster.security)
+    the_plan = worker_plan(cluster, config, workers)
     if cluster.kind == "ssh":
         with ssh.SshSpawner(cluster, cmd, config, stdout, stderr) as spawner:
             return run_workers(spawner, the_plan, config, stop_grace_s=stop_grace_s)
