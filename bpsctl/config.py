@@ -229,8 +229,9 @@ class Config:
                           "write Chrome traces of workers and servers under this directory "
                           "(empty: no tracing)", "str")
     trace_start_step: int = knob(0, "BPSCTL_TRACE_START_STEP",
-                                 "first training step traced (steps count push_pulls of the "
-                                 "first tensor)", "int", ("BYTEPS_TRACE_START_STEP",))
+                                 "first training step traced (the plugin's optimizer steps, "
+                                 "else push_pulls of the first tensor)", "int",
+                                 ("BYTEPS_TRACE_START_STEP",))
     trace_end_step: int = knob(0, "BPSCTL_TRACE_END_STEP",
                                "step at which tracing stops and the trace is written "
                                "(0: at shutdown)", "int", ("BYTEPS_TRACE_END_STEP",))

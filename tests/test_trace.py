@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,22 @@ def test_bench_trace_into_an_unwritable_place_exits_2_before_anything_runs(tmp_p
     assert done.returncode == 2
     assert "--trace / BPSCTL_TRACE_DIR: cannot write to" in done.stderr and "a-file" in done.stderr
     assert not (tmp_path / "logs").exists() or not list((tmp_path / "logs").iterdir())
+
+
+def test_the_torch_optimizer_waiting_for_its_gradients_is_on_the_timeline(tmp_path):
+    """DistributedOptimizer.step() waiting in synchronize is a span of its own, beside the
+    engine's, in every worker's trace (the README's hello world, traced)."""
+    traces = tmp_path / "traces"
+    script = Path(__file__).resolve().parents[1] / "examples" / "train.py"
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path),
+                           "run", "-np", "2", "--", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=100, cwd=tmp_path,
+                          env={**os.environ, "BPSCTL_TRACE_DIR": str(traces),
+                               "BPSCTL_TRACE_START_STEP": "5", "BPSCTL_TRACE_END_STEP": "15"})
+    assert done.returncode == 0, done.stderr + done.stdout
+    for rank in range(2):
+        spans = _spans(traces / f"worker-{rank}" / "comm.json")
+        waits = [s for s in spans if s["cat"] == "synchronize"]
+        steps = [s for s in spans if s["cat"] == "step"]
+        assert len(steps) == 10 and 9 <= len(waits) <= 11
+        assert all(s["name"] == "DistributedOptimizer.grad" for s in waits)

@@ -33,6 +33,7 @@ from ..config import Config
 from . import protocol as P
 from .common import EngineError
 from .intranode import LocalOp, LocalStage, _as_array
+from .trace import now_ns
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
            "push_pull", "push_pull_async", "push_pull_inplace", "push_pull_async_inplace",
@@ -462,6 +463,7 @@ class _GradientSync:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"named_parameters has duplicate names: {duplicates}")
+        self.prefix = prefix
         self.params = [p for _, p in named_parameters if p.requires_grad]
         full_names = {p: f"{prefix}.{name}" for name, p in named_parameters}
         self.buckets = _buckets(self.params, full_names, _p().config.fusion_bytes, prefix)
@@ -511,6 +513,7 @@ class _GradientSync:
                                                        compression=self.compression)
 
     def synchronize(self) -> None:
+        started_ns = now_ns()
         # buckets not pushed yet (a parameter unused this step, or fewer backward passes than
         # backward_passes_per_step) still take part, so every worker pushes the same tensors
         for bucket in self.buckets:
@@ -530,6 +533,11 @@ class _GradientSync:
         for p in self.params:
             self.delay[p] = self.passes_per_step
         self.handles.clear()
+        # the time the optimizer waited for the averaged gradients, and the step's end, on the
+        # worker's timeline
+        worker = _engine._w()
+        worker.trace_span("synchronize", self.prefix, started_ns, now_ns())
+        worker.mark_step()
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

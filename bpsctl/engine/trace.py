@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,9 +37,9 @@ STAGES = (
     "wait_workers",     # server: from a partition's first push of a round to its last
     "sum",              # server: one push added into the round's buffer
     "send_result",      # server: the round's result handed to every worker's connection
-    "backward",         # plugin: from a gradient's hook to its push_pull being started
+    "backward",         # plugin: reserved for the backward pass's own spans (not recorded yet)
     "synchronize",      # plugin: optimizer.step() waiting for the averaged gradients
-    "step",             # worker: one training step, from one push of the first tensor to the next
+    "step",             # worker: one training step (an optimizer step, or first tensor to first)
 )
 STAGE = {name: index for index, name in enumerate(STAGES)}
 FORMAT = "bpsctl-trace"
@@ -84,22 +85,29 @@ class Trace:
         self._name_ids: dict[str, int] = {}
         self.written = False
         self.step_started_ns = now_ns()
+        # the engine's I/O thread records most spans; the plugin's thread and a server's
+        # summation threads record some too
+        self._lock = threading.Lock()
 
     def name_id(self, name: str) -> int:
         index = self._name_ids.get(name)
         if index is None:
-            index = self._name_ids[name] = len(self.names)
-            self.names.append(name)
+            with self._lock:
+                index = self._name_ids.get(name)
+                if index is None:
+                    index = self._name_ids[name] = len(self.names)
+                    self.names.append(name)
         return index
 
     def span(self, stage: int, name: int, start_ns: int, end_ns: int, part: int = -1,
              round_: int = -1, nbytes: int = 0, peer: int = -1, priority: int = 0) -> None:
         """Record one span (callers check ``self.on`` first)."""
-        i = self.count % self.capacity
-        self.stage[i], self.name[i], self.start[i], self.end[i] = stage, name, start_ns, end_ns
-        self.part[i], self.round[i], self.nbytes[i] = part, round_, nbytes
-        self.peer[i], self.priority[i] = peer, priority
-        self.count += 1
+        with self._lock:
+            i = self.count % self.capacity
+            self.count += 1
+            self.stage[i], self.name[i], self.start[i], self.end[i] = stage, name, start_ns, end_ns
+            self.part[i], self.round[i], self.nbytes[i] = part, round_, nbytes
+            self.peer[i], self.priority[i] = peer, priority
 
     def next_step(self, name: int = 0) -> None:
         """A training step ended: record it, open or close the window; write the file once the

@@ -129,6 +129,7 @@ class Worker:
         self._server_monitors: list[zmq.Socket] = []
         self._trace: Trace | None = None        # with BPSCTL_TRACE_DIR; opened once ranked
         self._step_tensor: str | None = None    # traced steps count push_pulls of the first tensor
+        self._marked_steps = False              # ... unless a plugin marks them (mark_step)
         self._trace_sent: dict[int, int] = {}   # part id -> ns its traced push left
         self._trace_acked: dict[int, int] = {}  # part id -> ns its ACK came
         try:
@@ -382,6 +383,19 @@ class Worker:
         self._command("barrier", handle)
         handle.wait(timeout_s if timeout_s is not None else self.config.op_timeout_s)
 
+    def mark_step(self) -> None:
+        """A training step ended (the plugins' optimizers say so): from now on the traced
+        window counts these instead of push_pulls of the first tensor."""
+        if self._trace is not None:
+            self._command("step", None)
+
+    def trace_span(self, stage: str, name: str, start_ns: int, end_ns: int) -> None:
+        """Record a span of the caller's own (a plugin's) in this worker's trace, if it traces
+        now; ``stage`` is one of :data:`bpsctl.engine.trace.STAGES`."""
+        trace = self._trace
+        if trace is not None and trace.on:
+            trace.span(STAGE[stage], trace.name_id(name), start_ns, end_ns)
+
     def shutdown(self) -> None:
         """Leave the job; outstanding push_pulls fail. Safe to call twice."""
         with self._lock:
@@ -470,6 +484,12 @@ class Worker:
             elif kind == "barrier":
                 self._barriers[payload.name] = payload
                 self._sched.send_multipart(P.control(P.BARRIER, {"name": payload.name}))
+            elif kind == "step" and self._trace is not None:
+                if not self._marked_steps:
+                    self._marked_steps = True
+                    self._trace.step_started_ns = now_ns()
+                else:
+                    self._trace.next_step(self._trace.name_id("step"))
             elif kind == "stop":
                 self._sched.send_multipart(P.control(P.LEAVE))
                 self._stop = True
@@ -481,7 +501,7 @@ class Worker:
             self._finish(task, self._broken)
             return
         self._tasks.add(task)
-        if self._trace is not None:
+        if self._trace is not None and not self._marked_steps:
             self._count_step(task.name)
         if self._peer_left:
             task.deadline = min(task.deadline, time.monotonic() + self.config.heartbeat_timeout_s)
