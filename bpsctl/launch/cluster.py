@@ -103,23 +103,23 @@ def private_cluster(config: Config, *, servers: int = 1, workers: int | None = N
 
 
 def worker_plan(cluster: ClusterState, config: Config, workers: int | None = None,
-                job_id: str = "") -> Plan:
+                job_id: str = "", master_port: int | None = None) -> Plan:
     """Every worker of one job on ``cluster``: one per slot of an SSH cluster's hosts file, else
     ``workers`` of them (the embedded default: on this machine; emulated: spread over the
-    worker hosts)."""
+    worker hosts). A local job's ``MASTER_PORT`` is a free port unless ``master_port`` says."""
     config = config.replace(security=cluster.security)
     job_id = job_id or new_job_id()
     if cluster.kind == "ssh":
         return ssh.worker_plan(cluster, config, job_id)
     hosts = cluster_hosts(cluster, workers if workers is not None else config.world_size,
-                          master_port=local.free_port())
+                          master_port=local.free_port() if master_port is None else master_port)
     return plan(hosts, config, secret=cluster.secret, job_id=job_id)
 
 
 def worker_slots(cluster: ClusterState, workers: int | None = None) -> tuple[Assignment, ...]:
     """Where each worker rank of a job on ``cluster`` would run (``.rank``, ``.host``,
     ``.address``, ``.local_rank``, ...)."""
-    return worker_plan(cluster, Config(), workers).workers
+    return worker_plan(cluster, Config(), workers, master_port=0).workers    # no job: no port
 
 
 def run(cmd: list[str], config: Config, *, workers: int | None = None, servers: int = 1,
