@@ -80,16 +80,18 @@ def test_every_traced_push_has_its_sum_and_result_in_causal_order(engine_cluster
 def test_a_high_priority_tensor_leaves_before_one_queued_behind_the_credit(engine_cluster,
                                                                            tmp_path):
     _traced_job(engine_cluster, tmp_path)
-    spans = _spans(tmp_path / "worker-0" / "comm.json")
-    for step in (s for s in spans if s["cat"] == "step"):
-        pushes = [s for s in spans if s["cat"] == "push" and step["ts"] <= s["ts"] < step["end"]]
-        first_push = {name: min(s["ts"] for s in pushes if s["name"] == name)
-                      for name in ("layer0", "layer1", "layer2")}
-        # layer0 was called first and its first partition took the credit; then the queue
-        # orders by priority: layer2 before layer1, and both before layer0's second partition
-        assert first_push["layer2"] < first_push["layer1"]
-        second_of_layer0 = sorted(s["ts"] for s in pushes if s["name"] == "layer0")[1]
-        assert first_push["layer1"] < second_of_layer0
+    queued = [s for s in _spans(tmp_path / "worker-0" / "comm.json") if s["cat"] == "queued"]
+    # of two partitions waiting at the same moment (each queued before the other left), the
+    # one of higher priority leaves first; when each tensor's push_pull reaches the I/O thread
+    # varies, so the pairs that waited together are found in the trace, not assumed
+    together = 0
+    for a in queued:
+        for b in queued:
+            prio_a, prio_b = a["args"].get("priority", 0), b["args"].get("priority", 0)
+            if prio_a > prio_b and a["ts"] < b["end"] and b["ts"] < a["end"]:
+                together += 1
+                assert a["end"] <= b["end"], (a, b)
+    assert together > 0, "the credit of one partition made partitions of two tensors wait"
 
 
 def test_bpsctl_trace_merges_and_summarises(engine_cluster, tmp_path):
