@@ -54,10 +54,10 @@ def _spans(path: Path) -> list[dict]:
     return spans
 
 
-def test_every_traced_push_has_its_sum_and_result_in_causal_order(engine_cluster, tmp_path):
-    _traced_job(engine_cluster, tmp_path)
-    workers = {r: _spans(tmp_path / f"worker-{r}" / "comm.json") for r in range(2)}
-    servers = [s for r in range(2) for s in _spans(tmp_path / f"server-{r}" / "comm.json")]
+def _check_causal_order(workers: dict[int, list[dict]], servers: list[dict],
+                        slack_us: float = 0.0) -> None:
+    """Every traced push has its sum on a server and its result back, in causal order (within
+    ``slack_us``, the clock alignment's error bound)."""
     sums = {(s["args"]["part"], s["args"]["round"], s["args"]["worker"]): s
             for s in servers if s["cat"] == "sum"}
     sent = {(s["args"]["part"], s["args"]["round"]): s
@@ -69,12 +69,46 @@ def test_every_traced_push_has_its_sum_and_result_in_causal_order(engine_cluster
         for push in (s for s in spans if s["cat"] == "push"):
             key = (push["args"]["part"], push["args"]["round"])
             summed, answered, result = sums[(*key, rank)], sent[key], results[key]
-            assert push["ts"] <= summed["ts"] <= summed["end"] <= answered["ts"]
-            assert answered["ts"] <= result["end"]
+            assert push["ts"] <= summed["ts"] + slack_us
+            assert summed["ts"] <= summed["end"] <= answered["ts"]
+            assert answered["ts"] <= result["end"] + slack_us
             checked += 1
     # 3 tensors of 2 partitions, steps 0..STEPS-2 complete in the window (the last step has
     # no following push of the first tensor to close it), on each of 2 workers
     assert checked >= 2 * 3 * 2 * (STEPS - 1)
+
+
+def test_every_traced_push_has_its_sum_and_result_in_causal_order(engine_cluster, tmp_path):
+    _traced_job(engine_cluster, tmp_path)
+    workers = {r: _spans(tmp_path / f"worker-{r}" / "comm.json") for r in range(2)}
+    servers = [s for r in range(2) for s in _spans(tmp_path / f"server-{r}" / "comm.json")]
+    _check_causal_order(workers, servers)
+
+
+def test_processes_on_several_machines_are_put_on_the_schedulers_clock(engine_cluster,
+                                                                       tmp_path):
+    _traced_job(engine_cluster, tmp_path)
+    files = sorted(tmp_path.glob("*/comm.json"))
+    for index, path in enumerate(files):
+        data = json.loads(path.read_text())
+        clock = data["otherData"]["scheduler_clock"]
+        # these processes share the scheduler's clock: the true offset, 0, is within the bound
+        assert abs(clock["offset_ns"]) <= clock["error_ns"] < 0.1e9, clock
+        # as if each process ran on a machine of its own, whose clock is an hour off
+        data["otherData"]["boot_id"] = f"machine-{index}"
+        data["otherData"]["scheduler_clock"]["offset_ns"] += 3600 * 10**9 * (index + 1)
+        for event in data["traceEvents"]:
+            if "ts" in event:
+                event["ts"] -= 3600 * 10**6 * (index + 1)
+        path.write_text(json.dumps(data))
+    timeline = load(tmp_path)
+    assert timeline.clock["method"] == "handshake"
+    slack_us = timeline.clock["error_bound_s"] * 1e6
+    spans = {(p.role, p.rank): [{"cat": s.stage, "ts": s.start_us, "end": s.end_us,
+                                 "args": s.args} for stage in p.spans.values() for s in stage]
+             for p in timeline.processes}
+    _check_causal_order({r: spans[("worker", r)] for r in range(2)},
+                        spans[("server", 0)] + spans[("server", 1)], slack_us)
 
 
 def test_a_high_priority_tensor_leaves_before_one_queued_behind_the_credit(engine_cluster,

@@ -27,8 +27,10 @@ HEADER = struct.Struct("<2sBBBBHIIQ")
 HEADER_SIZE = HEADER.size
 
 # --- scheduler plane (JSON bodies)
-REGISTER = 1        # any -> scheduler: {role, rank, world_size, job, host, port, pid, version, ...}
-REGISTERED = 2      # scheduler -> any: {rank, servers: [{rank, host, port}], ...}
+REGISTER = 1        # any -> scheduler: {role, rank, world_size, job, host, port, pid, version,
+                    #   clock_ns (the sender's monotonic clock as it sent), ...}
+REGISTERED = 2      # scheduler -> any: {rank, servers: [{rank, host, port}], clock: [clock_ns,
+                    #   arrival, answer] (the scheduler's readings), ...}
 HEARTBEAT = 3       # any -> scheduler: {}
 DECLARE = 4         # worker -> scheduler: {tensors: [{name, dtype, shape, nbytes}]}
 DECLARED = 5        # scheduler -> worker: {tensors: [{name, key, parts}]},

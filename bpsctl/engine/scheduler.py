@@ -34,6 +34,7 @@ class Member:
     pid: int
     last_seen: float
     state: str = "running"        # running | lost | left
+    clock: tuple[int, int] | None = None   # its clock when it sent REGISTER, ours on arrival
 
     def describe(self) -> str:
         where = f"{self.host}:{self.port}" if self.port else self.host
@@ -175,17 +176,20 @@ class Scheduler:
         role = msg.get("role")
         if role == "worker":
             _check_worker_registration(msg)
+        arrived_ns = time.monotonic_ns()
         now = time.monotonic()
+        sent_ns = P.int_field(msg, "clock_ns", 0, 1 << 63, default=0)
         common: dict[str, Any] = dict(rid=rid, role=role, host=P.str_field(msg, "host"),
                                       pid=P.int_field(msg, "pid", 0, 1 << 31, default=0),
-                                      last_seen=now)
+                                      last_seen=now,
+                                      clock=(sent_ns, arrived_ns) if sent_ns else None)
         if role == "server":
             member = Member(rank=len(self.servers), port=P.int_field(msg, "port", 1, 65535),
                             **common)
             self.servers.append(member)
             self.members[rid] = member
             self.log.info("registered %s", member.describe())
-            self._send(rid, P.REGISTERED, {"rank": member.rank})
+            self._send(rid, P.REGISTERED, {"rank": member.rank, **_clock(member)})
         elif role == "worker":
             self._register_worker(rid, msg, common)
         else:
@@ -275,7 +279,8 @@ class Scheduler:
         book = [{"rank": s.rank, "host": s.host, "port": s.port} for s in job.servers]
         for rank, worker in job.workers.items():
             self._send(worker.rid, P.REGISTERED, {"rank": rank, "servers": book,
-                                                  "world_size": job.world_size})
+                                                  "world_size": job.world_size,
+                                                  **_clock(worker)})
         self.log.info("job %s started: %d workers, %d servers", job.id, job.world_size,
                       len(job.servers))
 
@@ -408,6 +413,14 @@ class Scheduler:
 
 
 _DTYPE_NAMES = {str(dtype) for dtype in P.DTYPES}
+
+
+def _clock(member: Member) -> dict[str, Any]:
+    """The clock exchange of a REGISTERED answer: the member's reading when it sent REGISTER,
+    ours when it arrived and ours now (see bpsctl.engine.trace.clock_offset)."""
+    if member.clock is None:
+        return {}
+    return {"clock": [*member.clock, time.monotonic_ns()]}
 
 
 def _check_worker_registration(msg: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ import logging
 import secrets
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,7 +124,8 @@ class Security:
     def gate(self, who: str, log: logging.Logger) -> Gate:
         return Gate(self, who, log)
 
-    def login(self, sock: zmq.Socket, message: list[bytes], peer: str) -> Login:
+    def login(self, sock: zmq.Socket, message: list[bytes] | Callable[[], list[bytes]],
+              peer: str) -> Login:
         return Login(self, sock, message, peer)
 
 
@@ -255,13 +257,16 @@ class Gate:
 
 class Login:
     """The connecting side of a connection's handshake: sends ``message`` (REGISTER, STATUS or
-    HELLO) once the bound side has proven itself, or at once in the other modes."""
+    HELLO) once the bound side has proven itself, or at once in the other modes. ``message``
+    may be a function that builds the frames, called when they are sent (a registration
+    stamps its clock reading then)."""
 
-    def __init__(self, security: Security, sock: zmq.Socket, message: list[bytes], peer: str):
+    def __init__(self, security: Security, sock: zmq.Socket,
+                 message: list[bytes] | Callable[[], list[bytes]], peer: str):
         self.security, self.sock, self.message, self.peer = security, sock, message, peer
         self.done = security.mode != "hmac"
         if self.done:
-            sock.send_multipart(message)
+            self._send_message()
             return
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
         sock.send_multipart(P.control(P.AUTH, {"version": __version__, "nonce": self._nonce.hex()}))
@@ -279,9 +284,13 @@ class Login:
                               "from the cluster state), or this is not the cluster's process")
         self.sock.send_multipart(P.control(P.PROOF, {
             "proof": self.security._proof(b"connecting", theirs, self._nonce)}))
-        self.sock.send_multipart(self.message)
+        self._send_message()
         self.done = True
         return True
+
+    def _send_message(self) -> None:
+        message = self.message
+        self.sock.send_multipart(message() if callable(message) else message)
 
 
 __all__ = ["Security", "Gate", "Login", "ZapHandler", "CurveKeys", "new_secret",

@@ -48,7 +48,7 @@ from .common import (
     write_ready_file,
 )
 from .security import Security, handshake_failed, refused_handshake, version_mismatch
-from .trace import STAGE, Trace, now_ns
+from .trace import STAGE, Trace, now_ns, scheduler_clock
 
 #: partitions at least this large are summed on a summation thread
 THREADED_SUM_BYTES = 256 * 1024
@@ -158,6 +158,7 @@ class Server:
         # summation threads record into it too
         self.trace: Trace | None = None
         self.trace_lock = threading.Lock()
+        self.clock: dict[str, int] | None = None    # the scheduler's, from the registration
 
         # summation threads report completed partitions through an inproc socket
         self.done_endpoint = f"inproc://bps-done-{id(self)}"
@@ -173,9 +174,10 @@ class Server:
     def register(self) -> None:
         """Register with the scheduler; raise EngineError by the start deadline."""
         where = f"the scheduler at {self.scheduler_address}"
-        login = self.security.login(self.sched, P.control(P.REGISTER, {
+        # stamped as it leaves: the registration is also a clock exchange (for traces)
+        login = self.security.login(self.sched, lambda: P.control(P.REGISTER, {
             "role": "server", "host": self.config.host, "port": self.port, "pid": os.getpid(),
-            "version": __version__}), where)
+            "version": __version__, "clock_ns": now_ns()}), where)
         deadline = time.monotonic() + self.config.start_timeout_s
         connected = False
         while time.monotonic() < deadline:
@@ -186,12 +188,14 @@ class Server:
             if self.sched.poll(100, zmq.POLLIN):
                 try:
                     msg_type, msg = P.parse_control(self.sched.recv_multipart())
+                    received_ns = now_ns()
                 except P.ProtocolError as exc:
                     raise EngineError(f"{where} answered with a bad message: {exc}") from None
                 if login.handle(msg_type, msg):
                     continue
                 if msg_type == P.REGISTERED:
                     self.rank = int(msg["rank"])
+                    self.clock = scheduler_clock(msg, received_ns)
                     self.log = setup_process_logging(f"server {self.rank}")
                     self.gate = self.security.gate(f"server {self.rank}", self.log)
                     return
@@ -325,6 +329,7 @@ class Server:
         if isinstance(trace_dir, str) and trace_dir and self.trace is None:
             self.trace = Trace(Path(trace_dir) / f"server-{self.rank}" / "comm.json", "server",
                                self.rank)
+            self.trace.scheduler_clock = self.clock
         self.peers[rid] = rank
 
     def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0) -> None:

@@ -10,9 +10,11 @@ spans); nothing is formatted or written until the traced window closes or the pr
 down.
 
 Clocks: timestamps are ``time.monotonic_ns()``, one clock for every process of a machine, so
-the files of one machine line up exactly as they are. Each file also records its machine's boot
-id and one reading of the wall clock taken with the monotonic one; ``bpsctl trace`` aligns the
-files of other machines through their wall clocks (as well as NTP keeps those in step).
+the files of one machine line up exactly as they are. Files of different machines are put on
+the scheduler's clock: every process's registration is a clock exchange with the scheduler (the
+four readings of NTP, see :func:`clock_offset`), and each file records the offset found and its
+error bound. Each file also records its machine's boot id, and a reading of the wall clock as a
+fallback for files without an offset.
 """
 from __future__ import annotations
 
@@ -59,6 +61,27 @@ def now_ns() -> int:
     return time.monotonic_ns()
 
 
+def clock_offset(sent_ns: int, received_ns: int, answered_ns: int, back_ns: int
+                 ) -> dict[str, int]:
+    """The offset of a peer's clock from ours, from one exchange: we sent at ``sent_ns`` (our
+    clock), the peer received at ``received_ns`` and answered at ``answered_ns`` (its clock), and
+    the answer came back at ``back_ns`` (ours). The peer's clock reads ours + ``offset_ns``,
+    within ``error_ns``: half the round trip spent on the wire, however long the peer held
+    the message (as NTP computes it)."""
+    return {"offset_ns": ((received_ns - sent_ns) + (answered_ns - back_ns)) // 2,
+            "error_ns": max(0, ((back_ns - sent_ns) - (answered_ns - received_ns)) // 2)}
+
+
+def scheduler_clock(registered: dict[str, Any], received_ns: int) -> dict[str, int] | None:
+    """The scheduler's clock against ours, from its REGISTERED answer (None if it carries no
+    well-formed clock exchange)."""
+    readings = registered.get("clock")
+    if not (isinstance(readings, list) and len(readings) == 3
+            and all(isinstance(r, int) and not isinstance(r, bool) for r in readings)):
+        return None
+    return clock_offset(readings[0], readings[1], readings[2], received_ns)
+
+
 class Trace:
     """The spans of one process, recorded between ``start_step`` and ``end_step``."""
 
@@ -85,6 +108,8 @@ class Trace:
         self._name_ids: dict[str, int] = {}
         self.written = False
         self.step_started_ns = now_ns()
+        #: the scheduler's clock = ours + offset_ns (within error_ns), if known
+        self.scheduler_clock: dict[str, int] | None = None
         # the engine's I/O thread records most spans; the plugin's thread and a server's
         # summation threads record some too
         self._lock = threading.Lock()
@@ -178,5 +203,6 @@ class Trace:
                 "otherData": {"format": FORMAT, "version": __version__, "role": self.role,
                               "rank": self.rank, "boot_id": boot_id(),
                               "clock": {"wall_ns": wall_ns, "monotonic_ns": mono_ns},
+                              "scheduler_clock": self.scheduler_clock,
                               "window_ns": self.window_ns, "steps": self.step,
                               "spans": kept, "dropped": first}}

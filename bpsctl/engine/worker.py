@@ -47,7 +47,7 @@ from .common import (
     watch_link,
 )
 from .security import Login, Security, handshake_failed, refused_handshake
-from .trace import STAGE, Trace, now_ns
+from .trace import STAGE, Trace, now_ns, scheduler_clock
 
 
 class Handle:
@@ -203,11 +203,15 @@ class Worker:
     def _register(self) -> None:
         cfg = self.config
         where = f"the scheduler at {self.scheduler_address}"
-        login = self.security.login(self._sched, P.control(P.REGISTER, {
+        register = {
             "role": "worker", "rank": cfg.rank, "world_size": cfg.world_size, "job": cfg.job_id,
             "host": cfg.host, "pid": os.getpid(),
             "version": __version__, "num_servers": cfg.num_servers,
-            "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s}), where)
+            "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s}
+        # stamped as it leaves: the registration is also a clock exchange (for traces)
+        login = self.security.login(self._sched, lambda: P.control(P.REGISTER, {
+            **register, "clock_ns": now_ns()}), where)
+        clock: dict[str, int] | None = None
         # the scheduler enforces the start timeout and names missing ranks; our own deadline
         # (a little later) is a backstop for a scheduler that never answers
         start = time.monotonic()
@@ -233,6 +237,7 @@ class Worker:
                 continue
             try:
                 msg_type, msg = P.parse_control(self._sched.recv_multipart())
+                received_ns = now_ns()
             except P.ProtocolError as exc:
                 raise EngineError(f"rank {cfg.rank}: {where} answered with a bad message: "
                                   f"{exc}") from None
@@ -247,6 +252,7 @@ class Worker:
                 self.rank = int(msg["rank"])
                 self.size = int(msg["world_size"])
                 self._servers = msg["servers"]
+                clock = scheduler_clock(msg, received_ns)
                 break
         if not self._servers:
             if not connected:
@@ -263,6 +269,7 @@ class Worker:
                                       "version": __version__}
         if cfg.trace_dir:
             self._trace = self._open_trace(Path(cfg.trace_dir))
+            self._trace.scheduler_clock = clock
             hello_body["trace_dir"] = str(Path(cfg.trace_dir).resolve())    # servers trace too
         hello = P.control(P.HELLO, hello_body)
         logins = []

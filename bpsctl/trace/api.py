@@ -2,8 +2,9 @@
 
 The files are those :mod:`bpsctl.engine.trace` writes under a trace directory
 (``worker-<rank>/comm.json``, ``server-<rank>/comm.json``). :func:`load` checks and aligns
-them (files of one machine share its monotonic clock; files of other machines are shifted
-through the wall-clock reading each file carries), :func:`merge` writes ``merged.json``, and
+them (files of one machine share its monotonic clock; files of several machines are put on the
+scheduler's clock through the offset each process measured when it registered), :func:`merge`
+writes ``merged.json``, and
 :func:`summarize` says where the steps' time went: per worker, per server, and the longest
 stalls of each worker's uplink, in words.
 """
@@ -53,6 +54,9 @@ class ProcessTrace:
 class Timeline:
     directory: Path
     processes: list[ProcessTrace]
+    #: how the files were put on one clock: method (monotonic | handshake | wall),
+    #: error_bound_s, handshake_offset_s (see _alignment)
+    clock: dict[str, Any] = field(default_factory=dict)
 
     def of(self, role: str) -> list[ProcessTrace]:
         return sorted((p for p in self.processes if p.role == role), key=lambda p: p.rank)
@@ -93,17 +97,10 @@ def load(directory: Path | str) -> Timeline:
                           "server-<rank>/comm.json, as BPSCTL_TRACE_DIR=DIR or `bpsctl bench "
                           "... --trace DIR` write them)")
     loaded = [(path, _read(path)) for path in paths]
-    # the clock: the first worker's; files of another boot are shifted by their wall clocks
-    reference = loaded[0][1]["otherData"]
-    ref_clock = reference["clock"]
+    shifts, clock = _alignment([data["otherData"] for _, data in loaded])
     processes = []
-    for path, data in loaded:
+    for (path, data), shift_ns in zip(loaded, shifts, strict=True):
         meta = data["otherData"]
-        shift_ns = 0
-        if meta.get("boot_id") != reference.get("boot_id") or not meta.get("boot_id"):
-            clock = meta["clock"]
-            shift_ns = ((clock["wall_ns"] - clock["monotonic_ns"])
-                        - (ref_clock["wall_ns"] - ref_clock["monotonic_ns"]))
         process = ProcessTrace(path, str(meta["role"]), int(meta["rank"]), meta,
                                data["traceEvents"])
         begins: dict[tuple[str, str], dict[str, Any]] = {}
@@ -119,7 +116,37 @@ def load(directory: Path | str) -> Timeline:
                         Span(event["cat"], begin["name"], begin["ts"], event["ts"],
                              begin.get("args", {})))
         processes.append(process)
-    return Timeline(directory, processes)
+    return Timeline(directory, processes, clock)
+
+
+def _alignment(metas: list[dict[str, Any]]) -> tuple[list[int], dict[str, Any]]:
+    """How much to shift each file's timestamps (ns) to put them on one clock, and how.
+
+    Files of one boot of one machine share its monotonic clock: no shift, no error. Otherwise
+    each file moves onto the scheduler's clock through the offset its registration measured
+    (error: the sum of the two largest bounds, the worst pair); files without one fall back to
+    their wall-clock readings (as good as NTP keeps the machines in step; error unknown).
+    """
+    offsets = [meta.get("scheduler_clock") for meta in metas]
+    measured = [o for o in offsets if isinstance(o, dict)]
+    check = None
+    if measured:
+        # what the handshake says between processes that share a clock (truly 0): its error
+        check = max(abs(o["offset_ns"]) for o in measured) / 1e9 if len(
+            {m.get("boot_id") for m in metas}) == 1 else None
+    boots = {meta.get("boot_id") for meta in metas}
+    if len(boots) == 1 and all(boots):
+        return [0] * len(metas), {"method": "monotonic", "error_bound_s": 0.0,
+                                  "handshake_offset_s": check}
+    if len(measured) == len(metas):
+        bounds = sorted((o["error_ns"] for o in measured), reverse=True)
+        return [int(o["offset_ns"]) for o in measured], {
+            "method": "handshake", "error_bound_s": sum(bounds[:2]) / 1e9,
+            "handshake_offset_s": check}
+    reference = metas[0]["clock"]
+    shifts = [(m["clock"]["wall_ns"] - m["clock"]["monotonic_ns"])
+              - (reference["wall_ns"] - reference["monotonic_ns"]) for m in metas]
+    return shifts, {"method": "wall", "error_bound_s": None, "handshake_offset_s": check}
 
 
 def merge(timeline: Timeline) -> Path:
@@ -245,7 +272,8 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
     stalls.sort(key=lambda s: s["seconds"], reverse=True)
     summary: dict[str, Any] = {"kind": "trace", "directory": str(timeline.directory),
                                "workers": worker_rows, "servers": server_rows,
-                               "slowest_worker": slowest, "stalls": stalls[:top]}
+                               "slowest_worker": slowest, "stalls": stalls[:top],
+                               "clock": timeline.clock}
     summary["sentences"] = _sentences(summary)
     return summary
 
