@@ -82,6 +82,7 @@ def up(ctx: typer.Context,
        workers: int = typer.Option(2, "--workers", min=1,
                                    help="With --emulate: worker hosts to build."),
        nic: str | None = knob_option("nic", "--nic"),
+       straggler: str | None = knob_option("straggler", "--straggler"),
        security: str | None = knob_option("security", "--security"),
        config_file: Path | None = config_file_option(),
        ) -> None:
@@ -94,6 +95,7 @@ def up(ctx: typer.Context,
         config = build_config(ctx, {"port": (port, "--port"),
                                     "start_timeout_s": (start_timeout_s, "--start-timeout"),
                                     "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
+                                    "straggler": (straggler, "--straggler"),
                                     "security": (security, "--security")},
                               config_file, read_file=True)
         servers = servers or config.num_servers or 1
@@ -113,6 +115,8 @@ def up(ctx: typer.Context,
                                 ship_wheel=ship, progress=lambda text: spinner.update(text))
         what = {"emulated": "emulated cluster"}.get(cluster.kind, "cluster")
         nic_text = f", NIC {config.nic or 'unshaped'}" if cluster.kind == "emulated" else ""
+        nic_text += "".join(f", worker {rank}'s at {factor:g}x" for rank, factor in
+                            config.stragglers.items())
         err_console.print(f"{what} [bold]{escape(cluster.name)}[/] is up, scheduler at "
                           f"{cluster.scheduler}{nic_text}", highlight=False)
         _print_processes(launch.status(config.state_dir)["processes"])

@@ -84,6 +84,24 @@ def parse_rate_mbit(text: str, what: str = "rate") -> float:
     return float(m.group(1)) * _RATE_UNITS[unit]
 
 
+def parse_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
+    """``"1:0.25"`` -> {1: 0.25}: worker ranks whose host's NIC runs at a factor of the
+    others' rate (several comma-separated)."""
+    slow: dict[int, float] = {}
+    for item in filter(None, (part.strip() for part in str(text).split(","))):
+        rank_text, _, factor_text = item.partition(":")
+        try:
+            rank, factor = int(rank_text), float(factor_text)
+        except ValueError:
+            raise ConfigError(f"{what}: expected RANK:FACTOR such as 1:0.25 (worker 1's host NIC "
+                              f"at a quarter of --nic), got {item!r}") from None
+        if rank < 0 or not 0 < factor <= 1 or rank in slow:
+            raise ConfigError(f"{what}: {item!r}: expected a worker rank of 0 or more, once, and "
+                              "a factor above 0 and at most 1")
+        slow[rank] = factor
+    return slow
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -185,6 +203,10 @@ class Config:
     nic: str = knob("", "BPSCTL_NIC",
                     "each emulated host's full-duplex NIC rate, e.g. 500mbit or 1gbit "
                     "(empty: unshaped)", "str")
+    straggler: str = knob("", "BPSCTL_STRAGGLER",
+                          "a slow machine on purpose: RANK:FACTOR shapes worker RANK's emulated "
+                          "host NIC to FACTOR x --nic (e.g. 1:0.25; several comma-separated)",
+                          "str")
 
     # data path. Defaults chosen with ResNet50 on 4 x 4 emulated hosts at 1 Gbit, where they
     # trained fastest; BytePS's 4096000 / 16384000 left uplinks idle waiting for ACKs (figures
@@ -235,6 +257,9 @@ class Config:
     trace_end_step: int = knob(0, "BPSCTL_TRACE_END_STEP",
                                "step at which tracing stops and the trace is written "
                                "(0: at shutdown)", "int", ("BYTEPS_TRACE_END_STEP",))
+    trace_nic: str = knob("", "BPSCTL_TRACE_NIC",
+                          "the network interface a trace samples (empty: the one holding "
+                          "BPSCTL_HOST's address, lo for loopback)", "str")
 
     # deadlines
     start_timeout_s: float = knob(30.0, "BPSCTL_START_TIMEOUT",
@@ -297,10 +322,16 @@ class Config:
             parse_address(self.scheduler, "BPSCTL_SCHEDULER")
         if self.nic:
             parse_rate_mbit(self.nic, "BPSCTL_NIC")
+        if self.straggler:
+            parse_stragglers(self.straggler, "BPSCTL_STRAGGLER")
 
     @property
     def nic_mbit(self) -> float | None:
         return parse_rate_mbit(self.nic, "BPSCTL_NIC") if self.nic else None
+
+    @property
+    def stragglers(self) -> dict[int, float]:
+        return parse_stragglers(self.straggler, "--straggler") if self.straggler else {}
 
     # ---------------------------------------------------------------- building
 

@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from bpsctl.config import ConfigError
+from bpsctl.config import ConfigError, parse_stragglers
 from bpsctl.launch import emulate
 
 IS_ROOT = os.geteuid() == 0
@@ -217,6 +217,30 @@ def test_plan_shaping_one_class_per_peer():
     assert "classid 1:1 htb rate 300000kbit ceil 300000kbit" in host_side
     assert emulate.shaping_batch(emulate.plan_network(2, 1, None, cluster_id="a"),
                                  plan.host("w0"), "host") == ""
+
+
+def test_a_straggler_host_gets_its_factor_of_the_nic_both_ways():
+    plan = emulate.plan_network(3, 1, "400mbit", cluster_id="abc", slow={1: 0.25})
+    slow, normal = plan.host("w1"), plan.host("w0")
+    for side in ("host", "switch"):
+        assert "classid 1:1 htb rate 100000kbit ceil 100000kbit" in \
+            emulate.shaping_batch(plan, slow, side)
+        assert "classid 1:1 htb rate 400000kbit ceil 400000kbit" in \
+            emulate.shaping_batch(plan, normal, side)
+
+
+@pytest.mark.parametrize("slow, nic, message", [
+    ({1: 0.5}, None, "give --nic as well"), ({3: 0.5}, "1gbit", "worker 3 does not exist")])
+def test_a_straggler_needs_a_nic_rate_and_an_existing_worker(slow, nic, message):
+    with pytest.raises(ConfigError, match=message):
+        emulate.plan_network(3, 1, nic, cluster_id="abc", slow=slow)
+
+
+@pytest.mark.parametrize("text", ["1", "1:0", "1:1.5", "a:0.5", "1:0.5,1:0.25", "-1:0.5",
+                                  "1:cpu=0.5"])
+def test_a_straggler_flag_that_is_not_rank_colon_factor_is_refused(text):
+    with pytest.raises(ConfigError, match="--straggler"):
+        parse_stragglers(text)
 
 
 @pytest.mark.parametrize("args, flag", [

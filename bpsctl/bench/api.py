@@ -249,10 +249,14 @@ def _row(system: str, version: str, seconds: list[float], size: int, workers: in
 
 
 def _cluster_keys(config: Config) -> dict[str, Any]:
-    """Report keys naming an SSH cluster's hosts file (the figures are not this machine's)."""
+    """Report keys naming an SSH cluster's hosts file (the figures are not this machine's),
+    or an emulated cluster's slow hosts (--straggler)."""
     cluster = ssh_cluster(config.state_dir)
-    return {"cluster": "ssh", "hosts_file": cluster.hosts.source} if cluster and cluster.hosts \
-        else {}
+    if cluster and cluster.hosts:
+        return {"cluster": "ssh", "hosts_file": cluster.hosts.source}
+    if config.emulate and config.stragglers:
+        return {"stragglers": {str(rank): factor for rank, factor in config.stragglers.items()}}
+    return {}
 
 
 def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: float | None,

@@ -54,7 +54,7 @@ def _sweep(text: str | None) -> list[int] | None:
 def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                     credit_bytes: str | None, emulate: bool | None,
                     nic: str | None, config_file: Path | None = None,
-                    trace_dir: Path | None = None) -> Any:
+                    trace_dir: Path | None = None, straggler: str | None = None) -> Any:
     """The Config every benchmark (and tune) shares: data-path knobs, the (emulated) cluster
     flags, and the tuned config file under them."""
     flags = {"partition_bytes": (None if partition_bytes is None
@@ -63,6 +63,7 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
              "credit_bytes": (None if credit_bytes is None
                               else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
              "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
+             "straggler": (straggler, "--straggler"),
              "trace_dir": (None if trace_dir is None else str(trace_dir.resolve()), "--trace")}
     config = build_config(ctx, flags, config_file, read_file=True)
     if config.trace_dir:
@@ -103,7 +104,9 @@ def _said_traces(config: Any) -> None:
 def _where(config: Any) -> str:
     """Where a benchmark runs, for its progress line."""
     if config.emulate:
-        return f"emulated NIC {config.nic or 'unshaped'}"
+        slow = "".join(f", worker {rank}'s at {factor:g}x" for rank, factor in
+                       config.stragglers.items())
+        return f"emulated NIC {config.nic or 'unshaped'}{slow}"
     cluster = ssh_cluster(config.state_dir)
     return f"the SSH cluster of {cluster.hosts.source}" if cluster and cluster.hosts \
         else "this machine"
@@ -138,6 +141,7 @@ def comm(ctx: typer.Context,
                                                  "(torch.distributed gloo ring allreduce)."),
          emulate: bool | None = knob_option("emulate", "--emulate"),
          nic: str | None = knob_option("nic", "--nic"),
+         straggler: str | None = knob_option("straggler", "--straggler"),
          sweep: str | None = typer.Option(None, "--sweep", metavar="workers=2,4,6,8",
                                           help="A cluster per worker count; speedup over "
                                                "allreduce against the theory 2(n-1)/n."),
@@ -160,7 +164,7 @@ def comm(ctx: typer.Context,
     """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir)
+                                 trace_dir, straggler)
         n, k = cluster_size(config, workers, servers, "--sweep" if sweep is not None else "")
         settings = CommSettings(workers=n, servers=k, sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
@@ -195,10 +199,11 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            compare: str | None, rounds: int, emulate: bool | None, nic: str | None,
            partition_bytes: str | None, credit_bytes: str | None,
            json_file: Path | None, plot_file: Path | None,
-           config_file: Path | None, trace_dir: Path | None = None) -> None:
+           config_file: Path | None, trace_dir: Path | None = None,
+           straggler: str | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir)
+                                 trace_dir, straggler)
         workers, servers = cluster_size(config, workers, servers)
         settings = TrainSettings(model=model, workers=workers, servers=servers,
                                  batch_size=batch_size, image_size=image_size,
@@ -252,6 +257,7 @@ def _train_command(model: str, title: str) -> None:
                                                 "drifts)."),
                 emulate: bool | None = knob_option("emulate", "--emulate"),
                 nic: str | None = knob_option("nic", "--nic"),
+                straggler: str | None = knob_option("straggler", "--straggler"),
                 partition_bytes: str | None = knob_option("partition_bytes", "--partition-bytes"),
                 credit_bytes: str | None = knob_option("credit_bytes", "--credit-bytes"),
                 json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
@@ -264,7 +270,7 @@ def _train_command(model: str, title: str) -> None:
                 ) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
-               json_file, plot_file, config_file, trace_dir)
+               json_file, plot_file, config_file, trace_dir, straggler)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")

@@ -24,7 +24,9 @@ def comm_reports(report: dict[str, Any]) -> list[dict[str, Any]]:
 def _network(report: dict[str, Any]) -> str:
     """What the figures went through: the NIC rate, else an SSH cluster's hosts, else loopback."""
     if report["nic_mbit"]:
-        return f"NIC {report['nic_mbit']:g} Mbit/s"
+        slow = "".join(f", worker {rank}'s at {factor:g}x"
+                       for rank, factor in report.get("stragglers", {}).items())
+        return f"NIC {report['nic_mbit']:g} Mbit/s{slow}"
     return (f"SSH cluster of {Path(report['hosts_file']).name}" if report.get("hosts_file")
             else "loopback")
 

@@ -35,6 +35,9 @@ def up(config: Config, *, servers: int, workers: int | None = None,
         if workers is None:
             raise ConfigError("--workers: an emulated cluster needs the number of worker hosts")
         return local.up_emulated(config, workers, servers)
+    if config.straggler:
+        raise ConfigError("--straggler: a slow NIC on purpose needs an emulated cluster; add "
+                          "--emulate and --nic")
     if config.nic:
         raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
     if hosts:

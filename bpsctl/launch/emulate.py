@@ -79,6 +79,7 @@ class EmulatedHost:
     interface: str              # the NIC inside the namespace (GLOO_SOCKET_IFNAME)
     switch_port: str            # the veth's other end, in the switch namespace
     runs_scheduler: bool        # the scheduler lives beside the first server
+    nic_mbit: float | None = None   # this host's own rate (a straggler's), else the plan's
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,11 @@ def new_cluster_id() -> str:
 
 
 def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
-                 cluster_id: str | None = None, hostname: str | None = None) -> NetworkPlan:
+                 cluster_id: str | None = None, hostname: str | None = None,
+                 slow: dict[int, float] | None = None) -> NetworkPlan:
     """Plan N worker hosts and K server hosts; the scheduler lives beside server 0 (or
     worker 0 when K = 0). ``nic`` is a rate such as ``"500mbit"`` (or Mbit/s), None: unshaped.
+    ``slow`` maps worker ranks to a factor of ``nic`` their host's NIC runs at (stragglers).
 
     Workers get addresses .10, .11, ... and servers .130, .131, ... of 10.77.0.0/24, so an
     address does not depend on how many hosts of the other role there are.
@@ -156,6 +159,13 @@ def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
         nic_mbit = float(nic)
     else:
         nic_mbit = parse_rate_mbit(str(nic), "--nic")
+    slow = slow or {}
+    if slow and nic_mbit is None:
+        raise ConfigError("--straggler: a slow NIC is a factor of --nic; give --nic as well")
+    beyond = sorted(rank for rank in slow if not 0 <= rank < workers)
+    if beyond:
+        raise ConfigError(f"--straggler: worker {beyond[0]} does not exist (workers 0 to "
+                          f"{workers - 1})")
     cluster_id = new_cluster_id() if cluster_id is None else cluster_id
     if not _CLUSTER_ID_RE.match(cluster_id):
         raise ConfigError(f"emulated cluster id: expected 1-12 lowercase letters or digits, "
@@ -169,7 +179,9 @@ def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
                 name=name, role=role, rank=rank, namespace=namespace_name(cluster_id, name),
                 address=str(SUBNET.network_address + base + rank), interface=HOST_INTERFACE,
                 switch_port=name,
-                runs_scheduler=(role == "server" and rank == 0) or (servers == 0 and name == "w0")))
+                runs_scheduler=(role == "server" and rank == 0) or (servers == 0 and name == "w0"),
+                nic_mbit=nic_mbit * slow[rank] if role == "worker" and rank in slow and nic_mbit
+                else None))
     return NetworkPlan(cluster_id=cluster_id, hosts=tuple(hosts), nic_mbit=nic_mbit,
                        switch_namespace=namespace_name(cluster_id, SWITCH_HOST),
                        hostname=hostname if hostname is not None else socket.gethostname())
@@ -202,7 +214,7 @@ def shaping_batch(plan: NetworkPlan, host: EmulatedHost, side: str) -> str:
         dev, match = host.switch_port, "src"
     else:
         raise ValueError(f"side: expected 'host' or 'switch', got {side!r}")
-    total_kbit = max(1, round(plan.nic_mbit * 1000))
+    total_kbit = max(1, round((host.nic_mbit or plan.nic_mbit) * 1000))
     peers = [h for h in plan.hosts if h is not host]
     # TCP's ACKs go first, in a class of their own: behind a peer's queue of full-size (GSO)
     # packets they would wait many milliseconds, and the flows in the other direction stall

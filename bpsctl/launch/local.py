@@ -160,7 +160,8 @@ def up_emulated(config: Config, workers: int, servers: int) -> ClusterState:
     server per server host. Workers of later runs go to the worker hosts. On any failure,
     everything built or started is removed again.
     """
-    plan = emulate.plan_network(workers, servers, config.nic or None)   # checks the flags
+    plan = emulate.plan_network(workers, servers, config.nic or None,     # checks the flags
+                                slow=config.stragglers)
     emulate.check_prerequisites()
     state_dir = Path(config.state_dir).resolve()
     existing = state.load_state(state_dir)
