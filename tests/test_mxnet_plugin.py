@@ -60,14 +60,15 @@ EPILOGUE = textwrap.dedent('''
 ''')
 
 
-def run_script(tmp_path: Path, body: str, np_: int, *args: str) -> list[dict]:
-    """Run PRELUDE + body on ``np_`` workers; return each rank's RESULTS."""
+def run_script(tmp_path: Path, body: str, np_: int, *args: str, **knobs) -> list[dict]:
+    """Run PRELUDE + body on ``np_`` workers (with config ``knobs``); return each rank's
+    RESULTS."""
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body) + EPILOGUE)
     out_dir = tmp_path / "out"
     out_dir.mkdir(exist_ok=True)
     config = Config(state_dir=tmp_path / "state", heartbeat_interval_s=0.2, start_timeout_s=60.0,
-                    op_timeout_s=30.0)
+                    op_timeout_s=30.0, **knobs)
     log = io.StringIO()
     result = run_local([sys.executable, str(script), str(out_dir), *args], np_, config,
                        servers=2, stdout=log, stderr=log)
@@ -351,3 +352,27 @@ def test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch(tmp_
                 assert np.array_equal(got, np.array(first[name])), f"rank {rank}: {name}"
                 assert np.allclose(got, ref, rtol=tolerance, atol=tolerance), \
                     f"{variant} {name}: max |diff| {np.abs(got - ref).max():.2e} > {tolerance}"
+
+
+TRACED_SCRIPT = COMMON + """
+LOCAL_BATCH = int(sys.argv[2])
+STEPS = int(sys.argv[3])
+net = make_net(seed=R)
+trainer = bps.DistributedTrainer(net.collect_params(), *OPTIMIZER)
+RESULTS["params"] = train(net, trainer, N, R, LOCAL_BATCH)
+"""
+
+
+def test_a_traced_trainer_marks_its_steps_and_its_wait_for_the_gradients(tmp_path):
+    """With BPSCTL_TRACE_DIR, each DistributedTrainer.step() is a step of the timeline (the
+    traced window counts them) and its wait for the summed gradients a synchronize span."""
+    traces = tmp_path / "traces"
+    run_script(tmp_path, TRACED_SCRIPT, 2, str(LOCAL_BATCH), str(STEPS), trace_dir=str(traces))
+    for rank in range(2):
+        events = json.loads((traces / f"worker-{rank}" / "comm.json").read_text())["traceEvents"]
+        begun = [e for e in events if e.get("ph") == "b"]
+        steps = [e for e in begun if e["cat"] == "step"]
+        waits = [e for e in begun if e["cat"] == "synchronize"]
+        # the first step() starts the count: STEPS - 1 whole steps, each after its wait
+        assert len(steps) == STEPS - 1
+        assert len(waits) == STEPS and {e["name"] for e in waits} == {"DistributedTrainer.grad"}

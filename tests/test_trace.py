@@ -139,6 +139,12 @@ def test_bpsctl_trace_merges_and_summarises(engine_cluster, tmp_path):
                                                          "server 1"}
     summary = json.loads(out.read_text())
     assert [w["rank"] for w in summary["workers"]] == [0, 1]
+    # every process here shares loopback: one NIC, sampled from the window's start to its end
+    [nic] = summary["nics"]
+    assert nic["interface"] == "lo"
+    samples = json.loads((tmp_path / "worker-0" / "comm.json").read_text()
+                         )["otherData"]["nic"]["samples"]
+    assert len(samples) >= 2 and samples[-1][1] > samples[0][1]
     assert all(w["steps"] == STEPS - 1 for w in summary["workers"])
     assert sum(s["bytes_summed"] for s in summary["servers"]) > 0
 
@@ -246,3 +252,43 @@ def test_the_torch_optimizer_waiting_for_its_gradients_is_on_the_timeline(tmp_pa
         steps = [s for s in spans if s["cat"] == "step"]
         assert len(steps) == 10 and 9 <= len(waits) <= 11
         assert all(s["name"] == "DistributedOptimizer.grad" for s in waits)
+        assert 9 <= len([s for s in spans if s["cat"] == "backward"]) <= 11
+    # each step split into forward, backward, wait and optimizer, which fit inside it
+    rows = summarize(load(traces))["steps"]
+    assert len(rows) == 10
+    for row in rows:
+        phases = [row[k] for k in ("forward_s", "backward_s", "wait_s", "optimizer_s")]
+        assert all(p >= 0 for p in phases), row
+        assert sum(phases) <= row["step_s"] + 1e-6, row
+
+
+def test_a_slow_host_is_named_and_the_nic_tracks_count_the_bytes_sent(tmp_path):
+    """On an emulated cluster (root) whose worker 1 has a NIC at a quarter of the others'
+    rate, `bpsctl trace` names worker 1 as the slowest, and each worker host's NIC counter
+    track shows the bytes the engine sent and received, within 5%."""
+    traces = tmp_path / "traces"
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path),
+                           "bench", "comm", "--emulate", "--workers", "3", "--servers", "1",
+                           "--nic", "200mbit", "--straggler", "1:0.25", "--size", "4MiB",
+                           "--tensors", "4", "--warmup", "1", "--repeats", "3", "--no-raw",
+                           "--trace", str(traces)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert "worker 1's at 0.25x" in done.stdout + done.stderr      # said beside the figures
+    out = tmp_path / "summary.json"
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "trace", str(traces), "--json",
+                           str(out)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(out.read_text())
+    assert summary["slowest_worker"]["rank"] == 1
+    assert "worker 1 was the slowest" in done.stderr
+    for rank in range(3):
+        data = json.loads((traces / f"worker-{rank}" / "comm.json").read_text())
+        samples = data["otherData"]["nic"]["samples"]
+        tx, rx = (samples[-1][i] - samples[0][i] for i in (1, 2))
+        engine = {stage: sum(e["args"].get("bytes", 0) for e in data["traceEvents"]
+                             if e.get("cat") == stage and e["ph"] == "b")
+                  for stage in ("push", "wait_result")}
+        assert engine["push"] == 4 * 4 * MiB        # 4 rounds of 4 MiB, all in the window
+        assert abs(tx / engine["push"] - 1) < 0.05, (rank, tx, engine)
+        assert abs(rx / engine["wait_result"] - 1) < 0.05, (rank, rx, engine)

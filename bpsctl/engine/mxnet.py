@@ -44,6 +44,7 @@ except Exception as exc:        # noqa: BLE001 - under numpy>=1.24 it is an Attr
 from .. import engine as _engine
 from ..config import Config
 from .common import EngineError
+from .trace import now_ns
 from .worker import Handle
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
@@ -381,6 +382,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._params_to_init = deferred
 
     def _allreduce_grads(self) -> None:
+        started_ns = now_ns()
         pending = []
         with _Batch() as batch:
             for index, param in enumerate(self._params):
@@ -398,3 +400,9 @@ class DistributedTrainer(mx.gluon.Trainer):
                 self._compression.decompress(wire, ctx).copyto(grads[0])
             for other in grads[1:]:
                 grads[0].copyto(other)
+        # every gradient's push_pull happens here, after the backward pass: the wait for them
+        _engine._w().trace_span("synchronize", "DistributedTrainer.grad", started_ns, now_ns())
+
+    def _update(self, ignore_stale_grad: bool = False) -> None:
+        super()._update(ignore_stale_grad)
+        _engine._w().mark_step()       # the step ends with the update (traces count steps)

@@ -48,7 +48,7 @@ from .common import (
     write_ready_file,
 )
 from .security import Security, handshake_failed, refused_handshake, version_mismatch
-from .trace import STAGE, Trace, now_ns, scheduler_clock
+from .trace import STAGE, Trace, attach_nic, now_ns, scheduler_clock
 
 #: partitions at least this large are summed on a summation thread
 THREADED_SUM_BYTES = 256 * 1024
@@ -330,6 +330,10 @@ class Server:
             self.trace = Trace(Path(trace_dir) / f"server-{self.rank}" / "comm.json", "server",
                                self.rank)
             self.trace.scheduler_clock = self.clock
+            warning = attach_nic(self.trace, self.config.trace_nic, self.config.host,
+                                 self.config.nic_mbit)
+            if warning:
+                self.log.warning(warning)
         self.peers[rid] = rank
 
     def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0) -> None:
@@ -345,6 +349,8 @@ class Server:
                 try:
                     if self.trace.count:
                         self.trace.close()
+                    elif self.trace.nic is not None:
+                        self.trace.nic.stop()       # nothing traced: no file, no sampler
                 except OSError as exc:
                     self.log.warning("cannot write the trace %s: %s", self.trace.path, exc)
                 self.trace = None

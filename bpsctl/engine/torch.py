@@ -475,6 +475,8 @@ class _GradientSync:
         self.enabled = True
         self.before_first_push = before_first_push
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        # when this step's first and last bucket were ready (the backward span of a trace)
+        self.first_ready_ns = self.last_ready_ns = 0
 
     def _hook(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:
@@ -489,8 +491,11 @@ class _GradientSync:
             bucket = self.bucket_of[p]
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
-                if not self.handles and self.before_first_push is not None:
-                    self.before_first_push()
+                self.last_ready_ns = now_ns()
+                if not self.handles:
+                    self.first_ready_ns = self.last_ready_ns
+                    if self.before_first_push is not None:
+                        self.before_first_push()
                 self._push(bucket)
 
     def _push(self, bucket: _Bucket) -> None:
@@ -512,7 +517,9 @@ class _GradientSync:
                                                        priority=bucket.priority,
                                                        compression=self.compression)
 
-    def synchronize(self) -> None:
+    def synchronize(self, end_of_step: bool = True) -> None:
+        """Wait for every bucket's push_pull; ``end_of_step``: the step ends here (no
+        optimizer update follows that would end it)."""
         started_ns = now_ns()
         # buckets not pushed yet (a parameter unused this step, or fewer backward passes than
         # backward_passes_per_step) still take part, so every worker pushes the same tensors
@@ -533,11 +540,15 @@ class _GradientSync:
         for p in self.params:
             self.delay[p] = self.passes_per_step
         self.handles.clear()
-        # the time the optimizer waited for the averaged gradients, and the step's end, on the
-        # worker's timeline
+        # the backward pass (first to last gradient ready) and the wait for the averaged
+        # gradients, on the worker's timeline
         worker = _engine._w()
+        if self.first_ready_ns:
+            worker.trace_span("backward", self.prefix, self.first_ready_ns, self.last_ready_ns)
+            self.first_ready_ns = 0
         worker.trace_span("synchronize", self.prefix, started_ns, now_ns())
-        worker.mark_step()
+        if end_of_step:
+            worker.mark_step()
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -561,7 +572,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait for every gradient's push_pull (pushing any that has not started)."""
-        self._sync.synchronize()
+        self._sync.synchronize(end_of_step=False)       # step() ends it, after the update
         self._synchronized = True
 
     @contextlib.contextmanager
@@ -577,7 +588,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._should_synchronize:
             self.synchronize()
         self._synchronized = False
-        return super(self.__class__, self).step(closure)
+        loss = super(self.__class__, self).step(closure)
+        _engine._w().mark_step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True):
         if self._sync.handles:

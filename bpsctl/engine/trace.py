@@ -7,7 +7,8 @@ tensor, with the partition, round, bytes, peer and priority in its args.
 Cost: with tracing off the engine holds ``None`` and pays one branch per message. With it on,
 a span is a few stores into preallocated arrays (a ring that keeps the newest ``capacity``
 spans); nothing is formatted or written until the traced window closes or the process shuts
-down.
+down. While the window is open a thread samples the machine's NIC counters at 20 Hz
+(:class:`NicSampler`); they become a counter track beside the spans.
 
 Clocks: timestamps are ``time.monotonic_ns()``, one clock for every process of a machine, so
 the files of one machine line up exactly as they are. Files of different machines are put on
@@ -39,9 +40,9 @@ STAGES = (
     "wait_workers",     # server: from a partition's first push of a round to its last
     "sum",              # server: one push added into the round's buffer
     "send_result",      # server: the round's result handed to every worker's connection
-    "backward",         # plugin: reserved for the backward pass's own spans (not recorded yet)
+    "backward",         # plugin: from the step's first gradient ready to its last (torch)
     "synchronize",      # plugin: optimizer.step() waiting for the averaged gradients
-    "step",             # worker: one training step (an optimizer step, or first tensor to first)
+    "step",             # worker: one training step (optimizer step to step, or 1st tensor to 1st)
 )
 STAGE = {name: index for index, name in enumerate(STAGES)}
 FORMAT = "bpsctl-trace"
@@ -82,6 +83,125 @@ def scheduler_clock(registered: dict[str, Any], received_ns: int) -> dict[str, i
     return clock_offset(readings[0], readings[1], readings[2], received_ns)
 
 
+# --------------------------------------------------------------------------- NIC samples
+
+SAMPLE_HZ = 20
+_PROC_NET_DEV = Path("/proc/net/dev")
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface (of this process's network namespace) holding ``address``; lo
+    for a loopback address; None if no interface has it."""
+    import ipaddress
+    import socket
+
+    import psutil
+    try:
+        address = socket.gethostbyname(address)
+        if ipaddress.ip_address(address).is_loopback:
+            return "lo"
+    except (OSError, ValueError):
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None
+
+
+def read_nic(interface: str) -> tuple[int, int] | None:
+    """(tx, rx) bytes of ``interface`` so far, from ``/proc/net/dev`` (which shows the
+    interfaces of the reader's network namespace); None if it has no such interface."""
+    prefix = f"{interface}:"
+    with open(_PROC_NET_DEV) as lines:
+        for line in lines:
+            line = line.strip()
+            if line.startswith(prefix):
+                fields = line[len(prefix):].split()
+                return int(fields[8]), int(fields[0])
+    return None
+
+
+class NicSampler:
+    """Samples one interface's tx/rx byte counters at ``hz`` on a thread of its own, into
+    preallocated arrays (the newest ``capacity`` samples), while the traced window is open."""
+
+    def __init__(self, interface: str, address: str, rate_mbit: float | None = None,
+                 hz: int = SAMPLE_HZ, capacity: int = SAMPLE_HZ * 3600):
+        self.interface, self.address, self.period_s = interface, address, 1.0 / hz
+        self.rate_mbit = rate_mbit          # the NIC's rate, when known (emulated: --nic)
+        self.capacity, self.count = capacity, 0
+        self.samples = np.zeros((capacity, 3), np.int64)        # monotonic ns, tx, rx
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            self.netns = os.stat("/proc/self/ns/net").st_ino    # which machine's view
+        except OSError:
+            self.netns = 0
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="bps-trace-nic")
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=2)
+            self._thread = None
+            self._sample()      # the window's last reading
+
+    def _sample(self) -> None:
+        counters = read_nic(self.interface)
+        if counters is not None:
+            i = self.count % self.capacity
+            self.samples[i] = (now_ns(), *counters)
+            self.count += 1
+
+    def _run(self) -> None:
+        # on a fixed grid, so that a late wake-up does not shift every later sample
+        next_at = time.monotonic()
+        while not self._stop.is_set():
+            self._sample()
+            next_at += self.period_s
+            self._stop.wait(max(0.0, next_at - time.monotonic()))
+
+    def to_json(self) -> dict[str, Any]:
+        kept = min(self.count, self.capacity)
+        order = [(self.count - kept + k) % self.capacity for k in range(kept)]
+        return {"interface": self.interface, "address": self.address, "netns": self.netns,
+                "hz": round(1 / self.period_s), "rate_mbit": self.rate_mbit,
+                "samples": [[int(v) for v in self.samples[i]] for i in order]}
+
+    def counter_events(self, pid: str) -> list[dict[str, Any]]:
+        """The samples as a Chrome counter track: Mbit/s sent and received in each interval."""
+        rows = self.to_json()["samples"]
+        name = f"NIC {self.interface} ({self.address})"
+        events = []
+        for (t0, tx0, rx0), (t1, tx1, rx1) in zip(rows, rows[1:], strict=False):
+            seconds = (t1 - t0) / 1e9
+            if seconds > 0:
+                events.append({"ph": "C", "name": name, "pid": pid, "tid": 0, "ts": t0 / 1000,
+                               "args": {"tx Mbit/s": round((tx1 - tx0) * 8 / seconds / 1e6, 3),
+                                        "rx Mbit/s": round((rx1 - rx0) * 8 / seconds / 1e6, 3)}})
+        return events
+
+
+def attach_nic(trace: Trace, interface: str, host: str, rate_mbit: float | None = None
+               ) -> str | None:
+    """Have ``trace`` sample ``interface`` (or, if empty, the one holding ``host``); returns
+    a warning naming the setting if there is nothing to sample."""
+    name = interface or interface_of(host)
+    if name is None:
+        return (f"no NIC samples in the trace: no network interface here holds {host}; name "
+                "one with BPSCTL_TRACE_NIC")
+    try:
+        trace.sample_nic(name, host, rate_mbit)
+    except (OSError, ValueError) as exc:
+        return f"BPSCTL_TRACE_NIC: {exc}; the trace has no NIC samples"
+    return None
+
+
 class Trace:
     """The spans of one process, recorded between ``start_step`` and ``end_step``."""
 
@@ -110,9 +230,19 @@ class Trace:
         self.step_started_ns = now_ns()
         #: the scheduler's clock = ours + offset_ns (within error_ns), if known
         self.scheduler_clock: dict[str, int] | None = None
+        #: samples this machine's NIC while the window is open (see :meth:`sample_nic`)
+        self.nic: NicSampler | None = None
         # the engine's I/O thread records most spans; the plugin's thread and a server's
         # summation threads record some too
         self._lock = threading.Lock()
+
+    def sample_nic(self, interface: str, address: str, rate_mbit: float | None = None) -> None:
+        """Sample ``interface`` at 20 Hz while the window is open (from now, if it is)."""
+        if read_nic(interface) is None:
+            raise ValueError(f"no network interface {interface!r} in /proc/net/dev")
+        self.nic = NicSampler(interface, address, rate_mbit)
+        if self.on:
+            self.nic.start()
 
     def name_id(self, name: str) -> int:
         index = self._name_ids.get(name)
@@ -134,10 +264,10 @@ class Trace:
             self.part[i], self.round[i], self.nbytes[i] = part, round_, nbytes
             self.peer[i], self.priority[i] = peer, priority
 
-    def next_step(self, name: int = 0) -> None:
-        """A training step ended: record it, open or close the window; write the file once the
-        window closes."""
-        now = now_ns()
+    def next_step(self, name: int = 0, at_ns: int | None = None) -> None:
+        """A training step ended (now, or at ``at_ns``): record it, open or close the window;
+        write the file once the window closes."""
+        now = now_ns() if at_ns is None else at_ns
         if self.on:
             self.span(STAGE["step"], name, self.step_started_ns, now, round_=self.step)
         self.step += 1
@@ -145,17 +275,23 @@ class Trace:
         if not self.on and self.step == self.start_step and self.window_ns[1] is None:
             self.on = True
             self.window_ns[0] = now_ns()
+            if self.nic is not None:
+                self.nic.start()
         elif self.on and self.end_step is not None and self.step >= self.end_step:
-            self.on = False
-            self.window_ns[1] = now_ns()
+            self._close_window()
             self.write()
+
+    def _close_window(self) -> None:
+        self.on = False
+        self.window_ns[1] = now_ns()
+        if self.nic is not None:
+            self.nic.stop()
 
     def close(self) -> str | None:
         """At shutdown: write what was recorded; returns a warning if the window never opened
         (and writes nothing: an empty file would look like a trace)."""
         if self.on:
-            self.on = False
-            self.window_ns[1] = now_ns()
+            self._close_window()
         if self.written:
             return None
         if self.window_ns[0] is None:
@@ -198,11 +334,14 @@ class Trace:
             # async begin/end pairs: spans of one stage overlap (many partitions in flight)
             events.append({**common, "ph": "b", "ts": self.start[i] / 1000, "args": args})
             events.append({**common, "ph": "e", "ts": self.end[i] / 1000})
+        if self.nic is not None:
+            events.extend(self.nic.counter_events(pid))
         wall_ns, mono_ns = time.time_ns(), now_ns()
         return {"traceEvents": events, "displayTimeUnit": "ms",
                 "otherData": {"format": FORMAT, "version": __version__, "role": self.role,
                               "rank": self.rank, "boot_id": boot_id(),
                               "clock": {"wall_ns": wall_ns, "monotonic_ns": mono_ns},
                               "scheduler_clock": self.scheduler_clock,
+                              "nic": None if self.nic is None else self.nic.to_json(),
                               "window_ns": self.window_ns, "steps": self.step,
                               "spans": kept, "dropped": first}}

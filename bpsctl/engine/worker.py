@@ -47,7 +47,7 @@ from .common import (
     watch_link,
 )
 from .security import Login, Security, handshake_failed, refused_handshake
-from .trace import STAGE, Trace, now_ns, scheduler_clock
+from .trace import STAGE, Trace, attach_nic, now_ns, scheduler_clock
 
 
 class Handle:
@@ -292,8 +292,12 @@ class Worker:
             raise EngineError(f"BPSCTL_TRACE_DIR: cannot write traces under {directory}: "
                               f"{exc.strerror or exc}; choose a writable directory") from None
         cfg = self.config
-        return Trace(path, "worker", self.rank, start_step=cfg.trace_start_step,
-                     end_step=cfg.trace_end_step or None)
+        trace = Trace(path, "worker", self.rank, start_step=cfg.trace_start_step,
+                      end_step=cfg.trace_end_step or None)
+        warning = attach_nic(trace, cfg.trace_nic, cfg.host, cfg.nic_mbit)
+        if warning:
+            log.warning("rank %d: %s", self.rank, warning)
+        return trace
 
     def _answer(self, login: Login, msg_type: int, msg: dict[str, Any]) -> bool:
         try:
@@ -394,7 +398,7 @@ class Worker:
         """A training step ended (the plugins' optimizers say so): from now on the traced
         window counts these instead of push_pulls of the first tensor."""
         if self._trace is not None:
-            self._command("step", None)
+            self._command("step", now_ns())     # the step ends now, not when the I/O thread hears
 
     def trace_span(self, stage: str, name: str, start_ns: int, end_ns: int) -> None:
         """Record a span of the caller's own (a plugin's) in this worker's trace, if it traces
@@ -494,9 +498,9 @@ class Worker:
             elif kind == "step" and self._trace is not None:
                 if not self._marked_steps:
                     self._marked_steps = True
-                    self._trace.step_started_ns = now_ns()
+                    self._trace.step_started_ns = payload
                 else:
-                    self._trace.next_step(self._trace.name_id("step"))
+                    self._trace.next_step(self._trace.name_id("step"), payload)
             elif kind == "stop":
                 self._sched.send_multipart(P.control(P.LEAVE))
                 self._stop = True

@@ -41,7 +41,8 @@ class Assignment:
     def to_env(self, config: Config, plan: Plan) -> dict[str, str]:
         """Everything this process needs in its environment (no other variable is read)."""
         common = dict(scheduler=plan.scheduler_address, secret=plan.secret, host=self.address,
-                      state_dir=plan.workdir, job_id=plan.job_id)
+                      state_dir=plan.workdir, job_id=plan.job_id,
+                      trace_nic=config.trace_nic or self.entry.interface or "")
         if self.role == "worker":
             # the intra-node stage meets at MASTER_ADDR:MASTER_PORT, as torch.distributed does
             process_config = config.replace(

@@ -51,12 +51,29 @@ class ProcessTrace:
 
 
 @dataclass
+class Nic:
+    """One machine's NIC, sampled by a process on it: samples are (µs on the merged clock,
+    tx bytes, rx bytes) so far."""
+
+    interface: str
+    address: str
+    rate_mbit: float | None
+    samples: list[tuple[float, int, int]]
+    processes: list[str]              # the traced processes that share this NIC
+
+    @property
+    def label(self) -> str:
+        return f"{self.interface} of {self.address} ({', '.join(self.processes)})"
+
+
+@dataclass
 class Timeline:
     directory: Path
     processes: list[ProcessTrace]
     #: how the files were put on one clock: method (monotonic | handshake | wall),
     #: error_bound_s, handshake_offset_s (see _alignment)
     clock: dict[str, Any] = field(default_factory=dict)
+    nics: list[Nic] = field(default_factory=list)
 
     def of(self, role: str) -> list[ProcessTrace]:
         return sorted((p for p in self.processes if p.role == role), key=lambda p: p.rank)
@@ -116,7 +133,25 @@ def load(directory: Path | str) -> Timeline:
                         Span(event["cat"], begin["name"], begin["ts"], event["ts"],
                              begin.get("args", {})))
         processes.append(process)
-    return Timeline(directory, processes, clock)
+    return Timeline(directory, processes, clock, _nics(processes, shifts))
+
+
+def _nics(processes: list[ProcessTrace], shifts: list[int]) -> list[Nic]:
+    """One NIC per machine (boot, network namespace, interface), from the first process that
+    sampled it; several processes of one machine sample the same counters."""
+    nics: dict[tuple[Any, ...], Nic] = {}
+    for process, shift_ns in zip(processes, shifts, strict=True):
+        nic = process.meta.get("nic")
+        if not isinstance(nic, dict) or not nic.get("samples"):
+            continue
+        key = (process.meta.get("boot_id"), nic.get("netns"), nic.get("interface"))
+        if key in nics:
+            nics[key].processes.append(process.label)
+            continue
+        nics[key] = Nic(str(nic["interface"]), str(nic.get("address")), nic.get("rate_mbit"),
+                        [((t + shift_ns) / 1000, int(tx), int(rx))
+                         for t, tx, rx in nic["samples"]], [process.label])
+    return list(nics.values())
 
 
 def _alignment(metas: list[dict[str, Any]]) -> tuple[list[int], dict[str, Any]]:
@@ -203,13 +238,18 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
     stalls: list[dict[str, Any]] = []
     first_push: dict[int, dict[int, float]] = {}     # step -> rank -> first push sent
     last_result: dict[int, dict[int, float]] = {}    # step -> rank -> last result copied out
+    phases: dict[int, dict[str, list[float]]] = {}    # step -> phase -> one per worker
     for w in workers:
         steps = steps_by_worker[w.rank]
         pushes = w.spans.get("push", [])
         comm = pushes + w.spans.get("wait_result", [])
+        queued = {(s.name, s.args.get("part"), s.args.get("round")): s
+                  for s in w.spans.get("queued", [])}
         comm_s, step_s = [], []
         for step in steps:
             index = int(step.args.get("round", 0))
+            for phase, seconds in _phases(w, step).items():
+                phases.setdefault(index, {}).setdefault(phase, []).append(seconds)
             inside = [(s.start_us, s.end_us) for s in comm
                       if s.end_us > step.start_us and s.start_us < step.end_us]
             comm_s.append(_union_us([(max(a, step.start_us), min(b, step.end_us))
@@ -227,10 +267,16 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
                                                  step.start_us, step.end_us):
                 after = next((s for s in sorted(step_pushes, key=lambda s: s.start_us)
                               if s.start_us >= gap_end), None)
+                # why the uplink waited: the next partition was not handed to the engine yet
+                # (its gradient was being computed), or it was, and waited for credit
+                waited = after and queued.get((after.name, after.args.get("part"),
+                                               after.args.get("round")))
+                cause = None if after is None else "credit" if (
+                    waited and waited.start_us <= (gap_start + gap_end) / 2) else "compute"
                 stalls.append({"worker": w.rank, "step": index,
                                "seconds": (gap_end - gap_start) / 1e6,
                                "at_s": (gap_start - step.start_us) / 1e6,
-                               "before": after.name if after else None})
+                               "before": after.name if after else None, "cause": cause})
         worker_rows.append({
             "rank": w.rank, "steps": len(steps), "step_s": _median(step_s),
             "communication_s": _median(comm_s),
@@ -270,12 +316,87 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
             slowest = {"rank": rank, "last_in_rounds": count, "rounds": rounds,
                        "fraction": fraction}
     stalls.sort(key=lambda s: s["seconds"], reverse=True)
+    step_rows = [{"step": index, **{phase: _median(values) for phase, values in
+                                     sorted(by_phase.items())}}
+                 for index, by_phase in sorted(phases.items())]
+    window = _steps_window(steps_by_worker)
     summary: dict[str, Any] = {"kind": "trace", "directory": str(timeline.directory),
+                               "steps": step_rows,
+                               "nics": [_nic_row(nic, window) for nic in timeline.nics],
                                "workers": worker_rows, "servers": server_rows,
                                "slowest_worker": slowest, "stalls": stalls[:top],
                                "clock": timeline.clock}
     summary["sentences"] = _sentences(summary)
     return summary
+
+
+def _phases(worker: ProcessTrace, step: Span) -> dict[str, float]:
+    """Where one step of one worker went: ``forward_s`` from the step's start to its first
+    gradient ready (the forward pass and the first layers' backward), ``backward_s`` to its
+    last gradient, ``wait_s`` in synchronize (the optimizer waiting for averaged gradients),
+    ``optimizer_s`` from there to the step's end (the update). Only what the plugin traced."""
+    def inside(stage: str) -> Span | None:
+        return next((s for s in worker.spans.get(stage, [])
+                     if step.start_us <= s.start_us < step.end_us), None)
+
+    phases = {"step_s": step.seconds}
+    backward, wait = inside("backward"), inside("synchronize")
+    if backward is not None:
+        phases["forward_s"] = (backward.start_us - step.start_us) / 1e6
+        phases["backward_s"] = backward.seconds
+    if wait is not None:
+        phases["wait_s"] = wait.seconds
+        phases["optimizer_s"] = (step.end_us - wait.end_us) / 1e6
+    return phases
+
+
+def _steps_window(steps_by_worker: dict[int, list[Span]]) -> tuple[float, float] | None:
+    """From the first traced step's start to the last one's end, on any worker (µs)."""
+    steps = [s for spans in steps_by_worker.values() for s in spans]
+    if not steps:
+        return None
+    return min(s.start_us for s in steps), max(s.end_us for s in steps)
+
+
+IDLE_FRACTION = 0.1     # a NIC sending less than this share of its rate (or peak) is idle
+
+
+def _nic_row(nic: Nic, window: tuple[float, float] | None) -> dict[str, Any]:
+    """A NIC over the traced steps: mean rates, utilisation (of its rate, when known), and the
+    longest time it sent next to nothing while a step was under way."""
+    samples = nic.samples
+    if window is not None:
+        samples = [s for s in samples if window[0] <= s[0] <= window[1]]
+    row: dict[str, Any] = {"nic": nic.label, "interface": nic.interface,
+                           "address": nic.address, "rate_mbit": nic.rate_mbit,
+                           "samples": len(samples), "tx_mbit_s": None, "rx_mbit_s": None,
+                           "tx_bytes": None, "rx_bytes": None, "utilisation": None,
+                           "longest_idle_s": None, "idle_at_s": None}
+    if len(samples) < 2:
+        return row
+    seconds = (samples[-1][0] - samples[0][0]) / 1e6
+    tx, rx = samples[-1][1] - samples[0][1], samples[-1][2] - samples[0][2]
+    row.update(tx_bytes=tx, rx_bytes=rx, tx_mbit_s=tx * 8 / seconds / 1e6,
+               rx_mbit_s=rx * 8 / seconds / 1e6)
+    rates = [((b[1] - a[1]) * 8 / ((b[0] - a[0]) / 1e6) / 1e6, a[0], b[0])
+             for a, b in zip(samples, samples[1:], strict=False) if b[0] > a[0]]
+    reference = nic.rate_mbit or max(r for r, _, _ in rates)
+    if nic.rate_mbit:
+        row["utilisation"] = max(row["tx_mbit_s"], row["rx_mbit_s"]) / nic.rate_mbit
+    idle = [(a, b) for rate, a, b in rates if rate < IDLE_FRACTION * reference]
+    # contiguous idle intervals joined; the longest one
+    longest, at, run_start, run_end = 0.0, None, None, None
+    for a, b in idle + [(float("inf"), float("inf"))]:
+        if run_end is not None and a == run_end:
+            run_end = b
+            continue
+        if run_start is not None and run_end is not None and run_end - run_start > longest:
+            longest, at = run_end - run_start, run_start
+        run_start, run_end = a, b
+    if at is not None:
+        row["longest_idle_s"] = longest / 1e6
+        row["idle_at_s"] = (at - samples[0][0]) / 1e6
+    return row
 
 
 def _behind_earliest(by_step: dict[int, dict[int, float]]) -> dict[int, list[float]]:
@@ -296,8 +417,18 @@ def _sentences(summary: dict[str, Any]) -> list[str]:
                     f"{slowest['last_in_rounds']} of {slowest['rounds']} rounds on the servers "
                     f"({slowest['fraction']:.0%}); the others waited for it")
     for stall in summary["stalls"]:
-        before = f" before {stall['before']}'s push" if stall["before"] else \
-            " at the end of the step"
+        if stall["before"] is None:
+            why = " at the end of the step (waiting for results, then the update)"
+        elif stall.get("cause") == "credit":
+            why = f" while {stall['before']} waited for credit (pushes not yet acknowledged)"
+        else:
+            why = f" while {stall['before']}'s gradient was computed"
         said.append(f"uplink of worker {stall['worker']} idle {stall['seconds']:.3f} s in step "
-                    f"{stall['step']}, {stall['at_s']:.3f} s into it{before}")
+                    f"{stall['step']}, {stall['at_s']:.3f} s into it,{why}")
+    for nic in summary["nics"]:
+        if nic["longest_idle_s"]:
+            use = f" ({nic['utilisation']:.0%} used)" if nic["utilisation"] is not None else ""
+            said.append(f"NIC {nic['nic']}{use}: sent next to nothing for "
+                        f"{nic['longest_idle_s']:.2f} s, {nic['idle_at_s']:.2f} s into the "
+                        "traced steps")
     return said

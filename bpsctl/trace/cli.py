@@ -45,6 +45,14 @@ def trace(directory: Path = typer.Argument(..., metavar="DIR",
 
 
 def _print(summary: dict[str, Any]) -> None:
+    if summary["steps"]:
+        table = Table(title="steps (medians over workers, seconds)")
+        phases = ("step_s", "forward_s", "backward_s", "wait_s", "optimizer_s")
+        for column in ("step", "total", "forward", "backward", "wait", "optimizer"):
+            table.add_column(column, justify="right")
+        for row in summary["steps"]:
+            table.add_row(str(row["step"]), *(_s(row.get(phase)) for phase in phases))
+        err_console.print(table)
     table = Table(title="workers (medians per step, seconds)")
     for column in ("rank", "steps", "step", "comm", "queued", "push", "wait sum",
                    "skew", "late"):
@@ -62,6 +70,15 @@ def _print(summary: dict[str, Any]) -> None:
         for s in summary["servers"]:
             table.add_row(str(s["rank"]), str(s["rounds"]), f"{s['bytes_summed'] / 2**20:.1f}",
                           _s(s["busy_s"]), _s(s["wait_workers_s"]))
+        err_console.print(table)
+    if summary["nics"]:
+        table = Table(title="NICs over the traced steps")
+        for column in ("NIC", "tx Mbit/s", "rx Mbit/s", "used", "longest idle s"):
+            table.add_column(column, justify="right")
+        for nic in summary["nics"]:
+            table.add_row(nic["nic"], _s(nic["tx_mbit_s"]), _s(nic["rx_mbit_s"]),
+                          "-" if nic["utilisation"] is None else f"{nic['utilisation']:.0%}",
+                          _s(nic["longest_idle_s"]))
         err_console.print(table)
     for sentence in summary["sentences"]:
         err_console.print(f"- {sentence}", highlight=False)
