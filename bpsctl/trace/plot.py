@@ -1,4 +1,4 @@
-"""One traced step as a picture: a lane per worker's uplink and per server's summation."""
+"""One traced step as a picture: a lane per worker's uplink, per server's summation and per NIC."""
 from __future__ import annotations
 
 import zlib
@@ -12,7 +12,8 @@ from .api import Timeline
 
 def plot_step(timeline: Timeline, path: Path) -> None:
     """The last complete step of worker 0 (the others' spans in the same time range): pushes
-    on each worker's lane and sums on each server's, coloured by tensor."""
+    on each worker's lane and sums on each server's, coloured by tensor, and what each NIC
+    sent (bar height: share of its rate, or of its peak when the rate is unknown)."""
     plt = _pyplot()
     workers, servers = timeline.of("worker"), timeline.of("server")
     steps = sorted(workers[0].spans.get("step", []), key=lambda s: s.start_us) if workers else []
@@ -31,7 +32,8 @@ def plot_step(timeline: Timeline, path: Path) -> None:
 
     lanes = [(f"worker {w.rank} push", w.spans.get("push", []), False) for w in workers]
     lanes += [(f"server {s.rank} sum", s.spans.get("sum", []), True) for s in servers]
-    fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * len(lanes)))
+    nics = timeline.nics
+    fig, ax = plt.subplots(figsize=(10, 1 + 0.6 * (len(lanes) + len(nics))))
     for row, (_, spans, by_part) in enumerate(lanes):
         shown = sorted((s for s in spans if s.end_us >= start and s.start_us <= stop),
                        key=lambda s: s.start_us)
@@ -53,7 +55,18 @@ def plot_step(timeline: Timeline, path: Path) -> None:
             ax.broken_barh([((span.start_us - start) / 1e3, (span.end_us - span.start_us) / 1e3)],
                            (row - 0.4 + sub * height, height), facecolors=colour(name),
                            edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(lanes)), [label for label, _, _ in lanes])
+    # a NIC's lane: what it sent in each sample interval, as a share of its rate (or peak)
+    for row, nic in enumerate(nics, start=len(lanes)):
+        rates = [((b[1] - a[1]) * 8 / ((b[0] - a[0]) / 1e6) / 1e6, a[0], b[0])
+                 for a, b in zip(nic.samples, nic.samples[1:], strict=False) if b[0] > a[0]]
+        shown = [r for r in rates if r[2] >= start and r[1] <= stop]
+        top = nic.rate_mbit or max((r for r, _, _ in rates), default=0.0) or 1.0
+        for rate, a, b in shown:
+            height = 0.8 * min(1.0, rate / top)
+            ax.broken_barh([((max(a, start) - start) / 1e3, (min(b, stop) - max(a, start)) / 1e3)],
+                           (row + 0.4 - height, height), facecolors="0.35")
+    labels = [label for label, _, _ in lanes] + [f"NIC {n.address} tx" for n in nics]
+    ax.set_yticks(range(len(labels)), labels)
     ax.invert_yaxis()
     ax.set_xlabel(f"ms into step {step.args.get('round', '?')} "
                   f"({(stop - start) / 1e3:.0f} ms); colour: tensor")
