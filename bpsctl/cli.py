@@ -83,9 +83,21 @@ def up(ctx: typer.Context,
                                    help="With --emulate: worker hosts to build."),
        nic: str | None = knob_option("nic", "--nic"),
        security: str | None = knob_option("security", "--security"),
+       use_slurm: bool = typer.Option(
+           False, "--slurm", help="Inside a Slurm allocation (salloc or an sbatch script): "
+                                  "start the scheduler and servers as `srun --overlap` steps "
+                                  "on the allocation's nodes; `run` then starts one worker per "
+                                  "task (--ntasks-per-node)."),
+       servers_per_node: int | None = typer.Option(
+           None, "--servers-per-node", help="With --slurm: servers on each node (default 1), "
+                                            "or on each of the --server-nodes."),
+       server_nodes: int = typer.Option(
+           0, "--server-nodes", help="With --slurm: the first N nodes of the allocation run "
+                                     "only servers; workers go to the others."),
        config_file: Path | None = config_file_option(),
        ) -> None:
-    """Start a scheduler and summation servers on this machine (or over SSH with --hosts).
+    """Start a scheduler and summation servers on this machine (or over SSH with --hosts, or
+    on the nodes of a Slurm allocation with --slurm).
 
     With --emulate (root), each server and worker gets a host of its own: a network namespace
     whose NIC is shaped to --nic, so the cluster behaves like machines on a real network.
@@ -102,7 +114,9 @@ def up(ctx: typer.Context,
             err_console.print("[yellow]warning:[/] --security none: anyone who can reach the "
                               "cluster's ports can join it, read and change its gradients; "
                               "use it only on a trusted network", highlight=False)
-        if config.emulate and not hosts:
+        if use_slurm:
+            doing = "starting job steps on the Slurm allocation"
+        elif config.emulate and not hosts:
             doing = f"building {workers} worker and {servers} server host(s)"
         elif hosts:
             doing = "starting over SSH"
@@ -110,8 +124,11 @@ def up(ctx: typer.Context,
             doing = f"starting the scheduler and {servers} server(s)"
         with err_console.status(doing) as spinner:
             cluster = launch.up(config, servers=servers, workers=workers, hosts=hosts,
-                                ship_wheel=ship, progress=lambda text: spinner.update(text))
-        what = {"emulated": "emulated cluster"}.get(cluster.kind, "cluster")
+                                ship_wheel=ship, progress=lambda text: spinner.update(text),
+                                use_slurm=use_slurm, servers_per_node=servers_per_node,
+                                server_nodes=server_nodes)
+        what = {"emulated": "emulated cluster", "slurm": "Slurm cluster"}.get(cluster.kind,
+                                                                             "cluster")
         nic_text = f", NIC {config.nic or 'unshaped'}" if cluster.kind == "emulated" else ""
         err_console.print(f"{what} [bold]{escape(cluster.name)}[/] is up, scheduler at "
                           f"{cluster.scheduler}{nic_text}", highlight=False)
