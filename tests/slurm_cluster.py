@@ -32,6 +32,7 @@ SLURM_BINARIES = ("slurmctld", "slurmd", "munged", "sbatch", "srun", "scontrol",
                   "scancel")
 PACKAGES = "apt-get install -y slurm-wlm slurmctld slurmd slurm-client munge"
 READY_TIMEOUT_S = 30.0
+ROOT = Path(__file__).resolve().parents[1]      # the bpsctl under test
 CPUS_PER_NODE = 2        # what slurmd finds on this VM
 
 
@@ -62,9 +63,18 @@ class SlurmCluster:
         return self.directory / "slurm.conf"
 
     def env(self) -> dict[str, str]:
-        """Our environment for a Slurm client, without any SLURM_* of an enclosing job."""
+        """Our environment for a Slurm client, without any SLURM_* of an enclosing job; jobs
+        import the bpsctl under test (sbatch and salloc pass the environment on)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        return {**env, "SLURM_CONF": str(self.conf)}
+        path = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        return {**env, "SLURM_CONF": str(self.conf), "PYTHONPATH": os.pathsep.join(path)}
+
+    def popen(self, *argv: str, out: Path) -> subprocess.Popen:
+        """A client command (``salloc ...``) in the background, output to ``out``."""
+        with open(out, "w") as log:
+            return subprocess.Popen(self.command(self.controller, list(argv)), env=self.env(),
+                                    stdin=subprocess.DEVNULL, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
 
     def command(self, host: str, argv: list[str]) -> list[str]:
         """``argv`` in ``host``'s network namespace. ``nsenter`` rather than ``ip netns
@@ -158,7 +168,8 @@ class SlurmCluster:
         return [int(p) for p in out.split()]
 
     def foreign_pids(self, host: str) -> list[tuple[int, str]]:
-        """Processes in ``host``'s namespace other than its Slurm daemon (zombies excluded)."""
+        """Processes in ``host``'s namespace other than the Slurm daemons and their own helpers
+        (slurmctld's slurmscriptd); zombies excluded."""
         daemons = {p.pid for p in self.daemons.values()}
         found = []
         for pid in self.pids(host):
@@ -167,7 +178,9 @@ class SlurmCluster:
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if stat.rsplit(")", 1)[1].split()[0] == "Z" or pid in daemons:
+            state, parent = stat.rsplit(")", 1)[1].split()[:2]
+            if state == "Z" or pid in daemons or (int(parent) in daemons
+                                                   and cmdline.startswith("slurmctld:")):
                 continue
             found.append((pid, cmdline.strip()))
         return found
@@ -234,8 +247,10 @@ def slurm_cluster(directory: Path, nodes: int = 2) -> Iterator[SlurmCluster]:
             cluster.conf.write_text(_slurm_conf(cluster))
             cluster._start("munged", cluster.controller, [
                 _binary("munged"), "--foreground", "--force", f"--key-file={key}",
-                f"--socket={directory / 'munge.sock'}", f"--pid-file={directory / 'munged.pid'}",
-                f"--log-file={directory / 'munged.log'}", f"--seed-file={directory / 'munge.seed'}"])
+                f"--socket={directory / 'munge.sock'}",
+                f"--pid-file={directory / 'munged.pid'}",
+                f"--log-file={directory / 'munged.log'}",
+                f"--seed-file={directory / 'munge.seed'}"])
             deadline = time.monotonic() + READY_TIMEOUT_S
             while not (directory / "munge.sock").exists():
                 if cluster.daemons["munged"].poll() is not None or time.monotonic() > deadline:
