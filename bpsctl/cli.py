@@ -84,9 +84,21 @@ def up(ctx: typer.Context,
        nic: str | None = knob_option("nic", "--nic"),
        straggler: str | None = knob_option("straggler", "--straggler"),
        security: str | None = knob_option("security", "--security"),
+       use_slurm: bool = typer.Option(
+           False, "--slurm", help="Inside a Slurm allocation (salloc or an sbatch script): "
+                                  "start the scheduler and servers as `srun --overlap` steps "
+                                  "on the allocation's nodes; `run` then starts one worker per "
+                                  "task (--ntasks-per-node)."),
+       servers_per_node: int | None = typer.Option(
+           None, "--servers-per-node", help="With --slurm: servers on each node (default 1), "
+                                            "or on each of the --server-nodes."),
+       server_nodes: int = typer.Option(
+           0, "--server-nodes", help="With --slurm: the first N nodes of the allocation run "
+                                     "only servers; workers go to the others."),
        config_file: Path | None = config_file_option(),
        ) -> None:
-    """Start a scheduler and summation servers on this machine (or over SSH with --hosts).
+    """Start a scheduler and summation servers on this machine (or over SSH with --hosts, or
+    on the nodes of a Slurm allocation with --slurm).
 
     With --emulate (root), each server and worker gets a host of its own: a network namespace
     whose NIC is shaped to --nic, so the cluster behaves like machines on a real network.
@@ -104,7 +116,9 @@ def up(ctx: typer.Context,
             err_console.print("[yellow]warning:[/] --security none: anyone who can reach the "
                               "cluster's ports can join it, read and change its gradients; "
                               "use it only on a trusted network", highlight=False)
-        if config.emulate and not hosts:
+        if use_slurm:
+            doing = "starting job steps on the Slurm allocation"
+        elif config.emulate and not hosts:
             doing = f"building {workers} worker and {servers} server host(s)"
         elif hosts:
             doing = "starting over SSH"
@@ -112,8 +126,11 @@ def up(ctx: typer.Context,
             doing = f"starting the scheduler and {servers} server(s)"
         with err_console.status(doing) as spinner:
             cluster = launch.up(config, servers=servers, workers=workers, hosts=hosts,
-                                ship_wheel=ship, progress=lambda text: spinner.update(text))
-        what = {"emulated": "emulated cluster"}.get(cluster.kind, "cluster")
+                                ship_wheel=ship, progress=lambda text: spinner.update(text),
+                                use_slurm=use_slurm, servers_per_node=servers_per_node,
+                                server_nodes=server_nodes)
+        what = {"emulated": "emulated cluster", "slurm": "Slurm cluster"}.get(cluster.kind,
+                                                                             "cluster")
         nic_text = f", NIC {config.nic or 'unshaped'}" if cluster.kind == "emulated" else ""
         nic_text += "".join(f", worker {rank}'s at {factor:g}x" for rank, factor in
                             config.stragglers.items())
@@ -269,6 +286,54 @@ def down(ctx: typer.Context, hosts: str | None = _ignored_hosts_option()) -> Non
                       f"logs are in {launch.logs_dir(config.state_dir)}", highlight=False)
 
 
+# --------------------------------------------------------------------------- k8s
+
+k8s_app = typer.Typer(no_args_is_help=True, help="Kubernetes manifests for a bpsctl job.")
+
+
+@k8s_app.command(context_settings={"allow_interspersed_args": False})
+def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an Indexed Job)."),
+           servers: int = typer.Option(..., "--servers", help="Summation server pods."),
+           image: str = typer.Option(..., "--image",
+                                     help="Worker image (dockerfiles/worker.Dockerfile)."),
+           cmd: list[str] = typer.Argument(..., metavar="CMD",
+                                           help="The worker command, e.g. python3 train.py."),
+           server_image: str = typer.Option(
+               "", "--server-image", help="Scheduler and server image "
+                                          "(dockerfiles/server.Dockerfile; default: --image)."),
+           name: str = typer.Option("bpsctl", "--name", help="Prefix of every object's name."),
+           namespace: str | None = typer.Option(None, "--namespace"),
+           port: int = typer.Option(9000, "--port", help="The scheduler's port (servers: +1)."),
+           security: str = typer.Option("hmac", "--security", help="hmac, curve or none."),
+           worker_cpu: str | None = typer.Option(None, "--worker-cpu", help="e.g. 8 or 500m."),
+           worker_memory: str | None = typer.Option(None, "--worker-memory", help="e.g. 32Gi."),
+           gpus_per_worker: int = typer.Option(0, "--gpus-per-worker",
+                                               help="nvidia.com/gpu per worker pod."),
+           server_cpu: str | None = typer.Option(None, "--server-cpu"),
+           server_memory: str | None = typer.Option(None, "--server-memory"),
+           worker_node: list[str] = typer.Option(
+               [], "--worker-node", help="Node label key=value the worker pods require "
+                                         "(node affinity; repeatable)."),
+           server_node: list[str] = typer.Option(
+               [], "--server-node", help="Node label key=value the scheduler and server pods "
+                                         "require (repeatable)."),
+           ) -> None:
+    """Write the manifests of a job to stdout (YAML, several documents): a Secret, the
+    scheduler (Deployment + Service), the servers (Deployment) and the workers (an Indexed Job
+    with a headless Service). `kubectl apply -f -` runs it; nothing is applied here.
+    """
+    from bpsctl.launch.k8s import K8sJob, render_manifests, to_yaml
+    with cli_errors():
+        job = K8sJob(workers=workers, servers=servers, image=image, command=tuple(cmd),
+                     server_image=server_image, name=name, namespace=namespace, port=port,
+                     security=security, worker_cpu=worker_cpu, worker_memory=worker_memory,
+                     gpus_per_worker=gpus_per_worker, server_cpu=server_cpu,
+                     server_memory=server_memory, worker_nodes=tuple(worker_node),
+                     server_nodes=tuple(server_node))
+        text = to_yaml(render_manifests(job))
+    sys.stdout.write(text)
+
+
 # --------------------------------------------------------------------------- sub-apps
 
 from bpsctl.bench.cli import bench_app  # noqa: E402  (sub-apps after the root app)
@@ -278,6 +343,7 @@ from bpsctl.tune.cli import tune  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 app.add_typer(install_app, name="install")
+app.add_typer(k8s_app, name="k8s")
 app.command(name="tune")(tune)
 app.command(name="trace")(trace)
 

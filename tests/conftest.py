@@ -68,6 +68,8 @@ TIERS: dict[str, set[str]] = {
     # SSH: a real sshd per emulated host
     "test_ssh_cluster.py": {"slow", "root", "sshd", "ssh extra"},
     "test_bench_ssh.py": {"slow", "root", "sshd", "ssh extra"},
+    # a real Slurm (slurmctld + one slurmd per emulated host): 5-15 s each
+    "test_slurm.py": {"slow", "root", "slurm"},
     # ResNet50 training against DDP and Horovod: 20-30 s each
     "test_bench_train.py::test_train_bench_on_emulated_hosts_against_the_baselines":
         {"slow", "root"},
@@ -118,6 +120,11 @@ def _missing_ssh_extra() -> str | None:
     return None
 
 
+def _missing_slurm() -> str | None:
+    from slurm_cluster import missing_slurm
+    return missing_slurm()
+
+
 def _missing_jemalloc() -> str | None:
     if ctypes.util.find_library("jemalloc") is not None:
         return None
@@ -148,9 +155,11 @@ def _missing_two_gpus() -> str | None:
 NEEDS: dict[str, Callable[[], str | None]] = {
     "root": _missing_root, "sshd": _missing_sshd, "ssh extra": _missing_ssh_extra,
     "jemalloc": _missing_jemalloc, "gpu": _missing_gpu, "2 gpus": _missing_two_gpus,
+    "slurm": _missing_slurm,
 }
-#: needs that CI provides (.ci/run installs libjemalloc2): under CI a test skipped for one fails
-PROVIDED_IN_CI = {"jemalloc"}
+#: needs that CI provides (.ci/run installs libjemalloc2 and Slurm): under CI a test skipped
+#: for one fails
+PROVIDED_IN_CI = {"jemalloc", "slurm"}
 
 
 def tags(item: pytest.Item) -> set[str]:

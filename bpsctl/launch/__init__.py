@@ -4,8 +4,9 @@ Modules, bottom up: ``types`` (hosts, cluster records, results), ``processes`` (
 ``output`` (worker output relay), ``state`` (the state dir), ``hosts`` (hosts files),
 ``plan`` (pure: roles, ranks, ports, env), ``report`` (the status report), ``runloop`` (the one
 run loop), ``emulate`` (network namespaces), ``transport``/``hostkeys``/``preflight``/``ship``
-(SSH), the backends ``local`` (local and emulated) and ``ssh``, then ``cluster`` (the one
-interface) and ``api`` (its entry points). ``remote`` is the agent that runs on SSH hosts.
+(SSH), the backends ``local`` (local and emulated), ``ssh`` and ``slurm`` (steps of a Slurm
+allocation), then ``cluster`` (the one interface) and ``api`` (its entry points). ``remote`` is
+the agent that runs on SSH hosts; ``k8s`` renders Kubernetes manifests (nothing is launched).
 
 The entry points are importable from here (``from bpsctl import launch; launch.run(...)``);
 they load on first use, so that the agent, which needs none of them, starts quickly.

@@ -1,8 +1,9 @@
 """One interface to every cluster: ``up``, ``down``, ``status``, ``logs`` and ``run``.
 
 The backend is chosen once: by the flags for ``up`` (``--emulate``: emulated hosts,
-``--hosts``: SSH, else the embedded default of local processes), and by what the state dir
-records for everything after it. ``run`` uses the recorded cluster, or starts a private one
+``--hosts``: SSH, ``--slurm``: job steps of the Slurm allocation bpsctl runs in, else the
+embedded default of local processes), and by what the state dir records for everything after
+it. ``run`` uses the recorded cluster, or starts a private one
 for the job (and stops it afterwards). The CLI, ``bench`` and ``tune`` call only this module.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bpsctl.config import Config, ConfigError
-from bpsctl.launch import local, ssh, state
+from bpsctl.launch import local, slurm, ssh, state
 from bpsctl.launch.plan import Assignment, Plan, cluster_hosts, plan
 from bpsctl.launch.processes import stop_signals_recorded
 from bpsctl.launch.report import no_cluster
@@ -25,10 +26,22 @@ from bpsctl.launch.types import ClusterState, DownReport, HostsSpec, LaunchError
 
 def up(config: Config, *, servers: int, workers: int | None = None,
        hosts: HostsSpec | str | Path | None = None, ship_wheel: bool = False,
-       progress: Callable[[str], None] | None = None) -> ClusterState:
+       progress: Callable[[str], None] | None = None, use_slurm: bool = False,
+       servers_per_node: int | None = None, server_nodes: int = 0) -> ClusterState:
     """Start a scheduler and ``servers`` summation servers and record them in the state dir:
     on emulated hosts with ``config.emulate`` (``workers`` worker hosts), on the hosts of
-    ``hosts`` over SSH, else on this machine."""
+    ``hosts`` over SSH, as steps of the current Slurm allocation with ``use_slurm``
+    (``servers_per_node`` on each node, or on ``server_nodes`` dedicated nodes), else on this
+    machine."""
+    if use_slurm:
+        if config.emulate or hosts:
+            raise ConfigError("--slurm places everything on the allocation's nodes; drop "
+                              + ("--emulate" if config.emulate else "--hosts"))
+        return slurm.up(config, servers_per_node=servers_per_node, server_nodes=server_nodes,
+                        progress=progress)
+    if servers_per_node is not None or server_nodes:
+        raise ConfigError("--servers-per-node and --server-nodes place servers on the nodes of "
+                          "a Slurm allocation; add --slurm (or use --servers)")
     if config.emulate:
         if hosts:
             raise ConfigError("--emulate builds its own hosts; drop --hosts")
@@ -58,6 +71,8 @@ def down(state_dir: Path | str) -> DownReport:
         cluster = state.load_state(state_dir)
         if cluster is None:
             return DownReport(cluster=None)
+        if cluster.kind == "slurm":
+            return slurm.down(cluster)
         return ssh.down(cluster) if cluster.kind == "ssh" else local.down(cluster)
 
 
@@ -66,12 +81,14 @@ def status(state_dir: Path | str) -> dict[str, Any]:
     cluster = state.load_state(state_dir)
     if cluster is None:
         return no_cluster(state_dir)
+    if cluster.kind == "slurm":
+        return slurm.status(cluster)
     return ssh.status(cluster) if cluster.kind == "ssh" else local.status(cluster)
 
 
 def logs(state_dir: Path | str, role: str | None = None) -> str:
     """The logs of ``role`` (scheduler | server | server:N | worker | worker:N | None for all),
-    fetched from the hosts first for an SSH cluster."""
+    fetched from the hosts first for an SSH cluster (a Slurm step's output is already here)."""
     cluster = state.load_state(state_dir)
     if cluster is not None and cluster.kind == "ssh":
         ssh.fetch_logs(cluster, role)
@@ -114,6 +131,8 @@ def worker_plan(cluster: ClusterState, config: Config, workers: int | None = Non
     job_id = job_id or new_job_id()
     if cluster.kind == "ssh":
         return ssh.worker_plan(cluster, config, job_id)
+    if cluster.kind == "slurm":
+        return slurm.worker_plan(cluster, config, job_id)
     hosts = cluster_hosts(cluster, workers if workers is not None else config.world_size,
                           master_port=local.free_port() if master_port is None else master_port)
     return plan(hosts, config, secret=cluster.secret, job_id=job_id)
@@ -167,6 +186,9 @@ def run_on(cluster: ClusterState, cmd: list[str], config: Config, workers: int |
     if cluster.kind == "ssh":
         with ssh.SshSpawner(cluster, cmd, config, stdout, stderr) as spawner:
             return run_workers(spawner, the_plan, config, stop_grace_s=stop_grace_s)
+    if cluster.kind == "slurm":
+        return run_workers(slurm.SlurmSpawner(cluster, cmd, config, stdout, stderr), the_plan,
+                           config, stop_grace_s=stop_grace_s)
     if shutil.which(cmd[0]) is None:
         raise LaunchError(f"cannot run {cmd[0]!r}: no such executable (in PATH)")
     # the worker logs of a private cluster go to the caller's state dir, which outlives it

@@ -441,8 +441,14 @@ class LocalSpawner:
         self.watched = [p for p in cluster.processes if is_running(p.identity)]
         self._next_check = 0.0
 
-    def start(self, assignment: Assignment, env: dict[str, str]) -> WorkerProcess:
+    def prefix(self, assignment: Assignment) -> tuple[list[str], str]:
+        """What runs a command where ``assignment`` lives, and that place's name for messages
+        ("" for this machine)."""
         prefix = host_command(self.cluster, assignment.address)
+        return prefix, assignment.address if prefix else ""
+
+    def start(self, assignment: Assignment, env: dict[str, str]) -> WorkerProcess:
+        prefix, host = self.prefix(assignment)
         argv = [*prefix, *self.cmd]
         try:
             process, identity = start_process(argv, {**os.environ, **env},
@@ -454,8 +460,7 @@ class LocalSpawner:
         relay = OutputRelay(assignment.rank, process.stdout, process.stderr, self.stdout,
                             self.stderr, state.logs_dir(self.config.state_dir)
                             / f"worker-{assignment.rank}.log")
-        return _LocalWorker(assignment.rank, assignment.address if prefix else "", process,
-                            identity, relay)
+        return _LocalWorker(assignment.rank, host, process, identity, relay)
 
     def started(self, workers: list[WorkerProcess]) -> None:
         pass

@@ -39,6 +39,8 @@ def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | Non
                "port": record.port, "pid": record.pid, "state": state}
         if record.ssh_host:
             row["ssh_host"] = record.ssh_host
+        if record.node:
+            row["node"] = record.node
         processes.append(row)
     # members the scheduler knows that `up` did not start: the workers of a job, and servers
     # some other launcher started

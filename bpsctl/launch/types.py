@@ -128,6 +128,7 @@ class ProcessRecord:
     pgid: int
     log_path: str               # on the host it runs on
     ssh_host: str = ""          # the SSH target it was started on; "" for this machine
+    node: str = ""              # the Slurm node its step runs on (pid: its srun, here)
 
     @property
     def identity(self) -> ProcessIdentity:
@@ -144,7 +145,7 @@ class ProcessRecord:
         return f"{who} at {self.host}:{self.port} (pid {self.pid})"
 
 
-KINDS = ("local", "emulated", "ssh")
+KINDS = ("local", "emulated", "ssh", "slurm")
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ class ClusterState:
     """What ``<state_dir>/cluster.json`` records about a running cluster, whatever its kind.
 
     ``kind`` is local (processes on this machine), emulated (processes in network namespaces
-    of this machine) or ssh (processes on the hosts of ``hosts``).
+    of this machine), ssh (processes on the hosts of ``hosts``) or slurm (job steps on the
+    nodes of a Slurm allocation, described by ``hosts`` and ``slurm``).
     """
 
     name: str
@@ -168,6 +170,8 @@ class ClusterState:
     kind: str = "local"
     hosts: HostsSpec | None = None     # an SSH cluster's hosts file
     addresses: dict[str, str] = field(default_factory=dict)   # SSH target -> bound address
+    # a Slurm cluster's allocation: {"job_id", "nodes": [...], "tasks_per_node": [...]}
+    slurm: dict[str, Any] | None = None
 
     @property
     def scheduler_record(self) -> ProcessRecord:

@@ -1,0 +1,235 @@
+"""Kubernetes manifests for a bpsctl job: ``bpsctl k8s render`` (pure: nothing is applied).
+
+What it writes, and how the roles find each other:
+
+- a Secret ``<name>-secret`` holding the cluster's secret (``BPSCTL_SECRET``), read by every
+  container through ``secretKeyRef`` (never on a command line);
+- the scheduler: a Deployment of one pod (image ``--server-image``, ``bpsctl.engine.scheduler``)
+  and a Service ``<name>-scheduler``: everyone reaches it at ``<name>-scheduler:<port>``;
+- the servers: a Deployment of ``--servers`` pods (``bpsctl.engine.server``), each binding and
+  advertising its pod IP (downward API), so workers connect to them directly once the scheduler
+  has told them where they are;
+- the workers: an Indexed Job of ``--workers`` pods (image ``--image``, the user's command),
+  ``RANK`` from the job completion index, ``WORLD_SIZE`` the number of workers, and a headless
+  Service ``<name>-workers`` that gives pod 0 the DNS name ``MASTER_ADDR``
+  (``<name>-workers-0.<name>-workers``) for torch's rendezvous.
+
+The images are the project's own (``dockerfiles/server.Dockerfile``, whose entrypoint is
+``python -m``, and ``dockerfiles/worker.Dockerfile``). Every flag is checked before anything is
+rendered: a bad value raises :class:`ConfigError` naming the flag.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bpsctl.config import SECURITY_MODES, ConfigError
+from bpsctl.engine.security import new_secret
+
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+# Kubernetes resource quantities: 500m, 2, 1.5, 4Gi, 512Mi, 1e3 ...
+_QUANTITY = re.compile(r"(\d+(\.\d+)?|\.\d+)([numkMGTPE]|[KMGTPE]i|e\d+)?")
+_LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                        r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+DEFAULT_PORT = 9000
+DEFAULT_MASTER_PORT = 29500
+
+
+@dataclass(frozen=True)
+class K8sJob:
+    """What ``bpsctl k8s render`` is asked for; :meth:`check` says what is wrong with it."""
+
+    workers: int
+    servers: int
+    image: str
+    command: tuple[str, ...]
+    server_image: str = ""              # default: ``image``
+    name: str = "bpsctl"
+    namespace: str | None = None
+    port: int = DEFAULT_PORT
+    security: str = "hmac"
+    worker_cpu: str | None = None
+    worker_memory: str | None = None
+    gpus_per_worker: int = 0
+    server_cpu: str | None = None
+    server_memory: str | None = None
+    worker_nodes: tuple[str, ...] = field(default=())    # key=value: node affinity
+    server_nodes: tuple[str, ...] = field(default=())
+
+    def check(self) -> None:
+        """Every problem with the flags, at once, as one :class:`ConfigError`."""
+        problems = []
+        for flag, value in (("--workers", self.workers), ("--servers", self.servers)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{flag}: expected a whole number of at least 1 (the "
+                                f"replicas to run), got {value!r}")
+        if not self.image.strip():
+            problems.append("--image: expected the worker image (built from "
+                            "dockerfiles/worker.Dockerfile), got nothing")
+        if not self.command:
+            problems.append("CMD: expected the worker command after `--`, e.g. "
+                            "`-- python3 train.py`")
+        if not _DNS_LABEL.fullmatch(self.name) or len(self.name) > 40:
+            problems.append(f"--name: expected lowercase letters, digits and '-', starting "
+                            f"with a letter, at most 40 characters, got {self.name!r}")
+        if self.namespace is not None and (not _DNS_LABEL.fullmatch(self.namespace)
+                                           or len(self.namespace) > 63):
+            problems.append(f"--namespace: expected a DNS label (lowercase letters, digits, "
+                            f"'-'), got {self.namespace!r}")
+        if not 1 <= self.port <= 65535 - 1:
+            problems.append(f"--port: expected 1..65534, got {self.port}")
+        if self.security not in SECURITY_MODES:
+            problems.append(f"--security: expected one of {', '.join(SECURITY_MODES)}, got "
+                            f"{self.security!r}")
+        if self.gpus_per_worker < 0:
+            problems.append(f"--gpus-per-worker: expected 0 or more, got {self.gpus_per_worker}")
+        for flag, quantity in (("--worker-cpu", self.worker_cpu),
+                               ("--worker-memory", self.worker_memory),
+                               ("--server-cpu", self.server_cpu),
+                               ("--server-memory", self.server_memory)):
+            if quantity is not None and not _QUANTITY.fullmatch(quantity):
+                problems.append(f"{flag}: expected a Kubernetes quantity such as 4, 500m, "
+                                f"16Gi, got {quantity!r}")
+        for flag, pairs in (("--worker-node", self.worker_nodes),
+                            ("--server-node", self.server_nodes)):
+            for pair in pairs:
+                key, sep, label = pair.partition("=")
+                if not sep or not _LABEL_KEY.fullmatch(key) or len(label) > 63 \
+                        or not _LABEL_VALUE.fullmatch(label):
+                    problems.append(f"{flag}: expected a node label as key=value (e.g. "
+                                    f"node.kubernetes.io/instance-type=p4d.24xlarge), got "
+                                    f"{pair!r}")
+        if problems:
+            raise ConfigError("; ".join(problems))
+
+
+def _resources(cpu: str | None, memory: str | None, gpus: int = 0) -> dict[str, Any]:
+    requests = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v is not None}
+    limits: dict[str, Any] = {"memory": memory} if memory is not None else {}
+    if gpus:
+        limits["nvidia.com/gpu"] = gpus
+    resources: dict[str, Any] = {}
+    if requests:
+        resources["requests"] = requests
+    if limits:
+        resources["limits"] = limits
+    return resources
+
+
+def _affinity(pairs: Sequence[str]) -> dict[str, Any] | None:
+    if not pairs:
+        return None
+    expressions = []
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        expressions.append({"key": key, "operator": "In", "values": [value]})
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": expressions}]}}}
+
+
+def render_manifests(job: K8sJob, *, secret: str | None = None,
+                     job_id: str | None = None) -> list[dict[str, Any]]:
+    """Every manifest of ``job``, in the order to apply them (checked first)."""
+    job.check()
+    name = job.name
+    scheduler_address = f"{name}-scheduler:{job.port}"
+    server_image = job.server_image or job.image
+    labels = {"app.kubernetes.io/name": "bpsctl", "app.kubernetes.io/instance": name}
+
+    def meta(suffix: str, component: str) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": f"{name}-{suffix}",
+                                "labels": {**labels, "app.kubernetes.io/component": component}}
+        if job.namespace:
+            data["namespace"] = job.namespace
+        return data
+
+    def selector(component: str) -> dict[str, str]:
+        return {**labels, "app.kubernetes.io/component": component}
+
+    secret_ref = {"secretKeyRef": {"name": f"{name}-secret", "key": "BPSCTL_SECRET"}}
+    pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+    common_env = [{"name": "BPSCTL_SECRET", "valueFrom": secret_ref},
+                  {"name": "BPSCTL_SECURITY", "value": job.security},
+                  {"name": "BPSCTL_HOST", "valueFrom": pod_ip}]
+
+    def role_pod(component: str, image: str, args: list[str], env: list[dict[str, Any]],
+                 resources: dict[str, Any], affinity: dict[str, Any] | None,
+                 ports: list[dict[str, Any]]) -> dict[str, Any]:
+        container: dict[str, Any] = {"name": component, "image": image, "args": args,
+                                     "env": [*common_env, *env]}
+        if ports:
+            container["ports"] = ports
+        if resources:
+            container["resources"] = resources
+        spec: dict[str, Any] = {"containers": [container]}
+        if affinity:
+            spec["affinity"] = affinity
+        return {"metadata": {"labels": selector(component)}, "spec": spec}
+
+    secret_manifest = {"apiVersion": "v1", "kind": "Secret", "metadata": meta("secret", "secret"),
+                       "type": "Opaque", "stringData": {"BPSCTL_SECRET": secret or new_secret()}}
+    scheduler_pod = role_pod("scheduler", server_image, ["bpsctl.engine.scheduler"],
+                             [{"name": "BPSCTL_PORT", "value": str(job.port)}],
+                             _resources(job.server_cpu, job.server_memory),
+                             _affinity(job.server_nodes),
+                             [{"name": "scheduler", "containerPort": job.port}])
+    scheduler = {"apiVersion": "apps/v1", "kind": "Deployment",
+                 "metadata": meta("scheduler", "scheduler"),
+                 "spec": {"replicas": 1, "selector": {"matchLabels": selector("scheduler")},
+                          "template": scheduler_pod}}
+    scheduler_service = {"apiVersion": "v1", "kind": "Service",
+                         "metadata": meta("scheduler", "scheduler"),
+                         "spec": {"selector": selector("scheduler"),
+                                  "ports": [{"name": "scheduler", "port": job.port,
+                                             "targetPort": job.port}]}}
+    server_pod = role_pod("server", server_image, ["bpsctl.engine.server"],
+                          [{"name": "BPSCTL_SCHEDULER", "value": scheduler_address},
+                           {"name": "BPSCTL_PORT", "value": str(job.port + 1)}],
+                          _resources(job.server_cpu, job.server_memory),
+                          _affinity(job.server_nodes),
+                          [{"name": "server", "containerPort": job.port + 1}])
+    servers = {"apiVersion": "apps/v1", "kind": "Deployment",
+               "metadata": meta("servers", "server"),
+               "spec": {"replicas": job.servers, "selector": {"matchLabels": selector("server")},
+                        "template": server_pod}}
+    workers_service = {"apiVersion": "v1", "kind": "Service",
+                       "metadata": meta("workers", "worker"),
+                       "spec": {"clusterIP": "None", "selector": selector("worker"),
+                                "ports": [{"name": "master", "port": DEFAULT_MASTER_PORT}]}}
+    rank_ref = {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    worker_pod = role_pod(
+        "worker", job.image, list(job.command),
+        [{"name": "BPSCTL_SCHEDULER", "value": scheduler_address},
+         {"name": "BPSCTL_JOB_ID", "value": job_id or uuid.uuid4().hex},
+         {"name": "RANK", "valueFrom": rank_ref},
+         {"name": "WORLD_SIZE", "value": str(job.workers)},
+         {"name": "LOCAL_RANK", "value": "0"}, {"name": "LOCAL_WORLD_SIZE", "value": "1"},
+         {"name": "MASTER_ADDR", "value": f"{name}-workers-0.{name}-workers"},
+         {"name": "MASTER_PORT", "value": str(DEFAULT_MASTER_PORT)},
+         {"name": "PYTHONUNBUFFERED", "value": "1"}],
+        _resources(job.worker_cpu, job.worker_memory, job.gpus_per_worker),
+        _affinity(job.worker_nodes), [{"name": "master", "containerPort": DEFAULT_MASTER_PORT}])
+    worker_pod["spec"].update({"subdomain": f"{name}-workers", "restartPolicy": "Never"})
+    workers = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta("workers", "worker"),
+               "spec": {"completionMode": "Indexed", "completions": job.workers,
+                        "parallelism": job.workers, "backoffLimit": 0,
+                        "template": worker_pod}}
+    return [secret_manifest, scheduler, scheduler_service, servers, workers_service, workers]
+
+
+def to_yaml(manifests: Sequence[dict[str, Any]]) -> str:
+    """Several YAML documents (PyYAML when installed; otherwise JSON, which is YAML too)."""
+    try:
+        import yaml
+    except ImportError:
+        return "".join(f"---\n{json.dumps(m, indent=2)}\n" for m in manifests)
+    return yaml.safe_dump_all(list(manifests), sort_keys=False, explicit_start=True)
+
+
+__all__ = ["K8sJob", "render_manifests", "to_yaml"]
