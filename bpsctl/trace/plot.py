@@ -59,9 +59,9 @@ def plot_step(timeline: Timeline, path: Path) -> None:
     for row, nic in enumerate(nics, start=len(lanes)):
         rates = [((b[1] - a[1]) * 8 / ((b[0] - a[0]) / 1e6) / 1e6, a[0], b[0])
                  for a, b in zip(nic.samples, nic.samples[1:], strict=False) if b[0] > a[0]]
-        shown = [r for r in rates if r[2] >= start and r[1] <= stop]
+        in_step = [r for r in rates if r[2] >= start and r[1] <= stop]
         top = nic.rate_mbit or max((r for r, _, _ in rates), default=0.0) or 1.0
-        for rate, a, b in shown:
+        for rate, a, b in in_step:
             height = 0.8 * min(1.0, rate / top)
             ax.broken_barh([((max(a, start) - start) / 1e3, (min(b, stop) - max(a, start)) / 1e3)],
                            (row + 0.4 - height, height), facecolors="0.35")
