@@ -271,6 +271,10 @@ class Config:
     heartbeat_interval_s: float = knob(0.5, "BPSCTL_HEARTBEAT_INTERVAL",
                                        "seconds between heartbeats to the scheduler", "float",
                                        in_file=True)
+    server_failover: bool = knob(True, "BPSCTL_SERVER_FAILOVER",
+                                 "when a server is lost, move its partitions to the job's other "
+                                 "servers and go on (0: fail the job, naming the server)", "bool",
+                                 in_file=True)
     heartbeat_timeout_s: float = knob(5.0, "BPSCTL_HEARTBEAT_TIMEOUT",
                                       "seconds without a heartbeat before a process is declared "
                                       "lost", "float", in_file=True)

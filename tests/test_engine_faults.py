@@ -97,9 +97,11 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    """A private cluster of two servers that notices silence within 2 s."""
-    with api.local_cluster(cluster_config(heartbeat_timeout_s=2.0), servers=2) as state:
+def cluster(tmp_path, request):
+    """A private cluster of two servers that notices silence within 2 s (a test marked
+    ``no_failover`` gets one that fails a job whose server is lost, rather than go on)."""
+    knobs = {"server_failover": False} if request.node.get_closest_marker("no_failover") else {}
+    with api.local_cluster(cluster_config(heartbeat_timeout_s=2.0, **knobs), servers=2) as state:
         pids = [p.pid for p in state.processes]
         try:
             yield state
@@ -203,7 +205,9 @@ def test_a_worker_reaching_the_tensor_after_the_disagreement_fails_too(cluster):
 
 # --------------------------------------------------------------------------- deaths
 
+@pytest.mark.no_failover
 def test_a_server_killed_mid_round_fails_every_worker_naming_it(cluster, tmp_path):
+    """With BPSCTL_SERVER_FAILOVER=0 (test_resilience.py has the default: the job goes on)."""
     victim = next(p for p in cluster.processes if p.role == "server" and p.rank == 1)
     running_dir = tmp_path / "running"
     running_dir.mkdir()
@@ -220,7 +224,7 @@ def test_a_server_killed_mid_round_fails_every_worker_naming_it(cluster, tmp_pat
         print("no error", flush=True)
     """)
     out, results = io.StringIO(), []
-    config = run_config(cluster, partition_bytes=64 * 1024)
+    config = run_config(cluster, partition_bytes=64 * 1024, server_failover=False)
     runner = threading.Thread(target=lambda: results.append(
         api.run_local(cmd, 2, config, stdout=out, stderr=out)), daemon=True)
     runner.start()

@@ -101,3 +101,17 @@ def test_placement_is_deterministic():
 def test_a_placement_needs_a_server():
     with pytest.raises(ValueError, match="at least one server"):
         Placement(0)
+
+
+def test_a_lost_servers_partitions_move_to_the_least_loaded_survivors_and_stay_off_it():
+    placement = Placement(3)
+    parts = [[p.part_id, p.server, p.offset, p.length] for p in placement.place(600, 4, 100)]
+    on_lost = sorted(p[0] for p in parts if p[1] == 1)
+    moves = placement.move_off(1, parts)
+    assert sorted(part_id for part_id, _ in moves) == on_lost
+    assert all(p[1] in (0, 2) for p in parts)
+    assert placement.loads[0] == placement.loads[2] == 300       # balanced again
+    assert all(p.server != 1 for p in placement.place(1000, 4, 100))
+    placement.move_off(0, parts)
+    with pytest.raises(ValueError, match="every server of the job is lost"):
+        placement.move_off(2, parts)        # the scheduler fails the job instead

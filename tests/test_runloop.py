@@ -5,6 +5,7 @@ test_launch.py, test_emulated_cluster.py and test_ssh_cluster.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from bpsctl.config import Config
@@ -65,8 +66,8 @@ class FakeSpawner:
 
     def lost(self):
         if self.lost_after_s is not None and time.monotonic() - self.started_at > self.lost_after_s:
-            return SERVER
-        return None
+            return [SERVER]
+        return []
 
     def stop(self, workers, grace_s) -> None:
         self.stopped_with = [w.rank for w in workers if w.exit_code() is None]
@@ -74,8 +75,8 @@ class FakeSpawner:
             w.stopped = True
 
 
-def _plan(workers: int):
-    return plan(cluster_hosts(CLUSTER, workers, master_port=29501), Config(), secret="s",
+def _plan(workers: int, cluster: ClusterState = CLUSTER):
+    return plan(cluster_hosts(cluster, workers, master_port=29501), Config(), secret="s",
                 job_id="job")
 
 
@@ -112,3 +113,19 @@ def test_a_lost_server_is_named_and_stuck_workers_are_stopped_after_the_grace():
     assert result.exit_code == 1
     assert result.lost == "lost server 0 at 127.0.0.1:9001 (pid 4242): it exited during the run"
     assert sorted(spawner.stopped_with) == [0, 1]
+
+
+def test_a_lost_server_while_others_remain_is_said_and_the_workers_go_on(caplog):
+    """With failover (the default) the job's workers move its partitions to the other
+    servers: the run loop says so and lets them finish; with it off, it stops them."""
+    second = dataclasses.replace(SERVER, rank=1, port=9002, pid=4243, pgid=4243)
+    two_servers = dataclasses.replace(CLUSTER, processes=(*CLUSTER.processes, second))
+    spawner = FakeSpawner([0.5, 0.5], [0, 0], lost_after_s=0.05)
+    result = run_workers(spawner, _plan(2, two_servers), Config(), lost_grace_s=0.1)
+    assert result.exit_code == 0 and result.lost == "" and spawner.stopped_with == []
+    assert "lost server 0 at 127.0.0.1:9001 (pid 4242): it exited during the run; the job " \
+        "goes on" in caplog.text
+    spawner = FakeSpawner([2.0, 2.0], [0, 0], lost_after_s=0.05)
+    result = run_workers(spawner, _plan(2, two_servers), Config(server_failover=False),
+                         lost_grace_s=0.1)
+    assert result.exit_code == 1 and sorted(spawner.stopped_with) == [0, 1]

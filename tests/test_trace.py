@@ -9,10 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 from conftest import run_job, wait_until
 
 from bpsctl.config import Config
 from bpsctl.engine import EngineError, Worker
+from bpsctl.engine.client import measure_clock
+from bpsctl.engine.security import Security
 from bpsctl.engine.trace import Trace
 from bpsctl.trace.api import load, summarize
 
@@ -83,6 +86,17 @@ def test_every_traced_push_has_its_sum_and_result_in_causal_order(engine_cluster
     workers = {r: _spans(tmp_path / f"worker-{r}" / "comm.json") for r in range(2)}
     servers = [s for r in range(2) for s in _spans(tmp_path / f"server-{r}" / "comm.json")]
     _check_causal_order(workers, servers)
+
+
+def test_a_clock_exchange_needs_the_secret_and_bounds_the_true_offset(engine_cluster):
+    ctx = zmq.Context.instance()
+    clock = measure_clock(ctx, engine_cluster.scheduler,
+                          Security(engine_cluster.security, engine_cluster.secret))
+    # the scheduler shares this machine's clock: the true offset, 0, is within the bound
+    assert clock is not None and abs(clock["offset_ns"]) <= clock["error_ns"] < 50e6
+    refused = measure_clock(ctx, engine_cluster.scheduler,
+                            Security(engine_cluster.security, "not-the-secret"), timeout_s=1)
+    assert refused is None
 
 
 def test_processes_on_several_machines_are_put_on_the_schedulers_clock(engine_cluster,

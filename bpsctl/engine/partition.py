@@ -41,11 +41,34 @@ class Placement:
             raise ValueError("a job needs at least one server")
         self.loads = [0] * self.num_servers
 
+    lost: set[int] = field(default_factory=set)
+
     def place(self, nbytes: int, itemsize: int, partition_bytes: int) -> list[Partition]:
         parts = []
         for offset, length in split(nbytes, itemsize, partition_bytes):
-            server = min(range(self.num_servers), key=lambda s: (self.loads[s], s))
+            server = self.least_loaded()
             self.loads[server] += max(length, 1)
             parts.append(Partition(self.next_part_id, server, offset, length))
             self.next_part_id += 1
         return parts
+
+    def least_loaded(self) -> int:
+        """The server with the fewest bytes placed on it, of those not lost."""
+        alive = [s for s in range(self.num_servers) if s not in self.lost]
+        if not alive:
+            raise ValueError("every server of the job is lost")
+        return min(alive, key=lambda s: (self.loads[s], s))
+
+    def move_off(self, server: int, parts: list[list[int]]) -> list[list[int]]:
+        """Server ``server`` is lost: move each of ``parts`` (``[part id, server, offset,
+        length]`` lists, changed in place) that lives there to the least-loaded survivor;
+        returns ``[part id, new server]`` per move. Largest first, so loads stay balanced."""
+        self.lost.add(server)
+        moves = []
+        for part in sorted((p for p in parts if p[1] == server), key=lambda p: (-p[3], p[0])):
+            target = self.least_loaded()
+            self.loads[target] += max(part[3], 1)
+            part[1] = target
+            moves.append([part[0], target])
+        self.loads[server] = 0
+        return moves

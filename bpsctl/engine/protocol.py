@@ -44,11 +44,15 @@ LEAVE = 11          # worker -> scheduler: {} (clean shutdown)
 JOB_END = 12        # scheduler -> servers: {job}
 ERROR = 13          # anyone -> anyone: {message, name?}
 MEMBER_LEFT = 14    # scheduler -> workers: {rank, message} (a peer shut down while others run)
+SERVER_MOVED = 19   # scheduler -> workers: {index, rank, message, moves: [[part id, new index]]}
+                    #   (a lost server's partitions now live on the job's other servers)
 # --- the hmac handshake that opens every connection (see security.py); the secret never travels
 AUTH = 15           # connecting -> bound: {version, nonce}
 CHALLENGE = 16      # bound -> connecting: {nonce, proof}
 PROOF = 17          # connecting -> bound: {proof}
 # --- data plane
+CLOCK = 18          # any -> scheduler: {clock_ns}; scheduler -> any: {clock: [clock_ns,
+                    #   arrival, answer]} (a clock exchange, repeated a few times per connection)
 HELLO = 20          # worker -> server: {job, rank, world_size, hosts, version}
 PUSH = 21           # worker -> server: header + partition bytes
 ACK = 22            # server -> worker: header (push received; credit may be released)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
+from .client import CLOCK_EXCHANGES
 from .common import bound_router, exit_on_sigterm, setup_process_logging, write_ready_file
 from .partition import Placement
 from .security import Security, version_mismatch
@@ -75,6 +77,7 @@ class Scheduler:
         if config.control_socket:
             self.sock.bind(f"ipc://{config.control_socket}")
         self.members: dict[bytes, Member] = {}
+        self.clock_peers: OrderedDict[bytes, int] = OrderedDict()   # clock exchanges left
         self.servers: list[Member] = []
         self.job: Job | None = None
         # registrations for a new job that came while another job held the cluster: (rid,
@@ -142,6 +145,8 @@ class Scheduler:
             reply = self.gate.handle(rid, msg_type, msg)
             if reply is not None:
                 self._send(rid, *reply)
+        elif msg_type == P.CLOCK:
+            self._clock(rid, msg)
         elif msg_type in (P.REGISTER, P.STATUS) and not self.gate.admit(rid):
             self.log.warning("refused a %s from a connection that has not proven the cluster "
                              "secret", P.TYPE_NAMES[msg_type])
@@ -163,6 +168,23 @@ class Scheduler:
             self._leave(member)
         else:
             self._send(rid, P.ERROR, {"message": f"unexpected message type {msg_type}"})
+
+    def _clock(self, rid: bytes, msg: dict[str, Any]) -> None:
+        """A clock exchange: the sender's reading, ours on arrival, ours as we answer. A
+        connection proves the secret once and then makes up to CLOCK_EXCHANGES of them."""
+        arrived_ns = time.monotonic_ns()
+        left = self.clock_peers.pop(rid, None)
+        if left is None:
+            if not self.gate.admit(rid):
+                self._send(rid, P.ERROR, self.gate.refusal())
+                return
+            left = CLOCK_EXCHANGES
+        if left > 1:
+            self.clock_peers[rid] = left - 1
+            while len(self.clock_peers) > 1024:          # connections that stopped early
+                self.clock_peers.popitem(last=False)
+        sent_ns = P.int_field(msg, "clock_ns", 0, 1 << 63)
+        self._send(rid, P.CLOCK, {"clock": [sent_ns, arrived_ns, time.monotonic_ns()]})
 
     # ------------------------------------------------------------------ registration
 
@@ -394,11 +416,37 @@ class Scheduler:
             job = self.job
             if job is None:
                 continue
+            if member.role == "server" and self._fail_over(
+                    job, member, f"lost {member.describe()}: {reason}"):
+                continue
             others = [w for w in job.workers.values() if w is not member and w.state == "running"]
             for worker in others:
                 self._send(worker.rid, P.MEMBER_LOST, lost)
             if member.role == "worker" and job.workers.get(member.rank) is member:
                 self._end_job(None, notify=())
+
+    def _fail_over(self, job: Job, server: Member, message: str) -> bool:
+        """Move a lost server's partitions to the job's surviving servers and tell the workers
+        (see "Keeping going through a lost machine" in docs/design.md); False if the job cannot
+        go on without it (failover off, not started, no server left)."""
+        if server not in job.servers:
+            return True                 # not one of this job's servers: nothing to move
+        index = job.servers.index(server)
+        placement = job.placement
+        alive = [i for i, s in enumerate(job.servers)
+                 if s.state == "running" and placement is not None and i not in placement.lost]
+        if not self.config.server_failover or placement is None or not alive:
+            return False
+        parts = [part for tensor in job.tensors.values() for part in tensor["parts"]]
+        moves = placement.move_off(index, parts)
+        moved_to = sorted({job.servers[new].rank for _, new in moves})
+        self.log.warning("%s; job %s goes on: %d partitions moved to server(s) %s", message,
+                         job.id, len(moves), moved_to or "(none yet declared)")
+        body = {"index": index, "rank": server.rank, "message": message, "moves": moves}
+        for worker in job.workers.values():
+            if worker.state == "running":
+                self._send(worker.rid, P.SERVER_MOVED, body)
+        return True
 
     def _status(self, rid: bytes, msg: dict[str, Any]) -> None:
         now = time.monotonic()

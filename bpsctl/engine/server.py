@@ -31,6 +31,7 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
+from .client import measure_clock
 from .common import (
     EngineError,
     bound_router,
@@ -48,7 +49,7 @@ from .common import (
     write_ready_file,
 )
 from .security import Security, handshake_failed, refused_handshake, version_mismatch
-from .trace import STAGE, Trace, attach_nic, now_ns, scheduler_clock
+from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
 
 #: partitions at least this large are summed on a summation thread
 THREADED_SUM_BYTES = 256 * 1024
@@ -61,7 +62,7 @@ class PartitionState:
 
     __slots__ = ("part", "dtype", "dtype_code", "nbytes", "expected", "round", "received",
                  "waiting", "summed", "first", "buffers", "result", "thread", "wide",
-                 "first_push_ns", "traced")
+                 "first_push_ns", "traced", "adopted")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int):
         self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
@@ -79,6 +80,7 @@ class PartitionState:
         self.result: Any = None
         self.first_push_ns = 0              # traced rounds: when the round's first push came
         self.traced = False                 # a worker traces this round (engine/trace.py)
+        self.adopted = False                # moved here from a lost server mid-job
 
     def accumulate(self, payload: Any, num_workers: int) -> bool:
         """Add one push; return True when the round's sum is complete (in ``result``)."""
@@ -195,7 +197,10 @@ class Server:
                     continue
                 if msg_type == P.REGISTERED:
                     self.rank = int(msg["rank"])
-                    self.clock = scheduler_clock(msg, received_ns)
+                    # more exchanges than the registration's one: traces of several
+                    # machines line up through this
+                    self.clock = best_clock(scheduler_clock(msg, received_ns), measure_clock(
+                        self.ctx, self.scheduler_address, self.security))
                     self.log = setup_process_logging(f"server {self.rank}")
                     self.gate = self.security.gate(f"server {self.rank}", self.log)
                     return
@@ -372,6 +377,9 @@ class Server:
         if state is None:
             thread = part % len(self.queues) if nbytes >= THREADED_SUM_BYTES else -1
             state = self.parts[part] = PartitionState(part, dtype, nbytes, thread, expected)
+            # a partition moved here from a lost server starts at the round its workers
+            # (re-)push, with an empty sum: each of them pushes its own contribution again
+            state.round, state.adopted = round_, round_ > 0
         elif state.dtype_code != dtype or state.nbytes != nbytes or state.expected != expected:
             raise P.ProtocolError(
                 f"partition {part}: rank {rank} pushed {nbytes} bytes of {P.DTYPES[dtype]} "
@@ -379,6 +387,12 @@ class Server:
                 f"{state.nbytes} bytes of {P.DTYPES[state.dtype_code]} from {state.expected} "
                 "pushers")
         if round_ != state.round:
+            if state.adopted:
+                raise P.ProtocolError(
+                    f"partition {part} moved to server {self.rank} from a lost server, whose "
+                    f"last sum reached some workers but not all: rank {rank} pushed round "
+                    f"{round_}, others round {state.round}. That sum is gone; the job cannot "
+                    "go on from here (restart it from a checkpoint)")
             raise P.ProtocolError(f"partition {part}: rank {rank} pushed round {round_}, "
                                   f"the server is at round {state.round}")
         if rid in state.waiting:

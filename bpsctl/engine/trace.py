@@ -73,6 +73,12 @@ def clock_offset(sent_ns: int, received_ns: int, answered_ns: int, back_ns: int
             "error_ns": max(0, ((back_ns - sent_ns) - (answered_ns - received_ns)) // 2)}
 
 
+def best_clock(*samples: dict[str, int] | None) -> dict[str, int] | None:
+    """Of several clock offsets, the one with the smallest error bound."""
+    found = [s for s in samples if s is not None]
+    return min(found, key=lambda s: s["error_ns"]) if found else None
+
+
 def scheduler_clock(registered: dict[str, Any], received_ns: int) -> dict[str, int] | None:
     """The scheduler's clock against ours, from its REGISTERED answer (None if it carries no
     well-formed clock exchange)."""

@@ -37,6 +37,7 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
+from .client import measure_clock
 from .common import (
     EngineError,
     lost_link,
@@ -47,7 +48,7 @@ from .common import (
     watch_link,
 )
 from .security import Login, Security, handshake_failed, refused_handshake
-from .trace import STAGE, Trace, attach_nic, now_ns, scheduler_clock
+from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
 
 
 class Handle:
@@ -160,6 +161,11 @@ class Worker:
         self._unacked: dict[int, int] = {}                     # part id -> bytes
         self._active: dict[int, tuple[_Task, list[int]]] = {}  # part id -> (task, part)
         self._rounds: dict[int, int] = {}                      # part id -> round
+        self._parts: dict[int, list[int]] = {}                 # part id -> [id, server, ...]
+        # servers whose connection dropped: index -> when to give up waiting for the
+        # scheduler to move their partitions (failover); and those it moved off
+        self._server_down: dict[int, tuple[float, float]] = {}   # index -> (since, give up)
+        self._servers_lost: set[int] = set()
         self._tasks: set[_Task] = set()
         self._barriers: dict[str, Handle] = {}
         self._peer_left = ""                                    # why later ops cannot complete
@@ -269,7 +275,8 @@ class Worker:
                                       "version": __version__}
         if cfg.trace_dir:
             self._trace = self._open_trace(Path(cfg.trace_dir))
-            self._trace.scheduler_clock = clock
+            self._trace.scheduler_clock = best_clock(clock, measure_clock(
+                self._ctx, self.scheduler_address, self.security))
             hello_body["trace_dir"] = str(Path(cfg.trace_dir).resolve())    # servers trace too
         hello = P.control(P.HELLO, hello_body)
         logins = []
@@ -668,6 +675,8 @@ class Worker:
                     handle._done.set()
             elif msg_type == P.MEMBER_LOST:
                 self._fail_all(EngineError(f"worker {self.rank}: {msg['message']}"))
+            elif msg_type == P.SERVER_MOVED:
+                self._server_moved(msg)
             elif msg_type == P.MEMBER_LEFT:
                 # results already on their way still land; what is left over after a grace
                 # period waits for the leaver in vain
@@ -690,6 +699,8 @@ class Worker:
             return                                  # failed meanwhile
         self._tensors[name] = {"key": info["key"], "parts": info["parts"],
                                "dtype": spec["dtype"], "shape": spec["shape"]}
+        for part in info["parts"]:
+            self._parts[part[0]] = part
         for task in waiting:
             self._enqueue(task, self._tensors[name])
 
@@ -704,14 +715,62 @@ class Worker:
                 f"the scheduler at {self.scheduler_address}", self.config.heartbeat_timeout_s)))
 
     def _check_server_link(self, index: int) -> None:
-        if (zmq.EVENT_DISCONNECTED in monitor_events(self._server_monitors[index])
-                and not self._stop):
-            server = self._servers[index]
-            self._fail_all(EngineError(f"worker {self.rank}: " + lost_link(
-                f"server {server['rank']} at {server['host']}:{server['port']}",
-                self.config.heartbeat_timeout_s)))
+        if (zmq.EVENT_DISCONNECTED not in monitor_events(self._server_monitors[index])
+                or self._stop or index in self._servers_lost or index in self._server_down):
+            return
+        cfg = self.config
+        if cfg.server_failover and len(self._servers) - len(self._servers_lost) > 1:
+            # the scheduler decides whether the server is lost (its heartbeats stop) and, if
+            # so, moves its partitions (SERVER_MOVED); wait for that, not much longer
+            now = time.monotonic()
+            self._server_down[index] = (now, now + cfg.heartbeat_timeout_s
+                                        + 2 * cfg.heartbeat_interval_s + 1)
+            log.warning("worker %d: lost the connection to %s; waiting for the scheduler to "
+                        "move its partitions", self.rank, self._server_name(index))
+            return
+        self._fail_server(index)
+
+    def _server_name(self, index: int) -> str:
+        server = self._servers[index]
+        return f"server {server['rank']} at {server['host']}:{server['port']}"
+
+    def _fail_server(self, index: int) -> None:
+        self._fail_all(EngineError(f"worker {self.rank}: " + lost_link(
+            self._server_name(index), self.config.heartbeat_timeout_s)))
+
+    def _server_moved(self, msg: dict[str, Any]) -> None:
+        """A lost server's partitions live on other servers now: send what it had not
+        answered to them again (same round: the new server starts each partition empty at
+        the round it is pushed), and later rounds there too."""
+        index = int(msg["index"])
+        since, _ = self._server_down.pop(index, (time.monotonic(), 0.0))
+        self._servers_lost.add(index)
+        server = self._servers[index]
+        try:        # stop reconnecting to it
+            self._server_socks[index].disconnect(f"tcp://{server['host']}:{server['port']}")
+        except zmq.ZMQError:
+            pass
+        again = 0
+        for part_id, target in msg["moves"]:
+            part = self._parts.get(part_id)
+            if part is None:
+                continue            # not declared here yet: DECLARED will say where it lives
+            part[1] = int(target)
+            entry = self._active.pop(part_id, None)
+            if entry is not None:
+                self._inflight_bytes -= self._unacked.pop(part_id, 0)
+                task, _ = entry
+                heapq.heappush(self._queue, (-task.priority, next(self._seq), task, part))
+                again += 1
+        log.warning("worker %d: %s; its %d partitions moved to other servers, %d pushed again "
+                    "(%.1f s after its connection dropped)", self.rank, msg["message"],
+                    len(msg["moves"]), again, time.monotonic() - since)
 
     def _fail_overdue(self, now: float) -> None:
+        for index, (_, give_up) in list(self._server_down.items()):
+            if now >= give_up:
+                del self._server_down[index]
+                self._fail_server(index)
         for task in [t for t in self._tasks if t.deadline < now]:
             if self._peer_left:
                 self._finish(task, EngineError(f"worker {self.rank}: push_pull of {task.name!r} "

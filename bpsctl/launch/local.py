@@ -465,12 +465,12 @@ class LocalSpawner:
     def started(self, workers: list[WorkerProcess]) -> None:
         pass
 
-    def lost(self) -> ProcessRecord | None:
+    def lost(self) -> list[ProcessRecord]:
         now = time.monotonic()
         if now < self._next_check:
-            return None
+            return []
         self._next_check = now + _WATCH_INTERVAL_S
-        return next((p for p in self.watched if not is_running(p.identity)), None)
+        return [p for p in self.watched if not is_running(p.identity)]
 
     def stop(self, workers: list[WorkerProcess], grace_s: float) -> None:
         local = [w for w in workers if isinstance(w, _LocalWorker)]

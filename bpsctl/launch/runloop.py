@@ -3,12 +3,16 @@
 Backends differ only in how a worker is started and watched (a local process group, a process
 in an emulated host's namespace, a process the SSH agent runs on a host), which a
 :class:`Spawner` hides. The loop is the same for all: the first worker to fail is the root
-cause; when one fails, or a scheduler or server of the cluster is lost and the workers have not
-ended ``lost_grace_s`` later, every other worker is stopped; Ctrl-C or SIGTERM stops them all.
-Every worker has been stopped and waited for when :func:`run_workers` returns.
+cause; when one fails, or the scheduler or the last server of the cluster is lost and the
+workers have not ended ``lost_grace_s`` later, every other worker is stopped; Ctrl-C or SIGTERM
+stops them all. A lost server while others remain is only said: the job's workers go on with
+its partitions on the other servers (``BPSCTL_SERVER_FAILOVER``, docs/design.md), or fail by
+themselves, naming it. Every worker has been stopped and waited for when :func:`run_workers`
+returns.
 """
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Protocol
@@ -17,6 +21,8 @@ from bpsctl.config import Config
 from bpsctl.launch.plan import Assignment, Plan
 from bpsctl.launch.processes import Interrupted, StopSignals, stop_signals_recorded
 from bpsctl.launch.types import ProcessRecord, RunResult, WorkerFailure
+
+log = logging.getLogger("bpsctl.launch")
 
 STOP_GRACE_S = 5.0              # SIGTERM -> SIGKILL, for cluster processes and workers
 _POLL_INTERVAL_S = 0.02
@@ -46,9 +52,9 @@ class Spawner(Protocol):
     def started(self, workers: list[WorkerProcess]) -> None:
         """Called once every worker has been asked to start (they start in parallel)."""
 
-    def lost(self) -> ProcessRecord | None:
-        """A scheduler or server of the cluster that has exited, if any (cheap to call often:
-        the spawner decides how often it really looks)."""
+    def lost(self) -> list[ProcessRecord]:
+        """The scheduler and servers of the cluster that have exited (cheap to call often:
+        the spawner decides how often it really looks, and says [] in between)."""
 
     def stop(self, workers: list[WorkerProcess], grace_s: float) -> None:
         """Stop every worker still running (and what it started), and wait for them."""
@@ -71,6 +77,23 @@ def run_workers(spawner: Spawner, the_plan: Plan, config: Config, *,
             return RunResult(exit_code=128 + interrupted.signum)
 
 
+def _fatal_loss(gone: list[ProcessRecord], servers_lost: set[str], servers: int,
+                config: Config) -> ProcessRecord | None:
+    """Of the cluster processes found gone, the one the job cannot go on without, if any; a
+    server while others remain (with failover) is said once and tolerated."""
+    for record in gone:
+        if record.label in servers_lost:
+            continue
+        if record.role == "server" and config.server_failover \
+                and len(servers_lost) + 1 < servers:
+            servers_lost.add(record.label)
+            log.warning("lost %s: it exited during the run; the job goes on with its "
+                        "partitions on the other servers", record.label)
+            continue
+        return record
+    return None
+
+
 def _run(spawner: Spawner, the_plan: Plan, config: Config, stop_signals: StopSignals,
          lost_grace_s: float, stop_grace_s: float) -> RunResult:
     workers: list[WorkerProcess] = []
@@ -78,6 +101,7 @@ def _run(spawner: Spawner, the_plan: Plan, config: Config, stop_signals: StopSig
     codes: dict[int, int] = {}
     lost: ProcessRecord | None = None
     give_up_at = float("inf")
+    servers_lost: set[str] = set()      # said, and left to the engine's failover
     try:
         for assignment in the_plan.workers:
             stop_signals.check()
@@ -96,7 +120,7 @@ def _run(spawner: Spawner, the_plan: Plan, config: Config, stop_signals: StopSig
                 break
             now = time.monotonic()
             if lost is None:
-                lost = spawner.lost()
+                lost = _fatal_loss(spawner.lost(), servers_lost, len(the_plan.servers), config)
                 if lost is not None:
                     give_up_at = now + lost_grace_s
             elif now > give_up_at:

@@ -442,13 +442,13 @@ class SshSpawner:
                                    self.directory / f"worker-{worker.rank}.log",
                                    prefix=f"[{worker.host}:{worker.rank}] ")
 
-    def lost(self) -> ProcessRecord | None:
+    def lost(self) -> list[ProcessRecord]:
         now = time.monotonic()
         if now < self._next_check or self.session is None:
-            return None
+            return []
         running = _process_states(self.session, self.cluster.processes, _WATCH_TIMEOUT_S)
         self._next_check = time.monotonic() + _WATCH_INTERVAL_S
-        return next((p for p in self.cluster.processes if running.get(p) is False), None)
+        return [p for p in self.cluster.processes if running.get(p) is False]
 
     def stop(self, workers: list[WorkerProcess], grace_s: float) -> None:
         remote = [w for w in workers if isinstance(w, _RemoteWorker)]
