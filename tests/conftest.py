@@ -54,6 +54,8 @@ TIERS: dict[str, set[str]] = {
     "test_memory.py::test_release_gives_back_what_a_burst_freed_and_keeps_what_is_held[jemalloc]":
         {"jemalloc"},
     # emulated clusters (network namespaces): 1-10 s each
+    "test_resilience.py::test_a_job_on_emulated_hosts_goes_on_through_a_lost_server":
+        {"slow", "root"},
     "test_trace.py::test_a_slow_host_is_named_and_the_nic_tracks_count_the_bytes_sent":
         {"slow", "root"},
     "test_emulated_cluster.py": {"slow", "root"},

@@ -1,6 +1,9 @@
 """Seeded fault injection on emulated clusters (root): kill -9 a worker, a server or the
 scheduler, or cut a host's link, at random points of a training run.
 
+These are fail-fast runs (``BPSCTL_SERVER_FAILOVER=0``); test_resilience.py has the default,
+where a job goes on through a lost server.
+
 Every run goes through the CLI as a user would: `bpsctl up --emulate` (2 worker hosts, 2 server
 hosts, the scheduler beside server 0, 1 Gbit NICs), `bpsctl run -np 2 -- python
 fault_worker.py`, then the fault, then `bpsctl down`. For each run it asserts:
@@ -99,8 +102,10 @@ class Cluster:
 
 
 def cli_env(state_dir: Path) -> dict[str, str]:
-    # wide lines: rich wraps at 80 columns when not on a terminal
-    return {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "200"}
+    # wide lines: rich wraps at 80 columns when not on a terminal. Fail-fast is what these runs
+    # check: with failover (the default) a lost server's job goes on (test_resilience.py)
+    return {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "200",
+            "BPSCTL_SERVER_FAILOVER": "0"}
 
 
 @pytest.fixture

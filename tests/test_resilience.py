@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 
-from bpsctl.launch import api
+from bpsctl.launch import api, emulate
 
 HEARTBEAT_TIMEOUT_S = 1.0
 KiB = 1024
@@ -121,3 +125,85 @@ def _acknowledged(worker, name: str) -> bool:
         return False
     part_id = info["parts"][0][0]
     return part_id in worker._active and part_id not in worker._unacked
+
+
+# --------------------------------------------------------------------------- emulated hosts
+
+EMULATED_HEARTBEAT_TIMEOUT_S = 2.0
+STEPS = 150
+
+
+def _cli(state_dir: Path, *args: str, timeout_s: float = 90) -> subprocess.CompletedProcess:
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": str(EMULATED_HEARTBEAT_TIMEOUT_S)}
+    return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)
+
+
+@pytest.mark.parametrize("fault", ["kill", "link"])
+def test_a_job_on_emulated_hosts_goes_on_through_a_lost_server(tmp_path, fault):
+    """Emulated 2 workers x 3 server hosts at 1 Gbit: kill -9 server 1, or cut its host's
+    link (the server exits, cut off from the scheduler), mid-run. `bpsctl run` exits 0 after every step, every sum exact, its output says
+    what moved, and no step waited more than the heartbeat timeout + 2 s longer than usual."""
+    state_dir, reports = tmp_path / "state", tmp_path / "reports"
+    reports.mkdir()
+    up = _cli(state_dir, "up", "--emulate", "--workers", "2", "--servers", "3", "--nic", "1gbit")
+    assert up.returncode == 0, up.stderr
+    state = api.load_state(state_dir)
+    try:
+        victim = next(p for p in state.processes if p.role == "server" and p.rank == 1)
+        worker_script = Path(__file__).with_name("fault_worker.py")
+        env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "200",
+               "BPSCTL_HEARTBEAT_TIMEOUT": str(EMULATED_HEARTBEAT_TIMEOUT_S)}
+        output = tmp_path / "run.out"
+        with open(output, "w") as out:
+            launcher = subprocess.Popen(
+                [sys.executable, "-m", "bpsctl.cli", "run", "-np", "2", "--", sys.executable,
+                 str(worker_script), str(reports), str(STEPS)],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            seen: dict[int, float] = {}         # step -> when rank 0 first reported it
+
+            def progress() -> int:
+                step = _step(reports)
+                if step >= 0:
+                    seen.setdefault(step, time.monotonic())
+                return step
+
+            wait_until(lambda: progress() >= 20, 60, "20 steps before the fault")
+            if fault == "kill":
+                os.kill(victim.pid, signal.SIGKILL)
+            else:
+                name = next(h["name"] for h in state.emulation["servers"]
+                            if h["address"] == victim.host)
+                host = emulate.namespace_name(state.emulation["cluster_id"], name)
+                subprocess.run(["ip", "-n", host, "link", "set", emulate.HOST_INTERFACE,
+                                "down"], check=True, timeout=10)
+            deadline = time.monotonic() + 90
+            while launcher.poll() is None and time.monotonic() < deadline:
+                progress()
+                time.sleep(0.005)
+            code = launcher.wait(5)
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+        text = output.read_text()
+        assert code == 0, text
+        assert text.count(f"{STEPS} steps, sums exact") == 2, text
+        assert "partitions moved to other servers" in text, text
+        assert "server 1" in text, text
+        times = [seen[s] for s in sorted(seen)]
+        gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+        usual = statistics.median(gaps)
+        assert max(gaps) <= usual + EMULATED_HEARTBEAT_TIMEOUT_S + 2, (max(gaps), usual)
+    finally:
+        down = _cli(state_dir, "down")
+        assert down.returncode == 0, down.stderr
+
+
+def _step(reports: Path) -> int:
+    try:
+        return int((reports / "step-0").read_text())
+    except (FileNotFoundError, ValueError):
+        return -1
