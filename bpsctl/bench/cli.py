@@ -65,7 +65,8 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
              "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
              "straggler": (straggler, "--straggler"),
              "trace_dir": (None if trace_dir is None else str(trace_dir.resolve()), "--trace")}
-    config = build_config(ctx, flags, config_file, read_file=True)
+    # a figure must not hide a failover: a server lost mid-benchmark fails the run, naming it
+    config = build_config(ctx, flags, config_file, read_file=True).replace(server_failover=False)
     if config.trace_dir:
         _check_trace_dir(Path(config.trace_dir))
     if config.nic and not config.emulate and ssh_cluster(config.state_dir) is None:
