@@ -143,8 +143,9 @@ def _cli(state_dir: Path, *args: str, timeout_s: float = 90) -> subprocess.Compl
 @pytest.mark.parametrize("fault", ["kill", "link"])
 def test_a_job_on_emulated_hosts_goes_on_through_a_lost_server(tmp_path, fault):
     """Emulated 2 workers x 3 server hosts at 1 Gbit: kill -9 server 1, or cut its host's
-    link (the server exits, cut off from the scheduler), mid-run. `bpsctl run` exits 0 after every step, every sum exact, its output says
-    what moved, and no step waited more than the heartbeat timeout + 2 s longer than usual."""
+    link (the server exits, cut off from the scheduler), mid-run. `bpsctl run` exits 0 after
+    every step, every sum exact, its output says what moved, and no step waited more than the
+    heartbeat timeout + 2 s longer than usual."""
     state_dir, reports = tmp_path / "state", tmp_path / "reports"
     reports.mkdir()
     up = _cli(state_dir, "up", "--emulate", "--workers", "2", "--servers", "3", "--nic", "1gbit")
