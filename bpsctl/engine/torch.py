@@ -120,7 +120,11 @@ class _Plugin:
         self.copy_stream: Any = None
         self.pinned: dict[str, torch.Tensor] = {}
         w, cfg = self.worker, self.config
-        if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0):
+        # the intra-node stage is a gloo group of the host's workers, which cannot lose one:
+        # with BPSCTL_MIN_WORKERS below the world size every worker pushes on its own
+        elastic = 0 < cfg.min_workers < w.size
+        if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0
+                and not elastic):
             if not cfg.master_port:
                 raise EngineError("the intra-node stage needs a rendezvous port: MASTER_PORT is "
                                   "not set; launch with `bpsctl run`, or set "
