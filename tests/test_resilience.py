@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 
 from bpsctl.launch import api, emulate
@@ -296,3 +297,55 @@ def test_a_killed_worker_leaves_the_job_going_with_averages_over_the_rest(tmp_pa
     for rank in (0, 1):
         sizes = (out / f"size-{rank}").read_text().split()
         assert sizes[0] == "3" and sizes[-1] == "2", sizes
+
+
+TORCH_SCRIPT = '''
+import os, signal, sys
+import torch
+import bpsctl.engine.torch as bps
+
+out_dir, steps, die_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+bps.init()
+rank = bps.rank()
+told = []
+bps.add_membership_callback(lambda live: told.append(live))
+torch.manual_seed(rank)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                     named_parameters=model.named_parameters())
+bps.broadcast_parameters(model.state_dict(), root_rank=0)
+for step in range(steps):
+    if rank == 2 and step == die_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.randn(16, 32)
+    optimizer.zero_grad()
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(flat, os.path.join(out_dir, f"r{rank}-s{step}.pt"))
+with open(os.path.join(out_dir, f"told-{rank}"), "w") as f:
+    f.write(repr(told))
+bps.shutdown()
+'''
+
+
+def test_torch_training_goes_on_without_a_lost_worker_and_says_so(tmp_path):
+    """DistributedOptimizer under `bpsctl run -np 3 --min-workers 2`, worker 2 killed at step
+    4: workers 0 and 1 train all 12 steps with parameters bitwise equal after every step, and
+    the membership callback is called once with the live ranks."""
+    steps, die_at = 12, 4
+    script, out = tmp_path / "train.py", tmp_path / "out"
+    script.write_text(TORCH_SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
+                           "--min-workers", "2", "--", sys.executable, str(script), str(out),
+                           str(steps), str(die_at)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for step in range(steps):
+        first, second = (torch.load(out / f"r{rank}-s{step}.pt") for rank in (0, 1))
+        assert torch.equal(first, second), f"step {step}: survivors differ"
+    for rank in (0, 1):
+        assert (out / f"told-{rank}").read_text() == "[[0, 1]]"
