@@ -153,6 +153,7 @@ def run(ctx: typer.Context,
             None, "--servers", min=1, help="Servers of the private cluster started when none "
                                            "is up (default: num_servers of the config, else 1)."),
         start_timeout_s: float | None = knob_option("start_timeout_s", "--start-timeout"),
+        min_workers: int | None = knob_option("min_workers", "--min-workers", min=0),
         cmd: list[str] = typer.Argument(..., metavar="CMD",
                                         help="The worker command, e.g. python train.py."),
         hosts: str | None = _hosts_option(),
@@ -162,12 +163,17 @@ def run(ctx: typer.Context,
     """Run N workers of CMD on the cluster that `up` started, or on a private one.
 
     Each worker's output is prefixed with its rank. When a worker fails the others are
-    stopped and bpsctl exits with the failing worker's exit code.
+    stopped and bpsctl exits with the failing worker's exit code; with --min-workers M the
+    others go on while M live, averaging over the workers left.
     """
     with cli_errors():
         config = build_config(ctx, {"world_size": (np, "-np"),
-                                    "start_timeout_s": (start_timeout_s, "--start-timeout")},
+                                    "start_timeout_s": (start_timeout_s, "--start-timeout"),
+                                    "min_workers": (min_workers, "--min-workers")},
                               config_file, read_file=True)
+        if config.min_workers > config.world_size:
+            raise ConfigError(f"--min-workers {config.min_workers}: more than the job's "
+                              f"{config.world_size} workers (-np); give at most -np")
         servers = servers or config.num_servers or 1
         _check_ssh_extra(hosts)
         result = launch.run(cmd, config, servers=servers, hosts=hosts, ship_wheel=ship)
@@ -178,6 +184,11 @@ def run(ctx: typer.Context,
         _print_failures(result)
     elif result.exit_code:
         err_console.print(f"bpsctl run: stopped every worker (exit code {result.exit_code})")
+    if result.left_behind:
+        lost = ", ".join(f"worker {f.rank} (pid {f.pid})" for f in result.left_behind)
+        err_console.print(f"membership changed: the job went on without {lost}; "
+                          f"{config.world_size - len(result.left_behind)} of "
+                          f"{config.world_size} workers finished", highlight=False)
     raise typer.Exit(result.exit_code)
 
 

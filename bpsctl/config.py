@@ -271,6 +271,10 @@ class Config:
     heartbeat_interval_s: float = knob(0.5, "BPSCTL_HEARTBEAT_INTERVAL",
                                        "seconds between heartbeats to the scheduler", "float",
                                        in_file=True)
+    min_workers: int = knob(0, "BPSCTL_MIN_WORKERS",
+                            "keep the job going while at least this many workers live; a lost "
+                            "worker's share drops out of the averages (0: every worker, so any "
+                            "loss ends the job)", "int")
     server_failover: bool = knob(True, "BPSCTL_SERVER_FAILOVER",
                                  "when a server is lost, move its partitions to the job's other "
                                  "servers and go on (0: fail the job, naming the server)", "bool",
@@ -314,6 +318,7 @@ class Config:
             (self.start_timeout_s > 0, "BPSCTL_START_TIMEOUT", "more than 0 s",
              self.start_timeout_s),
             (self.op_timeout_s > 0, "BPSCTL_OP_TIMEOUT", "more than 0 s", self.op_timeout_s),
+            (self.min_workers >= 0, "BPSCTL_MIN_WORKERS", "0 or more", self.min_workers),
             (self.heartbeat_interval_s > 0, "BPSCTL_HEARTBEAT_INTERVAL", "more than 0 s",
              self.heartbeat_interval_s),
             (self.heartbeat_timeout_s > self.heartbeat_interval_s, "BPSCTL_HEARTBEAT_TIMEOUT",

@@ -53,6 +53,11 @@ TIERS: dict[str, set[str]] = {
     "test_memory.py::test_a_server_runs_on_jemalloc_unless_told_to_use_glibc": {"jemalloc"},
     "test_memory.py::test_release_gives_back_what_a_burst_freed_and_keeps_what_is_held[jemalloc]":
         {"jemalloc"},
+    # a worker killed mid-job under --min-workers: 6 s each
+    "test_resilience.py::test_a_killed_worker_leaves_the_job_going_with_averages_over_the_rest":
+        {"slow"},
+    "test_resilience.py::test_torch_training_goes_on_without_a_lost_worker_and_says_so":
+        {"slow"},
     # emulated clusters (network namespaces): 1-10 s each
     "test_resilience.py::test_a_job_on_emulated_hosts_goes_on_through_a_lost_server":
         {"slow", "root"},

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 
 from bpsctl.launch import api, emulate
@@ -208,3 +209,143 @@ def _step(reports: Path) -> int:
         return int((reports / "step-0").read_text())
     except (FileNotFoundError, ValueError):
         return -1
+
+
+# --------------------------------------------------------------------------- lost workers
+
+LOST_WORKER_SCRIPT = '''
+import os, signal, sys, time
+import numpy as np
+import bpsctl.engine as bps
+
+def pushed_and_acknowledged(worker, timeout_s=20):
+    """Until every partition of the tasks in flight has left and been acknowledged (the
+    engine's own records, read from here; a change under our feet is simply read again)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            tasks = list(worker._tasks)
+            if tasks and all(t.parts and all(p[0] in worker._active for p in t.parts)
+                             for t in tasks) and not worker._unacked:
+                return
+        except RuntimeError:
+            pass
+        time.sleep(0.001)
+    sys.exit("rank 2's pushes were never acknowledged")
+
+out_dir, steps, die_at, when = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+bps.init()
+rank = bps.rank()
+grads = [np.zeros(n, np.float32) for n in (10, 70_000, 300_000)]   # 1, 2 and 5 partitions
+for step in range(steps):
+    if rank == 2 and step == die_at and when == "before":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank < 2 and step == die_at and when == "after":
+        time.sleep(1.0)                          # rank 2 pushes first, and dies
+    for i, g in enumerate(grads):
+        g[:] = 6 * (rank + 1) + step + i         # integers: every mean below is exact
+    handles = [bps.push_pull_async(g, name=f"g{i}", average=True, out=g)
+               for i, g in enumerate(grads)]
+    if rank == 2 and step == die_at and when == "after":
+        pushed_and_acknowledged(bps._w())        # its pushes are with the servers
+        os.kill(os.getpid(), signal.SIGKILL)
+    for h in handles:
+        bps.synchronize(h)
+    np.save(os.path.join(out_dir, f"r{rank}-s{step}.npy"), np.concatenate(grads))
+    with open(os.path.join(out_dir, f"size-{rank}"), "a") as f:
+        f.write(f"{bps.size()}\\n")
+bps.shutdown()
+print(f"rank {rank}: {steps} steps", flush=True)
+'''
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_killed_worker_leaves_the_job_going_with_averages_over_the_rest(tmp_path, when):
+    """`bpsctl run -np 3 --min-workers 2`, worker 2 killed with SIGKILL at step 5, before it
+    pushes or after its pushes reached the servers: the run exits 0; workers 0 and 1 finish
+    every step bitwise equal to each other; each average is over 3 workers before, over 2
+    after (in the round the loss hit: over 2 if it had not pushed, over 3 if it had); size()
+    says 2 once the loss is known; the output says who was lost."""
+    steps, die_at = 16, 5
+    script, out = tmp_path / "job.py", tmp_path / "out"
+    script.write_text(LOST_WORKER_SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2",
+           "BPSCTL_PARTITION_BYTES": "262144"}
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
+                           "--min-workers", "2", "--", sys.executable, str(script), str(out),
+                           str(steps), str(die_at), when],
+                          env=env, capture_output=True, text=True, timeout=120)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text
+    assert "worker 2" in text and "the job goes on with 2 workers" in text, text
+    assert "membership changed: the job went on without worker 2" in text, text
+    offsets = np.concatenate([np.full(n, i, np.float32) for i, n in
+                              enumerate((10, 70_000, 300_000))])
+    for step in range(steps):
+        got = [np.load(out / f"r{rank}-s{step}.npy") for rank in (0, 1)]
+        assert np.array_equal(got[0], got[1]), f"step {step}: survivors differ"
+        of_three = (6 + 12 + 18) / 3 + step + offsets
+        of_two = (6 + 12) / 2 + step + offsets
+        if step < die_at:
+            assert np.array_equal(got[0], of_three), step
+        elif step > die_at:
+            assert np.array_equal(got[0], of_two), step
+        else:       # its pushes are in this round's sums, or it is not
+            assert np.array_equal(got[0], of_three if when == "after" else of_two), step
+    for rank in (0, 1):
+        sizes = (out / f"size-{rank}").read_text().split()
+        assert sizes[0] == "3" and sizes[-1] == "2", sizes
+
+
+TORCH_SCRIPT = '''
+import os, signal, sys
+import torch
+import bpsctl.engine.torch as bps
+
+out_dir, steps, die_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+bps.init()
+rank = bps.rank()
+told = []
+bps.add_membership_callback(lambda live: told.append(live))
+torch.manual_seed(rank)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                     named_parameters=model.named_parameters())
+bps.broadcast_parameters(model.state_dict(), root_rank=0)
+for step in range(steps):
+    if rank == 2 and step == die_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.randn(16, 32)
+    optimizer.zero_grad()
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(flat, os.path.join(out_dir, f"r{rank}-s{step}.pt"))
+with open(os.path.join(out_dir, f"told-{rank}"), "w") as f:
+    f.write(repr(told))
+bps.shutdown()
+'''
+
+
+def test_torch_training_goes_on_without_a_lost_worker_and_says_so(tmp_path):
+    """DistributedOptimizer under `bpsctl run -np 3 --min-workers 2`, worker 2 killed at step
+    4: workers 0 and 1 train all 12 steps with parameters bitwise equal after every step, and
+    the membership callback is called once with the live ranks."""
+    steps, die_at = 12, 4
+    script, out = tmp_path / "train.py", tmp_path / "out"
+    script.write_text(TORCH_SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
+                           "--min-workers", "2", "--", sys.executable, str(script), str(out),
+                           str(steps), str(die_at)],
+                          env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for step in range(steps):
+        first, second = (torch.load(out / f"r{rank}-s{step}.pt") for rank in (0, 1))
+        assert torch.equal(first, second), f"step {step}: survivors differ"
+    for rank in (0, 1):
+        assert (out / f"told-{rank}").read_text() == "[[0, 1]]"

@@ -44,19 +44,23 @@ LEAVE = 11          # worker -> scheduler: {} (clean shutdown)
 JOB_END = 12        # scheduler -> servers: {job}
 ERROR = 13          # anyone -> anyone: {message, name?}
 MEMBER_LEFT = 14    # scheduler -> workers: {rank, message} (a peer shut down while others run)
+WORKER_LOST = 30    # scheduler -> job's workers and servers: {rank, message, live: [ranks]}
+                    #   (the job goes on without it: BPSCTL_MIN_WORKERS)
 SERVER_MOVED = 19   # scheduler -> workers: {index, rank, message, moves: [[part id, new index]]}
                     #   (a lost server's partitions now live on the job's other servers)
 # --- the hmac handshake that opens every connection (see security.py); the secret never travels
 AUTH = 15           # connecting -> bound: {version, nonce}
 CHALLENGE = 16      # bound -> connecting: {nonce, proof}
 PROOF = 17          # connecting -> bound: {proof}
-# --- data plane
 CLOCK = 18          # any -> scheduler: {clock_ns}; scheduler -> any: {clock: [clock_ns,
                     #   arrival, answer]} (a clock exchange, repeated a few times per connection)
+
+# --- data plane
 HELLO = 20          # worker -> server: {job, rank, world_size, hosts, version}
 PUSH = 21           # worker -> server: header + partition bytes
 ACK = 22            # server -> worker: header (push received; credit may be released)
-RESULT = 23         # server -> worker: header + summed partition bytes
+RESULT = 23         # server -> worker: header + summed partition bytes; the header's rank
+                    #   field says how many workers' pushes it sums (0: 65536)
 
 TYPE_NAMES = {v: k for k, v in dict(globals()).items() if isinstance(v, int) and k.isupper()
               and k not in ("PROTOCOL_VERSION", "HEADER_SIZE")}

@@ -61,6 +61,11 @@ class Job:
     placement: Placement | None = None
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     barriers: dict[str, set[int]] = field(default_factory=dict)
+    min_workers: int = 0          # go on while this many live (0: every worker)
+
+    def live(self) -> list[int]:
+        """Ranks of the workers still in the job (not lost, whether or not they left)."""
+        return sorted(rank for rank, w in self.workers.items() if w.state != "lost")
 
 
 class Scheduler:
@@ -245,7 +250,8 @@ class Scheduler:
             job = self.job = Job(id=job_id, world_size=world_size, num_servers=wanted,
                                  partition_bytes=int(msg["partition_bytes"]),
                                  start_timeout_s=float(msg["start_timeout_s"]),
-                                 first_seen=time.monotonic())
+                                 first_seen=time.monotonic(),
+                                 min_workers=int(msg.get("min_workers", 0)))
         if world_size != job.world_size:
             self._send(rid, P.ERROR, {"message": f"job {job.id!r}: this worker says world size "
                                       f"{world_size}, the first worker said {job.world_size}"})
@@ -359,12 +365,18 @@ class Scheduler:
             self._send(member.rid, P.ERROR, {"message": "barrier outside a running job"})
             return
         name = str(msg.get("name"))
-        arrived = job.barriers.setdefault(name, set())
-        arrived.add(member.rank)
-        if len(arrived) == job.world_size:
-            del job.barriers[name]
-            for worker in job.workers.values():
-                self._send(worker.rid, P.BARRIER_DONE, {"name": name})
+        job.barriers.setdefault(name, set()).add(member.rank)
+        self._release_barriers(job)
+
+    def _release_barriers(self, job: Job) -> None:
+        """Barriers every live worker has reached (lost workers are not waited for)."""
+        live = set(job.live())
+        for name, arrived in list(job.barriers.items()):
+            if live <= arrived:
+                del job.barriers[name]
+                for worker in job.workers.values():
+                    if worker.state == "running":
+                        self._send(worker.rid, P.BARRIER_DONE, {"name": name})
 
     # ------------------------------------------------------------------ endings
 
@@ -374,7 +386,7 @@ class Scheduler:
         job = self.job
         if job is None or job.workers.get(member.rank) is not member:
             return
-        if all(w.state == "left" for w in job.workers.values()) \
+        if all(w.state in ("left", "lost") for w in job.workers.values()) \
                 and len(job.workers) == job.world_size:
             self.log.info("job %s finished", job.id)
             self._end_job(None, notify=())
@@ -419,11 +431,35 @@ class Scheduler:
             if member.role == "server" and self._fail_over(
                     job, member, f"lost {member.describe()}: {reason}"):
                 continue
+            if member.role == "worker" and self._go_on_without(
+                    job, member, f"lost {member.describe()}: {reason}"):
+                continue
             others = [w for w in job.workers.values() if w is not member and w.state == "running"]
             for worker in others:
                 self._send(worker.rid, P.MEMBER_LOST, lost)
             if member.role == "worker" and job.workers.get(member.rank) is member:
                 self._end_job(None, notify=())
+
+    def _go_on_without(self, job: Job, worker: Member, message: str) -> bool:
+        """A lost worker of a job that keeps going while ``min_workers`` live: tell its servers
+        (rounds complete without its pushes) and the other workers (``size()`` shrinks);
+        False if the job cannot go on (fail-fast, or too few left)."""
+        if job.workers.get(worker.rank) is not worker or not job.started:
+            return False
+        live = job.live()
+        if not job.min_workers or len(live) < max(1, job.min_workers):
+            return False
+        body = {"rank": worker.rank, "message": message, "live": live}
+        self.log.warning("%s; job %s goes on with %d workers (min %d)", message, job.id,
+                         len(live), job.min_workers)
+        for member in [*job.servers, *job.workers.values()]:
+            if member.state == "running":
+                self._send(member.rid, P.WORKER_LOST, body)
+        self.members.pop(worker.rid, None)
+        self._release_barriers(job)
+        if all(w.state in ("left", "lost") for w in job.workers.values()):
+            self._end_job(None, notify=())
+        return True
 
     def _fail_over(self, job: Job, server: Member, message: str) -> bool:
         """Move a lost server's partitions to the job's surviving servers and tell the workers
@@ -479,6 +515,7 @@ def _check_worker_registration(msg: dict[str, Any]) -> None:
     P.int_field(msg, "num_servers", 0, 1 << 16, default=0)
     P.int_field(msg, "partition_bytes", 8, 1 << 40)
     P.float_field(msg, "start_timeout_s", 0, 1e6)
+    P.int_field(msg, "min_workers", 0, world_size, default=0)
 
 
 def _checked_tensors(msg: dict[str, Any],

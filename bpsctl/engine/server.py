@@ -62,7 +62,7 @@ class PartitionState:
 
     __slots__ = ("part", "dtype", "dtype_code", "nbytes", "expected", "round", "received",
                  "waiting", "summed", "first", "buffers", "result", "thread", "wide",
-                 "first_push_ns", "traced", "adopted")
+                 "first_push_ns", "traced", "adopted", "shrink", "widened")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int):
         self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
@@ -81,6 +81,8 @@ class PartitionState:
         self.first_push_ns = 0              # traced rounds: when the round's first push came
         self.traced = False                 # a worker traces this round (engine/trace.py)
         self.adopted = False                # moved here from a lost server mid-job
+        self.shrink = 0                     # pushers lost after pushing this round: fewer next
+        self.widened = False                # this round's bf16 sum is in ``wide`` (float32)
 
     def accumulate(self, payload: Any, num_workers: int) -> bool:
         """Add one push; return True when the round's sum is complete (in ``result``)."""
@@ -97,9 +99,20 @@ class PartitionState:
             else:
                 np.add(out, arr, out=out)
         self.summed += 1
-        if self.summed < num_workers:
+        return self.finish(num_workers)
+
+    def finish(self, num_workers: int) -> bool:
+        """Whether the round's sum is complete with ``num_workers`` pushes (fewer than the
+        round began with, when workers were lost); if so it is in ``result``."""
+        if self.summed < max(1, num_workers):
             return False
-        self.result = self.first if num_workers == 1 else self._buffer()
+        if self.widened:
+            assert self.wide is not None
+            total, scratch = self.wide
+            self.result = P.bf16_round(total, scratch.view(np.uint32), self._buffer())
+            self.widened = False
+        else:
+            self.result = self.first if self.first is not None else self._buffer()
         self.first = None
         return True
 
@@ -115,15 +128,13 @@ class PartitionState:
             count = self.nbytes // 2
             self.wide = (np.empty(count, np.float32), np.empty(count, np.float32))
         total, scratch = self.wide
+        self.widened = True
         if self.summed == 0:
             P.bf16_widen(arr, total)
         else:
             np.add(total, P.bf16_widen(arr, scratch), out=total)
         self.summed += 1
-        if self.summed < num_workers:
-            return False
-        self.result = P.bf16_round(total, scratch.view(np.uint32), self._buffer())
-        return True
+        return self.finish(num_workers)
 
 
 class Server:
@@ -155,6 +166,7 @@ class Server:
         self.num_workers = 0
         self.num_hosts = 0                          # pushes per round of host-reduced partitions
         self.peers: dict[bytes, int] = {}           # worker routing id -> rank
+        self.lost_ranks: set[int] = set()           # workers the job goes on without
         self.parts: dict[int, PartitionState] = {}
         # the job's timeline, when its workers trace (their HELLO names the directory); the
         # summation threads record into it too
@@ -346,6 +358,7 @@ class Server:
         self.job_id, self.num_workers, self.num_hosts = job_id, num_workers, num_hosts
         self.peers = {}
         self.parts = {}
+        self.lost_ranks = set()
 
     def _write_trace(self) -> None:
         """The finished job's timeline, if it was traced (a server outlives its jobs)."""
@@ -366,6 +379,8 @@ class Server:
         if rank is None:
             raise P.ProtocolError("push from a connection that has not said HELLO (after proving "
                                   "the cluster secret)")
+        if rank in self.lost_ranks:
+            return          # sent before it was lost: the rounds already go on without it
         if len(frames) != 3 or len(frames[2]) != nbytes:
             raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
                                   f"{len(frames[2]) if len(frames) == 3 else 'no payload'}")
@@ -380,7 +395,8 @@ class Server:
             # a partition moved here from a lost server starts at the round its workers
             # (re-)push, with an empty sum: each of them pushes its own contribution again
             state.round, state.adopted = round_, round_ > 0
-        elif state.dtype_code != dtype or state.nbytes != nbytes or state.expected != expected:
+        elif state.dtype_code != dtype or state.nbytes != nbytes or (
+                not self.lost_ranks and state.expected != expected):
             raise P.ProtocolError(
                 f"partition {part}: rank {rank} pushed {nbytes} bytes of {P.DTYPES[dtype]} "
                 f"(host-reduced: {bool(flags & P.FLAG_HOST_REDUCED)}) but earlier pushes had "
@@ -407,10 +423,10 @@ class Server:
         if traced:
             self._trace_arrival(state, rank)
         if state.thread < 0:
-            if self._accumulate(state, frames[2], expected, rank, traced):
+            if self._accumulate(state, frames[2], state.expected, rank, traced):
                 self._complete(state)
         else:
-            self.queues[state.thread].put((state, frames[2], expected, rank, traced))
+            self.queues[state.thread].put((state, frames[2], state.expected, rank, traced))
 
     def _trace_arrival(self, state: PartitionState, rank: int) -> None:
         now = now_ns()
@@ -442,7 +458,11 @@ class Server:
         try:
             while (item := work.get()) is not None:
                 state, payload, num_workers, rank, traced = item
-                if self._accumulate(state, payload, num_workers, rank, traced):
+                if payload is None:         # fewer pushers now (a worker was lost): done?
+                    complete = state.finish(num_workers)
+                else:
+                    complete = self._accumulate(state, payload, num_workers, rank, traced)
+                if complete:
                     done.send(_PART_ID.pack(state.part))
         finally:
             done.close(0)
@@ -458,8 +478,10 @@ class Server:
                 self._complete(state)
 
     def _complete(self, state: PartitionState) -> None:
+        # the rank field says how many pushes the sum holds (averages divide by it)
         header = P.pack_header(P.RESULT, dtype=state.dtype_code, part=state.part,
-                               round=state.round, nbytes=state.nbytes)
+                               round=state.round, nbytes=state.nbytes,
+                               rank=state.received & 0xFFFF)
         result = state.result
         start = now_ns() if state.traced else 0
         for rid in state.waiting:
@@ -479,6 +501,8 @@ class Server:
         state.summed = 0
         state.result = None
         state.round += 1
+        state.expected -= state.shrink
+        state.shrink = 0
 
     def _drain_scheduler(self) -> None:
         while True:
@@ -491,8 +515,32 @@ class Server:
                 self.log.info("job %s ended; freeing its %d partitions", self.job_id,
                               len(self.parts))
                 self._reset(None, 0)
+            elif msg_type == P.WORKER_LOST:
+                self._worker_lost(int(msg["rank"]), int(len(msg["live"])), str(msg["message"]))
             elif msg_type == P.ERROR:
                 self.log.warning("scheduler: %s", msg.get("message"))
+
+    def _worker_lost(self, rank: int, live: int, message: str) -> None:
+        """The job goes on without worker ``rank``: rounds it already pushed keep its
+        contribution; the others complete without it, now if every other push is in."""
+        rid = next((r for r, peer in self.peers.items() if peer == rank), None)
+        self.lost_ranks.add(rank)
+        self.num_workers = live
+        finished = 0
+        for state in self.parts.values():
+            if rid is not None and rid in state.waiting:
+                state.shrink += 1               # in this round's sum; not in the next
+                continue
+            state.expected -= 1
+            if state.received and state.received >= state.expected:
+                finished += 1
+                if state.thread < 0:
+                    if state.finish(state.expected):
+                        self._complete(state)
+                else:   # after the pushes already queued for its summation thread
+                    self.queues[state.thread].put((state, None, state.expected, rank, False))
+        self.log.warning("%s; rounds go on with %d workers (%d completed without it)", message,
+                         live, finished)
 
 
 def main() -> None:

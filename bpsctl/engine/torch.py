@@ -39,7 +39,7 @@ __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "
            "push_pull", "push_pull_async", "push_pull_inplace", "push_pull_async_inplace",
            "poll", "synchronize", "declare", "broadcast_parameters", "broadcast_optimizer_state",
            "broadcast_object", "Compression", "DistributedOptimizer", "DistributedDataParallel",
-           "EngineError"]
+           "EngineError", "add_membership_callback"]
 
 
 # --------------------------------------------------------------------------- compression
@@ -117,10 +117,15 @@ class _Plugin:
         self.noname = itertools.count()
         self.lock = threading.Lock()
         self.stage: LocalStage | None = None
+        self.membership_seen = 0                # worker.membership_changes already told
         self.copy_stream: Any = None
         self.pinned: dict[str, torch.Tensor] = {}
         w, cfg = self.worker, self.config
-        if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0):
+        # the intra-node stage is a gloo group of the host's workers, which cannot lose one:
+        # with BPSCTL_MIN_WORKERS below the world size every worker pushes on its own
+        elastic = 0 < cfg.min_workers < w.size
+        if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0
+                and not elastic):
             if not cfg.master_port:
                 raise EngineError("the intra-node stage needs a rendezvous port: MASTER_PORT is "
                                   "not set; launch with `bpsctl run`, or set "
@@ -326,7 +331,26 @@ def synchronize(handle: int) -> torch.Tensor:
         result = op.compression.decompress(op.device_out, op.ctx)
     if result.data_ptr() != op.output.data_ptr():
         op.output.detach().copy_(result.reshape(op.output.shape))
+    _tell_membership(plugin)
     return op.output
+
+
+_membership_callbacks: list[Callable[[list[int]], None]] = []
+
+
+def add_membership_callback(callback: Callable[[list[int]], None]) -> None:
+    """Call ``callback(live_ranks)`` when the job goes on without a lost worker
+    (``bpsctl run --min-workers``), on the caller's thread, at the next ``synchronize`` (an
+    optimizer step synchronizes): for example to re-shard the data over ``size()`` workers."""
+    _membership_callbacks.append(callback)
+
+
+def _tell_membership(plugin: Any) -> None:
+    worker = plugin.worker
+    if worker.membership_changes != plugin.membership_seen:
+        plugin.membership_seen = worker.membership_changes
+        for callback in list(_membership_callbacks):
+            callback(list(worker.live_ranks))
 
 
 # --------------------------------------------------------------------------- broadcast

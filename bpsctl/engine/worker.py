@@ -116,6 +116,8 @@ class Worker:
         self.scheduler_address, self.security = self._locate_cluster(scheduler, secret)
         self.rank = self.config.rank
         self.size = self.config.world_size
+        self.live_ranks: list[int] = list(range(self.size))   # fewer once a worker is lost
+        self.membership_changes = 0                             # how many times it changed
         self.local_rank = self.config.local_rank
         self.local_size = self.config.local_size
 
@@ -213,7 +215,8 @@ class Worker:
             "role": "worker", "rank": cfg.rank, "world_size": cfg.world_size, "job": cfg.job_id,
             "host": cfg.host, "pid": os.getpid(),
             "version": __version__, "num_servers": cfg.num_servers,
-            "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s}
+            "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s,
+            "min_workers": cfg.min_workers}
         # stamped as it leaves: the registration is also a clock exchange (for traces)
         login = self.security.login(self._sched, lambda: P.control(P.REGISTER, {
             **register, "clock_ns": now_ns()}), where)
@@ -257,6 +260,7 @@ class Worker:
             if msg_type == P.REGISTERED:
                 self.rank = int(msg["rank"])
                 self.size = int(msg["world_size"])
+                self.live_ranks = list(range(self.size))
                 self._servers = msg["servers"]
                 clock = scheduler_clock(msg, received_ns)
                 break
@@ -591,19 +595,21 @@ class Worker:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            msg_type, _, _, _, part_id, round_, nbytes = P.unpack_header(frames[0].buffer)
+            msg_type, _, _, count, part_id, round_, nbytes = P.unpack_header(frames[0].buffer)
             if msg_type == P.ACK:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 if self._trace is not None and part_id in self._trace_sent:
                     self._trace_acked[part_id] = now_ns()
             elif msg_type == P.RESULT:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
-                self._result(part_id, round_, frames[1])
+                self._result(part_id, round_, frames[1], count or 1 << 16)
             elif msg_type == P.ERROR:
                 _, msg = P.parse_control([frames[0].buffer, frames[1].buffer])
                 self._fail_all(EngineError(f"worker {self.rank}: {msg.get('message')}"))
 
-    def _result(self, part_id: int, round_: int, payload: zmq.Frame) -> None:
+    def _result(self, part_id: int, round_: int, payload: zmq.Frame, count: int) -> None:
+        """A partition's sum of ``count`` workers' pushes: into the output, divided by that
+        count when averaging (all of the job's workers, unless some were lost)."""
         entry = self._active.pop(part_id, None)
         if entry is None:
             return                                 # its task already failed
@@ -615,12 +621,15 @@ class Worker:
             start = part[2] // itemsize
             dst = task.dst[start:start + part[3] // itemsize]
             src = np.frombuffer(payload.buffer, dtype=task.dtype)
-            if task.divisor is None:
+            divisor = task.divisor
+            if divisor is not None and not task.flags & P.FLAG_HOST_REDUCED:
+                divisor = count
+            if divisor is None:
                 np.copyto(dst, src)
             elif task.dtype == P.BFLOAT16:
-                _divide_bf16(src.view(np.uint16), task.divisor, dst.view(np.uint16))
+                _divide_bf16(src.view(np.uint16), divisor, dst.view(np.uint16))
             else:
-                np.divide(src, task.divisor, out=dst)
+                np.divide(src, divisor, out=dst)
         if arrived_ns:
             self._trace_result(task, part, round_, arrived_ns)
         task.remaining -= 1
@@ -677,6 +686,12 @@ class Worker:
                 self._fail_all(EngineError(f"worker {self.rank}: {msg['message']}"))
             elif msg_type == P.SERVER_MOVED:
                 self._server_moved(msg)
+            elif msg_type == P.WORKER_LOST:
+                self.live_ranks = [int(r) for r in msg["live"]]
+                self.size = len(self.live_ranks)
+                self.membership_changes += 1
+                log.warning("worker %d: %s; the job goes on with %d workers", self.rank,
+                            msg["message"], self.size)
             elif msg_type == P.MEMBER_LEFT:
                 # results already on their way still land; what is left over after a grace
                 # period waits for the leaver in vain

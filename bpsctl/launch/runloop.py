@@ -98,6 +98,7 @@ def _run(spawner: Spawner, the_plan: Plan, config: Config, stop_signals: StopSig
          lost_grace_s: float, stop_grace_s: float) -> RunResult:
     workers: list[WorkerProcess] = []
     failed: list[WorkerProcess] = []
+    gone_on: list[WorkerProcess] = []       # failed, and the job went on without them
     codes: dict[int, int] = {}
     lost: ProcessRecord | None = None
     give_up_at = float("inf")
@@ -114,7 +115,10 @@ def _run(spawner: Spawner, the_plan: Plan, config: Config, stop_signals: StopSig
                     code = worker.exit_code()
                     if code is not None:
                         codes[worker.rank] = code
-                        if code:
+                        if code and _goes_on_without(worker, code, len(workers),
+                                                     len(gone_on), config):
+                            gone_on.append(worker)
+                        elif code:
                             failed.append(worker)
             if failed or len(codes) == len(workers):
                 break
@@ -129,10 +133,31 @@ def _run(spawner: Spawner, the_plan: Plan, config: Config, stop_signals: StopSig
     finally:
         spawner.stop(workers, stop_grace_s)
     message = f"lost {lost.label}: it exited during the run" if lost is not None else ""
+    left_behind = tuple(_failure(w, codes[w.rank]) for w in gone_on)
     if not failed:
         stopped = len(codes) < len(workers)         # by the watch, after its grace
-        return RunResult(exit_code=1 if stopped else 0, lost=message)
-    failures = tuple(WorkerFailure(rank=w.rank, pid=w.pid, exit_code=codes[w.rank],
-                                   signal_name=w.signal_name(), host=w.host,
-                                   last_lines=tuple(w.last_lines())) for w in failed)
-    return RunResult(exit_code=failures[0].exit_code, failures=failures, lost=message)
+        return RunResult(exit_code=1 if stopped else 0, lost=message, left_behind=left_behind)
+    failures = tuple(_failure(w, codes[w.rank]) for w in failed)
+    return RunResult(exit_code=failures[0].exit_code, failures=failures, lost=message,
+                     left_behind=left_behind)
+
+
+def _failure(worker: WorkerProcess, code: int) -> WorkerFailure:
+    return WorkerFailure(rank=worker.rank, pid=worker.pid, exit_code=code,
+                         signal_name=worker.signal_name(), host=worker.host,
+                         last_lines=tuple(worker.last_lines()))
+
+
+def _goes_on_without(worker: WorkerProcess, code: int, workers: int, gone: int,
+                     config: Config) -> bool:
+    """Whether the job keeps going after ``worker`` failed: BPSCTL_MIN_WORKERS lets it while
+    that many are left (the engine drops the worker's share from the averages). Said once."""
+    left = workers - gone - 1
+    if not config.min_workers or left < config.min_workers:
+        return False
+    how = f"signal {worker.signal_name()}" if worker.signal_name() else f"exit code {code}"
+    where = f" on {worker.host}" if worker.host else ""
+    log.warning("worker %d (pid %d%s) failed (%s); the job goes on with %d workers "
+                "(--min-workers %d)", worker.rank, worker.pid, where, how, left,
+                config.min_workers)
+    return True

@@ -213,6 +213,8 @@ class RunResult:
     exit_code: int
     failures: tuple[WorkerFailure, ...] = ()
     lost: str = ""              # a scheduler or server that exited during the run, named
+    #: workers that failed while the job went on without them (BPSCTL_MIN_WORKERS)
+    left_behind: tuple[WorkerFailure, ...] = ()
 
 
 @dataclass(frozen=True)
