@@ -280,6 +280,8 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
     if wire.dtype != source.dtype:
         # a name is bound to one dtype in the engine: the compressed form gets its own
         name = f"{name}:{str(wire.dtype).replace('torch.', '')}"
+    elif engine is not None:
+        name = f"{name}:{engine.spec()}"        # likewise: servers sum it another way
     op = _Op(name, output, wire, ctx, compression)
     if wire.is_cuda and plugin.stage is not None and plugin.stage.handles_cuda:
         # reduce-scatter / all-gather with NCCL on the GPU; only the owned chunk is staged
