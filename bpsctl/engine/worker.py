@@ -673,7 +673,8 @@ class Worker:
         acked = self._trace_acked.pop(part_id, arrived_ns)
         if sent is None or not trace.on:
             return                          # pushed before the window opened
-        name, nbytes, server = trace.name_id(task.name), part[3], part[1]
+        name, server = trace.name_id(task.name), part[1]
+        nbytes = part[3] if task.codec is None else task.codec.wire_bytes(part[3])   # as sent
         trace.span(STAGE["push"], name, sent, acked, part_id, round_, nbytes, server,
                    task.priority)
         trace.span(STAGE["wait_result"], name, acked, arrived_ns, part_id, round_, nbytes,
