@@ -374,3 +374,41 @@ def test_an_unknown_compressor_on_the_bench_exits_2(tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["bench", "vgg16", "--compression", "topk:2"])
     assert result.exit_code == 2, result.output
     assert "topk ratio: expected a number in (0, 1], such as 0.01, got 2.0" in result.output
+
+
+def test_a_name_pushed_with_another_compressor_is_refused(job):
+    def body(worker):
+        x = np.ones(1000, np.float32)
+        worker.push_pull(x, name="x", compression=C.OneBit())
+        with pytest.raises(ValueError, match=r"compression: tensor 'x' was pushed with onebit, "
+                                             r"now with topk:0.01; use another name"):
+            worker.push_pull(x, name="x", compression=C.TopK(ratio=0.01))
+        return worker.push_pull(x, name="x", compression=C.OneBit())
+
+    for got in job(1, 1, body, min_compress_bytes=0):
+        assert got.tolist() == [1.0] * 1000
+
+
+def test_a_bad_compressed_push_is_refused_naming_what_is_wrong():
+    comp = C.TopK(ratio=0.1)
+    wire = np.zeros(comp.wire_bytes(100), np.uint8)
+    wire[:16] = np.frombuffer(comp.header(100), np.uint8)
+    server = C.ServerCodec.open(wire, len(wire))
+    unknown = wire.copy()
+    unknown[0] = 99
+    with pytest.raises(C.P.ProtocolError, match="compressed push of an unknown kind 99"):
+        C.ServerCodec.open(unknown, len(unknown))
+    with pytest.raises(C.P.ProtocolError, match=r"compressed push of 95 bytes, but its header "
+                                                r"\(topk:0.1 of 100 values\) needs 96"):
+        C.ServerCodec.open(wire[:95], 95)
+    with pytest.raises(C.P.ProtocolError, match="shorter than its 16-byte header"):
+        C.ServerCodec.open(wire[:8], 8)
+    other = np.zeros(C.OneBit().wire_bytes(100), np.uint8)
+    other[:16] = np.frombuffer(C.OneBit().header(100), np.uint8)
+    with pytest.raises(C.P.ProtocolError, match="a push compressed with onebit, the first with "
+                                                "topk:0.1; every worker must compress"):
+        server.check(other, 3)
+    beyond = wire.copy()
+    beyond[16:20] = np.frombuffer(np.uint32(100).tobytes(), np.uint8)
+    with pytest.raises(C.P.ProtocolError, match="an index 100 beyond its 100 values"):
+        server.check(beyond, 3)
