@@ -385,6 +385,15 @@ class Worker:
                 with self._lock:
                     self._in_flight_names.discard(name)
                 raise
+            # compressed here, in the caller's thread (NumPy lets go of the GIL), so the I/O
+            # thread only sends; the first push of a tensor, not yet declared, is compressed
+            # there. Safe: the name's previous push_pull, and so its last round, is finished
+            info = self._tensors.get(name)
+            if info is not None and info["dtype"] == str(src.dtype) and \
+                    info["shape"] == task.shape:
+                for part_id, _, offset, length in info["parts"]:
+                    task.codec.encode(task.src, part_id, offset, length,
+                                      self._rounds.get(part_id, 0))
         if self._trace is not None:
             task.called_ns = now_ns()
         self._command("task", task)
