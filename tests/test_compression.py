@@ -3,15 +3,20 @@ feedback, compression both ways through real servers, the minimum size, and bad 
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
 
 import numpy as np
 import pytest
+from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 from typer.testing import CliRunner
 
 from bpsctl.cli import app
 from bpsctl.config import Config, ConfigError
 from bpsctl.engine import compression as C
 from bpsctl.engine.partition import split
+from bpsctl.launch import api
 
 KEY = (0, 7, 3, 1)          # seed, partition, round, sender
 
@@ -412,3 +417,82 @@ def test_a_bad_compressed_push_is_refused_naming_what_is_wrong():
     beyond[16:20] = np.frombuffer(np.uint32(100).tobytes(), np.uint8)
     with pytest.raises(C.P.ProtocolError, match="an index 100 beyond its 100 values"):
         server.check(beyond, 3)
+
+
+# --------------------------------------------------------------------------- failover
+
+@pytest.fixture
+def three_servers():
+    """A private cluster of three servers that declares a silent one lost within 1 s."""
+    with api.local_cluster(cluster_config(heartbeat_timeout_s=1.0), servers=3) as state:
+        pids = [p.pid for p in state.processes]
+        yield state
+    kill_pids(pid for pid in pids if not gone(pid))
+    wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster's processes to exit")
+
+
+def _compress_decompress(comp: C.Compressor, values: np.ndarray, key: C.Key) -> np.ndarray:
+    body = np.empty(comp.body_bytes(len(values)), np.uint8)
+    comp.encode(values.astype(np.float32), body, key)
+    out = np.empty(len(values), np.float32)
+    comp.decode(body, out, key)
+    return out
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("comp", [C.OneBit(), C.RandomK(ratio=0.1, seed=5)], ids=str)
+def test_a_compressed_partition_moved_off_a_lost_server_starts_its_error_feedback_empty(
+        three_servers, comp):
+    """Round 0 completes; in round 1 ranks 0 and 1 have pushed when the partition's server is
+    killed. All three push round 1 again, the same bytes, to the new server, which starts the
+    partition at round 1 with no residual of its own: the sum is that of the compressed
+    pushes (each worker's residual carried over from round 0), compressed once."""
+    n = 1024
+    grads = [[np.random.default_rng(10 * r + w).standard_normal(n).astype(np.float32)
+              for w in range(3)] for r in range(2)]
+    acked = threading.Barrier(3, timeout=30)
+
+    def body(worker):
+        first = worker.push_pull(grads[0][worker.rank], name="grad", average=False,
+                                 compression=comp)
+        part_id, index = worker._tensors["grad"]["parts"][0][:2]
+        out = np.empty(n, np.float32)
+        if worker.rank < 2:
+            handle = worker.push_pull_async(grads[1][worker.rank], name="grad", average=False,
+                                            out=out, compression=comp)
+            wait_until(lambda: part_id in worker._active and part_id not in worker._unacked,
+                       10, f"rank {worker.rank}'s push to be acknowledged")
+            acked.wait()
+        else:
+            acked.wait()
+            port = worker._servers[index]["port"]
+            victim = next(p for p in three_servers.processes
+                          if p.role == "server" and p.port == port)
+            os.kill(victim.pid, signal.SIGKILL)
+            wait_until(lambda: gone(victim.pid), 5, "the server to die")
+            handle = worker.push_pull_async(grads[1][worker.rank], name="grad", average=False,
+                                            out=out, compression=comp)
+        worker.synchronize(handle)
+        return first, out, part_id, worker._tensors["grad"]["parts"][0][1] != index
+
+    results = run_job(three_servers, 3, 3, body, min_compress_bytes=0,
+                      heartbeat_timeout_s=1.0)
+    part_id = results[0][2]
+    assert all(moved for *_, moved in results)
+    seed = comp.seed_word()
+    # round 0 on the first server; each worker's residual goes on to round 1
+    pushed0 = [_compress_decompress(comp, grads[0][w], (seed, part_id, 0, w)) for w in range(3)]
+    total0 = np.sum(pushed0, axis=0, dtype=np.float32)
+    want0 = _compress_decompress(comp, total0, (seed, part_id, 0, C.SERVER_STREAM))
+    corrected = [grads[1][w] + (grads[0][w] - pushed0[w]) for w in range(3)]
+    total1 = np.sum([_compress_decompress(comp, corrected[w], (seed, part_id, 1, w))
+                     for w in range(3)], axis=0, dtype=np.float32)
+    want1 = _compress_decompress(comp, total1, (seed, part_id, 1, C.SERVER_STREAM))
+    for first, second, *_ in results:
+        assert np.allclose(first, want0, rtol=1e-5, atol=1e-6)
+        assert np.allclose(second, want1, rtol=1e-5, atol=1e-6)
+    if isinstance(comp, C.OneBit):
+        # the lost server's residual would have changed the sum: it is gone with it
+        carried = _compress_decompress(comp, total1 + (total0 - want0),
+                                       (seed, part_id, 1, C.SERVER_STREAM))
+        assert not np.allclose(carried, want1, rtol=1e-5, atol=1e-6)
