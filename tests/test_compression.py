@@ -408,6 +408,10 @@ def test_a_bad_compressed_push_is_refused_naming_what_is_wrong():
         C.ServerCodec.open(wire[:95], 95)
     with pytest.raises(C.P.ProtocolError, match="shorter than its 16-byte header"):
         C.ServerCodec.open(wire[:8], 8)
+    huge = C.OneBit().header(2**29)             # would need gigabytes of server buffers
+    with pytest.raises(C.P.ProtocolError, match=f"compressed push of {2**29} values; a server "
+                                                f"takes at most {2**28} per partition"):
+        C.ServerCodec.open(huge, C.OneBit().wire_bytes(2**29))
     other = np.zeros(C.OneBit().wire_bytes(100), np.uint8)
     other[:16] = np.frombuffer(C.OneBit().header(100), np.uint8)
     with pytest.raises(C.P.ProtocolError, match="a push compressed with onebit, the first with "

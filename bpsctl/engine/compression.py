@@ -53,8 +53,9 @@ OPT_SCALING, OPT_NATURAL, OPT_L2, OPT_EF = 1, 2, 4, 8
 MAX_LEVELS = 127
 #: the stream of the server's own stochastic rounding (workers use their rank)
 SERVER_STREAM = 0xFFFFFFFF
-#: a partition's values: the header holds n as a uint32
-MAX_VALUES = 2**32 - 1
+#: the most values of one compressed partition a server accepts (1 GiB of float32, far above
+#: any partition size): its buffers are a few times the values' size, whatever the push's
+MAX_VALUES = 2**28
 
 Key = tuple[int, int, int, int]     # seed, partition id, round, stream
 
@@ -567,6 +568,9 @@ class ServerCodec:
         self.header = header
         self.compressor = from_header(header)
         _, _, _, param, n, _ = COMP_HEADER.unpack(header)
+        if n > MAX_VALUES:
+            raise P.ProtocolError(f"compressed push of {n} values; a server takes at most "
+                                  f"{MAX_VALUES} per partition (lower BPSCTL_PARTITION_BYTES)")
         if param != self.compressor.param(n) or self.compressor.wire_bytes(n) != nbytes:
             raise P.ProtocolError(f"compressed push of {nbytes} bytes, but its header "
                                   f"({self.compressor.spec()} of {n} values) needs "
