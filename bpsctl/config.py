@@ -221,6 +221,10 @@ class Config:
                              "DistributedOptimizer packs gradients smaller than this, consecutive "
                              "in backward order, into one push_pull of up to this size (0: off)",
                              "size", in_file=True)
+    min_compress_bytes: int = knob(65536, "BPSCTL_MIN_COMPRESS_BYTES",
+                                   "tensors smaller than this are pushed uncompressed even when a "
+                                   "compressor is given (the saving would not pay for the work)",
+                                   "size", ("BYTEPS_MIN_COMPRESS_BYTES",))
     num_servers: int = knob(0, "BPSCTL_NUM_SERVERS",
                             "servers a job uses, the first N registered (0: all of them)", "int",
                             in_file=True)
@@ -299,6 +303,8 @@ class Config:
              self.partition_bytes),
             (self.credit_bytes >= 1, "BPSCTL_CREDIT_BYTES", "at least 1 byte", self.credit_bytes),
             (self.fusion_bytes >= 0, "BPSCTL_FUSION_BYTES", "0 or more bytes", self.fusion_bytes),
+            (self.min_compress_bytes >= 0, "BPSCTL_MIN_COMPRESS_BYTES", "0 or more bytes",
+             self.min_compress_bytes),
             (self.num_servers >= 0, "BPSCTL_NUM_SERVERS", "0 (all) or more", self.num_servers),
             (1 <= self.server_threads <= 64, "BPSCTL_SERVER_THREADS", "1..64", self.server_threads),
             (self.local_reduce in ("auto", "off"), "BPSCTL_LOCAL_REDUCE", "auto or off",

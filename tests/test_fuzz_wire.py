@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import bpsctl
+from bpsctl.engine import compression as C
 from bpsctl.engine import protocol as P
 from bpsctl.engine.security import Security
 from bpsctl.launch import api
@@ -255,6 +256,13 @@ def test_a_member_sending_garbage_is_refused_and_the_scheduler_goes_on(cluster, 
     _still_serving(cluster)
 
 
+def _compressed(part: int, header: bytes, words: list[int]) -> list[bytes]:
+    """A compressed PUSH: its compression header, then ``words`` as uint32."""
+    payload = header + np.array(words, np.uint32).tobytes()
+    return [P.pack_header(P.PUSH, dtype=9, part=part, flags=P.FLAG_COMPRESSED,
+                          nbytes=len(payload)), payload]
+
+
 def test_a_hello_d_worker_sending_garbage_is_refused_and_the_server_goes_on(cluster, ctx):
     """A process that holds the secret says HELLO (valid or hostile) and sends hostile
     messages and pushes."""
@@ -268,6 +276,12 @@ def test_a_hello_d_worker_sending_garbage_is_refused_and_the_server_goes_on(clus
     @example({"hosts": 0}, [[P.pack_header(P.PUSH, dtype=9, part=2, flags=P.FLAG_HOST_REDUCED,
                                            nbytes=len(payload)), payload]])
     @example({"world_size": "2"}, [])
+    # compressed pushes: a top-k index past the partition, an unknown compressor, then a
+    # partition's first push onebit and its second top-k
+    @example(None, [_compressed(3, C.TopK(ratio=0.5).header(4), [0, 0, 99, 0, 0, 0, 0, 0])])
+    @example(None, [_compressed(4, bytes([99]) + bytes(15), [0, 0, 0, 0])])
+    @example(None, [_compressed(5, C.OneBit().header(4), [0, 0]),
+                    _compressed(5, C.TopK(ratio=0.5).header(4), [0, 1, 0, 0, 0, 0, 0, 0])])
     def fuzz(login, batch):
         worker = Peer(ctx, address)
         try:

@@ -314,6 +314,12 @@ trainer = bps.DistributedTrainer(net.collect_params(), *OPTIMIZER,
                                  compression=bps.Compression.fp16)
 RESULTS["fp16"] = train(net, trainer, N, R, LOCAL_BATCH)
 
+# BytePS's compression_params: onebit with error feedback, both ways through the servers
+net = make_net(seed=R)
+trainer = bps.DistributedTrainer(net.collect_params(), *OPTIMIZER, compression_params={
+    "compressor": "onebit", "ef": "vanilla", "scaling": True})
+RESULTS["onebit"] = train(net, trainer, N, R, LOCAL_BATCH)
+
 # the optimizer wrapper under a plain Gluon trainer, after an explicit broadcast
 net = make_net(seed=R)
 bps.broadcast_parameters(net.collect_params(), root_rank=0)
@@ -335,8 +341,16 @@ def _reference(workers: int) -> dict[str, np.ndarray]:
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("workers", [2, 3, 4])
 def test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch(tmp_path, workers):
-    results = run_script(tmp_path, TRAIN_SCRIPT, workers, str(LOCAL_BATCH), str(STEPS))
+    results = run_script(tmp_path, TRAIN_SCRIPT, workers, str(LOCAL_BATCH), str(STEPS),
+                         min_compress_bytes=0)
     reference = _reference(workers)
+    for rank, result in enumerate(results):
+        # onebit: every worker gets the same compressed sums, so holds the same parameters,
+        # which are not the uncompressed ones
+        for name, ref in reference.items():
+            got = np.array(result["onebit"][name])
+            assert np.array_equal(got, np.array(results[0]["onebit"][name])), (rank, name)
+            assert np.isfinite(got).all() and not np.allclose(got, ref, atol=1e-6), name
     for variant, tolerance in [
         ("plain", 1e-6),          # float32 sums in another order: rounding only (seen: 3e-8)
         ("optimizer", 1e-6),      # averaged by DistributedOptimizer instead (seen: 3e-8)

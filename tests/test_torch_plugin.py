@@ -126,6 +126,42 @@ def compression_fp16_and_bf16():
     assert torch.equal(ints, torch.full((3,), N, dtype=torch.int32))
 
 @check
+def engine_compression_both_ways():
+    x = torch.linspace(-1, 1, 20000) * (R + 1)          # 80 kB: above the 64 KiB minimum
+    got = bps.push_pull(x, name="engine.onebit", compression=bps.Compression.onebit())
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert len(got.abs().unique()) == 1                 # onebit: one magnitude per partition
+    assert torch.equal(torch.sign(got), torch.sign(x))
+    # under BPSCTL_MIN_COMPRESS_BYTES the tensor travels as it is: an exact sum
+    small = bps.push_pull(torch.ones(10) * (R + 1), average=False, name="engine.small",
+                          compression=bps.Compression.topk(0.01))
+    assert torch.equal(small, torch.full((10,), N * (N + 1) / 2))
+    try:
+        bps.push_pull(torch.ones(20000, dtype=torch.int32), average=False, name="engine.ints",
+                      compression=bps.Compression.onebit())
+        raise AssertionError("compressing an integer tensor was accepted")
+    except ValueError as exc:
+        assert "compression: onebit needs a float16, float32 or float64 tensor" in str(exc)
+
+@check
+def distributed_optimizer_with_onebit_and_error_feedback():
+    torch.manual_seed(0)
+    # one 80 kB weight (compressed), its own bucket: no name shared with the other checks
+    model = torch.nn.Linear(200, 100, bias=False)
+    opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=[("onebit.weight", model.weight)],
+                                   compression=bps.Compression.onebit(scaling=True, ef=True))
+    for step in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 200) * (R + 1)).pow(2).mean().backward()
+        opt.step()
+    # every worker took the same steps: its parameters are the workers' average
+    for name, p in model.named_parameters():
+        mean = bps.push_pull(p.detach().clone(), name=f"check.{name}")
+        assert torch.allclose(mean, p.detach(), atol=1e-6), name
+    assert torch.isfinite(model.weight).all()
+
+@check
 def noname_push_pulls():
     for _ in range(3):
         assert torch.equal(bps.push_pull(torch.ones(3), average=False), torch.full((3,), float(N)))
@@ -238,6 +274,8 @@ def ddp_wrapper_averages_and_no_sync_accumulates():
 
 API_CHECKS = ["sums_across_dtypes_and_shapes", "averages_across_float_dtypes",
               "async_poll_synchronize", "in_place", "compression_fp16_and_bf16",
+              "engine_compression_both_ways",
+              "distributed_optimizer_with_onebit_and_error_feedback",
               "noname_push_pulls", "broadcast_parameters_from_root",
               "broadcast_optimizer_state_from_root", "broadcast_objects", "a_bad_root_is_refused",
               "duplicate_names_in_flight_are_refused", "mismatched_shapes_fail_on_every_rank",

@@ -388,7 +388,7 @@ def run_sweep(config: Config, settings: CommSettings, worker_counts: list[int],
 
 # --------------------------------------------------------------------------- training
 
-TRAIN_BASELINES = ("horovod", "ddp")
+TRAIN_BASELINES = ("horovod", "ddp", "ddp-powersgd")
 
 
 @dataclass(frozen=True)
@@ -407,11 +407,18 @@ class TrainSettings:
     compare: tuple[str, ...] = field(default=())
     rounds: int = 1                      # each system runs once per round; rounds rotate the order
     timeout_s: float = 900.0             # per system; a hung worker exits after it
+    compression: str = ""                # bpsctl's gradients: a spec of engine/compression.py
 
     def __post_init__(self) -> None:
+        from ..engine.compression import parse
         from .models import MODELS
         if self.model not in MODELS:
             raise ConfigError(f"model: expected one of {', '.join(MODELS)}, got {self.model!r}")
+        if self.compression:
+            try:
+                parse(self.compression)
+            except ValueError as exc:
+                raise ConfigError(f"--compression: {exc}") from None
         unknown = [c for c in self.compare if c not in TRAIN_BASELINES]
         if unknown:
             raise ConfigError(f"--compare: {', '.join(unknown)} is not a baseline of bench "
@@ -509,6 +516,8 @@ def train_system(config: Config, settings: TrainSettings, system: str,
             "--num-classes", str(settings.num_classes), "--warmup", str(settings.warmup),
             "--iters", str(settings.iters), "--batches-per-iter", str(settings.batches_per_iter),
             "--timeout", str(settings.timeout_s)]
+    if system == "bpsctl" and settings.compression:
+        args += ["--compression", settings.compression]
     if system != "bpsctl":
         config = config.replace(trace_dir="")       # --trace is bpsctl's timeline only
     if system != "horovod":
@@ -533,6 +542,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     from .models import build
     model = build(settings.model, settings.num_classes)
     params = [p.numel() for p in model.parameters()]
+    wire = wire_bytes_per_step(model, config, settings.compression)
     del model
     systems = ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare])
     rounds: list[dict[str, dict[str, Any]]] = []
@@ -561,10 +571,35 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         "partition_bytes": config.partition_bytes, "credit_bytes": config.credit_bytes,
         "parameters": sum(params), "gradient_tensors": len(params),
         "gradient_bytes": 4 * sum(params), "host": socket.gethostname(),
+        "compression": settings.compression or None, "wire_bytes_per_step": wire,
         "results": results, **_cluster_keys(config),
         "speedup": {system: statistics.median(values) for system, values in ratios.items()},
         **({"speedup_by_round": ratios} if settings.rounds > 1 else {}),
     }
+
+
+def wire_bytes_per_step(model: Any, config: Config, spec: str) -> int:
+    """The bytes one bpsctl worker pushes per step (and pulls back) as the compressors state
+    them: DistributedOptimizer's buckets, cut into partitions, each compressed unless its
+    tensor is under the minimum size."""
+    from ..engine.compression import KIND_BF16, KIND_FP16, parse
+    from ..engine.partition import split
+    from ..engine.torch import _buckets
+    compressor = parse(spec) if spec else None
+    params = [p for p in model.parameters() if p.requires_grad]
+    names = {p: f"grad.{i}" for i, p in enumerate(params)}
+    total = 0
+    for bucket in _buckets(params, names, config.fusion_bytes, "grad"):
+        nbytes = sum(p.numel() * p.element_size() for p in bucket.params)
+        itemsize = bucket.params[0].element_size()
+        for _, length in split(nbytes, itemsize, config.partition_bytes):
+            if compressor is None or compressor.kind in (KIND_FP16, KIND_BF16) \
+                    or nbytes < config.min_compress_bytes:
+                # fp16/bf16 are casts in the plugin: half the bytes, no header
+                total += length if compressor is None else length // 2
+            else:
+                total += compressor.wire_bytes(length // itemsize)
+    return total
 
 
 def _pooled(system: str, rows: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:

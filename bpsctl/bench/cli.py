@@ -201,7 +201,7 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            partition_bytes: str | None, credit_bytes: str | None,
            json_file: Path | None, plot_file: Path | None,
            config_file: Path | None, trace_dir: Path | None = None,
-           straggler: str | None = None) -> None:
+           straggler: str | None = None, compression: str | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
                                  trace_dir, straggler)
@@ -210,7 +210,7 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,
                                  batches_per_iter=batches_per_iter, compare=_names(compare),
-                                 rounds=rounds)
+                                 rounds=rounds, compression=compression or "")
         if plot_file is not None:
             from .report import _pyplot
             _pyplot()
@@ -250,7 +250,13 @@ def _train_command(model: str, title: str) -> None:
                                                      help="Batches per timed iteration."),
                 compare: str | None = typer.Option(
                     None, "--compare", help="Baselines in the same run: horovod (Horovod with "
-                    "Gloo; `bpsctl install horovod`), ddp (torch DDP, gloo, 25 MB buckets)."),
+                    "Gloo; `bpsctl install horovod`), ddp (torch DDP, gloo, 25 MB buckets), "
+                    "ddp-powersgd (the same with torch's PowerSGD hook, rank 4)."),
+                compression: str | None = typer.Option(
+                    None, "--compression", metavar="SPEC",
+                    help="bpsctl's gradients between machines: onebit, topk:RATIO, "
+                    "randomk:RATIO, dithering:LEVELS (with error feedback), fp16 or bf16; "
+                    "tensors under BPSCTL_MIN_COMPRESS_BYTES travel as they are."),
                 rounds: int = typer.Option(1, "--rounds", min=1,
                                            help="Run every system this many times, each going "
                                                 "first in turn; speedup is the median of the "
@@ -271,7 +277,7 @@ def _train_command(model: str, title: str) -> None:
                 ) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
-               json_file, plot_file, config_file, trace_dir, straggler)
+               json_file, plot_file, config_file, trace_dir, straggler, compression)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-SYSTEMS = ("bpsctl", "horovod", "ddp")
+SYSTEMS = ("bpsctl", "horovod", "ddp", "ddp-powersgd")
 
 
 def horovod_env(rank: int, hosts: list[tuple[str, int]], rendezvous_addr: str,
@@ -80,16 +80,34 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
         import bpsctl.engine.torch as bps
         bps.init()
         bps.broadcast_parameters(model.state_dict(), root_rank=0)
-        optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        compression: Any = bps.Compression.none
+        if args.compression in ("fp16", "bf16"):
+            compression = getattr(bps.Compression, args.compression)
+        elif args.compression:
+            from ..engine.compression import parse
+            engine = parse(args.compression)
+            if engine is not None:
+                compression = bps.EngineCompressor(engine)
+        optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                             compression=compression)
         return (model, optimizer, bps.rank(), bps.size(), f"bpsctl {bpsctl.__version__}",
                 bps.shutdown)
-    if system == "ddp":
+    if system in ("ddp", "ddp-powersgd"):
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="env://",
                                 timeout=datetime.timedelta(seconds=args.timeout))
         model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
-        return (model, optimizer, dist.get_rank(), dist.get_world_size(),
-                f"torch {torch.__version__} DDP gloo (bucket {args.bucket_mb:g} MB)",
+        version = f"torch {torch.__version__} DDP gloo (bucket {args.bucket_mb:g} MB)"
+        if system == "ddp-powersgd":
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+            # rank 4 with error feedback; PowerSGD allreduces whole gradients for its first
+            # steps (it needs at least 2), so with the default 2 warm-up steps every timed
+            # step is compressed
+            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                           start_powerSGD_iter=2)
+            model.register_comm_hook(state, powersgd.powerSGD_hook)
+            version += ", PowerSGD rank 4"
+        return (model, optimizer, dist.get_rank(), dist.get_world_size(), version,
                 dist.destroy_process_group)
     if system == "horovod":
         rank = int(os.environ["RANK"])
@@ -117,6 +135,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--batches-per-iter", type=int, default=1)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--compression", default="",
+                        help="bpsctl's gradient compression, e.g. onebit or topk:0.01")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds the whole run may take; a hung worker exits after it")
     parser.add_argument("--horovod-hosts", default="")

@@ -52,12 +52,14 @@ class LocalOp:
     """One push_pull going through the stage; ``wait`` re-raises its failure."""
 
     __slots__ = ("name", "src", "dst", "average", "priority", "done", "error", "engine_handle",
-                 "buffers", "valid", "on_done", "ready", "finished")
+                 "buffers", "valid", "on_done", "ready", "finished", "compression")
 
     def __init__(self, name: str, src: torch.Tensor, dst: torch.Tensor, average: bool,
                  priority: int, on_done: Callable[[], None] | None = None,
-                 ready: Any = None):
+                 ready: Any = None, compression: Any = None):
         self.name, self.src, self.dst = name, src, dst
+        # the engine compresses what leaves the host (the owned chunk), not the local stage
+        self.compression = compression
         self.average, self.priority = average, priority
         self.done = threading.Event()
         self.error: BaseException | None = None
@@ -176,7 +178,8 @@ class LocalStage:
                 piece = _as_array(own[:op.valid])
                 op.engine_handle = self.worker.push_pull_async(
                     piece, name=f"{op.name}@{self.local_rank}/{self.local_size}",
-                    average=op.average, priority=op.priority, out=piece, host_reduced=True)
+                    average=op.average, priority=op.priority, out=piece, host_reduced=True,
+                    compression=op.compression)
             except BaseException as exc:     # noqa: BLE001 - handed to the caller
                 op.error = exc
             self._gather_q.put(op)
@@ -282,7 +285,8 @@ class LocalStage:
             # the engine sums only; the division for averaging runs on the GPU after the gather
             op.engine_handle = self.worker.push_pull_async(
                 piece, name=f"{op.name}@{self.local_rank}/{self.local_size}",
-                average=False, priority=op.priority, out=piece, host_reduced=True)
+                average=False, priority=op.priority, out=piece, host_reduced=True,
+                compression=op.compression)
         except BaseException as exc:     # noqa: BLE001 - handed to the caller
             op.error = exc
 

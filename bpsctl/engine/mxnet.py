@@ -43,6 +43,7 @@ except Exception as exc:        # noqa: BLE001 - under numpy>=1.24 it is an Attr
 
 from .. import engine as _engine
 from ..config import Config
+from . import compression as C
 from .common import EngineError
 from .trace import now_ns
 from .worker import Handle
@@ -154,7 +155,7 @@ class _Op:
     __slots__ = ("array", "staged", "handle")
 
     def __init__(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
-                 zero: bool = False):
+                 zero: bool = False, compression: C.Compressor | None = None):
         if not isinstance(array, mx.nd.NDArray):
             raise TypeError(f"push_pull expects an mxnet NDArray, got {type(array).__name__}")
         self.array = array                      # keeps the memory behind the view alive
@@ -165,7 +166,8 @@ class _Op:
         elif zero:
             view[...] = 0                       # no NaN * 0: memory may be uninitialized
         self.handle: Handle = _engine._w().push_pull_async(view, name=name, average=average,
-                                                           priority=priority, out=view)
+                                                           priority=priority, out=view,
+                                                           compression=compression)
 
     def wait(self) -> mx.nd.NDArray:
         worker = _engine._w()
@@ -183,8 +185,8 @@ class _Batch:
         self.ops: list[_Op] = []
 
     def start(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
-              zero: bool = False) -> None:
-        self.ops.append(_Op(array, name, average, priority, zero))
+              zero: bool = False, compression: C.Compressor | None = None) -> None:
+        self.ops.append(_Op(array, name, average, priority, zero, compression))
 
     def __enter__(self) -> _Batch:
         return self
@@ -350,13 +352,22 @@ class DistributedTrainer(mx.gluon.Trainer):
     well as the batch size, so ``trainer.step(local_batch_size)`` matches one process on
     the concatenated batch (as in BytePS). With several contexts per worker, the local
     copies of a gradient are summed before the push.
+
+    ``compression_params`` (BytePS's): ``{"compressor": "onebit"|"topk"|"randomk"|"dithering",
+    "ef": "vanilla"|None, "scaling": bool, "k": ratio (topk, randomk) or levels (dithering),
+    "seed": int, "partition": "linear"|"natural", "normalize": "max"|"l2"}``: floating-point
+    gradients of at least ``BPSCTL_MIN_COMPRESS_BYTES`` travel compressed by the engine, both
+    ways (see :mod:`bpsctl.engine.compression`); ``compression=`` (fp16) applies before.
     """
 
     _params_to_init: list[Any]     # gluon.Trainer's: parameters it has not initialized yet
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None,
                  compression: type[Compressor] = Compression.none, root_rank: int = 0,
-                 **kwargs: Any):
+                 compression_params: dict[str, Any] | None = None, **kwargs: Any):
+        # checked first: a mistake there is the user's, and nothing has started yet
+        self._engine_compression = (C.from_params(compression_params)
+                                    if compression_params is not None else None)
         if isinstance(optimizer, DistributedOptimizer):
             optimizer = optimizer._optimizer        # the trainer push_pulls the gradients itself
         kwargs.pop("kvstore", None)
@@ -393,7 +404,11 @@ class DistributedTrainer(mx.gluon.Trainer):
                     grads[0] += other.as_in_context(grads[0].context)
                 wire, ctx = self._compression.compress(grads[0])
                 name = _wire_name(f"DistributedTrainer.grad.{param.name}", wire, grads[0])
-                batch.start(wire, name, average=False, priority=-index)
+                engine = (self._engine_compression
+                          if np.dtype(wire.dtype).kind == "f" else None)
+                if engine is not None:
+                    name = f"{name}:{engine.spec()}"        # as a cast's own name, above
+                batch.start(wire, name, average=False, priority=-index, compression=engine)
                 pending.append((wire, ctx, grads))
         for wire, ctx, grads in pending:
             if wire is not grads[0]:

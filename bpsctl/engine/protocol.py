@@ -92,6 +92,10 @@ MAX_PARTITIONS_PER_DECLARE = 1 << 20
 FLAG_HOST_REDUCED = 1
 #: a push inside a worker's traced window: the server traces its round too (engine/trace.py)
 FLAG_TRACED = 2
+#: PUSH and RESULT flag: the payload is compressed (engine/compression.py): a 16-byte header
+#: naming the compressor and the partition's values, then the compressed bytes; the dtype
+#: code is the tensor's own
+FLAG_COMPRESSED = 4
 
 
 class ProtocolError(ValueError):

@@ -48,6 +48,7 @@ from .common import (
     watch_link,
     write_ready_file,
 )
+from .compression import ServerCodec
 from .security import Security, handshake_failed, refused_handshake, version_mismatch
 from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
 
@@ -62,7 +63,7 @@ class PartitionState:
 
     __slots__ = ("part", "dtype", "dtype_code", "nbytes", "expected", "round", "received",
                  "waiting", "summed", "first", "buffers", "result", "thread", "wide",
-                 "first_push_ns", "traced", "adopted", "shrink", "widened")
+                 "first_push_ns", "traced", "adopted", "shrink", "widened", "codec")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int):
         self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
@@ -83,9 +84,14 @@ class PartitionState:
         self.adopted = False                # moved here from a lost server mid-job
         self.shrink = 0                     # pushers lost after pushing this round: fewer next
         self.widened = False                # this round's bf16 sum is in ``wide`` (float32)
+        self.codec: ServerCodec | None = None   # compressed pushes: decompress, sum, recompress
 
     def accumulate(self, payload: Any, num_workers: int) -> bool:
         """Add one push; return True when the round's sum is complete (in ``result``)."""
+        if self.codec is not None:
+            self.codec.add(payload, self.summed == 0, self.part, self.round)
+            self.summed += 1
+            return self.finish(num_workers)
         arr = np.frombuffer(payload, dtype=self.dtype)
         if self.dtype_code == P.BFLOAT16_CODE and num_workers > 1:
             return self._accumulate_bf16(arr, num_workers)
@@ -106,7 +112,9 @@ class PartitionState:
         round began with, when workers were lost); if so it is in ``result``."""
         if self.summed < max(1, num_workers):
             return False
-        if self.widened:
+        if self.codec is not None:
+            self.result = self.codec.finish(self.part, self.round)
+        elif self.widened:
             assert self.wide is not None
             total, scratch = self.wide
             self.result = P.bf16_round(total, scratch.view(np.uint32), self._buffer())
@@ -384,24 +392,31 @@ class Server:
         if len(frames) != 3 or len(frames[2]) != nbytes:
             raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
                                   f"{len(frames[2]) if len(frames) == 3 else 'no payload'}")
-        if dtype >= len(P.DTYPES) or nbytes % P.DTYPES[dtype].itemsize:
+        compressed = bool(flags & P.FLAG_COMPRESSED)
+        if dtype >= len(P.DTYPES) or (not compressed and nbytes % P.DTYPES[dtype].itemsize):
             raise P.ProtocolError(f"push of partition {part} has a bad dtype code {dtype} for "
                                   f"{nbytes} bytes")
         expected = self.num_hosts if flags & P.FLAG_HOST_REDUCED else self.num_workers
         state = self.parts.get(part)
         if state is None:
-            thread = part % len(self.queues) if nbytes >= THREADED_SUM_BYTES else -1
+            codec = ServerCodec.open(frames[2].buffer, nbytes) if compressed else None
+            work = nbytes if codec is None else 4 * codec.count
+            thread = part % len(self.queues) if work >= THREADED_SUM_BYTES else -1
             state = self.parts[part] = PartitionState(part, dtype, nbytes, thread, expected)
+            state.codec = codec
             # a partition moved here from a lost server starts at the round its workers
             # (re-)push, with an empty sum: each of them pushes its own contribution again
             state.round, state.adopted = round_, round_ > 0
-        elif state.dtype_code != dtype or state.nbytes != nbytes or (
-                not self.lost_ranks and state.expected != expected):
+        elif (state.dtype_code != dtype or state.nbytes != nbytes
+              or (not self.lost_ranks and state.expected != expected)
+              or (state.codec is not None) != compressed):
             raise P.ProtocolError(
                 f"partition {part}: rank {rank} pushed {nbytes} bytes of {P.DTYPES[dtype]} "
-                f"(host-reduced: {bool(flags & P.FLAG_HOST_REDUCED)}) but earlier pushes had "
-                f"{state.nbytes} bytes of {P.DTYPES[state.dtype_code]} from {state.expected} "
-                "pushers")
+                f"(host-reduced: {bool(flags & P.FLAG_HOST_REDUCED)}, compressed: {compressed}) "
+                f"but earlier pushes had {state.nbytes} bytes of {P.DTYPES[state.dtype_code]} "
+                f"from {state.expected} pushers (compressed: {state.codec is not None})")
+        if state.codec is not None:
+            state.codec.check(frames[2].buffer, part)
         if round_ != state.round:
             if state.adopted:
                 raise P.ProtocolError(
@@ -481,7 +496,8 @@ class Server:
         # the rank field says how many pushes the sum holds (averages divide by it)
         header = P.pack_header(P.RESULT, dtype=state.dtype_code, part=state.part,
                                round=state.round, nbytes=state.nbytes,
-                               rank=state.received & 0xFFFF)
+                               rank=state.received & 0xFFFF,
+                               flags=0 if state.codec is None else P.FLAG_COMPRESSED)
         result = state.result
         start = now_ns() if state.traced else 0
         for rid in state.waiting:

@@ -30,6 +30,7 @@ import torch
 
 from .. import engine as _engine
 from ..config import Config
+from . import compression as C
 from . import protocol as P
 from .common import EngineError
 from .intranode import LocalOp, LocalStage, _as_array
@@ -38,8 +39,8 @@ from .trace import now_ns
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
            "push_pull", "push_pull_async", "push_pull_inplace", "push_pull_async_inplace",
            "poll", "synchronize", "declare", "broadcast_parameters", "broadcast_optimizer_state",
-           "broadcast_object", "Compression", "DistributedOptimizer", "DistributedDataParallel",
-           "EngineError", "add_membership_callback"]
+           "broadcast_object", "Compression", "EngineCompressor", "DistributedOptimizer",
+           "DistributedDataParallel", "EngineError", "add_membership_callback"]
 
 
 # --------------------------------------------------------------------------- compression
@@ -80,12 +81,60 @@ FP16Compressor = _cast_compressor(torch.float16)
 BF16Compressor = _cast_compressor(torch.bfloat16)
 
 
+class EngineCompressor(Compressor):
+    """Compression done by the engine between machines (:mod:`bpsctl.engine.compression`):
+    the tensor enters the engine as it is, workers compress each partition they push,
+    servers decompress, sum and compress the sum again for the pull. Tensors smaller than
+    ``BPSCTL_MIN_COMPRESS_BYTES`` and broadcasts travel uncompressed; the intra-node stage
+    keeps full precision."""
+
+    def __init__(self, engine: C.Compressor):
+        self.engine = engine
+
+    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+        return tensor, None
+
+    def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:  # type: ignore[override]
+        return tensor
+
+    def __repr__(self) -> str:
+        return f"Compression({self.engine})"
+
+
 class Compression:
-    """``none``, ``fp16`` (float16 on the wire), ``bf16`` (bfloat16, summed in float32)."""
+    """``none``, ``fp16`` (float16 on the wire), ``bf16`` (bfloat16, summed in float32), and
+    the engine's compressors between machines, with error feedback (``ef``) by default:
+    ``onebit(scaling=True)``, ``topk(ratio)``, ``randomk(ratio)``, ``dithering(levels)``."""
 
     none = NoneCompressor
     fp16 = FP16Compressor
     bf16 = BF16Compressor
+
+    @staticmethod
+    def onebit(scaling: bool = True, ef: bool = True) -> EngineCompressor:
+        """Signs, 8 to a byte, times mean |g| per partition (``scaling``), else ±1."""
+        return EngineCompressor(C.OneBit(ef=ef, scaling=scaling))
+
+    @staticmethod
+    def topk(ratio: float, ef: bool = True) -> EngineCompressor:
+        """The ``ratio`` of values of largest magnitude, with their indices."""
+        return EngineCompressor(C.TopK(ratio=ratio, ef=ef))
+
+    @staticmethod
+    def randomk(ratio: float, ef: bool = True, seed: int = 0) -> EngineCompressor:
+        """A ``ratio`` of values at random indices that every worker and server draw alike."""
+        return EngineCompressor(C.RandomK(ratio=ratio, ef=ef, seed=seed))
+
+    @staticmethod
+    def dithering(levels: int, ef: bool = True, natural: bool = False,
+                  norm: str = "max") -> EngineCompressor:
+        """Stochastic rounding to ``levels`` magnitudes (linear, or powers of two with
+        ``natural``) of the max or L2 ``norm``."""
+        return EngineCompressor(C.Dithering(levels=levels, ef=ef, natural=natural, norm=norm))
+
+
+#: what ``compression=`` takes: a class above (Horovod's interface) or an engine compressor
+CompressionArg = type[Compressor] | Compressor
 
 
 # --------------------------------------------------------------------------- state
@@ -97,7 +146,7 @@ class _Op:
                  "keep", "local")
 
     def __init__(self, name: str, output: torch.Tensor, wire_out: torch.Tensor, ctx: Any,
-                 compression: type[Compressor]):
+                 compression: CompressionArg):
         self.name, self.output, self.wire_out = name, output, wire_out
         self.ctx, self.compression = ctx, compression
         self.wait: Any = None           # callable(timeout_s) that raises on failure
@@ -217,18 +266,27 @@ def _contiguous_output(op: _Op, wire: torch.Tensor, source: torch.Tensor,
 
 
 def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
-           compression: type[Compressor], inplace: bool) -> int:
+           compression: CompressionArg, inplace: bool) -> int:
     plugin = _p()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"push_pull expects a torch.Tensor, got {type(tensor).__name__}")
     if name is None:
         name = f"push_pull.noname.{next(plugin.noname)}"
     source = tensor.detach()
+    engine = compression.engine if isinstance(compression, EngineCompressor) else None
+    if engine is not None and (not source.dtype.is_floating_point
+                               or source.dtype == torch.bfloat16):
+        raise ValueError(f"compression: {engine.spec()} needs a float16, float32 or float64 "
+                         f"tensor, got {source.dtype} for {name!r}; push it without compression"
+                         + (" (or with Compression.bf16)" if source.dtype == torch.bfloat16
+                            else ""))
     output = tensor if inplace else torch.empty_like(source)
     wire, ctx = compression.compress(source)
     if wire.dtype != source.dtype:
         # a name is bound to one dtype in the engine: the compressed form gets its own
         name = f"{name}:{str(wire.dtype).replace('torch.', '')}"
+    elif engine is not None:
+        name = f"{name}:{engine.spec()}"        # likewise: servers sum it another way
     op = _Op(name, output, wire, ctx, compression)
     if wire.is_cuda and plugin.stage is not None and plugin.stage.handles_cuda:
         # reduce-scatter / all-gather with NCCL on the GPU; only the owned chunk is staged
@@ -238,7 +296,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(wire.device))
         local = plugin.stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
-                                            ready=ready))
+                                            ready=ready, compression=engine))
         op.wait, op.done, op.local = local.wait, local.done.is_set, local
         op.keep = wire
         with plugin.lock:
@@ -261,12 +319,14 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
     else:
         wire = _contiguous_output(op, wire, source, inplace)
     if plugin.stage is not None:
-        local = plugin.stage.submit(LocalOp(name, wire, op.wire_out, average, priority))
+        local = plugin.stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
+                                            compression=engine))
         op.wait, op.done = local.wait, local.done.is_set
         op.keep = (op.keep, wire)
     else:
         handle = plugin.worker.push_pull_async(_as_array(wire), name=name, average=average,
-                                               priority=priority, out=_as_array(op.wire_out))
+                                               priority=priority, out=_as_array(op.wire_out),
+                                               compression=engine)
         op.wait = lambda timeout_s: handle.wait(timeout_s)
         op.done = handle.done
         op.keep = (op.keep, wire)
@@ -277,7 +337,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
 
 
 def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None = None,
-                    priority: int = 0, compression: type[Compressor] = Compression.none) -> int:
+                    priority: int = 0, compression: CompressionArg = Compression.none) -> int:
     """Start summing (or averaging) ``tensor`` across workers; returns a handle for ``poll`` and
     ``synchronize``, which returns a new tensor. Larger ``priority`` goes first."""
     return _start(tensor, average, name, priority, compression, inplace=False)
@@ -285,20 +345,20 @@ def push_pull_async(tensor: torch.Tensor, average: bool = True, name: str | None
 
 def push_pull_async_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
                             priority: int = 0,
-                            compression: type[Compressor] = Compression.none) -> int:
+                            compression: CompressionArg = Compression.none) -> int:
     """As :func:`push_pull_async`, but the result is written into ``tensor``."""
     return _start(tensor, average, name, priority, compression, inplace=True)
 
 
 def push_pull(tensor: torch.Tensor, average: bool = True, name: str | None = None,
-              priority: int = 0, compression: type[Compressor] = Compression.none) -> torch.Tensor:
+              priority: int = 0, compression: CompressionArg = Compression.none) -> torch.Tensor:
     """Sum (or average) ``tensor`` across workers; returns a new tensor."""
     return synchronize(push_pull_async(tensor, average, name, priority, compression))
 
 
 def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | None = None,
                       priority: int = 0,
-                      compression: type[Compressor] = Compression.none) -> torch.Tensor:
+                      compression: CompressionArg = Compression.none) -> torch.Tensor:
     """Sum (or average) ``tensor`` across workers in place; returns ``tensor``."""
     return synchronize(push_pull_async_inplace(tensor, average, name, priority, compression))
 
@@ -478,7 +538,7 @@ class _GradientSync:
     the last of its gradients is ready (see :func:`_buckets`)."""
 
     def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], prefix: str,
-                 compression: type[Compressor], passes_per_step: int,
+                 compression: CompressionArg, passes_per_step: int,
                  before_first_push: Callable[[], None] | None = None):
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expected at least 1, "
@@ -624,7 +684,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
-                         compression: type[Compressor] = Compression.none,
+                         compression: CompressionArg = Compression.none,
                          backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so each gradient is averaged across workers from a per-parameter hook
     the moment it is ready; ``step()`` waits only for what is still outstanding."""
@@ -640,7 +700,7 @@ class DistributedDataParallel(torch.nn.Module):
     outside it."""
 
     def __init__(self, module: torch.nn.Module,
-                 compression: type[Compressor] = Compression.none):
+                 compression: CompressionArg = Compression.none):
         super().__init__()
         self.module = module
         broadcast_parameters(module.state_dict(), root_rank=0)

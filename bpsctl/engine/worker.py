@@ -36,6 +36,7 @@ import zmq
 
 from .. import __version__
 from ..config import Config
+from . import compression as C
 from . import protocol as P
 from .client import measure_clock
 from .common import (
@@ -77,7 +78,7 @@ class _Task:
     """The I/O thread's record of one push_pull."""
 
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
-                 "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns")
+                 "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
                  divisor: int | None, deadline: float, flags: int = 0):
@@ -94,6 +95,7 @@ class _Task:
         self.parts: list[list[int]] = []
         self.flags = flags
         self.called_ns = self.queued_ns = 0         # traced: when push_pull and the queue saw it
+        self.codec: C.WorkerCodec | None = None     # compressed pushes and pulls
 
 
 _WAKE = b"\0"
@@ -149,6 +151,7 @@ class Worker:
         self._lock = threading.Lock()          # guards names in flight and the broken flag
         self._in_flight_names: set[str] = set()
         self._broken: EngineError | None = None
+        self._codecs: dict[str, C.WorkerCodec] = {}         # name -> its compression
         self._noname_counter = itertools.count()
         self._barrier_counter = itertools.count()
         self._closed = False
@@ -339,11 +342,14 @@ class Worker:
 
     def push_pull_async(self, array: Any, name: str | None = None, average: bool = True,
                         priority: int = 0, out: np.ndarray | None = None, *,
-                        host_reduced: bool = False) -> Handle:
+                        host_reduced: bool = False,
+                        compression: C.Compressor | None = None) -> Handle:
         """Start summing ``array`` across all workers; the result lands in ``out``.
 
         ``host_reduced=True`` (the intra-node stage): ``array`` already holds the sum over this
         host's workers, and only one worker per host pushes this name; the sum is over hosts.
+        ``compression``: pushes and pulls travel compressed (:mod:`.compression`), unless the
+        tensor is smaller than ``min_compress_bytes``.
         """
         src = np.asarray(array)
         P.dtype_code(src.dtype)                        # raises TypeError naming supported dtypes
@@ -376,14 +382,46 @@ class Worker:
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s,
                      P.FLAG_HOST_REDUCED if host_reduced else 0)
+        if compression is not None and src.nbytes >= self.config.min_compress_bytes:
+            try:
+                task.codec = self._codec(name, src, compression)
+            except ValueError:
+                with self._lock:
+                    self._in_flight_names.discard(name)
+                raise
+            # compressed here, in the caller's thread (NumPy lets go of the GIL), so the I/O
+            # thread only sends; the first push of a tensor, not yet declared, is compressed
+            # there. Safe: the name's previous push_pull, and so its last round, is finished
+            info = self._tensors.get(name)
+            if info is not None and info["dtype"] == str(src.dtype) and \
+                    info["shape"] == task.shape:
+                for part_id, _, offset, length in info["parts"]:
+                    task.codec.encode(task.src, part_id, offset, length,
+                                      self._rounds.get(part_id, 0))
         if self._trace is not None:
             task.called_ns = now_ns()
         self._command("task", task)
         return handle
 
     def push_pull(self, array: Any, name: str | None = None, average: bool = True,
-                  priority: int = 0, out: np.ndarray | None = None) -> np.ndarray:
-        return self.synchronize(self.push_pull_async(array, name, average, priority, out))
+                  priority: int = 0, out: np.ndarray | None = None, *,
+                  compression: C.Compressor | None = None) -> np.ndarray:
+        return self.synchronize(self.push_pull_async(array, name, average, priority, out,
+                                                     compression=compression))
+
+    def _codec(self, name: str, src: np.ndarray, compression: C.Compressor) -> C.WorkerCodec:
+        """The tensor's compression state (its residual lives from one push_pull to the next)."""
+        C.check_tensor(compression, src.dtype, name)
+        with self._lock:
+            codec = self._codecs.get(name)
+            if codec is None:
+                codec = self._codecs[name] = C.WorkerCodec(compression, src.dtype, src.size,
+                                                           self.rank)
+        if codec.compressor != compression:
+            raise ValueError(f"compression: tensor {name!r} was pushed with "
+                             f"{codec.compressor}, now with {compression}; use another name "
+                             "for another compression")
+        return codec
 
     def poll(self, handle: Handle) -> bool:
         return handle.done()
@@ -566,15 +604,20 @@ class Worker:
     def _send_pushes(self) -> None:
         queue, credit, trace = self._queue, self.config.credit_bytes, self._trace
         while queue:
-            part = queue[0][3]
-            length = part[3]
+            _, _, task, part = queue[0]
+            length = part[3] if task.codec is None else task.codec.wire_bytes(part[3])
             if self._inflight_bytes and self._inflight_bytes + length > credit:
                 return
-            _, _, task, part = heapq.heappop(queue)
+            heapq.heappop(queue)
             if task.handle.error is not None:       # failed meanwhile (e.g. a key error)
                 continue
             part_id, server, offset = part[0], part[1], part[2]
             round_, flags = self._rounds.get(part_id, 0), task.flags
+            if task.codec is None:
+                data = task.src[offset:offset + length].data
+            else:
+                data = task.codec.encode(task.src, part_id, offset, part[3], round_).data
+                flags |= P.FLAG_COMPRESSED
             if trace is not None and trace.on:
                 now = self._trace_sent[part_id] = now_ns()
                 trace.span(STAGE["queued"], trace.name_id(task.name), task.queued_ns, now,
@@ -584,7 +627,7 @@ class Worker:
             sock.send(P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[task.dtype], flags=flags,
                                     rank=self.rank, part=part_id, round=round_, nbytes=length),
                       zmq.SNDMORE)
-            sock.send(task.src[offset:offset + length].data, copy=False)
+            sock.send(data, copy=False)
             self._inflight_bytes += length
             self._unacked[part_id] = length
             self._active[part_id] = (task, part)
@@ -620,16 +663,19 @@ class Worker:
             itemsize = task.dtype.itemsize
             start = part[2] // itemsize
             dst = task.dst[start:start + part[3] // itemsize]
-            src = np.frombuffer(payload.buffer, dtype=task.dtype)
             divisor = task.divisor
             if divisor is not None and not task.flags & P.FLAG_HOST_REDUCED:
-                divisor = count
-            if divisor is None:
-                np.copyto(dst, src)
-            elif task.dtype == P.BFLOAT16:
-                _divide_bf16(src.view(np.uint16), divisor, dst.view(np.uint16))
+                divisor = count             # fewer than size() if workers were lost
+            if task.codec is not None:
+                task.codec.decode(payload.buffer, part_id, round_, dst, divisor)
             else:
-                np.divide(src, divisor, out=dst)
+                src = np.frombuffer(payload.buffer, dtype=task.dtype)
+                if divisor is None:
+                    np.copyto(dst, src)
+                elif task.dtype == P.BFLOAT16:
+                    _divide_bf16(src.view(np.uint16), divisor, dst.view(np.uint16))
+                else:
+                    np.divide(src, divisor, out=dst)
         if arrived_ns:
             self._trace_result(task, part, round_, arrived_ns)
         task.remaining -= 1
@@ -645,7 +691,8 @@ class Worker:
         acked = self._trace_acked.pop(part_id, arrived_ns)
         if sent is None or not trace.on:
             return                          # pushed before the window opened
-        name, nbytes, server = trace.name_id(task.name), part[3], part[1]
+        name, server = trace.name_id(task.name), part[1]
+        nbytes = part[3] if task.codec is None else task.codec.wire_bytes(part[3])   # as sent
         trace.span(STAGE["push"], name, sent, acked, part_id, round_, nbytes, server,
                    task.priority)
         trace.span(STAGE["wait_result"], name, acked, arrived_ns, part_id, round_, nbytes,
