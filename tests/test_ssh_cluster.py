@@ -256,7 +256,10 @@ while time.monotonic() < deadline:
 
 @pytest.mark.timeout(150)
 def test_a_server_killed_during_run_fails_it_fast_naming_the_server(cluster_hosts, state,
-                                                                      tmp_path):
+                                                                      tmp_path, monkeypatch):
+    # fail-fast, as BPSCTL_SERVER_FAILOVER=0 asks (by default the job goes on through a lost
+    # server: test_resilience.py)
+    monkeypatch.setenv("BPSCTL_SERVER_FAILOVER", "0")
     hosts = cluster_hosts
     hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
     up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
