@@ -298,7 +298,10 @@ class Server:
 
     def _drain_workers(self) -> None:
         sock = self.sock
-        while True:
+        # at most half a heartbeat interval at a time (summing and recompressing inline can
+        # be slow): the rest is read on the next turn of the loop, after the heartbeat
+        give_way = time.monotonic() + self.config.heartbeat_interval_s / 2
+        while time.monotonic() < give_way:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:

@@ -171,6 +171,7 @@ class Worker:
         # scheduler to move their partitions (failover); and those it moved off
         self._server_down: dict[int, tuple[float, float]] = {}   # index -> (since, give up)
         self._servers_lost: set[int] = set()
+        self._parked: list[tuple[int, int, _Task, list[int]]] = []   # pushes for a down one
         self._tasks: set[_Task] = set()
         self._barriers: dict[str, Handle] = {}
         self._peer_left = ""                                    # why later ops cannot complete
@@ -608,8 +609,11 @@ class Worker:
             length = part[3] if task.codec is None else task.codec.wire_bytes(part[3])
             if self._inflight_bytes and self._inflight_bytes + length > credit:
                 return
-            heapq.heappop(queue)
+            entry = heapq.heappop(queue)
             if task.handle.error is not None:       # failed meanwhile (e.g. a key error)
+                continue
+            if part[1] in self._server_down:
+                self._parked.append(entry)          # until the scheduler says where it lives
                 continue
             part_id, server, offset = part[0], part[1], part[2]
             round_, flags = self._rounds.get(part_id, 0), task.flags
@@ -633,7 +637,10 @@ class Worker:
             self._active[part_id] = (task, part)
 
     def _drain_server(self, sock: zmq.Socket) -> None:
-        while True:
+        # at most half a heartbeat interval at a time (decompressing results can be slow):
+        # what is left is read on the next turn of the loop, after the heartbeat is sent
+        give_way = time.monotonic() + self.config.heartbeat_interval_s / 2
+        while time.monotonic() < give_way:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -777,8 +784,20 @@ class Worker:
                 f"the scheduler at {self.scheduler_address}", self.config.heartbeat_timeout_s)))
 
     def _check_server_link(self, index: int) -> None:
-        if (zmq.EVENT_DISCONNECTED not in monitor_events(self._server_monitors[index])
-                or self._stop or index in self._servers_lost or index in self._server_down):
+        events = monitor_events(self._server_monitors[index])
+        if self._stop or index in self._servers_lost:
+            return
+        if zmq.EVENT_DISCONNECTED in events:
+            came_back = zmq.EVENT_CONNECTED in events[events.index(zmq.EVENT_DISCONNECTED):]
+        else:
+            came_back = index in self._server_down and zmq.EVENT_CONNECTED in events
+        if came_back:
+            # the server is alive and the link was only cut: what was on the old connection
+            # is lost, and the server would not know the new one; fail as without failover
+            self._server_down.pop(index, None)
+            self._fail_server(index)
+            return
+        if zmq.EVENT_DISCONNECTED not in events or index in self._server_down:
             return
         cfg = self.config
         if cfg.server_failover and len(self._servers) - len(self._servers_lost) > 1:
@@ -824,6 +843,9 @@ class Worker:
                 task, _ = entry
                 heapq.heappush(self._queue, (-task.priority, next(self._seq), task, part))
                 again += 1
+        for parked in self._parked:                 # held back while it was unreachable
+            heapq.heappush(self._queue, parked)
+        self._parked.clear()
         log.warning("worker %d: %s; its %d partitions moved to other servers, %d pushed again "
                     "(%.1f s after its connection dropped)", self.rank, msg["message"],
                     len(msg["moves"]), again, time.monotonic() - since)
@@ -857,6 +879,7 @@ class Worker:
                 self._finish(task, error)
         self._awaiting_declare.clear()
         self._queue.clear()
+        self._parked.clear()
         self._active.clear()
         self._unacked.clear()
         self._inflight_bytes = 0
