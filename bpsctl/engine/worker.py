@@ -503,11 +503,12 @@ class Worker:
         interval, release_after = self.config.heartbeat_interval_s, self.config.idle_release_s
         next_tick = time.monotonic() + interval
         last_busy, kept = 0.0, False        # kept: the allocator may hold freed results
+        more = False                        # pushes left to send at once (see _send_pushes)
         try:
             while not self._stop:
-                for sock, _ in poller.poll(int(interval * 1000)):
+                for sock, _ in poller.poll(0 if more else int(interval * 1000)):
                     handlers[sock]()
-                self._send_pushes()
+                more = self._send_pushes()
                 now = time.monotonic()
                 if self._tasks:
                     last_busy, kept = now, True
@@ -602,13 +603,19 @@ class Worker:
         for part in task.parts:
             heapq.heappush(self._queue, (order, next(self._seq), task, part))
 
-    def _send_pushes(self) -> None:
+    def _send_pushes(self) -> bool:
+        """Send queued partitions while the credit lasts. At most half a heartbeat interval
+        at a time (compressing a large tensor's first push here can take seconds): returns
+        True if it stopped for that with more to send, so the loop comes straight back."""
         queue, credit, trace = self._queue, self.config.credit_bytes, self._trace
+        give_way = time.monotonic() + self.config.heartbeat_interval_s / 2
         while queue:
+            if time.monotonic() >= give_way:
+                return True
             _, _, task, part = queue[0]
             length = part[3] if task.codec is None else task.codec.wire_bytes(part[3])
             if self._inflight_bytes and self._inflight_bytes + length > credit:
-                return
+                return False
             entry = heapq.heappop(queue)
             if task.handle.error is not None:       # failed meanwhile (e.g. a key error)
                 continue
@@ -635,6 +642,7 @@ class Worker:
             self._inflight_bytes += length
             self._unacked[part_id] = length
             self._active[part_id] = (task, part)
+        return False
 
     def _drain_server(self, sock: zmq.Socket) -> None:
         # at most half a heartbeat interval at a time (decompressing results can be slow):
