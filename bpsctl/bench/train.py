@@ -96,8 +96,13 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="env://",
                                 timeout=datetime.timedelta(seconds=args.timeout))
-        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
-        version = f"torch {torch.__version__} DDP gloo (bucket {args.bucket_mb:g} MB)"
+        # PowerSGD chains its collectives from completion callbacks; over gloo, with several
+        # buckets in flight, ranks then issue them in different orders and gloo aborts on a
+        # size mismatch. One bucket keeps every rank's order the same (and gives up overlap)
+        bucket_mb = args.bucket_mb if system == "ddp" else 1e6
+        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+        version = (f"torch {torch.__version__} DDP gloo (bucket {args.bucket_mb:g} MB)"
+                   if system == "ddp" else f"torch {torch.__version__} DDP gloo (one bucket)")
         if system == "ddp-powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
             # rank 4 with error feedback; PowerSGD allreduces whole gradients for its first
