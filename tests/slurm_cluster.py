@@ -167,17 +167,12 @@ class SlurmCluster:
                                      f"{self.client('squeue').stdout}")
             time.sleep(0.2)
 
-    def pids(self, host: str) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", self.network.host(host).namespace],
-                             capture_output=True, text=True, check=True).stdout
-        return [int(p) for p in out.split()]
-
     def foreign_pids(self, host: str) -> list[tuple[int, str]]:
         """Processes in ``host``'s namespace other than the Slurm daemons and their own helpers
         (slurmctld's slurmscriptd); zombies excluded."""
         daemons = {p.pid for p in self.daemons.values()}
         found = []
-        for pid in self.pids(host):
+        for pid in emulate.namespace_pids(self.network.host(host).namespace):
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text()
                 cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()

@@ -301,9 +301,13 @@ COMMON = textwrap.dedent('''
         return {name: p.data().asnumpy().tolist() for name, p in net.collect_params().items()}
 ''')
 
-TRAIN_SCRIPT = COMMON + '''
+# a training script's arguments: run_script(..., str(LOCAL_BATCH), str(STEPS))
+SCRIPT_ARGS = '''
 LOCAL_BATCH = int(sys.argv[2])
 STEPS = int(sys.argv[3])
+'''
+
+TRAIN_SCRIPT = COMMON + SCRIPT_ARGS + '''
 # every rank starts from its own random parameters: the root's are broadcast
 net = make_net(seed=R)
 trainer = bps.DistributedTrainer(net.collect_params(), *OPTIMIZER)
@@ -368,9 +372,7 @@ def test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch(tmp_
                     f"{variant} {name}: max |diff| {np.abs(got - ref).max():.2e} > {tolerance}"
 
 
-TRACED_SCRIPT = COMMON + """
-LOCAL_BATCH = int(sys.argv[2])
-STEPS = int(sys.argv[3])
+TRACED_SCRIPT = COMMON + SCRIPT_ARGS + """
 net = make_net(seed=R)
 trainer = bps.DistributedTrainer(net.collect_params(), *OPTIMIZER)
 RESULTS["params"] = train(net, trainer, N, R, LOCAL_BATCH)

@@ -10,6 +10,7 @@ from ..config import DEFAULT_SECURITY
 from . import protocol as P
 from .common import EngineError, make_socket, monitor, monitor_events
 from .security import Security, handshake_failed, refused_handshake
+from .trace import now_ns, scheduler_clock
 
 
 def scheduler_status(address: str, secret: str, timeout_s: float = 3.0,
@@ -66,8 +67,6 @@ def measure_clock(ctx: zmq.Context, address: str, security: Security,
     ``exchanges`` clock exchanges over a connection of its own; None if the scheduler did not
     answer in ``timeout_s``. Traces use it to put processes of several machines on one clock.
     """
-    from .trace import now_ns, scheduler_clock
-
     def request() -> list[bytes]:
         return P.control(P.CLOCK, {"clock_ns": now_ns()})
 

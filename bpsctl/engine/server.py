@@ -535,7 +535,7 @@ class Server:
                               len(self.parts))
                 self._reset(None, 0)
             elif msg_type == P.WORKER_LOST:
-                self._worker_lost(int(msg["rank"]), int(len(msg["live"])), str(msg["message"]))
+                self._worker_lost(int(msg["rank"]), len(msg["live"]), str(msg["message"]))
             elif msg_type == P.ERROR:
                 self.log.warning("scheduler: %s", msg.get("message"))
 

@@ -39,7 +39,7 @@ from bpsctl.launch.processes import (
     stop_groups,
     stop_signals_recorded,
 )
-from bpsctl.launch.report import status_report
+from bpsctl.launch.report import down_report, local_status
 from bpsctl.launch.runloop import STOP_GRACE_S, WorkerProcess
 from bpsctl.launch.types import ClusterState, DownReport, LaunchError, ProcessRecord
 
@@ -287,11 +287,7 @@ def down(cluster: ClusterState) -> DownReport:
         if cluster.emulation is not None:
             emulate.destroy(cluster.emulation["cluster_id"])
         state.forget(cluster.state_dir)
-    return DownReport(
-        cluster=cluster.name,
-        stopped=tuple(p for p in cluster.processes if p.pid not in survivors),
-        survivors=tuple(f"{p.name} (pid {p.pid}): survived SIGKILL"
-                        for p in cluster.processes if p.pid in survivors))
+    return down_report(cluster, survivors)
 
 
 def remove_leftovers(state_dir: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -328,19 +324,8 @@ def _control_address(cluster: ClusterState) -> str:
 def status(cluster: ClusterState, timeout_s: float = STATUS_TIMEOUT_S) -> dict[str, Any]:
     """The recorded cluster's processes, each checked here, merged with the scheduler's view
     (see :func:`bpsctl.launch.report.status_report`)."""
-    running: dict[ProcessRecord, bool | None] = {p: is_running(p.identity)
-                                                 for p in cluster.processes}
-    view, scheduler_error = None, None
-    scheduler = cluster.scheduler_record
-    if running[scheduler]:
-        try:
-            view = scheduler_status(_control_address(cluster), cluster.secret,
-                                    timeout_s=timeout_s, security=cluster.security)
-        except EngineError as exc:
-            scheduler_error = str(exc)
-    else:
-        scheduler_error = f"the scheduler (pid {scheduler.pid}) has exited"
-    return status_report(cluster, running, view, scheduler_error)
+    return local_status(cluster, _control_address(cluster), timeout_s,
+                        f"the scheduler (pid {cluster.scheduler_record.pid}) has exited")
 
 
 def live_cluster(state_dir: Path) -> ClusterState | None:

@@ -7,13 +7,43 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from bpsctl.launch.processes import pid_running
-from bpsctl.launch.types import ClusterState, ProcessRecord
+from bpsctl.engine import EngineError
+from bpsctl.engine.client import scheduler_status
+from bpsctl.launch.processes import is_running, pid_running
+from bpsctl.launch.types import ClusterState, DownReport, ProcessRecord
 
 
 def no_cluster(state_dir: Path | str) -> dict[str, Any]:
     return {"cluster": None, "kind": None, "scheduler": None, "state_dir": str(state_dir),
             "processes": [], "job": None, "scheduler_error": None}
+
+
+def local_status(cluster: ClusterState, address: str, timeout_s: float,
+                 scheduler_gone: str) -> dict[str, Any]:
+    """The report for a cluster whose processes this machine can see (local, emulated, and
+    Slurm's sruns): each checked here, merged with the scheduler's view asked at ``address``;
+    ``scheduler_gone`` is the error when the scheduler's process has exited."""
+    running: dict[ProcessRecord, bool | None] = {p: is_running(p.identity)
+                                                 for p in cluster.processes}
+    view, scheduler_error = None, None
+    if running[cluster.scheduler_record]:
+        try:
+            view = scheduler_status(address, cluster.secret, timeout_s=timeout_s,
+                                    security=cluster.security)
+        except EngineError as exc:
+            scheduler_error = str(exc)
+    else:
+        scheduler_error = scheduler_gone
+    return status_report(cluster, running, view, scheduler_error)
+
+
+def down_report(cluster: ClusterState, survivors: set[int], what: str = "pid") -> DownReport:
+    """What ``down`` did, given the pids that survived SIGKILL (``what`` names those pids)."""
+    return DownReport(
+        cluster=cluster.name,
+        stopped=tuple(p for p in cluster.processes if p.pid not in survivors),
+        survivors=tuple(f"{p.name} ({what} {p.pid}): survived SIGKILL"
+                        for p in cluster.processes if p.pid in survivors))
 
 
 def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | None],

@@ -51,7 +51,7 @@ from bpsctl.launch.processes import (
     stop_groups,
     stop_signals_recorded,
 )
-from bpsctl.launch.report import status_report
+from bpsctl.launch.report import down_report, local_status
 from bpsctl.launch.runloop import STOP_GRACE_S, WorkerProcess
 from bpsctl.launch.types import (
     ClusterState,
@@ -483,29 +483,14 @@ def down(cluster: ClusterState) -> DownReport:
     survivors = set(_stop(cluster.processes, _job_id(cluster), cluster.name))
     if not survivors:
         state.forget(cluster.state_dir)
-    return DownReport(
-        cluster=cluster.name,
-        stopped=tuple(p for p in cluster.processes if p.pid not in survivors),
-        survivors=tuple(f"{p.name} (srun pid {p.pid}): survived SIGKILL"
-                        for p in cluster.processes if p.pid in survivors))
+    return down_report(cluster, survivors, "srun pid")
 
 
 def status(cluster: ClusterState, timeout_s: float = 2.0) -> dict[str, Any]:
     """Each step's srun checked here, merged with the scheduler's view (asked over TCP)."""
-    running: dict[ProcessRecord, bool | None] = {p: is_running(p.identity)
-                                                 for p in cluster.processes}
-    view, scheduler_error = None, None
-    scheduler = cluster.scheduler_record
-    if running[scheduler]:
-        try:
-            view = scheduler_status(cluster.scheduler, cluster.secret, timeout_s=timeout_s,
-                                    security=cluster.security)
-        except EngineError as exc:
-            scheduler_error = str(exc)
-    else:
-        scheduler_error = (f"the scheduler's step (srun pid {scheduler.pid}) has exited; has "
-                           f"Slurm job {_job_id(cluster)} ended?")
-    return status_report(cluster, running, view, scheduler_error)
+    return local_status(cluster, cluster.scheduler, timeout_s,
+                        f"the scheduler's step (srun pid {cluster.scheduler_record.pid}) has "
+                        f"exited; has Slurm job {_job_id(cluster)} ended?")
 
 
 # --------------------------------------------------------------------------- workers

@@ -65,6 +65,11 @@ class Nic:
     def label(self) -> str:
         return f"{self.interface} of {self.address} ({', '.join(self.processes)})"
 
+    def rates(self) -> list[tuple[float, float, float]]:
+        """(Mbit/s sent, start µs, end µs) of each interval between consecutive samples."""
+        return [((b[1] - a[1]) * 8 / ((b[0] - a[0]) / 1e6) / 1e6, a[0], b[0])
+                for a, b in zip(self.samples, self.samples[1:], strict=False) if b[0] > a[0]]
+
 
 @dataclass
 class Timeline:
@@ -378,21 +383,19 @@ def _nic_row(nic: Nic, window: tuple[float, float] | None) -> dict[str, Any]:
     tx, rx = samples[-1][1] - samples[0][1], samples[-1][2] - samples[0][2]
     row.update(tx_bytes=tx, rx_bytes=rx, tx_mbit_s=tx * 8 / seconds / 1e6,
                rx_mbit_s=rx * 8 / seconds / 1e6)
-    rates = [((b[1] - a[1]) * 8 / ((b[0] - a[0]) / 1e6) / 1e6, a[0], b[0])
-             for a, b in zip(samples, samples[1:], strict=False) if b[0] > a[0]]
+    rates = [r for r in nic.rates() if window is None or window[0] <= r[1] and r[2] <= window[1]]
     reference = nic.rate_mbit or max(r for r, _, _ in rates)
     if nic.rate_mbit:
         row["utilisation"] = max(row["tx_mbit_s"], row["rx_mbit_s"]) / nic.rate_mbit
-    idle = [(a, b) for rate, a, b in rates if rate < IDLE_FRACTION * reference]
-    # contiguous idle intervals joined; the longest one
-    longest, at, run_start, run_end = 0.0, None, None, None
-    for a, b in idle + [(float("inf"), float("inf"))]:
-        if run_end is not None and a == run_end:
-            run_end = b
+    # the longest run of consecutive intervals sending next to nothing
+    longest, at, run_start = 0.0, None, None
+    for rate, a, b in rates:
+        if rate >= IDLE_FRACTION * reference:
+            run_start = None
             continue
-        if run_start is not None and run_end is not None and run_end - run_start > longest:
-            longest, at = run_end - run_start, run_start
-        run_start, run_end = a, b
+        run_start = a if run_start is None else run_start
+        if b - run_start > longest:
+            longest, at = b - run_start, run_start
     if at is not None:
         row["longest_idle_s"] = longest / 1e6
         row["idle_at_s"] = (at - samples[0][0]) / 1e6

@@ -57,8 +57,7 @@ def plot_step(timeline: Timeline, path: Path) -> None:
                            edgecolor="white", linewidth=0.3)
     # a NIC's lane: what it sent in each sample interval, as a share of its rate (or peak)
     for row, nic in enumerate(nics, start=len(lanes)):
-        rates = [((b[1] - a[1]) * 8 / ((b[0] - a[0]) / 1e6) / 1e6, a[0], b[0])
-                 for a, b in zip(nic.samples, nic.samples[1:], strict=False) if b[0] > a[0]]
+        rates = nic.rates()
         in_step = [r for r in rates if r[2] >= start and r[1] <= stop]
         top = nic.rate_mbit or max((r for r, _, _ in rates), default=0.0) or 1.0
         for rate, a, b in in_step:
