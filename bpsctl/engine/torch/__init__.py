@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from .. import engine as _engine
-from ..config import Config
-from . import compression as C
-from . import protocol as P
-from .common import EngineError
-from .intranode import LocalOp, LocalStage, _as_array
-from .trace import now_ns
+from ... import engine as _engine
+from ...config import Config
+from .. import compression as C
+from .. import protocol as P
+from ..common import EngineError
+from ..intranode import LocalOp, LocalStage, _as_array
+from ..trace import now_ns
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
            "push_pull", "push_pull_async", "push_pull_inplace", "push_pull_async_inplace",
