@@ -154,6 +154,7 @@ def run(ctx: typer.Context,
                                            "is up (default: num_servers of the config, else 1)."),
         start_timeout_s: float | None = knob_option("start_timeout_s", "--start-timeout"),
         min_workers: int | None = knob_option("min_workers", "--min-workers", min=0),
+        max_restarts: int | None = knob_option("max_restarts", "--max-restarts", min=0),
         cmd: list[str] = typer.Argument(..., metavar="CMD",
                                         help="The worker command, e.g. python train.py."),
         hosts: str | None = _hosts_option(),
@@ -164,12 +165,15 @@ def run(ctx: typer.Context,
 
     Each worker's output is prefixed with its rank. When a worker fails the others are
     stopped and bpsctl exits with the failing worker's exit code; with --min-workers M the
-    others go on while M live, averaging over the workers left.
+    others go on while M live, averaging over the workers left; with --max-restarts R a failed
+    worker is started again (R times in all) and rejoins the running job with a live worker's
+    model and optimizer state.
     """
     with cli_errors():
         config = build_config(ctx, {"world_size": (np, "-np"),
                                     "start_timeout_s": (start_timeout_s, "--start-timeout"),
-                                    "min_workers": (min_workers, "--min-workers")},
+                                    "min_workers": (min_workers, "--min-workers"),
+                                    "max_restarts": (max_restarts, "--max-restarts")},
                               config_file, read_file=True)
         if config.min_workers > config.world_size:
             raise ConfigError(f"--min-workers {config.min_workers}: more than the job's "
@@ -184,12 +188,21 @@ def run(ctx: typer.Context,
         _print_failures(result)
     elif result.exit_code:
         err_console.print(f"bpsctl run: stopped every worker (exit code {result.exit_code})")
+    if result.restarted:
+        again = ", ".join(f"worker {f.rank} (pid {f.pid}, {_how(f)})" for f in result.restarted)
+        err_console.print(f"membership changed: restarted {again} to rejoin the job",
+                          highlight=False)
     if result.left_behind:
         lost = ", ".join(f"worker {f.rank} (pid {f.pid})" for f in result.left_behind)
         err_console.print(f"membership changed: the job went on without {lost}; "
                           f"{config.world_size - len(result.left_behind)} of "
                           f"{config.world_size} workers finished", highlight=False)
     raise typer.Exit(result.exit_code)
+
+
+def _how(failure: launch.WorkerFailure) -> str:
+    return f"signal {failure.signal_name}" if failure.signal_name else \
+        f"exit code {failure.exit_code}"
 
 
 def _print_failures(result: launch.RunResult) -> None:

@@ -279,6 +279,13 @@ class Config:
                             "keep the job going while at least this many workers live; a lost "
                             "worker's share drops out of the averages (0: every worker, so any "
                             "loss ends the job)", "int")
+    max_restarts: int = knob(0, "BPSCTL_MAX_RESTARTS",
+                             "`bpsctl run` restarts a failed worker this many times in all; the "
+                             "restarted worker rejoins the running job (the job goes on without "
+                             "it meanwhile)", "int")
+    rejoin: bool = knob(False, "BPSCTL_REJOIN",
+                        "set by `bpsctl run` on a restarted worker: it takes its rank back in "
+                        "the running job instead of starting a new one", "bool")
     server_failover: bool = knob(True, "BPSCTL_SERVER_FAILOVER",
                                  "when a server is lost, move its partitions to the job's other "
                                  "servers and go on (0: fail the job, naming the server)", "bool",
@@ -325,6 +332,7 @@ class Config:
              self.start_timeout_s),
             (self.op_timeout_s > 0, "BPSCTL_OP_TIMEOUT", "more than 0 s", self.op_timeout_s),
             (self.min_workers >= 0, "BPSCTL_MIN_WORKERS", "0 or more", self.min_workers),
+            (self.max_restarts >= 0, "BPSCTL_MAX_RESTARTS", "0 or more", self.max_restarts),
             (self.heartbeat_interval_s > 0, "BPSCTL_HEARTBEAT_INTERVAL", "more than 0 s",
              self.heartbeat_interval_s),
             (self.heartbeat_timeout_s > self.heartbeat_interval_s, "BPSCTL_HEARTBEAT_TIMEOUT",

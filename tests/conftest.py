@@ -58,6 +58,8 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     "test_resilience.py::test_torch_training_goes_on_without_a_lost_worker_and_says_so":
         {"slow"},
+    # a worker killed and restarted under `bpsctl run --max-restarts`: 10-15 s each
+    "test_rejoin.py": {"slow"},
     # emulated clusters (network namespaces): 1-10 s each
     "test_resilience.py::test_a_job_on_emulated_hosts_goes_on_through_a_lost_server":
         {"slow", "root"},

@@ -56,8 +56,14 @@ __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "
 # --------------------------------------------------------------------------- lifecycle
 
 def init(config: Config | None = None) -> None:
-    """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent."""
+    """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent.
+    A restarted worker cannot rejoin a running MXNet job (only the PyTorch plugin hands a
+    rejoining worker the model): it fails here, and the job goes on without it."""
     _engine.init(config)
+    if _engine._w().joining:
+        _engine.shutdown()
+        raise EngineError("a restarted worker cannot rejoin a running MXNet job (only the "
+                          "PyTorch plugin hands over the model); the job goes on without it")
 
 
 def shutdown() -> None:

@@ -48,6 +48,10 @@ WORKER_LOST = 30    # scheduler -> job's workers and servers: {rank, message, li
                     #   (the job goes on without it: BPSCTL_MIN_WORKERS)
 SERVER_MOVED = 19   # scheduler -> workers: {index, rank, message, moves: [[part id, new index]]}
                     #   (a lost server's partitions now live on the job's other servers)
+# --- a restarted worker rejoins a running job (docs/design.md, "Keeping going")
+WORKER_JOINING = 31  # scheduler -> the donor (a live worker): {rank, incarnation}
+JOIN_DONE = 32      # donor -> scheduler: {rank} (servers admitted it, its state is on its way)
+WORKER_JOINED = 33  # scheduler -> job's workers: {rank, message, live: [ranks]}
 # --- the hmac handshake that opens every connection (see security.py); the secret never travels
 AUTH = 15           # connecting -> bound: {version, nonce}
 CHALLENGE = 16      # bound -> connecting: {nonce, proof}
@@ -56,11 +60,15 @@ CLOCK = 18          # any -> scheduler: {clock_ns}; scheduler -> any: {clock: [c
                     #   arrival, answer]} (a clock exchange, repeated a few times per connection)
 
 # --- data plane
-HELLO = 20          # worker -> server: {job, rank, world_size, hosts, version}
+HELLO = 20          # worker -> server: {job, rank, world_size, hosts, version, incarnation}
 PUSH = 21           # worker -> server: header + partition bytes
 ACK = 22            # server -> worker: header (push received; credit may be released)
 RESULT = 23         # server -> worker: header + summed partition bytes; the header's rank
                     #   field says how many workers' pushes it sums (0: 65536)
+ADMIT = 24          # donor -> each server: {rank, rounds: {part id: round}} (count rank's
+                    #   pushes from these rounds on: it rejoins at the donor's step boundary)
+STATE = 25          # donor -> a server -> the joiner: header (rank = the joiner) + the model
+                    #   and optimizer state the joiner starts from (the server only relays it)
 
 TYPE_NAMES = {v: k for k, v in dict(globals()).items() if isinstance(v, int) and k.isupper()
               and k not in ("PROTOCOL_VERSION", "HEADER_SIZE")}

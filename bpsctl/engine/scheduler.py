@@ -35,8 +35,9 @@ class Member:
     port: int | None
     pid: int
     last_seen: float
-    state: str = "running"        # running | lost | left
+    state: str = "running"        # running | joining (a restarted worker) | lost | left
     clock: tuple[int, int] | None = None   # its clock when it sent REGISTER, ours on arrival
+    incarnation: int = 0          # a worker's: how many times its rank was (re)started before
 
     def describe(self) -> str:
         where = f"{self.host}:{self.port}" if self.port else self.host
@@ -62,10 +63,13 @@ class Job:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     barriers: dict[str, set[int]] = field(default_factory=dict)
     min_workers: int = 0          # go on while this many live (0: every worker)
+    donors: dict[int, int] = field(default_factory=dict)    # joining rank -> its donor's rank
 
     def live(self) -> list[int]:
-        """Ranks of the workers still in the job (not lost, whether or not they left)."""
-        return sorted(rank for rank, w in self.workers.items() if w.state != "lost")
+        """Ranks of the workers in the job's rounds (not lost, not still joining, whether
+        or not they left)."""
+        return sorted(rank for rank, w in self.workers.items()
+                      if w.state not in ("lost", "joining"))
 
 
 class Scheduler:
@@ -171,6 +175,8 @@ class Scheduler:
             self._barrier(member, msg)
         elif msg_type == P.LEAVE:
             self._leave(member)
+        elif msg_type == P.JOIN_DONE:
+            self._join_done(member, msg)
         else:
             self._send(rid, P.ERROR, {"message": f"unexpected message type {msg_type}"})
 
@@ -256,11 +262,14 @@ class Scheduler:
             self._send(rid, P.ERROR, {"message": f"job {job.id!r}: this worker says world size "
                                       f"{world_size}, the first worker said {job.world_size}"})
             return
-        if job.started:
-            self._send(rid, P.ERROR, {"message": f"job {job.id!r} has already started with all "
-                                      f"{job.world_size} workers"})
-            return
         rank = int(msg.get("rank", -1))
+        if job.started:
+            if msg.get("rejoin") and rank in job.workers:
+                self._rejoin(job, rid, rank, common)
+            else:
+                self._send(rid, P.ERROR, {"message": f"job {job.id!r} has already started with "
+                                          f"all {job.world_size} workers"})
+            return
         if rank == -1:
             rank = min(set(range(job.world_size)) - set(job.workers))
         if rank in job.workers:
@@ -273,6 +282,74 @@ class Scheduler:
         self.members[rid] = member
         if len(job.workers) == job.world_size:
             self._start_job(job)
+
+    def _rejoin(self, job: Job, rid: bytes, rank: int, common: dict[str, Any]) -> None:
+        """A restarted worker takes its rank back (`bpsctl run --max-restarts`): the process
+        it replaces is lost from now on, if it was not already; a live worker (the donor)
+        admits it to the servers at its next step boundary and hands it the model."""
+        old = job.workers[rank]
+        if not job.min_workers:
+            self._send(rid, P.ERROR, {"message": f"job {job.id!r} stops at a lost worker "
+                                      f"(BPSCTL_MIN_WORKERS unset), so rank {rank} cannot "
+                                      "rejoin it; run it with `bpsctl run --max-restarts R`"})
+            return
+        if old.state == "left":
+            self._send(rid, P.ERROR, {"message": f"job {job.id!r}: rank {rank} has finished "
+                                      "and left; it cannot rejoin"})
+            return
+        if old.state in ("running", "joining"):
+            self._lose(old, f"replaced by a restarted process (pid {common['pid']})")
+            if self.job is not job:
+                self._send(rid, P.ERROR, {"message": f"job {job.id!r} ended: too few workers "
+                                          "were left to go on"})
+                return
+        donors = [w for w in job.workers.values() if w.state == "running"]
+        if not donors:
+            self._send(rid, P.ERROR, {"message": f"job {job.id!r} has no live worker to hand "
+                                      f"rank {rank} the model"})
+            return
+        member = Member(rank=rank, port=None, **{**common, "state": "joining",
+                                                 "incarnation": old.incarnation + 1})
+        job.workers[rank] = member
+        self.members[rid] = member
+        placement = job.placement
+        book = [{"rank": s.rank, "host": s.host, "port": s.port} for s in job.servers]
+        self._send(rid, P.REGISTERED, {
+            "rank": rank, "servers": book, "world_size": job.world_size, "joining": True,
+            "incarnation": member.incarnation, "live": job.live(),
+            "lost_servers": sorted(placement.lost) if placement is not None else [],
+            **_clock(member)})
+        self._ask_donor(job, member)
+
+    def _ask_donor(self, job: Job, joiner: Member) -> None:
+        donor = min((w for w in job.workers.values() if w.state == "running"),
+                    key=lambda w: w.rank, default=None)
+        if donor is None:
+            return          # nobody left: the job ends (the joiner's wait for the model fails)
+        job.donors[joiner.rank] = donor.rank
+        self.log.info("%s rejoins job %s; worker %d hands it the model at its next step",
+                      joiner.describe(), job.id, donor.rank)
+        self._send(donor.rid, P.WORKER_JOINING,
+                   {"rank": joiner.rank, "incarnation": joiner.incarnation})
+
+    def _join_done(self, donor: Member, msg: dict[str, Any]) -> None:
+        """The donor admitted the joiner to every server: it is in the job's rounds now."""
+        job = self.job
+        rank = P.int_field(msg, "rank", 0, P.MAX_WORKERS)
+        if job is None or job.donors.get(rank) != donor.rank:
+            return
+        del job.donors[rank]
+        joiner = job.workers.get(rank)
+        if joiner is None or joiner.state != "joining":
+            return          # lost meanwhile: WORKER_LOST told everyone
+        joiner.state = "running"
+        live = job.live()
+        message = f"{joiner.describe()} rejoined the job (model from worker {donor.rank})"
+        self.log.warning("%s; it goes on with %d workers", message, len(live))
+        for worker in job.workers.values():
+            if worker.state == "running":
+                self._send(worker.rid, P.WORKER_JOINED,
+                           {"rank": rank, "message": message, "live": live})
 
     def _ending(self, job: Job) -> bool:
         """True when some worker of ``job`` has left or gone quiet: it will end by itself."""
@@ -416,29 +493,32 @@ class Scheduler:
     def _check_liveness(self) -> None:
         now = time.monotonic()
         for member in list(self.members.values()):
-            if (member.state != "running"
+            if (member.state not in ("running", "joining")
                     or now - member.last_seen <= self.config.heartbeat_timeout_s):
                 continue
-            member.state = "lost"
-            reason = f"no heartbeat for {now - member.last_seen:.1f} s"
-            self.log.warning("lost %s: %s", member.describe(), reason)
-            lost = {"role": member.role, "rank": member.rank, "host": member.host,
-                    "port": member.port, "pid": member.pid, "reason": reason,
-                    "message": f"lost {member.describe()}: {reason}"}
-            job = self.job
-            if job is None:
-                continue
-            if member.role == "server" and self._fail_over(
-                    job, member, f"lost {member.describe()}: {reason}"):
-                continue
-            if member.role == "worker" and self._go_on_without(
-                    job, member, f"lost {member.describe()}: {reason}"):
-                continue
-            others = [w for w in job.workers.values() if w is not member and w.state == "running"]
-            for worker in others:
-                self._send(worker.rid, P.MEMBER_LOST, lost)
-            if member.role == "worker" and job.workers.get(member.rank) is member:
-                self._end_job(None, notify=())
+            self._lose(member, f"no heartbeat for {now - member.last_seen:.1f} s")
+
+    def _lose(self, member: Member, reason: str) -> None:
+        """``member`` is lost: the job goes on without it where it can, else it ends."""
+        member.state = "lost"
+        self.log.warning("lost %s: %s", member.describe(), reason)
+        lost = {"role": member.role, "rank": member.rank, "host": member.host,
+                "port": member.port, "pid": member.pid, "reason": reason,
+                "message": f"lost {member.describe()}: {reason}"}
+        job = self.job
+        if job is None:
+            return
+        if member.role == "server" and self._fail_over(
+                job, member, f"lost {member.describe()}: {reason}"):
+            return
+        if member.role == "worker" and self._go_on_without(
+                job, member, f"lost {member.describe()}: {reason}"):
+            return
+        others = [w for w in job.workers.values() if w is not member and w.state == "running"]
+        for worker in others:
+            self._send(worker.rid, P.MEMBER_LOST, lost)
+        if member.role == "worker" and job.workers.get(member.rank) is member:
+            self._end_job(None, notify=())
 
     def _go_on_without(self, job: Job, worker: Member, message: str) -> bool:
         """A lost worker of a job that keeps going while ``min_workers`` live: tell its servers
@@ -449,7 +529,8 @@ class Scheduler:
         live = job.live()
         if not job.min_workers or len(live) < max(1, job.min_workers):
             return False
-        body = {"rank": worker.rank, "message": message, "live": live}
+        body = {"rank": worker.rank, "incarnation": worker.incarnation, "message": message,
+                "live": live}
         self.log.warning("%s; job %s goes on with %d workers (min %d)", message, job.id,
                          len(live), job.min_workers)
         for member in [*job.servers, *job.workers.values()]:
@@ -457,6 +538,10 @@ class Scheduler:
                 self._send(member.rid, P.WORKER_LOST, body)
         self.members.pop(worker.rid, None)
         self._release_barriers(job)
+        job.donors.pop(worker.rank, None)
+        for rank, donor in list(job.donors.items()):
+            if donor == worker.rank:        # the donor is gone: another live worker hands it on
+                self._ask_donor(job, job.workers[rank])
         if all(w.state in ("left", "lost") for w in job.workers.values()):
             self._end_job(None, notify=())
         return True
@@ -516,6 +601,8 @@ def _check_worker_registration(msg: dict[str, Any]) -> None:
     P.int_field(msg, "partition_bytes", 8, 1 << 40)
     P.float_field(msg, "start_timeout_s", 0, 1e6)
     P.int_field(msg, "min_workers", 0, world_size, default=0)
+    if not isinstance(msg.get("rejoin", False), bool):
+        raise P.ProtocolError("field 'rejoin' must be true or false")
 
 
 def _checked_tensors(msg: dict[str, Any],

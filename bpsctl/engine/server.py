@@ -63,7 +63,7 @@ class PartitionState:
 
     __slots__ = ("part", "dtype", "dtype_code", "nbytes", "expected", "round", "received",
                  "waiting", "summed", "first", "buffers", "result", "thread", "wide",
-                 "first_push_ns", "traced", "adopted", "shrink", "widened", "codec")
+                 "first_push_ns", "traced", "adopted", "leaving", "widened", "codec")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int):
         self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
@@ -82,7 +82,7 @@ class PartitionState:
         self.first_push_ns = 0              # traced rounds: when the round's first push came
         self.traced = False                 # a worker traces this round (engine/trace.py)
         self.adopted = False                # moved here from a lost server mid-job
-        self.shrink = 0                     # pushers lost after pushing this round: fewer next
+        self.leaving: list[int] = []        # ranks lost after pushing this round: not next
         self.widened = False                # this round's bf16 sum is in ``wide`` (float32)
         self.codec: ServerCodec | None = None   # compressed pushes: decompress, sum, recompress
 
@@ -174,7 +174,11 @@ class Server:
         self.num_workers = 0
         self.num_hosts = 0                          # pushes per round of host-reduced partitions
         self.peers: dict[bytes, int] = {}           # worker routing id -> rank
+        self.incarnations: dict[bytes, int] = {}    # worker routing id -> its rank's restarts
         self.lost_ranks: set[int] = set()           # workers the job goes on without
+        self.lost_peers: set[bytes] = set()         # connections of lost workers: ignored
+        self.dead: set[tuple[int, int]] = set()     # (rank, incarnation) lost: never admitted
+        self.mailbox: dict[tuple[int, int], zmq.Frame] = {}   # a joiner's model, until its HELLO
         self.parts: dict[int, PartitionState] = {}
         # the job's timeline, when its workers trace (their HELLO names the directory); the
         # summation threads record into it too
@@ -314,6 +318,11 @@ class Server:
                     frames[1].buffer)
                 if msg_type == P.PUSH:
                     self._push(rid, dtype, flags, part, round_, nbytes, frames)
+                elif msg_type == P.STATE:
+                    self._state(rid, rank, round_, frames)
+                elif msg_type == P.ADMIT:
+                    _, body = P.parse_control([frame.buffer for frame in frames[1:]])
+                    self._admit(rid, body)
                 elif msg_type in (P.HELLO, P.AUTH, P.PROOF):
                     _, body = P.parse_control([frame.buffer for frame in frames[1:]])
                     if msg_type == P.HELLO:
@@ -351,8 +360,13 @@ class Server:
         world_size = P.int_field(msg, "world_size", 1, P.MAX_WORKERS)
         hosts = P.int_field(msg, "hosts", 1, world_size, default=world_size)
         rank = P.int_field(msg, "rank", 0, world_size - 1)
+        incarnation = P.int_field(msg, "incarnation", 0, 1 << 30, default=0)
         if job != self.job_id:
             self._reset(job, world_size, hosts)
+        if (rank, incarnation) in self.dead:
+            self._error(rid, f"server {self.rank}: worker {rank} (restart {incarnation}) was "
+                             "declared lost")
+            return
         trace_dir = msg.get("trace_dir")
         if isinstance(trace_dir, str) and trace_dir and self.trace is None:
             self.trace = Trace(Path(trace_dir) / f"server-{self.rank}" / "comm.json", "server",
@@ -363,13 +377,21 @@ class Server:
             if warning:
                 self.log.warning(warning)
         self.peers[rid] = rank
+        self.incarnations[rid] = incarnation
+        state = self.mailbox.pop((rank, incarnation), None)
+        if state is not None:
+            self._relay_state(rid, rank, incarnation, state)
 
     def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0) -> None:
         self._write_trace()
         self.job_id, self.num_workers, self.num_hosts = job_id, num_workers, num_hosts
         self.peers = {}
+        self.incarnations = {}
         self.parts = {}
         self.lost_ranks = set()
+        self.lost_peers = set()
+        self.dead = set()
+        self.mailbox = {}
 
     def _write_trace(self) -> None:
         """The finished job's timeline, if it was traced (a server outlives its jobs)."""
@@ -390,7 +412,7 @@ class Server:
         if rank is None:
             raise P.ProtocolError("push from a connection that has not said HELLO (after proving "
                                   "the cluster secret)")
-        if rank in self.lost_ranks:
+        if rid in self.lost_peers:
             return          # sent before it was lost: the rounds already go on without it
         if len(frames) != 3 or len(frames[2]) != nbytes:
             raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
@@ -520,8 +542,9 @@ class Server:
         state.summed = 0
         state.result = None
         state.round += 1
-        state.expected -= state.shrink
-        state.shrink = 0
+        if state.leaving:
+            state.expected -= len(state.leaving)
+            state.leaving.clear()
 
     def _drain_scheduler(self) -> None:
         while True:
@@ -535,20 +558,28 @@ class Server:
                               len(self.parts))
                 self._reset(None, 0)
             elif msg_type == P.WORKER_LOST:
-                self._worker_lost(int(msg["rank"]), len(msg["live"]), str(msg["message"]))
+                self._worker_lost(int(msg["rank"]), int(msg.get("incarnation", 0)),
+                                  len(msg["live"]), str(msg["message"]))
             elif msg_type == P.ERROR:
                 self.log.warning("scheduler: %s", msg.get("message"))
 
-    def _worker_lost(self, rank: int, live: int, message: str) -> None:
+    def _worker_lost(self, rank: int, incarnation: int, live: int, message: str) -> None:
         """The job goes on without worker ``rank``: rounds it already pushed keep its
         contribution; the others complete without it, now if every other push is in."""
-        rid = next((r for r, peer in self.peers.items() if peer == rank), None)
+        rid = next((r for r, peer in self.peers.items()
+                    if peer == rank and self.incarnations.get(r) == incarnation), None)
+        self.dead.add((rank, incarnation))
+        self.mailbox.pop((rank, incarnation), None)
+        if rid is not None:
+            self.lost_peers.add(rid)
+        if rank in self.lost_ranks:
+            return          # a restarted worker lost before it was admitted: never counted
         self.lost_ranks.add(rank)
         self.num_workers = live
         finished = 0
         for state in self.parts.values():
             if rid is not None and rid in state.waiting:
-                state.shrink += 1               # in this round's sum; not in the next
+                state.leaving.append(rank)      # in this round's sum; not in the next
                 continue
             state.expected -= 1
             if state.received and state.received >= state.expected:
@@ -560,6 +591,64 @@ class Server:
                     self.queues[state.thread].put((state, None, state.expected, rank, False))
         self.log.warning("%s; rounds go on with %d workers (%d completed without it)", message,
                          live, finished)
+
+
+    def _admit(self, rid: bytes, msg: dict[str, Any]) -> None:
+        """A restarted worker rejoins (its donor says so at a step boundary, before pushing
+        anything more): count its pushes from each partition's current round on. The donor
+        has every round before those, so none of them can complete without it meanwhile."""
+        if rid not in self.peers:
+            raise P.ProtocolError("ADMIT from a connection that has not said HELLO")
+        rank = P.int_field(msg, "rank", 0, P.MAX_WORKERS)
+        incarnation = P.int_field(msg, "incarnation", 0, 1 << 30)
+        rounds = msg.get("rounds")
+        if not isinstance(rounds, dict):
+            raise P.ProtocolError("ADMIT without its rounds")
+        if (rank, incarnation) in self.dead:
+            self.log.warning("worker %d (restart %d) was lost before it was admitted", rank,
+                             incarnation)
+            return
+        if rank not in self.lost_ranks:
+            raise P.ProtocolError(f"ADMIT of worker {rank}, which this server still counts")
+        for state in self.parts.values():
+            expected_round = rounds.get(str(state.part))
+            if rank in state.leaving or (expected_round is not None
+                                         and int(expected_round) != state.round):
+                raise P.ProtocolError(
+                    f"cannot admit worker {rank} at partition {state.part}: the server is at "
+                    f"round {state.round}, the donor at {expected_round}, and the previous "
+                    "process of that rank may have pushed it")
+        self.lost_ranks.discard(rank)
+        self.num_workers += 1
+        for state in self.parts.values():
+            state.expected += 1
+        self.log.warning("worker %d (restart %d) rejoined: rounds go on with %d workers", rank,
+                         incarnation, self.num_workers)
+
+    def _state(self, rid: bytes, rank: int, incarnation: int, frames: list[zmq.Frame]) -> None:
+        """The model a donor hands a restarted worker: relay it, or keep it until the joiner
+        says HELLO (one per joiner; gone when relayed, when the joiner is lost, or at the
+        job's end)."""
+        if rid not in self.peers or len(frames) != 3:
+            raise P.ProtocolError("STATE from a connection that has not said HELLO, or "
+                                  "without its payload")
+        if (rank, incarnation) in self.dead:
+            return
+        joiner = next((r for r, peer in self.peers.items()
+                       if peer == rank and self.incarnations.get(r) == incarnation), None)
+        if joiner is None:
+            self.mailbox[(rank, incarnation)] = frames[2]
+        else:
+            self._relay_state(joiner, rank, incarnation, frames[2])
+
+    def _relay_state(self, rid: bytes, rank: int, incarnation: int, payload: zmq.Frame) -> None:
+        try:
+            self.sock.send(rid, zmq.SNDMORE)
+            self.sock.send(P.pack_header(P.STATE, rank=rank, round=incarnation,
+                                         nbytes=len(payload)), zmq.SNDMORE)
+            self.sock.send(payload, copy=False)
+        except zmq.ZMQError:
+            pass        # the joiner is gone; the scheduler will say so
 
 
 def main() -> None:

@@ -120,6 +120,15 @@ class Worker:
         self.size = self.config.world_size
         self.live_ranks: list[int] = list(range(self.size))   # fewer once a worker is lost
         self.membership_changes = 0                             # how many times it changed
+        # rejoining (`bpsctl run --max-restarts`): this process restarted a lost rank and
+        # waits for a live worker's model (receive_state); as a live worker, the joiners this
+        # one hands the model to at its next step boundary (donate)
+        self.incarnation = 0                    # > 0: this process restarted a lost rank
+        self.joining = False                    # ... and has not received the state yet
+        self.pending_joins: list[tuple[int, int]] = []         # (rank, incarnation)
+        self._join_payload: bytes | None = None
+        self._joined = threading.Event()
+        self._lost_at_start: list[int] = []     # servers already lost when this one joined
         self.local_rank = self.config.local_rank
         self.local_size = self.config.local_size
 
@@ -170,7 +179,8 @@ class Worker:
         # servers whose connection dropped: index -> when to give up waiting for the
         # scheduler to move their partitions (failover); and those it moved off
         self._server_down: dict[int, tuple[float, float]] = {}   # index -> (since, give up)
-        self._servers_lost: set[int] = set()
+        self._servers_lost: set[int] = set(self._lost_at_start)
+        self._join_waiting: list[_Task] = []    # push_pulls called before the model came
         self._parked: list[tuple[int, int, _Task, list[int]]] = []   # pushes for a down one
         self._tasks: set[_Task] = set()
         self._barriers: dict[str, Handle] = {}
@@ -220,7 +230,7 @@ class Worker:
             "host": cfg.host, "pid": os.getpid(),
             "version": __version__, "num_servers": cfg.num_servers,
             "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s,
-            "min_workers": cfg.min_workers}
+            "min_workers": cfg.min_workers, "rejoin": cfg.rejoin}
         # stamped as it leaves: the registration is also a clock exchange (for traces)
         login = self.security.login(self._sched, lambda: P.control(P.REGISTER, {
             **register, "clock_ns": now_ns()}), where)
@@ -266,6 +276,11 @@ class Worker:
                 self.size = int(msg["world_size"])
                 self.live_ranks = list(range(self.size))
                 self._servers = msg["servers"]
+                if msg.get("joining"):      # live ones, and this one once it is admitted
+                    self.joining, self.incarnation = True, int(msg["incarnation"])
+                    self.live_ranks = sorted({*map(int, msg["live"]), self.rank})
+                    self.size = len(self.live_ranks)
+                    self._lost_at_start = [int(i) for i in msg.get("lost_servers", [])]
                 clock = scheduler_clock(msg, received_ns)
                 break
         if not self._servers:
@@ -280,7 +295,7 @@ class Worker:
         self.hosts = self.size // self.local_size if self.size % self.local_size == 0 else self.size
         hello_body: dict[str, Any] = {"job": cfg.job_id, "rank": self.rank,
                                       "world_size": self.size, "hosts": self.hosts,
-                                      "version": __version__}
+                                      "version": __version__, "incarnation": self.incarnation}
         if cfg.trace_dir:
             self._trace = self._open_trace(Path(cfg.trace_dir))
             self._trace.scheduler_clock = best_clock(clock, measure_clock(
@@ -288,13 +303,15 @@ class Worker:
             hello_body["trace_dir"] = str(Path(cfg.trace_dir).resolve())    # servers trace too
         hello = P.control(P.HELLO, hello_body)
         logins = []
-        for server in self._servers:
+        for index, server in enumerate(self._servers):
             sock = self._linked_socket()
             self._server_monitors.append(monitor(sock))
+            self._server_socks.append(sock)
+            if index in self._lost_at_start:
+                continue                    # its partitions live on other servers now
             sock.connect(f"tcp://{server['host']}:{server['port']}")
             logins.append(self.security.login(
                 sock, hello, f"server {server['rank']} at {server['host']}:{server['port']}"))
-            self._server_socks.append(sock)
         self._await_logins(logins, time.monotonic() + cfg.start_timeout_s)
 
     def _open_trace(self, directory: Path) -> Trace:
@@ -444,6 +461,34 @@ class Worker:
         self._command("barrier", handle)
         handle.wait(timeout_s if timeout_s is not None else self.config.op_timeout_s)
 
+    def donate(self, rank: int, incarnation: int, state: bytes,
+               timeout_s: float | None = None) -> None:
+        """Hand a rejoining worker (one of :attr:`pending_joins`) the job's state at a step
+        boundary, with no push_pull in flight: every server counts its pushes from the next
+        round on, and ``state`` (the model, as the plugin packs it) reaches it through one
+        server. Call it before starting the next step's push_pulls."""
+        handle = Handle(f"donate.{rank}", np.empty(0))
+        self._command("donate", (handle, rank, incarnation, state))
+        handle.wait(timeout_s if timeout_s is not None else self.config.op_timeout_s)
+
+    def receive_state(self, timeout_s: float | None = None) -> bytes:
+        """A rejoining worker: wait for the state a live worker hands it (see :meth:`donate`)
+        and join the job's rounds. Push_pulls called before wait for it too."""
+        if not self.joining and self._join_payload is None:
+            raise EngineError(f"worker {self.rank} did not rejoin a running job: it has no "
+                              "state to receive")
+        limit = timeout_s if timeout_s is not None else max(self.config.op_timeout_s,
+                                                             self.config.start_timeout_s)
+        if not self._joined.wait(limit):
+            raise EngineError(f"worker {self.rank}: no live worker handed over the model within "
+                              f"{limit:g} s of rejoining (BPSCTL_OP_TIMEOUT); the others may be "
+                              "stuck in a step")
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+        assert self._join_payload is not None
+        return self._join_payload
+
     def mark_step(self) -> None:
         """A training step ended (the plugins' optimizers say so): from now on the traced
         window counts these instead of push_pulls of the first tensor."""
@@ -552,6 +597,8 @@ class Worker:
                     self._trace.step_started_ns = payload
                 else:
                     self._trace.next_step(self._trace.name_id("step"), payload)
+            elif kind == "donate":
+                self._donate(*payload)
             elif kind == "stop":
                 self._sched.send_multipart(P.control(P.LEAVE))
                 self._stop = True
@@ -563,6 +610,9 @@ class Worker:
             self._finish(task, self._broken)
             return
         self._tasks.add(task)
+        if self.joining:
+            self._join_waiting.append(task)     # its rounds come with the model
+            return
         if self._trace is not None and not self._marked_steps:
             self._count_step(task.name)
         if self._peer_left:
@@ -661,9 +711,59 @@ class Worker:
             elif msg_type == P.RESULT:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 self._result(part_id, round_, frames[1], count or 1 << 16)
+            elif msg_type == P.STATE:
+                self._received_state(frames[1])
             elif msg_type == P.ERROR:
                 _, msg = P.parse_control([frames[0].buffer, frames[1].buffer])
                 self._fail_all(EngineError(f"worker {self.rank}: {msg.get('message')}"))
+
+    def _donate(self, handle: Handle, rank: int, incarnation: int, state: bytes) -> None:
+        """ADMIT to every server, then the rounds and ``state`` to the joiner through the
+        first live one (same connection as this worker's later pushes: they come after)."""
+        try:
+            if self._tasks or self._queue:
+                raise EngineError(f"worker {self.rank}: donate() needs a step boundary, but "
+                                  f"{len(self._tasks)} push_pulls are in flight")
+            live = [i for i in range(len(self._servers))
+                    if i not in self._servers_lost and i not in self._server_down]
+            if not live:
+                raise EngineError(f"worker {self.rank}: no server to admit worker {rank} to")
+            rounds = {str(part): round_ for part, round_ in self._rounds.items()}
+            admit = P.control(P.ADMIT, {"rank": rank, "incarnation": incarnation,
+                                        "rounds": rounds})
+            for index in live:
+                self._server_socks[index].send_multipart(admit)
+            head = json.dumps({"rounds": rounds}).encode()
+            payload = len(head).to_bytes(8, "little") + head + state
+            self._server_socks[live[0]].send_multipart([
+                P.pack_header(P.STATE, rank=rank, round=incarnation, nbytes=len(payload)),
+                payload], copy=False)
+            self._sched.send_multipart(P.control(P.JOIN_DONE, {"rank": rank}))
+            self.pending_joins = [j for j in self.pending_joins if j != (rank, incarnation)]
+            log.warning("worker %d: handed the model (%.1f MiB) to rejoining worker %d",
+                        self.rank, len(state) / 2**20, rank)
+        except EngineError as exc:
+            handle.error = exc
+        handle._done.set()
+
+    def _received_state(self, frame: zmq.Frame) -> None:
+        """This rejoining worker's state came: take the donor's rounds, start what waited."""
+        if not self.joining:
+            return
+        data = frame.bytes
+        size = int.from_bytes(data[:8], "little")
+        head = json.loads(data[8:8 + size])
+        self._rounds.update({int(part): int(round_) for part, round_ in head["rounds"].items()})
+        self._join_payload = data[8 + size:]
+        self.joining = False
+        waiting, self._join_waiting = self._join_waiting, []
+        declares: list[dict[str, Any]] = []
+        for task in waiting:
+            self._tasks.discard(task)
+            self._start_task(task, declares)
+        if declares:
+            self._sched.send_multipart(P.control(P.DECLARE, {"tensors": declares}))
+        self._joined.set()
 
     def _result(self, part_id: int, round_: int, payload: zmq.Frame, count: int) -> None:
         """A partition's sum of ``count`` workers' pushes: into the output, divided by that
@@ -749,11 +849,13 @@ class Worker:
             elif msg_type == P.SERVER_MOVED:
                 self._server_moved(msg)
             elif msg_type == P.WORKER_LOST:
-                self.live_ranks = [int(r) for r in msg["live"]]
-                self.size = len(self.live_ranks)
-                self.membership_changes += 1
-                log.warning("worker %d: %s; the job goes on with %d workers", self.rank,
-                            msg["message"], self.size)
+                lost = (int(msg["rank"]), int(msg.get("incarnation", 0)))
+                self.pending_joins = [j for j in self.pending_joins if j != lost]
+                self._membership([int(r) for r in msg["live"]], str(msg["message"]))
+            elif msg_type == P.WORKER_JOINING:
+                self.pending_joins.append((int(msg["rank"]), int(msg["incarnation"])))
+            elif msg_type == P.WORKER_JOINED:
+                self._membership([int(r) for r in msg["live"]], str(msg["message"]))
             elif msg_type == P.MEMBER_LEFT:
                 # results already on their way still land; what is left over after a grace
                 # period waits for the leaver in vain
@@ -768,6 +870,15 @@ class Worker:
                     self._fail_name(name, error)
                 else:
                     self._fail_all(error)
+
+    def _membership(self, live: list[int], message: str) -> None:
+        if self.joining:
+            live = sorted({*live, self.rank})
+        if live != self.live_ranks:
+            self.live_ranks, self.size = live, len(live)
+            self.membership_changes += 1
+            log.warning("worker %d: %s; the job goes on with %d workers", self.rank, message,
+                        self.size)
 
     def _declared(self, info: dict[str, Any]) -> None:
         name = info["name"]
@@ -888,6 +999,9 @@ class Worker:
         self._awaiting_declare.clear()
         self._queue.clear()
         self._parked.clear()
+        self._join_waiting.clear()
+        if self.joining:
+            self._joined.set()          # receive_state raises the error
         self._active.clear()
         self._unacked.clear()
         self._inflight_bytes = 0

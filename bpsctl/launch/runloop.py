@@ -7,8 +7,10 @@ cause; when one fails, or the scheduler or the last server of the cluster is los
 workers have not ended ``lost_grace_s`` later, every other worker is stopped; Ctrl-C or SIGTERM
 stops them all. A lost server while others remain is only said: the job's workers go on with
 its partitions on the other servers (``BPSCTL_SERVER_FAILOVER``, docs/design.md), or fail by
-themselves, naming it. Every worker has been stopped and waited for when :func:`run_workers`
-returns.
+themselves, naming it. With ``BPSCTL_MAX_RESTARTS`` a failed worker is started again (same
+host, same rank, ``BPSCTL_REJOIN=1``) while restarts are left, and rejoins the running job;
+the job goes on without it meanwhile. Every worker has been stopped and waited for when
+:func:`run_workers` returns.
 """
 from __future__ import annotations
 
@@ -97,22 +99,34 @@ def _fatal_loss(gone: list[ProcessRecord], servers_lost: set[str], servers: int,
 def _run(spawner: Spawner, the_plan: Plan, config: Config, stop_signals: StopSignals,
          lost_grace_s: float, stop_grace_s: float) -> RunResult:
     workers: list[WorkerProcess] = []
+    retired: list[WorkerProcess] = []       # failed and restarted: stopped (waited) at the end
+    restarted: list[WorkerFailure] = []
     failed: list[WorkerProcess] = []
     gone_on: list[WorkerProcess] = []       # failed, and the job went on without them
     codes: dict[int, int] = {}
     lost: ProcessRecord | None = None
     give_up_at = float("inf")
     servers_lost: set[str] = set()      # said, and left to the engine's failover
+    # restarting needs a job that goes on without a worker while it restarts
+    engine_config = (config.replace(min_workers=1)
+                     if config.max_restarts and not config.min_workers else config)
+    envs = [a.to_env(engine_config, the_plan) for a in the_plan.workers]
     try:
-        for assignment in the_plan.workers:
+        for assignment, env in zip(the_plan.workers, envs, strict=True):
             stop_signals.check()
-            workers.append(spawner.start(assignment, assignment.to_env(config, the_plan)))
+            workers.append(spawner.start(assignment, env))
         spawner.started(workers)
         while True:
             stop_signals.check()
-            for worker in workers:
+            for index, worker in enumerate(workers):
                 if worker.rank not in codes:
                     code = worker.exit_code()
+                    if code and len(restarted) < config.max_restarts:
+                        restarted.append(_failure(worker, code))
+                        retired.append(worker)
+                        workers[index] = _restart(spawner, the_plan.workers[index], envs[index],
+                                                  worker, code, len(restarted), config)
+                        continue
                     if code is not None:
                         codes[worker.rank] = code
                         if code and _goes_on_without(worker, code, len(workers),
@@ -131,15 +145,29 @@ def _run(spawner: Spawner, the_plan: Plan, config: Config, stop_signals: StopSig
                 break
             time.sleep(_POLL_INTERVAL_S)
     finally:
-        spawner.stop(workers, stop_grace_s)
+        spawner.stop([*retired, *workers], stop_grace_s)
     message = f"lost {lost.label}: it exited during the run" if lost is not None else ""
     left_behind = tuple(_failure(w, codes[w.rank]) for w in gone_on)
     if not failed:
         stopped = len(codes) < len(workers)         # by the watch, after its grace
-        return RunResult(exit_code=1 if stopped else 0, lost=message, left_behind=left_behind)
+        return RunResult(exit_code=1 if stopped else 0, lost=message, left_behind=left_behind,
+                         restarted=tuple(restarted))
     failures = tuple(_failure(w, codes[w.rank]) for w in failed)
     return RunResult(exit_code=failures[0].exit_code, failures=failures, lost=message,
-                     left_behind=left_behind)
+                     left_behind=left_behind, restarted=tuple(restarted))
+
+
+def _restart(spawner: Spawner, assignment: Assignment, env: dict[str, str],
+             worker: WorkerProcess, code: int, count: int, config: Config) -> WorkerProcess:
+    """Start ``worker``'s rank again, to rejoin the running job. Said once."""
+    new = spawner.start(assignment, {**env, "BPSCTL_REJOIN": "1"})
+    spawner.started([new])
+    how = f"signal {worker.signal_name()}" if worker.signal_name() else f"exit code {code}"
+    where = f" on {worker.host}" if worker.host else ""
+    log.warning("worker %d (pid %d%s) failed (%s); restarted it as pid %d to rejoin the job "
+                "(restart %d of %d)", worker.rank, worker.pid, where, how, new.pid, count,
+                config.max_restarts)
+    return new
 
 
 def _failure(worker: WorkerProcess, code: int) -> WorkerFailure:

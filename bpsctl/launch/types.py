@@ -215,6 +215,8 @@ class RunResult:
     lost: str = ""              # a scheduler or server that exited during the run, named
     #: workers that failed while the job went on without them (BPSCTL_MIN_WORKERS)
     left_behind: tuple[WorkerFailure, ...] = ()
+    #: workers that failed and were started again to rejoin the job (BPSCTL_MAX_RESTARTS)
+    restarted: tuple[WorkerFailure, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,15 @@ the intra-node stage (:mod:`bpsctl.engine.intranode`): gloo for host tensors; NC
 for CUDA tensors where every rank has CUDA and NCCL (only each rank's owned chunk is staged
 through pinned memory), else they are staged whole and take the gloo path. Handles are
 integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed.
+
+**Rejoining** (``bpsctl run --max-restarts``): a live worker hands a restarted one its state
+at the end of an optimizer step (``DistributedOptimizer.step``): the tensors it passed to
+``broadcast_parameters``, every ``DistributedOptimizer``'s state and the step count. The
+restarted process runs the script from the top; its ``broadcast_parameters`` waits for that
+state and copies it in (no collective), its first ``step()`` loads the optimizer state, and
+:func:`step_count` says where to resume. After its first step its parameters equal the
+others' bit for bit. :mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic
+API.
 """
 from __future__ import annotations
 
@@ -40,7 +49,7 @@ __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "
            "push_pull", "push_pull_async", "push_pull_inplace", "push_pull_async_inplace",
            "poll", "synchronize", "declare", "broadcast_parameters", "broadcast_optimizer_state",
            "broadcast_object", "Compression", "EngineCompressor", "DistributedOptimizer",
-           "DistributedDataParallel", "EngineError", "add_membership_callback"]
+           "DistributedDataParallel", "EngineError", "add_membership_callback", "step_count"]
 
 
 # --------------------------------------------------------------------------- compression
@@ -167,6 +176,13 @@ class _Plugin:
         self.lock = threading.Lock()
         self.stage: LocalStage | None = None
         self.membership_seen = 0                # worker.membership_changes already told
+        # what a rejoining worker receives (see the module docstring)
+        self.steps = 0                          # optimizer steps this model has taken
+        self.shared: dict[str, torch.Tensor] = {}           # from broadcast_parameters
+        self.optimizers: list[torch.optim.Optimizer] = []   # every DistributedOptimizer
+        self.elastic: Any = None                # an elastic State: it hands over the model
+        self.received: dict[str, Any] | None = None     # a rejoining worker's state, unpacked
+        self.unloaded: set[int] = set()         # optimizers whose received state is not in
         self.copy_stream: Any = None
         self.pinned: dict[str, torch.Tensor] = {}
         w, cfg = self.worker, self.config
@@ -228,6 +244,13 @@ def local_size() -> int:
 
 def local_rank() -> int:
     return _p().worker.local_rank
+
+
+def step_count() -> int:
+    """Optimizer steps (``DistributedOptimizer.step``) this model has taken in the job: 0 at
+    the start; in a worker that rejoined, the count it received with the model (after
+    ``broadcast_parameters``), so a script can resume its loop there."""
+    return _p().steps
 
 
 def declare(name: str, shape: Iterable[int] | None = None,
@@ -428,7 +451,8 @@ def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int, pr
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:
-    """Copy ``params`` (a ``state_dict()`` or ``named_parameters()``) from ``root_rank`` to all."""
+    """Copy ``params`` (a ``state_dict()`` or ``named_parameters()``) from ``root_rank`` to all.
+    In a rejoining worker: copy them from the state a live worker hands it instead."""
     if isinstance(params, dict):
         named = sorted(params.items())
     elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
@@ -445,7 +469,47 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
                             "use broadcast_object")
         tensors.append((name, tensor))
     _check_root(root_rank)
-    _broadcast_tensors(tensors, root_rank, "Parameter")
+    plugin = _p()
+    plugin.shared.update(tensors)
+    received = _received_state(plugin)
+    if received is None:
+        _broadcast_tensors(tensors, root_rank, "Parameter")
+        return
+    missing = [name for name, _ in tensors if name not in received["params"]]
+    if missing:
+        raise EngineError(f"rejoining: the live worker's model has no {missing[:3]} (workers run "
+                          "different scripts?)")
+    with torch.no_grad():
+        for name, tensor in tensors:
+            tensor.copy_(received["params"][name])
+
+
+def _received_state(plugin: _Plugin) -> dict[str, Any] | None:
+    """A rejoining worker's state from a live worker (waiting for it once), else None."""
+    if plugin.received is None and plugin.worker.incarnation:      # a restarted process
+        payload = plugin.worker.receive_state()
+        plugin.received = torch.load(io.BytesIO(payload), weights_only=False)
+        plugin.steps = plugin.received["steps"]
+        plugin.unloaded = set(range(len(plugin.received["optimizers"])))
+    return plugin.received
+
+
+def _pack_state(plugin: _Plugin, elastic: Any = None) -> bytes:
+    """What a rejoining worker starts from (see the module docstring)."""
+    buffer = io.BytesIO()
+    torch.save({"steps": plugin.steps, "params": plugin.shared,
+                "optimizers": [opt.state_dict() for opt in plugin.optimizers],
+                "elastic": elastic}, buffer)
+    return buffer.getvalue()
+
+
+def _donate(plugin: _Plugin, elastic: Any = None) -> None:
+    """At a step boundary: hand the state to every worker waiting to rejoin."""
+    worker = plugin.worker
+    if worker.pending_joins:
+        state = _pack_state(plugin, elastic)
+        for rank_, incarnation in list(worker.pending_joins):
+            worker.donate(rank_, incarnation, state)
 
 
 _object_counter = itertools.count()
@@ -467,7 +531,11 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
-    """Copy ``optimizer``'s state (and hyper-parameters) from ``root_rank`` to all ranks."""
+    """Copy ``optimizer``'s state (and hyper-parameters) from ``root_rank`` to all ranks. In a
+    rejoining worker nothing happens here: a DistributedOptimizer's first ``step()`` loads the
+    state the live worker handed over."""
+    if _received_state(_p()) is not None:
+        return
     buffer = io.BytesIO()
     if rank() == root_rank:
         torch.save(optimizer.state_dict(), buffer)
@@ -653,6 +721,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                    backward_passes_per_step)
         self._should_synchronize = True
         self._synchronized = False
+        plugin = _p()
+        self._index = len(plugin.optimizers)        # its state's place in a handed-over model
+        plugin.optimizers.append(self)
 
     def synchronize(self) -> None:
         """Wait for every gradient's push_pull (pushing any that has not started)."""
@@ -669,11 +740,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._should_synchronize = True
 
     def step(self, closure=None):
+        plugin = _p()
+        if plugin.worker.incarnation and plugin.received is None:
+            raise EngineError("this worker rejoins a running job and receives the model in "
+                              "broadcast_parameters(model.state_dict(), root_rank=0): call it "
+                              "before the first step, as with Horovod")
         if self._should_synchronize:
             self.synchronize()
         self._synchronized = False
+        if self._index in plugin.unloaded:      # rejoined: the live worker's optimizer state
+            plugin.unloaded.discard(self._index)
+            assert plugin.received is not None
+            self.load_state_dict(plugin.received["optimizers"][self._index])
         loss = super(self.__class__, self).step(closure)
+        plugin.steps += 1
+        if plugin.received is not None and plugin.received["params"] and not plugin.unloaded:
+            plugin.received = {**plugin.received, "params": {}, "optimizers": []}   # memory
         _engine._w().mark_step()
+        if plugin.elastic is None:          # an elastic State hands it over at commit()
+            _donate(plugin)
         return loss
 
     def zero_grad(self, set_to_none: bool = True):

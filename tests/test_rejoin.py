@@ -1,0 +1,87 @@
+"""A restarted worker rejoins the running job (`bpsctl run --max-restarts`): it receives a live
+worker's model and optimizer state at a step boundary, and from its first step on its
+parameters equal the others' bit for bit."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+SCRIPT = '''
+import os, signal, sys
+import torch
+import bpsctl.engine.torch as bps
+
+out_dir, steps, die_at, again = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+bps.init()
+rank = bps.rank()
+rejoined = os.environ.get("BPSCTL_REJOIN") == "1"
+torch.manual_seed(rank)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+optimizer = bps.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4),
+    named_parameters=model.named_parameters())
+bps.broadcast_parameters(model.state_dict(), root_rank=0)
+bps.broadcast_optimizer_state(optimizer, root_rank=0)
+start = bps.step_count()
+for step in range(start, steps):
+    if rank == 2 and (step == die_at and not rejoined or again == "die-again" and rejoined):
+        os.kill(os.getpid(), signal.SIGKILL)
+    x = torch.randn(16, 32)
+    optimizer.zero_grad()
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(flat, os.path.join(out_dir, f"r{rank}-s{step}.pt"))
+    with open(os.path.join(out_dir, f"size-{rank}"), "a") as f:
+        f.write(f"{bps.size()} ")
+with open(os.path.join(out_dir, f"start-{rank}"), "w") as f:
+    f.write(str(start))
+bps.shutdown()
+'''
+
+
+def _run(tmp_path: Path, steps: int, die_at: int, again: str = "",
+         max_restarts: int = 1) -> tuple[subprocess.CompletedProcess, Path]:
+    script, out = tmp_path / "train.py", tmp_path / "out"
+    script.write_text(SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
+                           "--max-restarts", str(max_restarts), "--", sys.executable,
+                           str(script), str(out), str(steps), str(die_at), again],
+                          env=env, capture_output=True, text=True, timeout=240)
+    return done, out
+
+
+def test_a_killed_worker_is_restarted_and_rejoins_bitwise_equal(tmp_path):
+    """`bpsctl run -np 3 --max-restarts 1`, worker 2 killed at step 4: it is restarted,
+    resumes at the step the live worker had reached, and after each of its steps all three
+    workers hold the same parameters (SGD with momentum and weight decay: the optimizer state
+    came with the model)."""
+    steps, die_at = 60, 4
+    done, out = _run(tmp_path, steps, die_at)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "restarted worker 2" in done.stderr and "rejoined the job" in done.stderr, \
+        done.stdout + done.stderr
+    start = int((out / "start-2").read_text())
+    assert die_at <= start < steps, f"the restarted worker resumed at step {start}"
+    for step in [*range(die_at), *range(start, steps)]:
+        first, *others = (torch.load(out / f"r{rank}-s{step}.pt") for rank in range(3))
+        assert all(torch.equal(first, other) for other in others), f"step {step} differs"
+    for step in range(die_at, start):     # the two live ones went on meanwhile, in step
+        assert torch.equal(*(torch.load(out / f"r{rank}-s{step}.pt") for rank in (0, 1)))
+    sizes = (out / "size-0").read_text().split()
+    assert sizes[0] == "3" and "2" in sizes and sizes[-1] == "3", sizes
+
+
+def test_a_worker_that_fails_again_after_its_last_restart_ends_the_job(tmp_path):
+    """With one restart allowed, a worker that dies again after rejoining ends the job (no
+    --min-workers): exit non-zero, naming it, nothing left running."""
+    done, _ = _run(tmp_path, 200, 4, again="die-again")
+    assert done.returncode != 0, done.stdout + done.stderr
+    assert "worker 2" in done.stderr and "SIGKILL" in done.stderr, done.stderr
