@@ -85,3 +85,74 @@ def test_a_worker_that_fails_again_after_its_last_restart_ends_the_job(tmp_path)
     done, _ = _run(tmp_path, 200, 4, again="die-again")
     assert done.returncode != 0, done.stdout + done.stderr
     assert "worker 2" in done.stderr and "SIGKILL" in done.stderr, done.stderr
+
+
+# written against horovod.torch.elastic; only the import line differs
+ELASTIC_SCRIPT = '''
+import os, signal, sys
+import torch
+import bpsctl.engine.torch as hvd          # was: import horovod.torch as hvd
+
+out_dir, epochs, batches, die_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+hvd.init()
+rank = hvd.rank()
+torch.manual_seed(rank)                      # different on every rank: sync() makes them equal
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                     named_parameters=model.named_parameters())
+resets = []
+
+def on_reset():
+    resets.append(hvd.size())
+
+state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
+state.register_reset_callbacks([on_reset])
+rejoined = os.environ.get("BPSCTL_REJOIN") == "1"
+
+@hvd.elastic.run
+def train(state):
+    for state.epoch in range(state.epoch, epochs):
+        for state.batch in range(state.batch, batches):
+            step = state.epoch * batches + state.batch
+            if rank == 2 and step == die_at and not rejoined:
+                os.kill(os.getpid(), signal.SIGKILL)
+            optimizer.zero_grad()
+            model(torch.randn(16, 32)).pow(2).mean().backward()
+            optimizer.step()
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            torch.save(flat, os.path.join(out_dir, f"r{rank}-s{step}.pt"))
+            state.batch += 1
+            state.commit()
+        state.batch = 0
+
+train(state)
+with open(os.path.join(out_dir, f"resets-{rank}"), "w") as f:
+    f.write(repr(resets))
+hvd.shutdown()
+'''
+
+
+def test_a_horovod_elastic_script_runs_with_its_import_changed_and_rejoins(tmp_path):
+    """A horovod.torch.elastic script (TorchState, commit, reset callbacks, run): ranks start
+    from different weights and sync() makes them equal; worker 2 killed at step 6 is
+    restarted, resumes from the committed epoch and batch, and from then on all three hold
+    the same parameters; every live worker's reset callbacks ran at the same commits."""
+    epochs, batches, die_at = 4, 15, 6
+    script, out = tmp_path / "train.py", tmp_path / "out"
+    script.write_text(ELASTIC_SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
+                           "--max-restarts", "1", "--", sys.executable, str(script), str(out),
+                           str(epochs), str(batches), str(die_at)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+    total = epochs * batches
+    joined = min(s for s in range(die_at + 1, total) if (out / f"r2-s{s}.pt").exists())
+    for step in [*range(die_at), *range(joined, total)]:
+        first, *others = (torch.load(out / f"r{rank}-s{step}.pt") for rank in range(3))
+        assert all(torch.equal(first, other) for other in others), f"step {step} differs"
+    assert not any((out / f"r2-s{s}.pt").exists() for s in range(die_at, joined))
+    resets = [(out / f"resets-{rank}").read_text() for rank in (0, 1)]
+    assert resets[0] == resets[1] and resets[0] != "[]", resets    # the same resets, in step

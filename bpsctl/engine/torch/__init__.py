@@ -49,7 +49,8 @@ __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "
            "push_pull", "push_pull_async", "push_pull_inplace", "push_pull_async_inplace",
            "poll", "synchronize", "declare", "broadcast_parameters", "broadcast_optimizer_state",
            "broadcast_object", "Compression", "EngineCompressor", "DistributedOptimizer",
-           "DistributedDataParallel", "EngineError", "add_membership_callback", "step_count"]
+           "DistributedDataParallel", "EngineError", "add_membership_callback", "step_count",
+           "elastic"]
 
 
 # --------------------------------------------------------------------------- compression
@@ -807,3 +808,6 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
 
+
+
+from . import elastic  # noqa: E402  (Horovod's hvd.elastic; it uses the functions above)
