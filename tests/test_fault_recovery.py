@@ -1,0 +1,255 @@
+"""Seeded faults on an emulated cluster (root) that the job survives: a server killed or cut
+off, a worker killed under --min-workers, a worker killed and restarted (--max-restarts).
+
+Every run goes through the CLI: `bpsctl up --emulate --workers 4 --servers 4 --nic 1gbit`
+(one cluster for all runs of a test), a fault-free reference run, then `bpsctl run -np 4
+... -- python recovery_worker.py` with one fault at a seeded random step. For each run it
+asserts what a user would check:
+
+- `bpsctl run` exits 0 after every step;
+- server faults: the final parameters equal the fault-free run's to float32 rounding (the
+  summation order may differ after a failover), and the workers equal each other bit for bit
+  after every step;
+- worker faults: the workers still in the job equal each other bit for bit after every step
+  (a restarted one from its first step on);
+- the slowest step of the run is at most the heartbeat timeout + 2 s longer than the median.
+
+``BPSCTL_RECOVERY_RUNS`` runs per fault (default 2, for CI; 20 for the figures) of
+``BPSCTL_RECOVERY_STEPS`` steps (default 40; 200 for the figures), seeded by
+``BPSCTL_RECOVERY_SEED``; ``BPSCTL_RECOVERY_REPORT=FILE`` writes every run's figures as JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import gone, kill_pids
+
+from bpsctl.launch import api, emulate
+
+RUNS = int(os.environ.get("BPSCTL_RECOVERY_RUNS", "2"))
+STEPS = int(os.environ.get("BPSCTL_RECOVERY_STEPS", "40"))
+SEED = int(os.environ.get("BPSCTL_RECOVERY_SEED", "19"))
+REPORT_FILE = os.environ.get("BPSCTL_RECOVERY_REPORT")
+HEARTBEAT_TIMEOUT_S = 2.0
+RUN_BOUND_S = 240.0
+WORKER_SCRIPT = Path(__file__).resolve().parent / "recovery_worker.py"
+
+
+@dataclass
+class Outcome:
+    fault: str                  # server-kill | server-cut | worker-kill | worker-restart
+    target: str
+    seed: str
+    step: int                   # the step all workers had finished when it struck
+    exit_code: int
+    seconds: float              # the whole run
+    stall_s: float              # slowest step - median step
+    max_rel_diff: float | None  # server faults: against the fault-free run
+    rejoined_at: int | None     # worker-restart: the first step of the restarted worker
+
+
+OUTCOMES: list[Outcome] = []
+
+
+class Cluster:
+    def __init__(self, state_dir: Path):
+        self.state_dir = state_dir
+        self.state: api.ClusterState | None = None
+        self.pids: set[int] = set()
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "BPSCTL_STATE_DIR": str(self.state_dir), "COLUMNS": "200",
+                "BPSCTL_HEARTBEAT_TIMEOUT": str(HEARTBEAT_TIMEOUT_S),
+                "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
+
+    def cli(self, *args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=self.env(),
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
+
+    def up(self) -> None:
+        result = self.cli("up", "--emulate", "--workers", "4", "--servers", "4",
+                          "--nic", "1gbit")
+        assert result.returncode == 0, result.stderr
+        self.state = api.load_state(self.state_dir)
+        self.pids |= {p.pid for p in self.state.processes}
+
+    def down(self) -> None:
+        if self.state is None:
+            return
+        cluster_id, self.state = self.state.emulation["cluster_id"], None
+        result = self.cli("down")
+        left = [pid for pid in self.pids if not gone(pid)]
+        kill_pids(left)
+        assert result.returncode == 0, result.stderr
+        assert not left, f"processes left after `bpsctl down`: {left}"
+        assert not [ns for ns in emulate.list_namespaces()
+                    if ns.startswith(f"bps-{cluster_id}-")], "namespaces left after down"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = Cluster(tmp_path_factory.mktemp("recovery") / "state")
+    cluster.up()
+    try:
+        yield cluster
+    finally:
+        cluster.down()
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, tmp_path_factory):
+    """The fault-free run's final parameters (the data depend only on rank and step)."""
+    out = tmp_path_factory.mktemp("reference")
+    result = cluster.cli("run", "-np", "4", "--", sys.executable, str(WORKER_SCRIPT), str(out),
+                         str(STEPS), timeout_s=RUN_BOUND_S)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return torch.load(out / "final-0.pt")
+
+
+def _steps(out: Path, prefix: str, rank: int) -> dict[int, str]:
+    path = out / f"{prefix}-{rank}"
+    if not path.exists():
+        return {}
+    return {int(step): value for step, value in
+            (line.split() for line in path.read_text().splitlines() if line.strip())}
+
+
+def _done(out: Path, rank: int) -> int:
+    try:
+        return int((out / f"step-{rank}").read_text())
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def _strike(cluster: Cluster, tmp_path: Path, fault: str, index: int,
+            reference: torch.Tensor | None) -> Outcome:
+    seed = f"{SEED}-{fault}-{index}"
+    rng = random.Random(seed)
+    state = cluster.state
+    assert state is not None
+    step = rng.randrange(3, STEPS - 10)
+    out = tmp_path / f"run-{seed}"
+    out.mkdir()
+    extra = {"worker-kill": ["--min-workers", "3"], "worker-restart": ["--max-restarts", "1"]}
+    servers = sorted((p for p in state.processes if p.role == "server"), key=lambda p: p.rank)
+    scheduler_host = next(p.host for p in state.processes if p.role == "scheduler")
+    with open(out / "output.txt", "w") as output:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "bpsctl.cli", "run", "-np", "4", *extra.get(fault, []),
+             "--", sys.executable, str(WORKER_SCRIPT), str(out), str(STEPS)],
+            env=cluster.env(), stdout=output, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+    cluster.pids.add(launcher.pid)
+    began = time.monotonic()
+    try:
+        deadline = began + RUN_BOUND_S
+        while min(_done(out, rank) for rank in range(4)) < step:
+            assert time.monotonic() < deadline and launcher.poll() is None, \
+                f"{seed}: the run did not reach step {step}:\n{(out / 'output.txt').read_text()}"
+            time.sleep(0.01)
+        if fault.startswith("worker"):
+            rank = rng.randrange(4)
+            target = f"worker:{rank}"
+            pid = int((out / f"pid-{rank}").read_text())
+            cluster.pids.add(pid)
+            os.kill(pid, signal.SIGKILL)
+        else:   # not the server beside the scheduler: a cut there would lose the scheduler
+            server = rng.choice([s for s in servers if s.host != scheduler_host])
+            target = f"server:{server.rank}"
+            if fault == "server-kill":
+                os.kill(server.pid, signal.SIGKILL)
+            else:
+                host = next(h["name"] for h in state.emulation["servers"]
+                            if h["address"] == server.host)
+                subprocess.run(["ip", "-n", emulate.namespace_name(
+                    state.emulation["cluster_id"], host), "link", "set",
+                    emulate.HOST_INTERFACE, "down"], check=True, timeout=10)
+        exit_code = launcher.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    seconds = time.monotonic() - began
+    text = (out / "output.txt").read_text()
+    where = f"seed {seed}: {target} at step {step}"
+    assert exit_code == 0, f"{where}: exit code {exit_code}:\n{text}"
+
+    hashes = {rank: _steps(out, "hashes", rank) for rank in range(4)}
+    lost = int(target.split(":")[1]) if fault.startswith("worker") else None
+    rejoined_at = None
+    if fault == "worker-restart":
+        after = sorted(s for s in hashes[lost] if s > step)
+        assert after and after[-1] == STEPS - 1, f"{where}: the restarted worker did not finish"
+        rejoined_at = after[0]
+    for s in range(STEPS):
+        present = [hashes[r][s] for r in range(4) if s in hashes[r]]
+        if s <= step or not fault.startswith("worker") or \
+                (rejoined_at is not None and s >= rejoined_at):
+            expected = {4}
+        elif s == step + 1:             # the victim may have finished it before it died
+            expected = {3, 4}
+        else:
+            expected = {3}
+        assert len(present) in expected, f"{where}: step {s} has {len(present)} workers"
+        assert len(set(present)) == 1, f"{where}: workers differ after step {s}"
+    times = [float(t) for r in range(4) for t in _steps(out, "times", r).values()]
+    stall = max(times) - statistics.median(times)
+    assert stall <= HEARTBEAT_TIMEOUT_S + 2, f"{where}: a step stalled {stall:.1f} s:\n{text}"
+    diff = None
+    if reference is not None:
+        final = torch.load(out / "final-0.pt")
+        diff = float(((final - reference).abs() / reference.abs().clamp_min(1e-6)).max())
+        assert torch.allclose(final, reference, rtol=1e-4, atol=1e-6), \
+            f"{where}: final parameters differ from the fault-free run (max rel {diff:.2e})"
+    outcome = Outcome(fault, target, seed, step, exit_code, round(seconds, 2), round(stall, 3),
+                      diff, rejoined_at)
+    OUTCOMES.append(outcome)
+    return outcome
+
+
+@pytest.mark.timeout(300 + 300 * RUNS)
+@pytest.mark.parametrize("fault", ["server-kill", "server-cut"])
+def test_the_job_goes_on_through_a_lost_server(cluster, reference, tmp_path, fault):
+    for index in range(RUNS):
+        _strike(cluster, tmp_path, fault, index, reference)
+        cluster.down()          # a killed or cut-off server does not come back: a fresh one
+        cluster.up()
+
+
+@pytest.mark.timeout(300 + 300 * RUNS)
+@pytest.mark.parametrize("fault", ["worker-kill", "worker-restart"])
+def test_the_job_goes_on_through_a_lost_worker(cluster, tmp_path, fault):
+    for index in range(RUNS):
+        _strike(cluster, tmp_path, fault, index, None)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def figures():
+    """Per fault: runs, worst stall, worst relative difference (printed with -s; JSON)."""
+    yield
+    summary = {}
+    for fault in ("server-kill", "server-cut", "worker-kill", "worker-restart"):
+        runs = [o for o in OUTCOMES if o.fault == fault]
+        if runs:
+            diffs = [o.max_rel_diff for o in runs if o.max_rel_diff is not None]
+            summary[fault] = {"runs": len(runs), "exit_0": sum(o.exit_code == 0 for o in runs),
+                              "max_stall_s": max(o.stall_s for o in runs),
+                              "median_stall_s": round(statistics.median(o.stall_s for o in runs),
+                                                      3),
+                              "max_rel_diff": max(diffs) if diffs else None}
+    print(f"\nfault recovery (seed {SEED}, {STEPS} steps): {json.dumps(summary)}")
+    if REPORT_FILE:
+        Path(REPORT_FILE).write_text(json.dumps(
+            {"seed": SEED, "steps": STEPS, "summary": summary,
+             "runs": [asdict(o) for o in OUTCOMES]}, indent=2))
