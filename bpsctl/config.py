@@ -102,6 +102,23 @@ def parse_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
     return slow
 
 
+def check_backup_workers(backup_workers: int, workers: int,
+                         flag: str = "--backup-workers") -> None:
+    """Refuse a backup worker count a job of ``workers`` workers cannot have."""
+    if not 0 <= backup_workers < max(workers, 1):
+        raise ConfigError(f"{flag} / BPSCTL_BACKUP_WORKERS: expected {backup_range(workers)}, "
+                          f"got {backup_workers}")
+
+
+def backup_range(workers: int) -> str:
+    """What a backup worker count may be in a job of ``workers`` workers."""
+    if workers <= 0:
+        return "0 or more"      # the job's size is not known here
+    if workers == 1:
+        return "0 (a job of one worker has no backup)"
+    return f"0..{workers - 1} (fewer than the job's {workers} workers)"
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -286,6 +303,11 @@ class Config:
     rejoin: bool = knob(False, "BPSCTL_REJOIN",
                         "set by `bpsctl run` on a restarted worker: it takes its rank back in "
                         "the running job instead of starting a new one", "bool")
+    backup_workers: int = knob(0, "BPSCTL_BACKUP_WORKERS",
+                               "a round of an averaged push_pull completes once all but this many "
+                               "live workers pushed it; later pushes are dropped from the sum and "
+                               "answered with the round's result (0: wait for every worker)",
+                               "int")
     server_failover: bool = knob(True, "BPSCTL_SERVER_FAILOVER",
                                  "when a server is lost, move its partitions to the job's other "
                                  "servers and go on (0: fail the job, naming the server)", "bool",
@@ -333,6 +355,10 @@ class Config:
             (self.op_timeout_s > 0, "BPSCTL_OP_TIMEOUT", "more than 0 s", self.op_timeout_s),
             (self.min_workers >= 0, "BPSCTL_MIN_WORKERS", "0 or more", self.min_workers),
             (self.max_restarts >= 0, "BPSCTL_MAX_RESTARTS", "0 or more", self.max_restarts),
+            (self.backup_workers >= 0 and (self.world_size == 1
+                                            or self.backup_workers < self.world_size),
+             "BPSCTL_BACKUP_WORKERS", backup_range(self.world_size if self.world_size > 1
+                                                   else 0), self.backup_workers),
             (self.heartbeat_interval_s > 0, "BPSCTL_HEARTBEAT_INTERVAL", "more than 0 s",
              self.heartbeat_interval_s),
             (self.heartbeat_timeout_s > self.heartbeat_interval_s, "BPSCTL_HEARTBEAT_TIMEOUT",

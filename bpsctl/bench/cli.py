@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
-from bpsctl.config import ConfigError, parse_size
+from bpsctl.config import ConfigError, check_backup_workers, parse_size
 
 from .api import (
     CommSettings,
@@ -54,7 +54,8 @@ def _sweep(text: str | None) -> list[int] | None:
 def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                     credit_bytes: str | None, emulate: bool | None,
                     nic: str | None, config_file: Path | None = None,
-                    trace_dir: Path | None = None, straggler: str | None = None) -> Any:
+                    trace_dir: Path | None = None, straggler: str | None = None,
+                    backup_workers: int | None = None) -> Any:
     """The Config every benchmark (and tune) shares: data-path knobs, the (emulated) cluster
     flags, and the tuned config file under them."""
     flags = {"partition_bytes": (None if partition_bytes is None
@@ -64,6 +65,7 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                               else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
              "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
              "straggler": (straggler, "--straggler"),
+             "backup_workers": (backup_workers, "--backup-workers"),
              "trace_dir": (None if trace_dir is None else str(trace_dir.resolve()), "--trace")}
     # a figure must not hide a failover: a server lost mid-benchmark fails the run, naming it
     config = build_config(ctx, flags, config_file, read_file=True).replace(server_failover=False)
@@ -143,6 +145,7 @@ def comm(ctx: typer.Context,
          emulate: bool | None = knob_option("emulate", "--emulate"),
          nic: str | None = knob_option("nic", "--nic"),
          straggler: str | None = knob_option("straggler", "--straggler"),
+         backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
          sweep: str | None = typer.Option(None, "--sweep", metavar="workers=2,4,6,8",
                                           help="A cluster per worker count; speedup over "
                                                "allreduce against the theory 2(n-1)/n."),
@@ -165,8 +168,11 @@ def comm(ctx: typer.Context,
     """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir, straggler)
+                                 trace_dir, straggler, backup_workers)
         n, k = cluster_size(config, workers, servers, "--sweep" if sweep is not None else "")
+        worker_counts = _sweep(sweep)
+        for count in worker_counts or [n]:
+            check_backup_workers(config.backup_workers, count)
         settings = CommSettings(workers=n, servers=k, sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
                                 compare=_names(compare), security=_names(security))
@@ -174,7 +180,6 @@ def comm(ctx: typer.Context,
         if too_small:
             raise ConfigError(f"--size: {too_small[0]} bytes is too small for {tensors} float32 "
                               f"tensors (at least {4 * tensors} bytes)")
-        worker_counts = _sweep(sweep)
         if plot_file is not None:
             from .report import _pyplot
             _pyplot()                       # a missing matplotlib is a usage error, said up front
@@ -201,11 +206,13 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            partition_bytes: str | None, credit_bytes: str | None,
            json_file: Path | None, plot_file: Path | None,
            config_file: Path | None, trace_dir: Path | None = None,
-           straggler: str | None = None, compression: str | None = None) -> None:
+           straggler: str | None = None, compression: str | None = None,
+           backup_workers: int | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir, straggler)
+                                 trace_dir, straggler, backup_workers)
         workers, servers = cluster_size(config, workers, servers)
+        check_backup_workers(config.backup_workers, workers)
         settings = TrainSettings(model=model, workers=workers, servers=servers,
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,
@@ -265,6 +272,7 @@ def _train_command(model: str, title: str) -> None:
                 emulate: bool | None = knob_option("emulate", "--emulate"),
                 nic: str | None = knob_option("nic", "--nic"),
                 straggler: str | None = knob_option("straggler", "--straggler"),
+                backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
                 partition_bytes: str | None = knob_option("partition_bytes", "--partition-bytes"),
                 credit_bytes: str | None = knob_option("credit_bytes", "--credit-bytes"),
                 json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
@@ -277,7 +285,8 @@ def _train_command(model: str, title: str) -> None:
                 ) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
-               json_file, plot_file, config_file, trace_dir, straggler, compression)
+               json_file, plot_file, config_file, trace_dir, straggler, compression,
+               backup_workers)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")

@@ -1,0 +1,187 @@
+"""A slow machine no longer sets the pace: with backup workers a round of an averaged
+push_pull completes once all but b live workers pushed it, its average is exact over the
+pushes it sums, and a late worker gets the same result as everyone else and goes on in step."""
+from __future__ import annotations
+
+import itertools
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import cluster_config, gone, kill_pids, run_job, wait_until
+from typer.testing import CliRunner
+
+from bpsctl.cli import app
+from bpsctl.engine import protocol as P
+from bpsctl.launch import api
+
+KiB = 1024
+WAIT_S = 30.0           # every wait on another rank has this deadline
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A private cluster of two servers for the module's jobs."""
+    with api.local_cluster(cluster_config(), servers=2) as state:
+        pids = [p.pid for p in state.processes]
+        yield state
+    kill_pids(pid for pid in pids if not gone(pid))
+    wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster's processes to exit")
+
+
+def _server_logs(cluster) -> str:
+    return "".join(path.read_text(errors="replace")
+                   for path in Path(cluster.state_dir).rglob("server*.log"))
+
+
+def _wait(event: threading.Event, what: str) -> None:
+    if not event.wait(WAIT_S):
+        raise AssertionError(f"timed out after {WAIT_S} s waiting for {what}")
+
+
+class _Arrivals:
+    """Counts ranks that reached a point; an event is set once ``needed`` have."""
+
+    def __init__(self, needed: int):
+        self.needed, self.count, self.lock = needed, 0, threading.Lock()
+        self.event = threading.Event()
+
+    def arrive(self) -> None:
+        with self.lock:
+            self.count += 1
+            if self.count == self.needed:
+                self.event.set()
+
+
+def test_a_delayed_worker_is_left_out_counted_and_gets_the_same_average(cluster):
+    """4 workers, 1 backup: every round averages exactly 3 pushes. At step 3 rank 3 pushes
+    only after the other three have their result: that result is their mean, rank 3 gets
+    the same bits, its push is counted late on it and on the server, and the next step is
+    still in step. Every later round's result is the exact mean of some 3 ranks' values,
+    the same on every rank, and each round has exactly one push left out."""
+    steps, slow_step, slow_rank = 8, 3, 3
+    others_done = _Arrivals(3)
+    sizes = (48 * KiB // 4, 1000)           # several partitions, and a small one
+
+    def body(worker):
+        grads = [np.zeros(n, np.float32) for n in sizes]
+        seen = []
+        for step in range(steps):
+            for grad in grads:
+                grad[:] = float(2 ** worker.rank * (step + 1))     # rank r: 2^r (step + 1)
+            if step == slow_step and worker.rank == slow_rank:
+                _wait(others_done.event, "ranks 0-2 to receive step 3's result")
+            handles = [worker.push_pull_async(g, name=f"grad{i}", out=g)
+                       for i, g in enumerate(grads)]
+            for handle in handles:
+                worker.synchronize(handle, WAIT_S)
+            seen.append([grad.copy() for grad in grads])
+            if step == slow_step and worker.rank != slow_rank:
+                others_done.arrive()
+        return seen, worker.stats(), len(worker._parts)
+
+    results = run_job(cluster, 4, 2, body, partition_bytes=16 * KiB, backup_workers=1)
+    parts = results[0][2]
+    assert parts > len(sizes)
+    three = np.float32(3)
+    for step in range(steps):
+        firsts = {results[rank][0][step][0][0] for rank in range(4)}
+        for rank in range(1, 4):
+            for mine, theirs in zip(results[rank][0][step], results[0][0][step], strict=True):
+                assert np.array_equal(mine, theirs), (rank, step)
+        # the exact mean of the values of some three ranks
+        means = {np.float32(sum(2 ** r for r in chosen) * (step + 1)) / three
+                 for chosen in itertools.combinations(range(4), 3)}
+        assert len(firsts) == 1 and firsts.pop() in means, step
+        for grad in results[0][0][step]:
+            assert np.all(grad == grad[0])
+    for step in (slow_step, slow_step + 1):     # rank 3 was late for both
+        expected = np.float32(7 * (step + 1)) / three
+        assert all(np.all(grad == expected) for grad in results[slow_rank][0][step]), step
+    late = [results[rank][1]["late_pushes"] for rank in range(4)]
+    assert sum(late) == steps * parts, late        # 4 pushes a round, 3 summed
+    assert late[slow_rank] >= 2 * parts
+    wait_until(lambda: "pushes came after their round was complete" in _server_logs(cluster),
+               10, "the servers to log the job's late pushes")
+
+
+def test_a_sum_waits_for_every_worker_under_backup_workers(cluster):
+    """average=False (broadcasts, integer sums) never completes without a worker: the other
+    ranks' averaged push_pull completes without rank 2, their sum does not until it pushes,
+    and then holds every rank's contribution."""
+    averaged = _Arrivals(2)
+    release = threading.Event()
+
+    def body(worker):
+        ints = np.full(1000, worker.rank + 1, np.int32)
+        floats = np.full(1000, float(worker.rank + 1), np.float32)
+        if worker.rank == 2:
+            _wait(release, "the other ranks to check their sum is still open")
+        total = worker.push_pull_async(ints, name="sum", average=False)
+        mean = worker.push_pull(floats, name="mean")
+        if worker.rank != 2:
+            open_after_mean = not total.done()       # same server, pushed before the mean
+            averaged.arrive()
+            if worker.rank == 0:
+                _wait(averaged.event, "ranks 0 and 1 to have their mean")
+                release.set()
+        else:
+            open_after_mean = None
+        return worker.synchronize(total, WAIT_S).copy(), mean.copy(), open_after_mean
+
+    results = run_job(cluster, 3, 1, body, backup_workers=1)
+    for rank in (0, 1):
+        total, mean, open_after_mean = results[rank]
+        assert open_after_mean, "the sum completed without rank 2"
+        assert np.all(mean == np.float32(1.5))          # ranks 0 and 1 only
+        assert np.all(total == 6)                        # 1 + 2 + 3
+    assert np.all(results[2][0] == 6)
+    assert np.all(results[2][1] == np.float32(1.5))     # late: the others' mean
+
+
+def test_without_backup_workers_every_push_is_summed(cluster):
+    """The default (0) waits for every worker: averages over all four, nothing counted late."""
+    def body(worker):
+        grad = np.full(3000, float(worker.rank), np.float32)
+        out = [worker.push_pull(grad, name="g").copy() for _ in range(3)]
+        return out, worker.stats()["late_pushes"]
+
+    for out, late in run_job(cluster, 4, 2, body, partition_bytes=4 * KiB):
+        assert late == 0
+        assert all(np.all(o == np.float32(1.5)) for o in out)
+
+
+def test_a_late_push_is_flagged_as_late_on_the_wire():
+    """FLAG_LATE and FLAG_BACKUP are distinct bits of the header's flags."""
+    flags = [P.FLAG_HOST_REDUCED, P.FLAG_TRACED, P.FLAG_COMPRESSED, P.FLAG_BACKUP, P.FLAG_LATE]
+    assert len(set(flags)) == len(flags) and all(f & (f - 1) == 0 for f in flags)
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["run", "-np", "2", "--backup-workers", "2", "--", "true"], {},
+     "--backup-workers / BPSCTL_BACKUP_WORKERS: expected 0..1 (fewer than the job's 2 "
+     "workers), got 2"),
+    (["run", "-np", "1", "--", "true"], {"BPSCTL_BACKUP_WORKERS": "1"},
+     "--backup-workers / BPSCTL_BACKUP_WORKERS: expected 0 (a job of one worker has no "
+     "backup), got 1"),
+    (["run", "-np", "3", "--backup-workers", "-1", "--", "true"], {},
+     "--backup-workers / BPSCTL_BACKUP_WORKERS: expected 0..2 (fewer than the job's 3 "
+     "workers), got -1"),
+    (["bench", "comm", "--workers", "2", "--backup-workers", "2"], {},
+     "--backup-workers / BPSCTL_BACKUP_WORKERS: expected 0..1 (fewer than the job's 2 "
+     "workers), got 2"),
+    (["bench", "resnet50", "--workers", "3", "--backup-workers", "3"], {},
+     "--backup-workers / BPSCTL_BACKUP_WORKERS: expected 0..2 (fewer than the job's 3 "
+     "workers), got 3"),
+])
+def test_a_backup_worker_count_out_of_range_exits_2(tmp_path, monkeypatch, args, env, message):
+    monkeypatch.setenv("BPSCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("BPSCTL_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "state" / "cluster.json").exists()
