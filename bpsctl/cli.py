@@ -135,6 +135,8 @@ def up(ctx: typer.Context,
         nic_text = f", NIC {config.nic or 'unshaped'}" if cluster.kind == "emulated" else ""
         nic_text += "".join(f", worker {rank}'s at {factor:g}x" for rank, factor in
                             config.stragglers.items())
+        nic_text += "".join(f", worker {rank}'s host at {factor:g} CPU" for rank, factor in
+                            config.cpu_stragglers.items())
         err_console.print(f"{what} [bold]{escape(cluster.name)}[/] is up, scheduler at "
                           f"{cluster.scheduler}{nic_text}", highlight=False)
         _print_processes(launch.status(config.state_dir)["processes"])

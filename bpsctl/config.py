@@ -84,22 +84,43 @@ def parse_rate_mbit(text: str, what: str = "rate") -> float:
     return float(m.group(1)) * _RATE_UNITS[unit]
 
 
-def parse_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
-    """``"1:0.25"`` -> {1: 0.25}: worker ranks whose host's NIC runs at a factor of the
-    others' rate (several comma-separated)."""
-    slow: dict[int, float] = {}
+def parse_straggler_spec(text: str, what: str = "--straggler"
+                         ) -> tuple[dict[int, float], dict[int, float]]:
+    """``"1:0.25,1:cpu=0.5"`` -> ({1: 0.25}, {1: 0.5}): worker ranks whose emulated host's NIC
+    runs at a factor of --nic (``RANK:FACTOR``), and whose host's worker processes get a
+    factor of one CPU (``RANK:cpu=FACTOR``); comma-separated, each form at most once a rank."""
+    nic: dict[int, float] = {}
+    cpu: dict[int, float] = {}
     for item in filter(None, (part.strip() for part in str(text).split(","))):
         rank_text, _, factor_text = item.partition(":")
+        kind, target = ("cpu", cpu) if factor_text.startswith("cpu=") else ("nic", nic)
         try:
-            rank, factor = int(rank_text), float(factor_text)
+            rank, factor = int(rank_text), float(factor_text.removeprefix("cpu="))
         except ValueError:
             raise ConfigError(f"{what}: expected RANK:FACTOR such as 1:0.25 (worker 1's host NIC "
-                              f"at a quarter of --nic), got {item!r}") from None
-        if rank < 0 or not 0 < factor <= 1 or rank in slow:
-            raise ConfigError(f"{what}: {item!r}: expected a worker rank of 0 or more, once, and "
-                              "a factor above 0 and at most 1")
-        slow[rank] = factor
-    return slow
+                              f"at a quarter of --nic) or RANK:cpu=FACTOR such as 1:cpu=0.5 "
+                              f"(half of one CPU), got {item!r}") from None
+        top = MAX_CPU_FACTOR if kind == "cpu" else 1
+        if rank < 0 or not 0 < factor <= top or rank in target:
+            raise ConfigError(f"{what}: {item!r}: expected a worker rank of 0 or more, once per "
+                              f"form, and a factor above 0 and at most {top:g}")
+        target[rank] = factor
+    return nic, cpu
+
+
+#: most CPUs ``RANK:cpu=FACTOR`` may give a host
+MAX_CPU_FACTOR = 64.0
+
+
+def parse_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
+    """``"1:0.25"`` -> {1: 0.25}: worker ranks whose host's NIC runs at a factor of the
+    others' rate (several comma-separated; ``RANK:cpu=FACTOR`` items are CPU limits)."""
+    return parse_straggler_spec(text, what)[0]
+
+
+def parse_cpu_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
+    """``"1:cpu=0.5"`` -> {1: 0.5}: worker ranks whose host gets that share of one CPU."""
+    return parse_straggler_spec(text, what)[1]
 
 
 def check_backup_workers(backup_workers: int, workers: int,
@@ -222,7 +243,10 @@ class Config:
                     "(empty: unshaped)", "str")
     straggler: str = knob("", "BPSCTL_STRAGGLER",
                           "a slow machine on purpose: RANK:FACTOR shapes worker RANK's emulated "
-                          "host NIC to FACTOR x --nic (e.g. 1:0.25; several comma-separated)",
+                          "host NIC to FACTOR x --nic (e.g. 1:0.25); RANK:cpu=FACTOR limits its "
+                          "host's worker processes to FACTOR of one CPU (e.g. 1:cpu=0.5; a "
+                          "cgroup, root); several comma-separated, both forms for one rank "
+                          "allowed (1:0.25,1:cpu=0.5)",
                           "str")
 
     # data path. Defaults chosen with ResNet50 on 4 x 4 emulated hosts at 1 Gbit, where they
@@ -381,6 +405,10 @@ class Config:
     @property
     def stragglers(self) -> dict[int, float]:
         return parse_stragglers(self.straggler, "--straggler") if self.straggler else {}
+
+    @property
+    def cpu_stragglers(self) -> dict[int, float]:
+        return parse_cpu_stragglers(self.straggler, "--straggler") if self.straggler else {}
 
     # ---------------------------------------------------------------- building
 

@@ -254,8 +254,10 @@ def _cluster_keys(config: Config) -> dict[str, Any]:
     cluster = ssh_cluster(config.state_dir)
     if cluster and cluster.hosts:
         return {"cluster": "ssh", "hosts_file": cluster.hosts.source}
-    if config.emulate and config.stragglers:
-        return {"stragglers": {str(rank): factor for rank, factor in config.stragglers.items()}}
+    if config.emulate and (config.stragglers or config.cpu_stragglers):
+        return {"stragglers": {str(rank): factor for rank, factor in config.stragglers.items()},
+                "cpu_stragglers": {str(rank): factor
+                                   for rank, factor in config.cpu_stragglers.items()}}
     return {}
 
 

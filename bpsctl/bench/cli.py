@@ -109,6 +109,8 @@ def _where(config: Any) -> str:
     if config.emulate:
         slow = "".join(f", worker {rank}'s at {factor:g}x" for rank, factor in
                        config.stragglers.items())
+        slow += "".join(f", worker {rank}'s host at {factor:g} CPU" for rank, factor in
+                        config.cpu_stragglers.items())
         return f"emulated NIC {config.nic or 'unshaped'}{slow}"
     cluster = ssh_cluster(config.state_dir)
     return f"the SSH cluster of {cluster.hosts.source}" if cluster and cluster.hosts \
