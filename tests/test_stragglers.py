@@ -3,6 +3,7 @@ push_pull completes once all but b live workers pushed it, its average is exact 
 pushes it sums, and a late worker gets the same result as everyone else and goes on in step."""
 from __future__ import annotations
 
+import io
 import itertools
 import subprocess
 import sys
@@ -14,8 +15,11 @@ import pytest
 from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 from typer.testing import CliRunner
 
+from bpsctl.bench.api import ConvergenceSettings, run_convergence
+from bpsctl.bench.convergence import make_task
+from bpsctl.bench.report import plot_convergence
 from bpsctl.cli import app
-from bpsctl.config import ConfigError, parse_straggler_spec
+from bpsctl.config import Config, ConfigError, parse_straggler_spec
 from bpsctl.engine import protocol as P
 from bpsctl.launch import api, emulate
 from bpsctl.launch.local import host_command
@@ -228,3 +232,48 @@ def test_a_cpu_straggler_host_runs_its_processes_in_a_throttled_cgroup():
         assert cgroup.name not in free.stdout
     kill_pids(pid for pid in pids if not gone(pid))
     assert not cgroup.exists()
+
+
+# --------------------------------------------------------------------------- time to accuracy
+
+@pytest.mark.parametrize("compare, message", [
+    ("sync,stale", "--compare: stale: bounded staleness (--staleness) is not built yet; "
+                   "choose from sync, backup, ddp"),
+    ("async", "--compare: async: asynchronous training (--async) is not built yet"),
+    ("sync,horovod", "--compare: 'horovod' is not a system of bench convergence; choose from "
+                     "sync, backup, ddp"),
+])
+def test_convergence_refuses_systems_it_does_not_have(tmp_path, monkeypatch, compare, message):
+    monkeypatch.setenv("BPSCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("BPSCTL_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    result = CliRunner().invoke(app, ["bench", "convergence", "--compare", compare])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
+
+
+def test_the_convergence_task_is_the_same_everywhere_and_learnable():
+    """The teacher's task is a pure function of its seed, and its classes are all used."""
+    import torch
+    first, again = make_task(3, 8, 4, 256, 64), make_task(3, 8, 4, 256, 64)
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)
+    assert len(torch.unique(first[1])) == 4
+    assert not torch.equal(first[1], make_task(4, 8, 4, 256, 64)[1])
+
+
+def test_every_system_reaches_its_target_accuracy(tmp_path):
+    """`bench convergence --compare sync,backup,ddp` on the embedded cluster, tiny sizes: every
+    system reaches the target, and the report and plot say so."""
+    settings = ConvergenceSettings(workers=2, servers=1, target=0.75, max_steps=600,
+                                   train=1024, test=256, batch_size=16, timeout_s=240)
+    report = run_convergence(Config(start_timeout_s=60), settings, output=io.StringIO())
+    assert [row["system"] for row in report["results"]] == ["sync", "backup", "ddp"]
+    for row in report["results"]:
+        assert row["reached"] and row["final_accuracy"] >= 0.75, row
+        assert 0 < row["steps"] <= 600 and row["seconds"] > 0
+        assert row["curve"][-1]["accuracy"] == row["final_accuracy"]
+    assert "backup workers" in report["results"][1]["version"]
+    assert report["all_reached"] and report["backup_workers"] == 1
+    plot_convergence(report, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -12,14 +12,23 @@ from bpsctl.config import ConfigError, check_backup_workers, parse_size
 
 from .api import (
     CommSettings,
+    ConvergenceSettings,
     TrainSettings,
     cluster_size,
     run_comm,
+    run_convergence,
     run_sweep,
     run_train,
     ssh_cluster,
 )
-from .report import plot_comm, plot_train, print_comm, print_train
+from .report import (
+    plot_comm,
+    plot_convergence,
+    plot_train,
+    print_comm,
+    print_convergence,
+    print_train,
+)
 
 WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on an SSH cluster: its hosts "
                 "file's worker slots).")
@@ -297,6 +306,79 @@ def _train_command(model: str, title: str) -> None:
 
 _train_command("vgg16", "VGG16")
 _train_command("resnet50", "ResNet50")
+
+
+@bench_app.command()
+def convergence(ctx: typer.Context,
+                workers: int | None = typer.Option(None, "--workers", "-n", min=1,
+                                                   show_default="2", help=WORKERS_HELP),
+                servers: int | None = typer.Option(None, "--servers", min=1,
+                                                   help="Summation servers (default: "
+                                                        "num_servers of the config, else as many "
+                                                        "as workers)."),
+                compare: str = typer.Option(
+                    "sync,backup,ddp", "--compare", metavar="SYSTEM[,SYSTEM]",
+                    help="Systems trained one after another on the same cluster: sync (bpsctl, "
+                         "every worker every step), backup (bpsctl with --backup-workers, "
+                         "default 1), ddp (torch DDP, gloo). stale and async are planned."),
+                target: float = typer.Option(0.85, "--target", min=0.0, max=1.0,
+                                             help="Test accuracy each system trains to."),
+                max_steps: int = typer.Option(2000, "--max-steps", min=1,
+                                              help="A system that has not reached the target "
+                                                   "by then stops (reported as not reached)."),
+                eval_every: int = typer.Option(5, "--eval-every", min=1,
+                                               help="Steps between measurements of the test "
+                                                    "accuracy."),
+                batch_size: int = typer.Option(32, "--batch-size", min=1,
+                                               help="Samples per worker per step."),
+                lr: float = typer.Option(0.05, "--lr", min=0.0, help="SGD learning rate "
+                                                                     "(momentum 0.9)."),
+                train_samples: int = typer.Option(4096, "--train-samples", min=16,
+                                                  help="Training set, split over the workers."),
+                seed: int = typer.Option(0, "--seed", help="The teacher's, the data's and the "
+                                                           "student's seed."),
+                backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
+                emulate: bool | None = knob_option("emulate", "--emulate"),
+                nic: str | None = knob_option("nic", "--nic"),
+                straggler: str | None = knob_option("straggler", "--straggler"),
+                json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
+                                                      help="Write the results as JSON (- for "
+                                                           "stdout)."),
+                plot_file: Path | None = typer.Option(None, "--plot", metavar="FILE",
+                                                      help="Draw accuracy against time per "
+                                                           "system as a PNG."),
+                config_file: Path | None = config_file_option(),
+                ) -> None:
+    """Time to accuracy: each system trains a small real classification task (a seeded
+    teacher network labels random inputs; no download) to --target on the same cluster;
+    steps, wall time and final accuracy per system."""
+    with cli_errors():
+        config = _cluster_config(ctx, None, None, emulate, nic, config_file, None, straggler)
+        n, k = cluster_size(config, workers, servers)
+        backup = backup_workers if backup_workers is not None else (config.backup_workers or 1)
+        settings = ConvergenceSettings(workers=n, servers=k, compare=_names(compare),
+                                       target=target, max_steps=max_steps,
+                                       eval_every=eval_every, batch_size=batch_size, lr=lr,
+                                       train=train_samples, seed=seed, backup_workers=backup)
+        if plot_file is not None:
+            from .report import _pyplot
+            _pyplot()
+        where = _where(config)
+        with err_console.status(f"bench convergence on {where}") as status:
+            def progress(message: str) -> None:
+                status.update(f"bench convergence on {where}: {message}")
+            report = run_convergence(config, settings, progress=progress)
+        print_convergence(err_console, report)
+        _write_json(json_file, report)
+        if plot_file is not None:
+            plot_convergence(report, plot_file)
+            err_console.print(f"wrote {plot_file}", highlight=False)
+        if not report["all_reached"]:
+            missed = ", ".join(r["system"] for r in report["results"] if not r["reached"])
+            err_console.print(f"[bold red]error:[/] {missed} did not reach {target:g} within "
+                              f"{max_steps} steps (raise --max-steps or lower --target)",
+                              highlight=False)
+            raise typer.Exit(1)
 
 
 @bench_app.command()
