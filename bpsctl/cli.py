@@ -16,7 +16,7 @@ from rich.table import Table
 
 from bpsctl import launch
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
-from bpsctl.config import ConfigError
+from bpsctl.config import ConfigError, check_backup_workers
 from bpsctl.engine.common import exit_on_sigterm
 
 app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
@@ -110,6 +110,7 @@ def up(ctx: typer.Context,
                                     "straggler": (straggler, "--straggler"),
                                     "security": (security, "--security")},
                               config_file, read_file=True)
+        check_backup_workers(config.backup_workers, config.world_size)
         servers = servers or config.num_servers or 1
         _check_ssh_extra(hosts)
         if config.security == "none":
@@ -134,6 +135,8 @@ def up(ctx: typer.Context,
         nic_text = f", NIC {config.nic or 'unshaped'}" if cluster.kind == "emulated" else ""
         nic_text += "".join(f", worker {rank}'s at {factor:g}x" for rank, factor in
                             config.stragglers.items())
+        nic_text += "".join(f", worker {rank}'s host at {factor:g} CPU" for rank, factor in
+                            config.cpu_stragglers.items())
         err_console.print(f"{what} [bold]{escape(cluster.name)}[/] is up, scheduler at "
                           f"{cluster.scheduler}{nic_text}", highlight=False)
         _print_processes(launch.status(config.state_dir)["processes"])
@@ -155,6 +158,7 @@ def run(ctx: typer.Context,
         start_timeout_s: float | None = knob_option("start_timeout_s", "--start-timeout"),
         min_workers: int | None = knob_option("min_workers", "--min-workers", min=0),
         max_restarts: int | None = knob_option("max_restarts", "--max-restarts", min=0),
+        backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
         cmd: list[str] = typer.Argument(..., metavar="CMD",
                                         help="The worker command, e.g. python train.py."),
         hosts: str | None = _hosts_option(),
@@ -173,11 +177,13 @@ def run(ctx: typer.Context,
         config = build_config(ctx, {"world_size": (np, "-np"),
                                     "start_timeout_s": (start_timeout_s, "--start-timeout"),
                                     "min_workers": (min_workers, "--min-workers"),
-                                    "max_restarts": (max_restarts, "--max-restarts")},
+                                    "max_restarts": (max_restarts, "--max-restarts"),
+                                    "backup_workers": (backup_workers, "--backup-workers")},
                               config_file, read_file=True)
         if config.min_workers > config.world_size:
             raise ConfigError(f"--min-workers {config.min_workers}: more than the job's "
                               f"{config.world_size} workers (-np); give at most -np")
+        check_backup_workers(config.backup_workers, config.world_size)
         servers = servers or config.num_servers or 1
         _check_ssh_extra(hosts)
         result = launch.run(cmd, config, servers=servers, hosts=hosts, ship_wheel=ship)

@@ -84,22 +84,60 @@ def parse_rate_mbit(text: str, what: str = "rate") -> float:
     return float(m.group(1)) * _RATE_UNITS[unit]
 
 
-def parse_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
-    """``"1:0.25"`` -> {1: 0.25}: worker ranks whose host's NIC runs at a factor of the
-    others' rate (several comma-separated)."""
-    slow: dict[int, float] = {}
+def parse_straggler_spec(text: str, what: str = "--straggler"
+                         ) -> tuple[dict[int, float], dict[int, float]]:
+    """``"1:0.25,1:cpu=0.5"`` -> ({1: 0.25}, {1: 0.5}): worker ranks whose emulated host's NIC
+    runs at a factor of --nic (``RANK:FACTOR``), and whose host's worker processes get a
+    factor of one CPU (``RANK:cpu=FACTOR``); comma-separated, each form at most once a rank."""
+    nic: dict[int, float] = {}
+    cpu: dict[int, float] = {}
     for item in filter(None, (part.strip() for part in str(text).split(","))):
         rank_text, _, factor_text = item.partition(":")
+        kind, target = ("cpu", cpu) if factor_text.startswith("cpu=") else ("nic", nic)
         try:
-            rank, factor = int(rank_text), float(factor_text)
+            rank, factor = int(rank_text), float(factor_text.removeprefix("cpu="))
         except ValueError:
             raise ConfigError(f"{what}: expected RANK:FACTOR such as 1:0.25 (worker 1's host NIC "
-                              f"at a quarter of --nic), got {item!r}") from None
-        if rank < 0 or not 0 < factor <= 1 or rank in slow:
-            raise ConfigError(f"{what}: {item!r}: expected a worker rank of 0 or more, once, and "
-                              "a factor above 0 and at most 1")
-        slow[rank] = factor
-    return slow
+                              f"at a quarter of --nic) or RANK:cpu=FACTOR such as 1:cpu=0.5 "
+                              f"(half of one CPU), got {item!r}") from None
+        top = MAX_CPU_FACTOR if kind == "cpu" else 1
+        if rank < 0 or not 0 < factor <= top or rank in target:
+            raise ConfigError(f"{what}: {item!r}: expected a worker rank of 0 or more, once per "
+                              f"form, and a factor above 0 and at most {top:g}")
+        target[rank] = factor
+    return nic, cpu
+
+
+#: most CPUs ``RANK:cpu=FACTOR`` may give a host
+MAX_CPU_FACTOR = 64.0
+
+
+def parse_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
+    """``"1:0.25"`` -> {1: 0.25}: worker ranks whose host's NIC runs at a factor of the
+    others' rate (several comma-separated; ``RANK:cpu=FACTOR`` items are CPU limits)."""
+    return parse_straggler_spec(text, what)[0]
+
+
+def parse_cpu_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
+    """``"1:cpu=0.5"`` -> {1: 0.5}: worker ranks whose host gets that share of one CPU."""
+    return parse_straggler_spec(text, what)[1]
+
+
+def check_backup_workers(backup_workers: int, workers: int,
+                         flag: str = "--backup-workers") -> None:
+    """Refuse a backup worker count a job of ``workers`` workers cannot have."""
+    if not 0 <= backup_workers < max(workers, 1):
+        raise ConfigError(f"{flag} / BPSCTL_BACKUP_WORKERS: expected {backup_range(workers)}, "
+                          f"got {backup_workers}")
+
+
+def backup_range(workers: int) -> str:
+    """What a backup worker count may be in a job of ``workers`` workers."""
+    if workers <= 0:
+        return "0 or more"      # the job's size is not known here
+    if workers == 1:
+        return "0 (a job of one worker has no backup)"
+    return f"0..{workers - 1} (fewer than the job's {workers} workers)"
 
 
 def format_bytes(n: float) -> str:
@@ -205,7 +243,10 @@ class Config:
                     "(empty: unshaped)", "str")
     straggler: str = knob("", "BPSCTL_STRAGGLER",
                           "a slow machine on purpose: RANK:FACTOR shapes worker RANK's emulated "
-                          "host NIC to FACTOR x --nic (e.g. 1:0.25; several comma-separated)",
+                          "host NIC to FACTOR x --nic (e.g. 1:0.25); RANK:cpu=FACTOR limits its "
+                          "host's worker processes to FACTOR of one CPU (e.g. 1:cpu=0.5; a "
+                          "cgroup, root); several comma-separated, both forms for one rank "
+                          "allowed (1:0.25,1:cpu=0.5)",
                           "str")
 
     # data path. Defaults chosen with ResNet50 on 4 x 4 emulated hosts at 1 Gbit, where they
@@ -286,6 +327,11 @@ class Config:
     rejoin: bool = knob(False, "BPSCTL_REJOIN",
                         "set by `bpsctl run` on a restarted worker: it takes its rank back in "
                         "the running job instead of starting a new one", "bool")
+    backup_workers: int = knob(0, "BPSCTL_BACKUP_WORKERS",
+                               "a round of an averaged push_pull completes once all but this many "
+                               "live workers pushed it; later pushes are dropped from the sum and "
+                               "answered with the round's result (0: wait for every worker)",
+                               "int")
     server_failover: bool = knob(True, "BPSCTL_SERVER_FAILOVER",
                                  "when a server is lost, move its partitions to the job's other "
                                  "servers and go on (0: fail the job, naming the server)", "bool",
@@ -333,6 +379,10 @@ class Config:
             (self.op_timeout_s > 0, "BPSCTL_OP_TIMEOUT", "more than 0 s", self.op_timeout_s),
             (self.min_workers >= 0, "BPSCTL_MIN_WORKERS", "0 or more", self.min_workers),
             (self.max_restarts >= 0, "BPSCTL_MAX_RESTARTS", "0 or more", self.max_restarts),
+            (self.backup_workers >= 0 and (self.world_size == 1
+                                            or self.backup_workers < self.world_size),
+             "BPSCTL_BACKUP_WORKERS", backup_range(self.world_size if self.world_size > 1
+                                                   else 0), self.backup_workers),
             (self.heartbeat_interval_s > 0, "BPSCTL_HEARTBEAT_INTERVAL", "more than 0 s",
              self.heartbeat_interval_s),
             (self.heartbeat_timeout_s > self.heartbeat_interval_s, "BPSCTL_HEARTBEAT_TIMEOUT",
@@ -355,6 +405,10 @@ class Config:
     @property
     def stragglers(self) -> dict[int, float]:
         return parse_stragglers(self.straggler, "--straggler") if self.straggler else {}
+
+    @property
+    def cpu_stragglers(self) -> dict[int, float]:
+        return parse_cpu_stragglers(self.straggler, "--straggler") if self.straggler else {}
 
     # ---------------------------------------------------------------- building
 

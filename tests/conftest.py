@@ -68,6 +68,10 @@ TIERS: dict[str, set[str]] = {
     "test_trace.py::test_a_slow_host_is_named_and_the_nic_tracks_count_the_bytes_sent":
         {"slow", "root"},
     "test_emulated_cluster.py": {"slow", "root"},
+    "test_stragglers.py::test_a_cpu_straggler_host_runs_its_processes_in_a_throttled_cgroup":
+        {"slow", "root"},
+    # three systems, each a 2-worker training job to a target accuracy: about 30 s
+    "test_stragglers.py::test_every_system_reaches_its_target_accuracy": {"slow"},
     "test_emulate.py::test_create_reach_destroy": {"slow", "root"},
     "test_emulate.py::test_teardown_on_keyboard_interrupt": {"slow", "root"},
     "test_emulate.py::test_leftovers_of_a_crashed_run_are_found_and_removed": {"slow", "root"},

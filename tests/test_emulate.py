@@ -237,7 +237,7 @@ def test_a_straggler_needs_a_nic_rate_and_an_existing_worker(slow, nic, message)
 
 
 @pytest.mark.parametrize("text", ["1", "1:0", "1:1.5", "a:0.5", "1:0.5,1:0.25", "-1:0.5",
-                                  "1:cpu=0.5"])
+                                  "1:cpu=0", "1:cpu=half"])
 def test_a_straggler_flag_that_is_not_rank_colon_factor_is_refused(text):
     with pytest.raises(ConfigError, match="--straggler"):
         parse_stragglers(text)

@@ -254,8 +254,10 @@ def _cluster_keys(config: Config) -> dict[str, Any]:
     cluster = ssh_cluster(config.state_dir)
     if cluster and cluster.hosts:
         return {"cluster": "ssh", "hosts_file": cluster.hosts.source}
-    if config.emulate and config.stragglers:
-        return {"stragglers": {str(rank): factor for rank, factor in config.stragglers.items()}}
+    if config.emulate and (config.stragglers or config.cpu_stragglers):
+        return {"stragglers": {str(rank): factor for rank, factor in config.stragglers.items()},
+                "cpu_stragglers": {str(rank): factor
+                                   for rank, factor in config.cpu_stragglers.items()}}
     return {}
 
 
@@ -615,3 +617,79 @@ def _pooled(system: str, rows: list[dict[str, Any]], batch_size: int) -> dict[st
             "phase_seconds_per_step": {phase: statistics.fmean(row["phase_seconds_per_step"][phase]
                                                                for row in rows)
                                        for phase in rows[0]["phase_seconds_per_step"]}}
+
+
+@dataclass(frozen=True)
+class ConvergenceSettings:
+    """`bench convergence`: the same task, seed and target for every system."""
+
+    workers: int = 2
+    servers: int = 1
+    compare: tuple[str, ...] = ("sync", "backup", "ddp")
+    target: float = 0.85
+    max_steps: int = 2000
+    eval_every: int = 5
+    batch_size: int = 32
+    lr: float = 0.05
+    train: int = 4096
+    test: int = 1024
+    seed: int = 0
+    backup_workers: int = 1              # the `backup` system's
+    timeout_s: float = 900.0             # per system; a hung worker exits after it
+
+    def __post_init__(self) -> None:
+        from .convergence import PLANNED, SYSTEMS
+        if not self.compare:
+            raise ConfigError(f"--compare: expected systems such as sync,backup,ddp; choose "
+                              f"from {', '.join(SYSTEMS)}")
+        for name in self.compare:
+            if name in PLANNED:
+                raise ConfigError(f"--compare: {name}: {PLANNED[name]}; choose from "
+                                  f"{', '.join(SYSTEMS)}")
+            if name not in SYSTEMS:
+                raise ConfigError(f"--compare: {name!r} is not a system of bench convergence; "
+                                  f"choose from {', '.join(SYSTEMS)}")
+        if not 0 < self.target <= 1:
+            raise ConfigError(f"--target: expected an accuracy above 0 and at most 1, got "
+                              f"{self.target!r}")
+        if "backup" in self.compare and not 1 <= self.backup_workers < self.workers:
+            raise ConfigError(f"--backup-workers / BPSCTL_BACKUP_WORKERS: the backup system "
+                              f"needs 1..{self.workers - 1} backup workers of {self.workers} "
+                              f"workers, got {self.backup_workers}"
+                              + ("; give --workers 2 or more" if self.workers < 2 else ""))
+
+
+def run_convergence(config: Config, settings: ConvergenceSettings,
+                    output: IO[str] | None = None,
+                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Each system of ``settings.compare`` trains the teacher-labelled task to the target
+    accuracy on one cluster, one after another; steps, seconds and the accuracy curve each."""
+    from .convergence import SYSTEMS
+    output = output if output is not None else sys.stderr
+    progress = progress or (lambda message: None)
+    args = ["--target", str(settings.target), "--max-steps", str(settings.max_steps),
+            "--eval-every", str(settings.eval_every), "--batch-size", str(settings.batch_size),
+            "--lr", str(settings.lr), "--train", str(settings.train),
+            "--test", str(settings.test), "--seed", str(settings.seed),
+            "--timeout", str(settings.timeout_s)]
+    results = []
+    with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
+        for name in settings.compare:
+            progress(f"{name}: {SYSTEMS[name].description}")
+            # the backup system is bpsctl with backup workers; every other runs without
+            engine = SYSTEMS[name].engine == "bpsctl"       # --trace is bpsctl's timeline only
+            system_config = cluster_config.replace(
+                trace_dir=cluster_config.trace_dir if engine else "",
+                backup_workers=settings.backup_workers if name == "backup" else 0)
+            results.append(_run_workers(system_config, "bpsctl.bench.convergence",
+                                        ["--system", name, *args], settings.workers,
+                                        settings.servers, output))
+    return {
+        "kind": "convergence", "workers": settings.workers, "servers": settings.servers,
+        "nic_mbit": nic, "target_accuracy": settings.target, "max_steps": settings.max_steps,
+        "backup_workers": settings.backup_workers if "backup" in settings.compare else 0,
+        "task": {"name": "teacher-student", "seed": settings.seed, "train": settings.train,
+                 "test": settings.test, "batch_size": settings.batch_size, "lr": settings.lr},
+        "host": socket.gethostname(), "results": results, **_cluster_keys(config),
+        "all_reached": all(row["reached"] for row in results),
+    }

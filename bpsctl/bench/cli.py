@@ -8,18 +8,27 @@ from typing import Any
 import typer
 
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
-from bpsctl.config import ConfigError, parse_size
+from bpsctl.config import ConfigError, check_backup_workers, parse_size
 
 from .api import (
     CommSettings,
+    ConvergenceSettings,
     TrainSettings,
     cluster_size,
     run_comm,
+    run_convergence,
     run_sweep,
     run_train,
     ssh_cluster,
 )
-from .report import plot_comm, plot_train, print_comm, print_train
+from .report import (
+    plot_comm,
+    plot_convergence,
+    plot_train,
+    print_comm,
+    print_convergence,
+    print_train,
+)
 
 WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on an SSH cluster: its hosts "
                 "file's worker slots).")
@@ -54,7 +63,8 @@ def _sweep(text: str | None) -> list[int] | None:
 def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                     credit_bytes: str | None, emulate: bool | None,
                     nic: str | None, config_file: Path | None = None,
-                    trace_dir: Path | None = None, straggler: str | None = None) -> Any:
+                    trace_dir: Path | None = None, straggler: str | None = None,
+                    backup_workers: int | None = None) -> Any:
     """The Config every benchmark (and tune) shares: data-path knobs, the (emulated) cluster
     flags, and the tuned config file under them."""
     flags = {"partition_bytes": (None if partition_bytes is None
@@ -64,6 +74,7 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                               else parse_size(credit_bytes, "--credit-bytes"), "--credit-bytes"),
              "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
              "straggler": (straggler, "--straggler"),
+             "backup_workers": (backup_workers, "--backup-workers"),
              "trace_dir": (None if trace_dir is None else str(trace_dir.resolve()), "--trace")}
     # a figure must not hide a failover: a server lost mid-benchmark fails the run, naming it
     config = build_config(ctx, flags, config_file, read_file=True).replace(server_failover=False)
@@ -107,6 +118,8 @@ def _where(config: Any) -> str:
     if config.emulate:
         slow = "".join(f", worker {rank}'s at {factor:g}x" for rank, factor in
                        config.stragglers.items())
+        slow += "".join(f", worker {rank}'s host at {factor:g} CPU" for rank, factor in
+                        config.cpu_stragglers.items())
         return f"emulated NIC {config.nic or 'unshaped'}{slow}"
     cluster = ssh_cluster(config.state_dir)
     return f"the SSH cluster of {cluster.hosts.source}" if cluster and cluster.hosts \
@@ -143,6 +156,7 @@ def comm(ctx: typer.Context,
          emulate: bool | None = knob_option("emulate", "--emulate"),
          nic: str | None = knob_option("nic", "--nic"),
          straggler: str | None = knob_option("straggler", "--straggler"),
+         backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
          sweep: str | None = typer.Option(None, "--sweep", metavar="workers=2,4,6,8",
                                           help="A cluster per worker count; speedup over "
                                                "allreduce against the theory 2(n-1)/n."),
@@ -165,8 +179,11 @@ def comm(ctx: typer.Context,
     """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir, straggler)
+                                 trace_dir, straggler, backup_workers)
         n, k = cluster_size(config, workers, servers, "--sweep" if sweep is not None else "")
+        worker_counts = _sweep(sweep)
+        for count in worker_counts or [n]:
+            check_backup_workers(config.backup_workers, count)
         settings = CommSettings(workers=n, servers=k, sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
                                 compare=_names(compare), security=_names(security))
@@ -174,7 +191,6 @@ def comm(ctx: typer.Context,
         if too_small:
             raise ConfigError(f"--size: {too_small[0]} bytes is too small for {tensors} float32 "
                               f"tensors (at least {4 * tensors} bytes)")
-        worker_counts = _sweep(sweep)
         if plot_file is not None:
             from .report import _pyplot
             _pyplot()                       # a missing matplotlib is a usage error, said up front
@@ -201,11 +217,13 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            partition_bytes: str | None, credit_bytes: str | None,
            json_file: Path | None, plot_file: Path | None,
            config_file: Path | None, trace_dir: Path | None = None,
-           straggler: str | None = None, compression: str | None = None) -> None:
+           straggler: str | None = None, compression: str | None = None,
+           backup_workers: int | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir, straggler)
+                                 trace_dir, straggler, backup_workers)
         workers, servers = cluster_size(config, workers, servers)
+        check_backup_workers(config.backup_workers, workers)
         settings = TrainSettings(model=model, workers=workers, servers=servers,
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,
@@ -265,6 +283,7 @@ def _train_command(model: str, title: str) -> None:
                 emulate: bool | None = knob_option("emulate", "--emulate"),
                 nic: str | None = knob_option("nic", "--nic"),
                 straggler: str | None = knob_option("straggler", "--straggler"),
+                backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
                 partition_bytes: str | None = knob_option("partition_bytes", "--partition-bytes"),
                 credit_bytes: str | None = knob_option("credit_bytes", "--credit-bytes"),
                 json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
@@ -277,7 +296,8 @@ def _train_command(model: str, title: str) -> None:
                 ) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
-               json_file, plot_file, config_file, trace_dir, straggler, compression)
+               json_file, plot_file, config_file, trace_dir, straggler, compression,
+               backup_workers)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")
@@ -286,6 +306,79 @@ def _train_command(model: str, title: str) -> None:
 
 _train_command("vgg16", "VGG16")
 _train_command("resnet50", "ResNet50")
+
+
+@bench_app.command()
+def convergence(ctx: typer.Context,
+                workers: int | None = typer.Option(None, "--workers", "-n", min=1,
+                                                   show_default="2", help=WORKERS_HELP),
+                servers: int | None = typer.Option(None, "--servers", min=1,
+                                                   help="Summation servers (default: "
+                                                        "num_servers of the config, else as many "
+                                                        "as workers)."),
+                compare: str = typer.Option(
+                    "sync,backup,ddp", "--compare", metavar="SYSTEM[,SYSTEM]",
+                    help="Systems trained one after another on the same cluster: sync (bpsctl, "
+                         "every worker every step), backup (bpsctl with --backup-workers, "
+                         "default 1), ddp (torch DDP, gloo). stale and async are planned."),
+                target: float = typer.Option(0.85, "--target", min=0.0, max=1.0,
+                                             help="Test accuracy each system trains to."),
+                max_steps: int = typer.Option(2000, "--max-steps", min=1,
+                                              help="A system that has not reached the target "
+                                                   "by then stops (reported as not reached)."),
+                eval_every: int = typer.Option(5, "--eval-every", min=1,
+                                               help="Steps between measurements of the test "
+                                                    "accuracy."),
+                batch_size: int = typer.Option(32, "--batch-size", min=1,
+                                               help="Samples per worker per step."),
+                lr: float = typer.Option(0.05, "--lr", min=0.0, help="SGD learning rate "
+                                                                     "(momentum 0.9)."),
+                train_samples: int = typer.Option(4096, "--train-samples", min=16,
+                                                  help="Training set, split over the workers."),
+                seed: int = typer.Option(0, "--seed", help="The teacher's, the data's and the "
+                                                           "student's seed."),
+                backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
+                emulate: bool | None = knob_option("emulate", "--emulate"),
+                nic: str | None = knob_option("nic", "--nic"),
+                straggler: str | None = knob_option("straggler", "--straggler"),
+                json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
+                                                      help="Write the results as JSON (- for "
+                                                           "stdout)."),
+                plot_file: Path | None = typer.Option(None, "--plot", metavar="FILE",
+                                                      help="Draw accuracy against time per "
+                                                           "system as a PNG."),
+                config_file: Path | None = config_file_option(),
+                ) -> None:
+    """Time to accuracy: each system trains a small real classification task (a seeded
+    teacher network labels random inputs; no download) to --target on the same cluster;
+    steps, wall time and final accuracy per system."""
+    with cli_errors():
+        config = _cluster_config(ctx, None, None, emulate, nic, config_file, None, straggler)
+        n, k = cluster_size(config, workers, servers)
+        backup = backup_workers if backup_workers is not None else (config.backup_workers or 1)
+        settings = ConvergenceSettings(workers=n, servers=k, compare=_names(compare),
+                                       target=target, max_steps=max_steps,
+                                       eval_every=eval_every, batch_size=batch_size, lr=lr,
+                                       train=train_samples, seed=seed, backup_workers=backup)
+        if plot_file is not None:
+            from .report import _pyplot
+            _pyplot()
+        where = _where(config)
+        with err_console.status(f"bench convergence on {where}") as status:
+            def progress(message: str) -> None:
+                status.update(f"bench convergence on {where}: {message}")
+            report = run_convergence(config, settings, progress=progress)
+        print_convergence(err_console, report)
+        _write_json(json_file, report)
+        if plot_file is not None:
+            plot_convergence(report, plot_file)
+            err_console.print(f"wrote {plot_file}", highlight=False)
+        if not report["all_reached"]:
+            missed = ", ".join(r["system"] for r in report["results"] if not r["reached"])
+            err_console.print(f"[bold red]error:[/] {missed} did not reach {target:g} within "
+                              f"{max_steps} steps (raise --max-steps or lower --target)",
+                              highlight=False)
+            raise typer.Exit(1)
 
 
 @bench_app.command()

@@ -23,12 +23,14 @@ def comm_reports(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _network(report: dict[str, Any]) -> str:
     """What the figures went through: the NIC rate, else an SSH cluster's hosts, else loopback."""
+    slow_cpu = "".join(f", worker {rank}'s host at {factor:g} CPU"
+                       for rank, factor in report.get("cpu_stragglers", {}).items())
     if report["nic_mbit"]:
         slow = "".join(f", worker {rank}'s at {factor:g}x"
                        for rank, factor in report.get("stragglers", {}).items())
-        return f"NIC {report['nic_mbit']:g} Mbit/s{slow}"
+        return f"NIC {report['nic_mbit']:g} Mbit/s{slow}{slow_cpu}"
     return (f"SSH cluster of {Path(report['hosts_file']).name}" if report.get("hosts_file")
-            else "loopback")
+            else "loopback" + slow_cpu)
 
 
 #: how the summary sentence names each system
@@ -252,6 +254,38 @@ def plot_train(report: dict[str, Any], path: Path) -> None:
                  f"{nic}, batch {report['batch_size']}")
     ax.set_ylabel("img/sec (whole job), ± 1.96σ")
     ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_convergence(console: Console, report: dict[str, Any]) -> None:
+    table = _table(f"bench convergence: {report['workers']} workers, {report['servers']} "
+                   f"servers, {_network(report)}, target {report['target_accuracy']:g}",
+                   ["system", "reached", "steps", "seconds", "accuracy"], ("system",))
+    for row in report["results"]:
+        table.add_row(row["system"], "yes" if row["reached"] else "no", str(row["steps"]),
+                      f"{row['seconds']:.2f}", f"{row['final_accuracy']:.3f}")
+    console.print(table)
+    versions = ", ".join(f"{row['system']}: {row['version']}" for row in report["results"])
+    console.print(f"task: a seeded teacher network's labels (seed {report['task']['seed']}); "
+                  f"{versions}", highlight=False)
+
+
+def plot_convergence(report: dict[str, Any], path: Path) -> None:
+    """Test accuracy against wall time per system, with the target."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in report["results"]:
+        ax.plot([p["seconds"] for p in row["curve"]], [p["accuracy"] for p in row["curve"]],
+                "-", label=f"{row['system']} ({row['steps']} steps)")
+    ax.axhline(report["target_accuracy"], color="gray", linestyle="--", label="target")
+    ax.set_xlabel("wall time (s)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"time to accuracy: {report['workers']} workers x {report['servers']} "
+                 f"servers, {_network(report)}")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

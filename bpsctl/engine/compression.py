@@ -597,7 +597,7 @@ class ServerCodec:
     when the workers use it. Built from the first push it sees, so a partition created
     mid-job (moved here from a lost server) starts with an empty residual."""
 
-    def __init__(self, header: bytes, nbytes: int):
+    def __init__(self, header: bytes, nbytes: int, rotation: int = 2):
         self.header = header
         self.compressor = from_header(header)
         _, _, _, param, n, _ = COMP_HEADER.unpack(header)
@@ -613,17 +613,17 @@ class ServerCodec:
         self.scratch = np.empty(n, np.float32) if self.compressor.ef else self.total
         self.residual = np.zeros(n, np.float32) if self.compressor.ef else None
         self.out: list[np.ndarray] = []
-        for _ in range(2):          # rounds alternate, as the uncompressed sums do
+        for _ in range(rotation):   # rounds take turns, as the uncompressed sums do
             buffer = np.empty(nbytes, np.uint8)
             buffer[:HEADER_BYTES] = np.frombuffer(header, np.uint8)
             self.out.append(buffer)
 
     @staticmethod
-    def open(payload: Any, nbytes: int) -> ServerCodec:
+    def open(payload: Any, nbytes: int, rotation: int = 2) -> ServerCodec:
         if nbytes < HEADER_BYTES:
             raise P.ProtocolError(f"compressed push of {nbytes} bytes, shorter than its "
                                   f"{HEADER_BYTES}-byte header")
-        return ServerCodec(bytes(memoryview(payload)[:HEADER_BYTES]), nbytes)
+        return ServerCodec(bytes(memoryview(payload)[:HEADER_BYTES]), nbytes, rotation)
 
     def check(self, payload: Any, part: int) -> None:
         """Refuse a push that is not compressed as the partition's first was, or whose
@@ -650,7 +650,7 @@ class ServerCodec:
 
     def finish(self, part: int, round_: int) -> np.ndarray:
         """The round's sum, compressed (with error feedback) for every worker's pull."""
-        wire = self.out[round_ & 1]
+        wire = self.out[round_ % len(self.out)]
         if self.residual is not None:
             np.add(self.total, self.residual, out=self.total)
         _encode(self.compressor, self.total, self.residual, self.scratch, wire[HEADER_BYTES:],

@@ -60,7 +60,8 @@ CLOCK = 18          # any -> scheduler: {clock_ns}; scheduler -> any: {clock: [c
                     #   arrival, answer]} (a clock exchange, repeated a few times per connection)
 
 # --- data plane
-HELLO = 20          # worker -> server: {job, rank, world_size, hosts, version, incarnation}
+HELLO = 20          # worker -> server: {job, rank, world_size, hosts, version, incarnation,
+                    #   backup_workers}
 PUSH = 21           # worker -> server: header + partition bytes
 ACK = 22            # server -> worker: header (push received; credit may be released)
 RESULT = 23         # server -> worker: header + summed partition bytes; the header's rank
@@ -104,6 +105,12 @@ FLAG_TRACED = 2
 #: naming the compressor and the partition's values, then the compressed bytes; the dtype
 #: code is the tensor's own
 FLAG_COMPRESSED = 4
+#: PUSH flag: the push of an averaged push_pull; with backup workers (BPSCTL_BACKUP_WORKERS)
+#: its round may complete without that many pushes. Sums (broadcasts, integers) never carry it
+FLAG_BACKUP = 8
+#: RESULT flag: the answer to a push that came after its round was complete (backup
+#: workers): the push is not in the sum, and the result is the one everyone else received
+FLAG_LATE = 16
 
 
 class ProtocolError(ValueError):

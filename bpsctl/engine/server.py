@@ -10,6 +10,14 @@ One ROUTER socket carries everything from workers. Per partition, a round goes:
    with a single worker the push itself is the answer, without a copy;
 3. when every worker has pushed, the sum goes to all of them, zero-copy.
 
+With backup workers (``BPSCTL_BACKUP_WORKERS=b``, from the job's HELLO) a round of an
+averaged push_pull completes once ``N - b`` of the ``N`` live workers pushed it. A push that
+comes after that is not summed: it is answered with the round's result (``FLAG_LATE``), kept
+until every live worker has pushed the round, and the next round completes only then, so a
+worker lags by at most one round. Rounds then take three buffers in turn, not two: the one
+summing, the completed one held for late pushes, and the one before, whose answer to a late
+worker may still be on the wire.
+
 Large partitions are summed on summation threads (NumPy releases the GIL), each
 partition pinned to one thread so its pushes are summed in order without locks; small
 ones are summed inline, where a thread hop would cost more than the add.
@@ -63,11 +71,25 @@ class PartitionState:
 
     __slots__ = ("part", "dtype", "dtype_code", "nbytes", "expected", "round", "received",
                  "waiting", "summed", "first", "buffers", "result", "thread", "wide",
-                 "first_push_ns", "traced", "adopted", "leaving", "widened", "codec")
+                 "first_push_ns", "traced", "adopted", "leaving", "widened", "codec", "rotation",
+                 "backup", "late_waiting", "pushed_last", "owed", "held", "held_count",
+                 "deferred")
 
-    def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int):
+    def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int,
+                 rotation: int = 2):
         self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
         self.expected = expected        # pushes per round: workers, or hosts when host-reduced
+        self.rotation = rotation        # sum buffers taken in turn (3 with backup workers)
+        # backup workers (all on the I/O thread): pushes this round may lack; pushes that came
+        # after it was full (answered when it completes, not summed); who pushed the last
+        # completed round and how many live workers have yet to; that round's result and count
+        self.backup = 0
+        self.late_waiting: list[bytes] = []
+        self.pushed_last: list[bytes] = []
+        self.owed = 0
+        self.held: Any = None
+        self.held_count = 0
+        self.deferred = False           # complete, but held back until ``owed`` is 0
         # bfloat16 travels as its uint16 bits and is summed in float32 (``wide``: the sum
         # and a scratch, allocated once per partition), then rounded into ``buffers``
         self.dtype = np.dtype(np.uint16) if dtype_code == P.BFLOAT16_CODE else P.DTYPES[dtype_code]
@@ -85,6 +107,10 @@ class PartitionState:
         self.leaving: list[int] = []        # ranks lost after pushing this round: not next
         self.widened = False                # this round's bf16 sum is in ``wide`` (float32)
         self.codec: ServerCodec | None = None   # compressed pushes: decompress, sum, recompress
+
+    def quorum(self) -> int:
+        """Pushes that complete this round: every expected one, less the backup workers'."""
+        return max(1, self.expected - self.backup)
 
     def accumulate(self, payload: Any, num_workers: int) -> bool:
         """Add one push; return True when the round's sum is complete (in ``result``)."""
@@ -125,11 +151,11 @@ class PartitionState:
         return True
 
     def _buffer(self) -> np.ndarray:
-        """This round's sum: two buffers, used in turn by round, allocated on first use."""
+        """This round's sum: two (three) buffers, used in turn by round, allocated on first use."""
         if self.buffers is None:
             count = self.nbytes // self.dtype.itemsize
-            self.buffers = [np.empty(count, self.dtype), np.empty(count, self.dtype)]
-        return self.buffers[self.round & 1]
+            self.buffers = [np.empty(count, self.dtype) for _ in range(self.rotation)]
+        return self.buffers[self.round % self.rotation]
 
     def _accumulate_bf16(self, arr: np.ndarray, num_workers: int) -> bool:
         if self.wide is None:
@@ -179,6 +205,8 @@ class Server:
         self.lost_peers: set[bytes] = set()         # connections of lost workers: ignored
         self.dead: set[tuple[int, int]] = set()     # (rank, incarnation) lost: never admitted
         self.mailbox: dict[tuple[int, int], zmq.Frame] = {}   # a joiner's model, until its HELLO
+        self.backup_workers = 0                     # the job's BPSCTL_BACKUP_WORKERS
+        self.late_pushes = 0                        # the job's pushes that came too late
         self.parts: dict[int, PartitionState] = {}
         # the job's timeline, when its workers trace (their HELLO names the directory); the
         # summation threads record into it too
@@ -361,8 +389,13 @@ class Server:
         hosts = P.int_field(msg, "hosts", 1, world_size, default=world_size)
         rank = P.int_field(msg, "rank", 0, world_size - 1)
         incarnation = P.int_field(msg, "incarnation", 0, 1 << 30, default=0)
+        backup = P.int_field(msg, "backup_workers", 0, max(0, world_size - 1), default=0)
         if job != self.job_id:
-            self._reset(job, world_size, hosts)
+            self._reset(job, world_size, hosts, backup)
+        elif backup != self.backup_workers:
+            raise P.ProtocolError(f"rank {rank} has {backup} backup workers, the job's first "
+                                  f"worker {self.backup_workers}: every worker of a job must "
+                                  "have the same BPSCTL_BACKUP_WORKERS")
         if (rank, incarnation) in self.dead:
             self._error(rid, f"server {self.rank}: worker {rank} (restart {incarnation}) was "
                              "declared lost")
@@ -382,9 +415,14 @@ class Server:
         if state is not None:
             self._relay_state(rid, rank, incarnation, state)
 
-    def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0) -> None:
+    def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0,
+               backup_workers: int = 0) -> None:
         self._write_trace()
+        if self.late_pushes:
+            self.log.info("job %s: %d pushes came after their round was complete (backup "
+                          "workers): dropped from the sums", self.job_id, self.late_pushes)
         self.job_id, self.num_workers, self.num_hosts = job_id, num_workers, num_hosts
+        self.backup_workers, self.late_pushes = backup_workers, 0
         self.peers = {}
         self.incarnations = {}
         self.parts = {}
@@ -424,10 +462,12 @@ class Server:
         expected = self.num_hosts if flags & P.FLAG_HOST_REDUCED else self.num_workers
         state = self.parts.get(part)
         if state is None:
-            codec = ServerCodec.open(frames[2].buffer, nbytes) if compressed else None
+            rotation = 3 if self.backup_workers else 2
+            codec = ServerCodec.open(frames[2].buffer, nbytes, rotation) if compressed else None
             work = nbytes if codec is None else 4 * codec.count
             thread = part % len(self.queues) if work >= THREADED_SUM_BYTES else -1
-            state = self.parts[part] = PartitionState(part, dtype, nbytes, thread, expected)
+            state = self.parts[part] = PartitionState(part, dtype, nbytes, thread, expected,
+                                                      rotation)
             state.codec = codec
             # a partition moved here from a lost server starts at the round its workers
             # (re-)push, with an empty sum: each of them pushes its own contribution again
@@ -443,6 +483,9 @@ class Server:
         if state.codec is not None:
             state.codec.check(frames[2].buffer, part)
         if round_ != state.round:
+            if state.owed and round_ + 1 == state.round and rid not in state.pushed_last:
+                self._late(state, rid, rank, round_)
+                return
             if state.adopted:
                 raise P.ProtocolError(
                     f"partition {part} moved to server {self.rank} from a lost server, whose "
@@ -451,28 +494,72 @@ class Server:
                     "go on from here (restart it from a checkpoint)")
             raise P.ProtocolError(f"partition {part}: rank {rank} pushed round {round_}, "
                                   f"the server is at round {state.round}")
-        if rid in state.waiting:
+        if rid in state.waiting or rid in state.late_waiting:
             # counted twice it would complete the round without another worker's push
             raise P.ProtocolError(f"partition {part}: rank {rank} pushed round {round_} twice "
                                   "(a push_pull retried after it failed?)")
-        state.received += 1
-        state.waiting.append(rid)
+        if state.received == 0:
+            # sums (broadcasts: the root's values and everyone's zeros) wait for every worker
+            state.backup = self.backup_workers if flags & P.FLAG_BACKUP and \
+                not flags & P.FLAG_HOST_REDUCED else 0
         self.sock.send(rid, zmq.SNDMORE)
         self.sock.send(P.pack_header(P.ACK, part=part, round=round_))
+        if state.received >= state.quorum():
+            # the round is complete without it: answered with its result, not summed
+            state.late_waiting.append(rid)
+            self._count_late(state, rank, round_)
+            return
+        state.received += 1
+        state.waiting.append(rid)
         traced = bool(flags & P.FLAG_TRACED) and self.trace is not None
         if traced:
             self._trace_arrival(state, rank)
         if state.thread < 0:
-            if self._accumulate(state, frames[2], state.expected, rank, traced):
+            if self._accumulate(state, frames[2], state.quorum(), rank, traced):
                 self._complete(state)
         else:
-            self.queues[state.thread].put((state, frames[2], state.expected, rank, traced))
+            self.queues[state.thread].put((state, frames[2], state.quorum(), rank, traced))
+
+    def _late(self, state: PartitionState, rid: bytes, rank: int, round_: int) -> None:
+        """A push of the round before the partition's current one, which completed without it
+        (backup workers): not summed; answered with that round's result, held for this."""
+        self._count_late(state, rank, round_)
+        header = P.pack_header(P.RESULT, dtype=state.dtype_code, part=state.part, round=round_,
+                               nbytes=state.nbytes, rank=state.held_count & 0xFFFF,
+                               flags=P.FLAG_LATE | (0 if state.codec is None
+                                                    else P.FLAG_COMPRESSED))
+        try:
+            self.sock.send(rid, zmq.SNDMORE)
+            self.sock.send(header, zmq.SNDMORE)
+            self.sock.send(state.held, copy=False)
+        except zmq.ZMQError:
+            pass        # that worker is gone; the scheduler tells the others
+        state.pushed_last.append(rid)
+        self._paid(state)
+
+    def _paid(self, state: PartitionState) -> None:
+        """One live worker fewer owes the last completed round a push; once none does, the
+        round after it may complete (it may be waiting for just that)."""
+        state.owed -= 1
+        if state.owed == 0:
+            state.held = None
+            if state.deferred:
+                state.deferred = False
+                self._complete(state)
+
+    def _count_late(self, state: PartitionState, rank: int, round_: int) -> None:
+        if not self.late_pushes:
+            self.log.info("rank %d pushed partition %d round %d after the round was complete "
+                          "(backup workers: %d): dropped from the sum, answered with the "
+                          "round's result; the job's count of such pushes is logged at its "
+                          "end", rank, state.part, round_, self.backup_workers)
+        self.late_pushes += 1
 
     def _trace_arrival(self, state: PartitionState, rank: int) -> None:
         now = now_ns()
         if state.received == 1:
             state.first_push_ns, state.traced = now, True
-        if state.received == state.expected and state.traced and self.trace is not None:
+        if state.received == state.quorum() and state.traced and self.trace is not None:
             with self.trace_lock:
                 self.trace.span(STAGE["wait_workers"], self.trace.name_id(f"part {state.part}"),
                                 state.first_push_ns, now, state.part, state.round, state.nbytes,
@@ -518,6 +605,11 @@ class Server:
                 self._complete(state)
 
     def _complete(self, state: PartitionState) -> None:
+        if state.owed:
+            # a late worker has not yet pushed the last round (and got its result): this one
+            # waits for that push, so no worker falls more than one round behind
+            state.deferred = True
+            return
         # the rank field says how many pushes the sum holds (averages divide by it)
         header = P.pack_header(P.RESULT, dtype=state.dtype_code, part=state.part,
                                round=state.round, nbytes=state.nbytes,
@@ -536,6 +628,25 @@ class Server:
             with self.trace_lock:
                 self.trace.span(STAGE["send_result"], self.trace.name_id(f"part {state.part}"),
                                 start, now_ns(), state.part, state.round, state.nbytes)
+        if state.late_waiting:
+            late = P.pack_header(P.RESULT, dtype=state.dtype_code, part=state.part,
+                                 round=state.round, nbytes=state.nbytes,
+                                 rank=state.received & 0xFFFF, flags=P.FLAG_LATE | (
+                                     0 if state.codec is None else P.FLAG_COMPRESSED))
+            for rid in state.late_waiting:
+                try:
+                    self.sock.send(rid, zmq.SNDMORE)
+                    self.sock.send(late, zmq.SNDMORE)
+                    self.sock.send(result, copy=False)
+                except zmq.ZMQError:
+                    pass
+        if state.backup:
+            # held for the live workers that have not pushed this round yet
+            state.owed = state.expected - state.received - len(state.late_waiting)
+            state.held, state.held_count = (result, state.received) if state.owed else (None, 0)
+            state.waiting, state.pushed_last = state.pushed_last, state.waiting
+            state.pushed_last.extend(state.late_waiting)
+        state.late_waiting.clear()
         state.traced = False
         state.waiting.clear()
         state.received = 0
@@ -577,18 +688,22 @@ class Server:
         self.lost_ranks.add(rank)
         self.num_workers = live
         finished = 0
-        for state in self.parts.values():
-            if rid is not None and rid in state.waiting:
+        for state in list(self.parts.values()):
+            if rid is not None and (rid in state.waiting or rid in state.late_waiting):
                 state.leaving.append(rank)      # in this round's sum; not in the next
                 continue
+            quorum = state.quorum()
             state.expected -= 1
-            if state.received and state.received >= state.expected:
+            if state.owed and rid not in state.pushed_last:
+                self._paid(state)               # it will never push the last round
+            # a round already full (its sum being finished, or held back) is left alone
+            if state.received and quorum > state.received >= state.quorum():
                 finished += 1
                 if state.thread < 0:
-                    if state.finish(state.expected):
+                    if state.finish(state.quorum()):
                         self._complete(state)
                 else:   # after the pushes already queued for its summation thread
-                    self.queues[state.thread].put((state, None, state.expected, rank, False))
+                    self.queues[state.thread].put((state, None, state.quorum(), rank, False))
         self.log.warning("%s; rounds go on with %d workers (%d completed without it)", message,
                          live, finished)
 

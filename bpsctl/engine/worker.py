@@ -129,6 +129,9 @@ class Worker:
         self._join_payload: bytes | None = None
         self._joined = threading.Event()
         self._lost_at_start: list[int] = []     # servers already lost when this one joined
+        # results of pushes that came after their round was complete (backup workers): those
+        # pushes are not in the sums
+        self.late_pushes = 0
         self.local_rank = self.config.local_rank
         self.local_size = self.config.local_size
 
@@ -295,7 +298,8 @@ class Worker:
         self.hosts = self.size // self.local_size if self.size % self.local_size == 0 else self.size
         hello_body: dict[str, Any] = {"job": cfg.job_id, "rank": self.rank,
                                       "world_size": self.size, "hosts": self.hosts,
-                                      "version": __version__, "incarnation": self.incarnation}
+                                      "version": __version__, "incarnation": self.incarnation,
+                                      "backup_workers": cfg.backup_workers}
         if cfg.trace_dir:
             self._trace = self._open_trace(Path(cfg.trace_dir))
             self._trace.scheduler_clock = best_clock(clock, measure_clock(
@@ -399,7 +403,9 @@ class Worker:
             self._in_flight_names.add(name)
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s,
-                     P.FLAG_HOST_REDUCED if host_reduced else 0)
+                     P.FLAG_HOST_REDUCED if host_reduced
+                     # averages may go without the backup workers' pushes; sums may not
+                     else P.FLAG_BACKUP if average and self.config.backup_workers else 0)
         if compression is not None and src.nbytes >= self.config.min_compress_bytes:
             try:
                 task.codec = self._codec(name, src, compression)
@@ -488,6 +494,13 @@ class Worker:
                 raise self._broken
         assert self._join_payload is not None
         return self._join_payload
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this worker's engine: ``late_pushes`` (pushes that came after their
+        round was complete, under backup workers: not in the sums, answered with the round's
+        result), ``membership_changes`` and ``live_ranks``."""
+        return {"late_pushes": self.late_pushes, "membership_changes": self.membership_changes,
+                "live_ranks": list(self.live_ranks)}
 
     def mark_step(self) -> None:
         """A training step ended (the plugins' optimizers say so): from now on the traced
@@ -703,13 +716,16 @@ class Worker:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            msg_type, _, _, count, part_id, round_, nbytes = P.unpack_header(frames[0].buffer)
+            msg_type, _, flags, count, part_id, round_, nbytes = P.unpack_header(
+                frames[0].buffer)
             if msg_type == P.ACK:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 if self._trace is not None and part_id in self._trace_sent:
                     self._trace_acked[part_id] = now_ns()
             elif msg_type == P.RESULT:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
+                if flags & P.FLAG_LATE:
+                    self.late_pushes += 1
                 self._result(part_id, round_, frames[1], count or 1 << 16)
             elif msg_type == P.STATE:
                 self._received_state(frames[1])

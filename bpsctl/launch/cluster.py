@@ -49,8 +49,8 @@ def up(config: Config, *, servers: int, workers: int | None = None,
             raise ConfigError("--workers: an emulated cluster needs the number of worker hosts")
         return local.up_emulated(config, workers, servers)
     if config.straggler:
-        raise ConfigError("--straggler: a slow NIC on purpose needs an emulated cluster; add "
-                          "--emulate and --nic")
+        raise ConfigError("--straggler: a slow NIC or CPU on purpose needs an emulated "
+                          "cluster; add --emulate (and --nic for a slow NIC)")
     if config.nic:
         raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate")
     if hosts:

@@ -26,6 +26,7 @@ import signal
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -42,6 +43,8 @@ SUBNET = ipaddress.IPv4Network("10.77.0.0/24")   # exists only inside the namesp
 HOST_INTERFACE = "eth0"                          # each host's NIC, inside its namespace
 BRIDGE = "br0"                                   # in the switch namespace
 SWITCH_HOST = "sw"
+CGROUP_ROOT = Path("/sys/fs/cgroup")              # cgroup v2, or v1's controllers below it
+CPU_PERIOD_US = 100_000                           # the CPU limit's accounting period
 NETNS_ETC = Path("/etc/netns")                   # `ip netns exec` bind-mounts files from here
 COMMAND_TIMEOUT_S = 10.0
 ACK_SHARE = 0.02                                 # of R, guaranteed to small TCP packets (ACKs)
@@ -80,6 +83,7 @@ class EmulatedHost:
     switch_port: str            # the veth's other end, in the switch namespace
     runs_scheduler: bool        # the scheduler lives beside the first server
     nic_mbit: float | None = None   # this host's own rate (a straggler's), else the plan's
+    cpu_factor: float | None = None     # its worker processes' share of one CPU (a straggler's)
 
 
 @dataclass(frozen=True)
@@ -135,10 +139,12 @@ def new_cluster_id() -> str:
 
 def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
                  cluster_id: str | None = None, hostname: str | None = None,
-                 slow: dict[int, float] | None = None) -> NetworkPlan:
+                 slow: dict[int, float] | None = None,
+                 slow_cpu: dict[int, float] | None = None) -> NetworkPlan:
     """Plan N worker hosts and K server hosts; the scheduler lives beside server 0 (or
     worker 0 when K = 0). ``nic`` is a rate such as ``"500mbit"`` (or Mbit/s), None: unshaped.
-    ``slow`` maps worker ranks to a factor of ``nic`` their host's NIC runs at (stragglers).
+    ``slow`` maps worker ranks to a factor of ``nic`` their host's NIC runs at (stragglers),
+    ``slow_cpu`` to the share of one CPU their host's worker processes get.
 
     Workers get addresses .10, .11, ... and servers .130, .131, ... of 10.77.0.0/24, so an
     address does not depend on how many hosts of the other role there are.
@@ -162,7 +168,8 @@ def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
     slow = slow or {}
     if slow and nic_mbit is None:
         raise ConfigError("--straggler: a slow NIC is a factor of --nic; give --nic as well")
-    beyond = sorted(rank for rank in slow if not 0 <= rank < workers)
+    slow_cpu = slow_cpu or {}
+    beyond = sorted(rank for rank in (*slow, *slow_cpu) if not 0 <= rank < workers)
     if beyond:
         raise ConfigError(f"--straggler: worker {beyond[0]} does not exist (workers 0 to "
                           f"{workers - 1})")
@@ -181,7 +188,8 @@ def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
                 switch_port=name,
                 runs_scheduler=(role == "server" and rank == 0) or (servers == 0 and name == "w0"),
                 nic_mbit=nic_mbit * slow[rank] if role == "worker" and rank in slow and nic_mbit
-                else None))
+                else None,
+                cpu_factor=slow_cpu.get(rank) if role == "worker" else None))
     return NetworkPlan(cluster_id=cluster_id, hosts=tuple(hosts), nic_mbit=nic_mbit,
                        switch_namespace=namespace_name(cluster_id, SWITCH_HOST),
                        hostname=hostname if hostname is not None else socket.gethostname())
@@ -335,6 +343,9 @@ def create(plan: NetworkPlan) -> EmulatedNetwork:
     started = time.monotonic()
     try:
         _build(plan)
+        for host in plan.hosts:
+            if host.cpu_factor is not None:
+                _limit_cpu(cpu_cgroup(plan.cluster_id, host.name), host.cpu_factor)
     except BaseException:
         with _signals_deferred():
             with contextlib.suppress(EmulationError):
@@ -480,6 +491,7 @@ def _remove_cluster(cluster_id: str, *, stop_processes: bool = True) -> None:
             _run(["ip", "netns", "del", ns])
         except EmulationError as exc:
             failures.append(str(exc))
+    failures += _remove_cpu_cgroups(cluster_id)
     if NETNS_ETC.is_dir():
         for etc in NETNS_ETC.iterdir():
             if etc.name.startswith(prefix):
@@ -490,6 +502,78 @@ def _remove_cluster(cluster_id: str, *, stop_processes: bool = True) -> None:
     if failures:
         raise EmulationError(f"could not fully remove emulated cluster {cluster_id}: "
                              + "; ".join(failures))
+
+
+# --------------------------------------------------------------------------- CPU limits
+
+def _cpu_hierarchy() -> tuple[Path, bool]:
+    """Where CPU-limited cgroups go and whether that is cgroup v2 (``cpu.max``); else v1's
+    cpu controller (``cpu.cfs_quota_us``). EmulationUnavailable when neither is writable."""
+    if (CGROUP_ROOT / "cgroup.controllers").is_file():
+        controllers = (CGROUP_ROOT / "cgroup.controllers").read_text().split()
+        if "cpu" in controllers and os.access(CGROUP_ROOT, os.W_OK):
+            return CGROUP_ROOT, True
+    v1 = CGROUP_ROOT / "cpu"
+    if (v1 / "cpu.cfs_quota_us").is_file() and os.access(v1, os.W_OK):
+        return v1, False
+    raise EmulationUnavailable(
+        f"--straggler RANK:cpu=FACTOR needs a writable cgroup cpu controller: {CGROUP_ROOT} "
+        "is neither cgroup v2 with the cpu controller nor has v1's cpu hierarchy (run as root "
+        "on a machine that delegates cgroups, or drop the cpu= form)")
+
+
+def cpu_cgroup(cluster_id: str, host: str) -> Path:
+    """The cgroup that limits emulated host ``host``'s worker processes' CPU."""
+    base, _ = _cpu_hierarchy()
+    return base / f"{NAMESPACE_PREFIX}{cluster_id}-{host}"
+
+
+def _limit_cpu(cgroup: Path, factor: float) -> None:
+    base, v2 = _cpu_hierarchy()
+    quota = max(1000, round(factor * CPU_PERIOD_US))
+    try:
+        if v2:
+            subtree = base / "cgroup.subtree_control"
+            if "cpu" not in subtree.read_text().split():
+                subtree.write_text("+cpu")
+        cgroup.mkdir(exist_ok=True)
+        if v2:
+            (cgroup / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+        else:
+            (cgroup / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (cgroup / "cpu.cfs_quota_us").write_text(str(quota))
+    except OSError as exc:
+        raise EmulationError(f"cannot limit {cgroup} to {factor:g} CPU: {exc}") from None
+
+
+def cgroup_command(cgroup: str | Path) -> list[str]:
+    """The prefix that runs a command inside ``cgroup`` (it joins, then execs the command)."""
+    return [sys.executable, "-m", "bpsctl.launch.cgexec", str(Path(cgroup) / "cgroup.procs"),
+            "--"]
+
+
+def _remove_cpu_cgroups(cluster_id: str) -> list[str]:
+    """Remove the cluster's CPU cgroups (their processes were stopped); the failures."""
+    try:
+        base, _ = _cpu_hierarchy()
+    except EmulationUnavailable:
+        return []
+    failures = []
+    for cgroup in base.glob(f"{NAMESPACE_PREFIX}{cluster_id}-*"):
+        deadline = time.monotonic() + 5      # killed processes leave their cgroup as they exit
+        while True:
+            try:
+                cgroup.rmdir()
+                break
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    failures.append(f"{cgroup}: {exc}")
+                    break
+                for pid in (cgroup / "cgroup.procs").read_text().split():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(int(pid), signal.SIGKILL)
+                time.sleep(0.05)
+    return failures
 
 
 def namespace_pids(namespace: str) -> list[int]:
@@ -593,6 +677,7 @@ def remove_leftovers(cluster_ids: Sequence[str] | None = None) -> list[Leftover]
 
 __all__ = ["EmulatedHost", "EmulatedNetwork", "EmulationError", "EmulationUnavailable",
            "Leftover", "NetworkPlan", "check_prerequisites", "create", "destroy",
-           "emulated_network", "find_leftovers", "hosts_file_text", "namespace_name",
+           "emulated_network", "find_leftovers", "cgroup_command", "cpu_cgroup",
+           "hosts_file_text", "namespace_name",
            "netns_command", "new_cluster_id", "plan_network", "remove_leftovers",
            "shaping_batch"]

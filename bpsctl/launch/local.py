@@ -161,7 +161,7 @@ def up_emulated(config: Config, workers: int, servers: int) -> ClusterState:
     everything built or started is removed again.
     """
     plan = emulate.plan_network(workers, servers, config.nic or None,     # checks the flags
-                                slow=config.stragglers)
+                                slow=config.stragglers, slow_cpu=config.cpu_stragglers)
     emulate.check_prerequisites()
     state_dir = Path(config.state_dir).resolve()
     existing = state.load_state(state_dir)
@@ -191,7 +191,11 @@ def _already_up(existing: ClusterState, state_dir: Path) -> LaunchError:
 def _emulation_record(network: emulate.EmulatedNetwork) -> dict[str, Any]:
     def hosts(role: str) -> list[dict[str, Any]]:
         return [{"name": h.name, "namespace": h.namespace, "address": h.address,
-                 "interface": h.interface} for h in network.hosts if h.role == role]
+                 "interface": h.interface,
+                 **({} if h.cpu_factor is None else {
+                     "cpu": h.cpu_factor,
+                     "cgroup": str(emulate.cpu_cgroup(network.cluster_id, h.name))})}
+                for h in network.hosts if h.role == role]
     return {"cluster_id": network.cluster_id, "nic_mbit": network.plan.nic_mbit,
             "workers": hosts("worker"), "servers": hosts("server")}
 
@@ -374,10 +378,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def host_command(cluster: ClusterState, address: str) -> list[str]:
     """The prefix that runs a command on the worker host at ``address``: its namespace's
-    ``ip netns exec`` on an emulated cluster, nothing on the embedded default."""
+    ``ip netns exec`` on an emulated cluster (and, for a host with a CPU limit, joining its
+    cgroup), nothing on the embedded default."""
     for host in (cluster.emulation or {}).get("workers", []):
         if host["address"] == address:
-            return emulate.netns_command(host["namespace"], [])
+            prefix = emulate.netns_command(host["namespace"], [])
+            if host.get("cgroup"):
+                # joined before entering the namespace: `ip netns exec` mounts its own /sys
+                prefix = emulate.cgroup_command(host["cgroup"]) + prefix
+            return prefix
     return []
 
 
