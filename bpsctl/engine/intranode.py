@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import queue
 import threading
@@ -174,8 +175,39 @@ class LocalStage:
             thread.start()
 
     def submit(self, op: LocalOp) -> LocalOp:
-        self._scatter_q.put(op)
+        pieces = self._pieces(op) if self._arena is not None and not op.src.is_cuda else None
+        for piece in pieces or (op,):
+            self._scatter_q.put(piece)
         return op
+
+    def _pieces(self, op: LocalOp) -> list[LocalOp] | None:
+        """A host tensor too large for half the arena, cut into pieces that fit (each its own
+        push_pull, ``<name>#<k>``, so that two are in flight at a time); None: no need."""
+        L, itemsize = self.local_size, op.src.element_size()
+        # a piece of chunk * L elements takes L op headers and L slots of chunk elements
+        # (each slot padded to a cache line)
+        chunk = ((self._ring.capacity // 2 - L * _OP_HEADER) // L - shm.ALIGN) // (L * itemsize)
+        n = op.src.numel()
+        if n <= chunk * L or chunk < 1:
+            return None                     # fits (or cannot: the scatter thread says why)
+        step = chunk * L
+        src, dst = op.src.reshape(-1), op.dst.reshape(-1)      # contiguous: views
+        pieces = [LocalOp(f"{op.name}#{k}", src[a:a + step], dst[a:a + step], op.average,
+                          op.priority, compression=op.compression)
+                  for k, a in enumerate(range(0, n, step))]
+        left = [len(pieces)]
+
+        def piece_done(piece: LocalOp) -> None:     # on the all-gather thread only
+            op.error = op.error or piece.error
+            left[0] -= 1
+            if left[0] == 0:
+                op.done.set()
+                if op.on_done is not None:
+                    op.on_done()
+
+        for piece in pieces:
+            piece.on_done = functools.partial(piece_done, piece)
+        return pieces
 
     def close(self) -> None:
         self._closing = True                # waits on peers give up at once
