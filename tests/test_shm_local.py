@@ -41,7 +41,7 @@ EXTRA = {"tag": _shm.cluster_tag(_w.scheduler_address, _w.security.secret),
 
 SUMS_SCRIPT = RECORD + '''
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
-SHAPES = [(), (1,), (3,), (1001,), (257, 129)]          # fewer elements than ranks too
+SHAPES = [(), (0,), (1,), (3,), (1001,), (257, 129)]    # fewer elements than ranks too
 
 def ranked(r, shape, dtype):
     base = torch.arange(max(1, torch.Size(shape).numel()), dtype=torch.int64)
@@ -68,6 +68,17 @@ def exact_averages():
             got = bps.push_pull(ranked(R, shape, dtype), average=True, name=f"a.{dtype}.{shape}")
             want = (total(shape).double() / N).to(dtype)
             assert torch.equal(got, want), (dtype, shape, (got - want).abs().max())
+
+@check
+def averaging_integers_is_refused_as_the_engine_refuses_it():
+    try:
+        bps.push_pull(torch.ones(5, dtype=torch.int32), average=True, name="int.avg")
+        raise AssertionError("no error")
+    except TypeError as exc:
+        assert "average=True needs a floating-point tensor" in str(exc), str(exc)
+    # and the stage goes on
+    assert torch.equal(bps.push_pull(torch.ones(5), average=False, name="after.int.avg"),
+                       torch.full((5,), float(N)))
 
 @check
 def many_in_flight_past_the_arena():

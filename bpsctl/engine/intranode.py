@@ -390,7 +390,7 @@ class LocalStage:
             src = op.src.reshape(-1)
             n, itemsize = src.numel(), src.element_size()
             code = P.dtype_code(_as_array(src[:0]).dtype)     # the engine's dtype errors
-            if op.average and self.local_only and not (src.dtype.is_floating_point):
+            if op.average and not src.dtype.is_floating_point:     # as the engine says
                 raise TypeError(f"average=True needs a floating-point tensor, got {src.dtype} "
                                 f"for {op.name!r}; pass average=False to sum")
             chunk, _, valid = chunk_layout(n, L, j)
