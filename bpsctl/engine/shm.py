@@ -156,14 +156,16 @@ class Arena:
                               "ranks")
         fd = cls._open_exclusive(path)
         try:
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as exc:
-                os.unlink(path)
-                raise EngineError(f"cannot reserve {format_bytes(size)} of shared memory in "
-                                  f"{path} (BPSCTL_SHM_BYTES={size}): {exc.strerror}; set "
-                                  "BPSCTL_SHM_BYTES lower or BPSCTL_LOCAL_SHM=0") from None
+            os.posix_fallocate(fd, 0, size)
             mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            raise EngineError(f"cannot reserve {format_bytes(size)} of shared memory in "
+                              f"{path} (BPSCTL_SHM_BYTES={size}): {exc.strerror}; set "
+                              "BPSCTL_SHM_BYTES lower or BPSCTL_LOCAL_SHM=0") from None
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
         finally:
             os.close(fd)
         arena = cls(path, mapping, 0, local_size, creator=True)
