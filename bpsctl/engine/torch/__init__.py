@@ -189,8 +189,8 @@ class _Plugin:
         self.copy_stream: Any = None
         self.pinned: dict[str, torch.Tensor] = {}
         w, cfg = self.worker, self.config
-        # the intra-node stage is a gloo group of the host's workers, which cannot lose one:
-        # with BPSCTL_MIN_WORKERS below the world size every worker pushes on its own
+        # the intra-node stage (shared memory or a gloo group of the host's workers) cannot
+        # lose one: with BPSCTL_MIN_WORKERS below the world size every worker pushes on its own
         elastic = 0 < cfg.min_workers < w.size
         if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0
                 and not elastic):
