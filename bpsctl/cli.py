@@ -296,6 +296,9 @@ def down(ctx: typer.Context, hosts: str | None = _ignored_hosts_option()) -> Non
     if report.removed_leftovers:
         err_console.print(f"removed the network namespaces of crashed emulated cluster(s) "
                           f"{', '.join(report.removed_leftovers)}", highlight=False)
+    if report.removed_segments:
+        err_console.print(f"removed the shared memory of crashed job(s) from /dev/shm: "
+                          f"{', '.join(report.removed_segments)}", highlight=False)
     if report.busy_leftovers:
         err_console.print(f"[yellow]note:[/] emulated cluster(s) "
                           f"{', '.join(report.busy_leftovers)} still have processes in their "

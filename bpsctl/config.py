@@ -28,6 +28,8 @@ else:                                   # Python 3.10
 #: (measure with `bpsctl bench comm --security hmac,curve,none`)
 SECURITY_MODES = ("hmac", "curve", "none")
 DEFAULT_SECURITY = "hmac"
+#: the smallest BPSCTL_SHM_BYTES: the arena's header and a few small tensors
+SHM_MIN_BYTES = 65536
 
 
 class ConfigError(UsageError, ValueError):
@@ -283,6 +285,18 @@ class Config:
                              "intra-node stage of the torch plugin when several workers share a "
                              "host: auto (reduce-scatter before push, all-gather after pull) or "
                              "off", "str", in_file=True)
+    local_shm: bool = knob(True, "BPSCTL_LOCAL_SHM",
+                           "the intra-node stage sums CPU tensors in one shared-memory arena per "
+                           "host (0: gloo over TCP loopback, as before)", "bool", in_file=True)
+    local_only: str = knob("auto", "BPSCTL_LOCAL_ONLY",
+                           "with every worker on one host, finish each push_pull in shared "
+                           "memory without the servers: auto (on when the job has one host and "
+                           "BPSCTL_LOCAL_SHM is on), on (an error otherwise) or off", "str",
+                           in_file=True)
+    shm_bytes: int = knob(536870912, "BPSCTL_SHM_BYTES",
+                          "size of each host's shared-memory arena of the intra-node stage (in "
+                          "/dev/shm); one push_pull needs about its tensor's size in it", "size",
+                          in_file=True)
     # the standard names, not BPSCTL_*: launchers (bpsctl run, torchrun) set these per job,
     # after the BPSCTL_* variables of their own config
     master_addr: str = knob("127.0.0.1", "MASTER_ADDR",
@@ -362,6 +376,10 @@ class Config:
             (1 <= self.server_threads <= 64, "BPSCTL_SERVER_THREADS", "1..64", self.server_threads),
             (self.local_reduce in ("auto", "off"), "BPSCTL_LOCAL_REDUCE", "auto or off",
              self.local_reduce),
+            (self.local_only in ("auto", "on", "off"), "BPSCTL_LOCAL_ONLY", "auto, on or off",
+             self.local_only),
+            (self.shm_bytes >= SHM_MIN_BYTES, "BPSCTL_SHM_BYTES",
+             f"at least {SHM_MIN_BYTES} bytes (64KiB)", self.shm_bytes),
             (self.server_malloc in ("auto", "glibc"), "BPSCTL_SERVER_MALLOC", "auto or glibc",
              self.server_malloc),
             (self.idle_release_s >= 0, "BPSCTL_IDLE_RELEASE", "0 (never) or more seconds",

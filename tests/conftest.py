@@ -99,6 +99,17 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     "test_mxnet_plugin.py::test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch[4]":
         {"slow"},
+    # the intra-node stage on shared memory: a job of real workers each (5-10 s); the 2-worker
+    # job on one host and the unit tests of the arena stay in the fast tier
+    "test_shm_local.py::test_sums_and_averages_are_exact[1-local]": {"slow"},
+    "test_shm_local.py::test_sums_and_averages_are_exact[2-servers]": {"slow"},
+    "test_shm_local.py::test_sums_and_averages_are_exact[2-gloo]": {"slow"},
+    "test_shm_local.py::test_sums_and_averages_are_exact[3-servers]": {"slow"},
+    "test_shm_local.py::test_sums_and_averages_are_exact[4-local]": {"slow"},
+    "test_shm_local.py::test_sums_and_averages_are_exact[4-servers]": {"slow"},
+    "test_shm_local.py::test_tensors_larger_than_the_arena_bound_sum_exactly_in_pieces": {"slow"},
+    "test_shm_local.py::test_a_killed_local_worker_is_named_within_10_s_and_its_shared_memory_is_gone":
+        {"slow"},
     # CUDA; and a fresh interpreter importing torch, then a 2-worker job, for the CPU-only case
     "test_torch_gpu.py::test_cpu_users_touch_no_cuda": {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s

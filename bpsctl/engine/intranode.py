@@ -3,16 +3,42 @@ crosses the host's NIC once.
 
 For a tensor of ``n`` elements on a host with ``L`` local ranks:
 
-1. **reduce-scatter** across the local ranks (torch.distributed, gloo for host tensors):
-   local rank ``j`` ends up with the host's sum of chunk ``j`` (``ceil(n / L)`` elements);
+1. **reduce-scatter** across the local ranks: local rank ``j`` ends up with the host's sum of
+   chunk ``j`` (``ceil(n / L)`` elements);
 2. local rank ``j`` push_pulls only its chunk, under the name ``<name>@<j>/<L>`` and flagged
    host-reduced, so the server completes a round after one push per host;
 3. **all-gather** the summed chunks across the local ranks into the output.
 
 Collectives must be issued in the same order on every local rank, so steps 1 and 3 each run
-on their own thread with their own process group (FIFO in submission order), and the
-submission order is the caller's (the order of push_pull calls, as in Horovod without its
-coordinator). Ranks on one host are contiguous: host ``h`` has ranks ``h*L .. h*L+L-1``.
+on their own thread (FIFO in submission order), and the submission order is the caller's (the
+order of push_pull calls, as in Horovod without its coordinator). Ranks on one host are
+contiguous: host ``h`` has ranks ``h*L .. h*L+L-1``.
+
+**Host tensors, shared memory** (``BPSCTL_LOCAL_SHM``, the default): steps 1 and 3 go through
+one arena per host in ``/dev/shm`` (:mod:`bpsctl.engine.shm`), used as a ring in which every
+push_pull gets a region (the same offset on every local rank: they place the same sizes in the
+same order) holding a small header per local rank and one slot of ``L`` chunks per local rank.
+Local rank ``j`` copies its tensor into its slot and bumps its ``COPIED`` counter; once every
+local rank's is there it adds chunk ``j`` of every other slot into chunk ``j`` of its own, in
+place, and push_pulls that chunk straight from shared memory, the result landing there too. The
+all-gather thread then bumps ``RESULT`` and, once every local rank's result is in, copies chunk
+``r`` of slot ``r`` (for every ``r``) into the output and bumps ``DONE``; a region is reused only
+after every local rank's ``DONE`` has passed it. Each local rank's header in the region says
+which push_pull it put there (sequence number, name, size, dtype), so local ranks that disagree
+on the order or shape of their push_pulls get an error naming both, and whether it failed there,
+so its peers fail it too instead of using what it did not finish. Every wait has the op
+deadline (``BPSCTL_OP_TIMEOUT``) and checks every 0.1 s that the peers it waits for live: one
+that died is named (worker rank, local rank, pid) and every later push_pull of the stage fails
+with the same error, as the engine does for a lost worker. The sums run on the tensors' own
+dtype with torch's in-place add (bfloat16 included, which NumPy lacks), in the order of the
+local ranks.
+
+**One host, no servers** (``BPSCTL_LOCAL_ONLY``: ``auto`` when every worker of the job is on
+this host): after step 1 chunk ``j`` already holds the job's sum; it is divided by the number
+of workers when averaging (rounded as the engine rounds) and step 2 is skipped.
+
+**Host tensors, gloo** (``BPSCTL_LOCAL_SHM=0``): steps 1 and 3 are torch.distributed's
+reduce-scatter and all-gather over gloo, each with its own process group.
 
 **CUDA tensors** (when every rank of the job has CUDA and torch has NCCL) take the same three
 steps on the GPU, through two NCCL process groups per host (one per thread, as the gloo pair):
@@ -31,15 +57,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import itertools
 import queue
 import threading
+import time
+import zlib
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import protocol as P
+from . import shm
 from .common import EngineError
 from .worker import Worker
 
@@ -83,11 +115,26 @@ class LocalOp:
 class LocalStage:
     """Reduce-scatter / push_pull / all-gather across the workers of this host (see module doc)."""
 
-    def __init__(self, worker: Worker, master_addr: str, master_port: int, timeout_s: float):
+    def __init__(self, worker: Worker, master_addr: str, master_port: int, timeout_s: float,
+                 *, shm_bytes: int = 0, local_only: bool = False,
+                 start_timeout_s: float = 30.0):
+        """``shm_bytes``: the size of this host's shared-memory arena for host tensors (0:
+        gloo); ``local_only``: every worker is on this host, and host tensors never go to the
+        servers (needs ``shm_bytes``)."""
         self.worker = worker
         self.local_size = worker.local_size
         self.local_rank = worker.rank % self.local_size
         self.timeout_s = timeout_s
+        if local_only and (not shm_bytes or worker.local_size != worker.size):
+            raise EngineError("BPSCTL_LOCAL_ONLY=on needs shared memory (BPSCTL_LOCAL_SHM=1) "
+                              "and every worker of the job on one host, got "
+                              f"{worker.local_size} local of {worker.size} workers")
+        self.local_only = local_only
+        self._closing = False
+        self._arena: shm.Arena | None = None
+        self._arena_bytes: torch.Tensor | None = None
+        if shm_bytes:
+            self._open_arena(shm_bytes, start_timeout_s)
         if not dist.is_initialized():
             dist.init_process_group("gloo", init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=worker.rank, world_size=worker.size,
@@ -95,10 +142,11 @@ class LocalStage:
             self._owns_default_group = True
         else:
             self._owns_default_group = False
-        # every rank must create every group, in the same order
+        # every rank must create every group, in the same order (BPSCTL_LOCAL_SHM is the same
+        # on every rank: launchers hand every worker the same knobs)
         host = worker.rank // self.local_size
         self.scatter_group = self.gather_group = None
-        for h in range(worker.size // self.local_size):
+        for h in range(worker.size // self.local_size if self._arena is None else 0):
             ranks = list(range(h * self.local_size, (h + 1) * self.local_size))
             scatter_group, gather_group = dist.new_group(ranks), dist.new_group(ranks)
             if h == host:
@@ -127,13 +175,49 @@ class LocalStage:
             thread.start()
 
     def submit(self, op: LocalOp) -> LocalOp:
-        self._scatter_q.put(op)
+        pieces = self._pieces(op) if self._arena is not None and not op.src.is_cuda else None
+        for piece in pieces or (op,):
+            self._scatter_q.put(piece)
         return op
 
+    def _pieces(self, op: LocalOp) -> list[LocalOp] | None:
+        """A host tensor too large for half the arena, cut into pieces that fit (each its own
+        push_pull, ``<name>#<k>``, so that two are in flight at a time); None: no need."""
+        L, itemsize = self.local_size, op.src.element_size()
+        # a piece of chunk * L elements takes L op headers and L slots of chunk elements
+        # (each slot padded to a cache line)
+        chunk = ((self._ring.capacity // 2 - L * _OP_HEADER) // L - shm.ALIGN) // (L * itemsize)
+        n = op.src.numel()
+        if n <= chunk * L or chunk < 1:
+            return None                     # fits (or cannot: the scatter thread says why)
+        step = chunk * L
+        src, dst = op.src.reshape(-1), op.dst.reshape(-1)      # contiguous: views
+        pieces = [LocalOp(f"{op.name}#{k}", src[a:a + step], dst[a:a + step], op.average,
+                          op.priority, compression=op.compression)
+                  for k, a in enumerate(range(0, n, step))]
+        left = [len(pieces)]
+
+        def piece_done(piece: LocalOp) -> None:     # on the all-gather thread only
+            op.error = op.error or piece.error
+            left[0] -= 1
+            if left[0] == 0:
+                op.done.set()
+                if op.on_done is not None:
+                    op.on_done()
+
+        for piece in pieces:
+            piece.on_done = functools.partial(piece_done, piece)
+        return pieces
+
     def close(self) -> None:
+        self._closing = True                # waits on peers give up at once
         self._scatter_q.put(None)
         for thread in self._threads:
             thread.join(timeout=5)
+        if self._arena is not None:
+            self._arena_bytes = None
+            self._arena.release()
+            self._arena = None
         if self._owns_default_group and dist.is_initialized():
             dist.destroy_process_group()
         elif self.nccl_scatter_group is not None and dist.is_initialized():
@@ -168,6 +252,10 @@ class LocalStage:
                 self._scatter_cuda(op)
                 self._gather_q.put(op)
                 continue
+            if self._arena is not None:
+                self._scatter_shm(op)
+                self._gather_q.put(op)
+                continue
             try:
                 padded, own, _ = op.buffers = self._buffers_for(op.name, op.src)
                 n, chunk = op.src.numel(), own.numel()
@@ -187,8 +275,11 @@ class LocalStage:
 
     def _gather_loop(self) -> None:
         while (op := self._gather_q.get()) is not None:
-            if op.src.is_cuda:
-                self._gather_cuda(op)
+            if op.src.is_cuda or self._arena is not None:
+                if op.src.is_cuda:
+                    self._gather_cuda(op)
+                else:
+                    self._gather_shm(op)
                 op.done.set()
                 if op.on_done is not None:
                     op.on_done()
@@ -212,6 +303,198 @@ class LocalStage:
             if op.on_done is not None:
                 op.on_done()
 
+
+    # ------------------------------------------------------------------ host tensors (shm)
+
+    def _open_arena(self, shm_bytes: int, start_timeout_s: float) -> None:
+        """Create (local rank 0) or attach to this host's arena; every local rank has attached
+        when this returns on local rank 0, and the arena's name is gone from /dev/shm."""
+        worker = self.worker
+        host = worker.rank // self.local_size
+        name = shm.segment_name(shm.cluster_tag(worker.scheduler_address, worker.security.secret),
+                                worker.config.job_id, host)
+        path = shm.SHM_DIR / name
+        deadline = time.monotonic() + start_timeout_s
+        if self.local_rank == 0:
+            arena = shm.Arena.create(path, shm_bytes, self.local_size)
+            try:
+                arena.wait_attached(deadline, self._check_engine)
+            except BaseException:
+                arena.release()
+                raise
+        else:
+            arena = shm.Arena.attach(path, shm_bytes, self.local_rank, self.local_size,
+                                     deadline, self._check_engine)
+        self._arena = arena
+        self._shm_bytes = shm_bytes
+        # the whole arena as one byte tensor: regions are views of it, made per push_pull
+        self._arena_bytes = torch.frombuffer(arena.mapping, dtype=torch.uint8)
+        self._ring = shm.Ring(arena.data_start, arena.size)
+        self._seq = 0                       # push_pulls placed so far (the scatter thread's)
+        self._shm_broken: EngineError | None = None   # a peer died, or the ranks disagreed
+
+    def _check_engine(self) -> None:
+        """Raise if waiting on local peers is pointless: shutting down, or the engine broke
+        (a lost worker or server, as the scheduler said)."""
+        if self._closing:
+            raise EngineError("the engine is shut down")
+        broken = self.worker._broken
+        if broken is not None:
+            raise broken
+
+    def _wait_all(self, word: int, seq: int, op: LocalOp, what: str) -> None:
+        """Wait until every local rank's counter ``word`` has reached ``seq``, at most the op
+        deadline; a peer that died meanwhile is named (and breaks the stage for good)."""
+        arena = self._arena
+        assert arena is not None
+        column = arena.control[:, word]
+        if int(column.min()) >= seq:
+            return
+        started = time.monotonic()
+        deadline = started + self.timeout_s
+        next_check = started + shm.PEER_CHECK_S
+        delay = 50e-6
+        while int(column.min()) < seq:
+            time.sleep(delay)
+            delay = min(delay * 2, 0.001)
+            now = time.monotonic()
+            if now < next_check:
+                continue
+            next_check = now + shm.PEER_CHECK_S
+            self._check_engine()
+            late = [r for r in range(self.local_size) if column[r] < seq]
+            for r in late:
+                if not arena.peer_alive(r):
+                    self._shm_broken = EngineError(
+                        f"worker {self._rank_of(r)} (local rank {r}, pid {arena.peer_pid(r)}) on "
+                        f"this host exited during the push_pull of {op.name!r}; the intra-node "
+                        "stage cannot go on without it")
+                    raise self._shm_broken
+            if now > deadline:
+                raise EngineError(
+                    f"push_pull of {op.name!r}: worker(s) {[self._rank_of(r) for r in late]} of "
+                    f"this host did not {what} within {self.timeout_s:g} s (BPSCTL_OP_TIMEOUT)")
+
+    def _rank_of(self, local_rank: int) -> int:
+        return self.worker.rank - self.local_rank + local_rank
+
+    def _scatter_shm(self, op: LocalOp) -> None:
+        """Steps 1 and 2 through the arena (see the module doc). Once the op has a region
+        (``op.buffers``), the gather thread publishes its counters whatever happens, so the
+        other local ranks never wait in vain."""
+        arena, L, j = self._arena, self.local_size, self.local_rank
+        assert arena is not None and self._arena_bytes is not None
+        try:
+            if self._shm_broken is not None:
+                raise self._shm_broken
+            src = op.src.reshape(-1)
+            n, itemsize = src.numel(), src.element_size()
+            code = P.dtype_code(_as_array(src[:0]).dtype)     # the engine's dtype errors
+            if op.average and not src.dtype.is_floating_point:     # as the engine says
+                raise TypeError(f"average=True needs a floating-point tensor, got {src.dtype} "
+                                f"for {op.name!r}; pass average=False to sum")
+            chunk, _, valid = chunk_layout(n, L, j)
+            slot_bytes = shm.align(chunk * L * itemsize)     # a local rank's whole tensor
+            nbytes = _OP_HEADER * L + slot_bytes * L
+            if nbytes > self._ring.capacity:
+                raise EngineError(
+                    f"push_pull of {op.name!r} ({n * itemsize} bytes) needs {nbytes} bytes of "
+                    f"this host's shared-memory arena, which holds {self._ring.capacity} "
+                    f"(BPSCTL_SHM_BYTES={self._shm_bytes}); raise BPSCTL_SHM_BYTES or set "
+                    "BPSCTL_LOCAL_SHM=0")
+            self._seq += 1
+            seq = self._seq
+            offset, wait_for = self._ring.place(nbytes, seq, int(arena.control[:, shm.DONE].min()))
+            op.buffers = _ShmOp(seq, offset, chunk, slot_bytes, n, zlib.crc32(op.name.encode()),
+                                code)
+            op.valid = valid
+        except BaseException as exc:     # noqa: BLE001 - handed to the caller
+            op.error = exc
+            return
+        words = _op_words(arena, op.buffers)
+        slots = self._arena_bytes[offset + _OP_HEADER * L:offset + nbytes]
+        failed = 0
+        try:
+            self._wait_all(shm.DONE, wait_for, op, "finish an earlier push_pull")
+            if n:
+                mine = slots[j * slot_bytes:j * slot_bytes + n * itemsize].view(src.dtype)
+                mine.copy_(src)
+        except BaseException as exc:     # noqa: BLE001
+            op.error, failed = exc, 1
+        words[j] = (seq, n, code, op.buffers.crc, failed, 0, 0, 0)
+        arena.control[j, shm.COPIED] = seq
+        if op.error is not None:
+            return
+        try:
+            self._wait_all(shm.COPIED, seq, op, "start it")
+            self._check_peers(op, words, check_shapes=True)
+            start = j * slot_bytes + j * chunk * itemsize
+            own = slots[start:start + valid * itemsize].view(src.dtype)
+            for r in range(L):
+                if r != j:
+                    peer = r * slot_bytes + j * chunk * itemsize
+                    own.add_(slots[peer:peer + valid * itemsize].view(src.dtype))
+            if self.local_only:
+                if op.average and self.worker.size > 1:
+                    divide_exactly(own, self.worker.size)
+            else:
+                piece = _as_array(own)
+                op.engine_handle = self.worker.push_pull_async(
+                    piece, name=f"{op.name}@{j}/{L}", average=op.average, priority=op.priority,
+                    out=piece, host_reduced=True, compression=op.compression)
+        except BaseException as exc:     # noqa: BLE001
+            op.error = exc
+
+    def _check_peers(self, op: LocalOp, words: np.ndarray, check_shapes: bool) -> None:
+        """Raise if another local rank put a different push_pull in this region, or failed
+        its part of this one."""
+        mine = op.buffers
+        for r in range(self.local_size):
+            seq, n, code, crc, failed = (int(x) for x in words[r, :5])
+            if check_shapes and (seq, n, code, crc) != (mine.seq, mine.n, mine.code, mine.crc):
+                self._shm_broken = EngineError(
+                    f"the workers of this host disagree on the order or shape of their "
+                    f"push_pulls: worker {self.worker.rank} pushed {op.name!r} ({mine.n} "
+                    f"elements, {op.src.dtype}) where worker {self._rank_of(r)} pushed another "
+                    "tensor or shape; every local rank must push_pull the same tensors in the "
+                    "same order")
+                raise self._shm_broken
+            if failed and r != self.local_rank:
+                raise EngineError(f"push_pull of {op.name!r} failed on worker "
+                                  f"{self._rank_of(r)} of this host (its own error says why)")
+
+    def _gather_shm(self, op: LocalOp) -> None:
+        """Step 3 through the arena: publish this rank's result, copy every rank's out."""
+        mine = op.buffers
+        if mine is None:
+            return                          # failed before it had a region
+        arena, L, j = self._arena, self.local_size, self.local_rank
+        assert arena is not None and self._arena_bytes is not None
+        words = _op_words(arena, mine)
+        try:
+            if op.engine_handle is not None:
+                self.worker.synchronize(op.engine_handle)
+        except BaseException as exc:     # noqa: BLE001
+            op.error = exc
+        if op.error is not None:
+            words[j, _FAILED] = 1
+        arena.control[j, shm.RESULT] = mine.seq
+        try:
+            self._wait_all(shm.RESULT, mine.seq, op, "finish it")
+            if op.error is None:
+                self._check_peers(op, words, check_shapes=False)
+                itemsize = op.src.element_size()
+                base = mine.offset + _OP_HEADER * L
+                dst = op.dst.reshape(-1)
+                for r in range(L):
+                    _, first, valid = chunk_layout(mine.n, L, r)
+                    if valid:
+                        at = base + r * mine.slot_bytes + first * itemsize
+                        dst[first:first + valid].copy_(
+                            self._arena_bytes[at:at + valid * itemsize].view(op.src.dtype))
+        except BaseException as exc:     # noqa: BLE001
+            op.error = op.error or exc
+        arena.control[j, shm.DONE] = mine.seq
 
     # ------------------------------------------------------------------ CUDA tensors (NCCL)
 
@@ -325,6 +608,29 @@ class LocalStage:
                 op.finished = finished
         except BaseException as exc:     # noqa: BLE001
             op.error = op.error or exc
+
+
+#: bytes of each local rank's header in a push_pull's region: seq, elements, dtype code, name
+#: crc, failed (int64 words), padded to a cache line
+_OP_HEADER = shm.ALIGN
+_FAILED = 4
+
+
+class _ShmOp:
+    """Where a push_pull lives in the arena, and what it is (to check the peers agree)."""
+
+    __slots__ = ("seq", "offset", "chunk", "slot_bytes", "n", "crc", "code")
+
+    def __init__(self, seq: int, offset: int, chunk: int, slot_bytes: int, n: int, crc: int,
+                 code: int):
+        self.seq, self.offset, self.chunk, self.slot_bytes = seq, offset, chunk, slot_bytes
+        self.n, self.crc, self.code = n, crc, code
+
+
+def _op_words(arena: shm.Arena, op: _ShmOp) -> np.ndarray:
+    """The (L, 8) int64 headers of the local ranks in ``op``'s region."""
+    return np.ndarray((arena.local_size, _OP_HEADER // 8), dtype=np.int64, buffer=arena.mapping,
+                      offset=op.offset)
 
 
 class _CudaBuffers:

@@ -9,6 +9,7 @@ for the job (and stops it afterwards). The CLI, ``bench`` and ``tune`` call only
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import sys
 from collections.abc import Callable, Iterator
@@ -71,9 +72,11 @@ def down(state_dir: Path | str) -> DownReport:
         cluster = state.load_state(state_dir)
         if cluster is None:
             return DownReport(cluster=None)
-        if cluster.kind == "slurm":
-            return slurm.down(cluster)
-        return ssh.down(cluster) if cluster.kind == "ssh" else local.down(cluster)
+        if cluster.kind == "local" or cluster.kind == "emulated":
+            return local.down(cluster)
+        report = slurm.down(cluster) if cluster.kind == "slurm" else ssh.down(cluster)
+        # workers may have run on this machine too
+        return dataclasses.replace(report, removed_segments=local.remove_shared_memory(cluster))
 
 
 def status(state_dir: Path | str) -> dict[str, Any]:

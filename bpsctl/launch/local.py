@@ -8,6 +8,7 @@ the run loop (:mod:`bpsctl.launch.runloop`) through :class:`LocalSpawner`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bpsctl.config import Config, ConfigError
-from bpsctl.engine import EngineError
+from bpsctl.engine import EngineError, shm
 from bpsctl.engine.client import scheduler_status
 from bpsctl.engine.security import new_secret
 from bpsctl.launch import emulate, state
@@ -291,7 +292,16 @@ def down(cluster: ClusterState) -> DownReport:
         if cluster.emulation is not None:
             emulate.destroy(cluster.emulation["cluster_id"])
         state.forget(cluster.state_dir)
-    return down_report(cluster, survivors)
+    return dataclasses.replace(down_report(cluster, survivors),
+                               removed_segments=remove_shared_memory(cluster))
+
+
+def remove_shared_memory(cluster: ClusterState) -> tuple[str, ...]:
+    """Remove what crashed jobs of ``cluster`` left in this machine's /dev/shm (an intra-node
+    stage's arena whose workers died before every one of them had attached; see
+    :mod:`bpsctl.engine.shm`), found by the cluster's tag in the names: its scheduler's port
+    and a hash of its secret."""
+    return shm.remove_leftovers(shm.cluster_tag(cluster.scheduler, cluster.secret))
 
 
 def remove_leftovers(state_dir: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:

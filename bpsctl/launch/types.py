@@ -232,6 +232,8 @@ class DownReport:
     # emulated clusters of crashed runs: removed, or left alone because processes still run there
     removed_leftovers: tuple[str, ...] = ()
     busy_leftovers: tuple[str, ...] = ()
+    # shared-memory arenas of the cluster's crashed jobs, removed from this machine's /dev/shm
+    removed_segments: tuple[str, ...] = ()
 
 
 __all__ = ["ClusterState", "DownReport", "HostSpec", "HostsSpec", "KINDS", "LaunchError",

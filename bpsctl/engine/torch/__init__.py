@@ -11,9 +11,11 @@
 CPU tensors enter the engine as NumPy views of their storage (no copy); CUDA tensors are
 staged through pinned host buffers, copied on a side stream. When several workers share a
 host (``local_size() > 1``) and ``BPSCTL_LOCAL_REDUCE`` is ``auto``, push_pulls go through
-the intra-node stage (:mod:`bpsctl.engine.intranode`): gloo for host tensors; NCCL on the GPU
-for CUDA tensors where every rank has CUDA and NCCL (only each rank's owned chunk is staged
-through pinned memory), else they are staged whole and take the gloo path. Handles are
+the intra-node stage (:mod:`bpsctl.engine.intranode`): shared memory for host tensors
+(``BPSCTL_LOCAL_SHM``; gloo without it), and no servers at all when every worker is on one
+host (``BPSCTL_LOCAL_ONLY``); NCCL on the GPU for CUDA tensors where every rank has CUDA and
+NCCL (only each rank's owned chunk is staged through pinned memory), else they are staged
+whole and take the host path. Handles are
 integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed.
 
 **Rejoining** (``bpsctl run --max-restarts``): a live worker hands a restarted one its state
@@ -187,9 +189,9 @@ class _Plugin:
         self.copy_stream: Any = None
         self.pinned: dict[str, torch.Tensor] = {}
         w, cfg = self.worker, self.config
-        # the intra-node stage is a gloo group of the host's workers, which cannot lose one
-        # and waits for its slowest: with BPSCTL_MIN_WORKERS below the world size, or with
-        # backup workers, every worker pushes on its own
+        # the intra-node stage (shared memory or a gloo group of the host's workers) cannot
+        # lose one and waits for its slowest: with BPSCTL_MIN_WORKERS below the world size, or
+        # with backup workers, every worker pushes on its own
         elastic = 0 < cfg.min_workers < w.size or cfg.backup_workers > 0
         if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0
                 and not elastic):
@@ -197,7 +199,16 @@ class _Plugin:
                 raise EngineError("the intra-node stage needs a rendezvous port: MASTER_PORT is "
                                   "not set; launch with `bpsctl run`, or set "
                                   "BPSCTL_LOCAL_REDUCE=off")
-            self.stage = LocalStage(w, cfg.master_addr, cfg.master_port, cfg.op_timeout_s)
+            one_host = w.local_size == w.size
+            if cfg.local_only == "on" and not (one_host and cfg.local_shm):
+                raise EngineError("BPSCTL_LOCAL_ONLY=on needs every worker of the job on one "
+                                  f"host (here {w.local_size} of {w.size} workers share it) and "
+                                  "BPSCTL_LOCAL_SHM=1; set BPSCTL_LOCAL_ONLY=auto")
+            self.stage = LocalStage(
+                w, cfg.master_addr, cfg.master_port, cfg.op_timeout_s,
+                shm_bytes=cfg.shm_bytes if cfg.local_shm else 0,
+                local_only=cfg.local_only != "off" and cfg.local_shm and one_host,
+                start_timeout_s=cfg.start_timeout_s)
 
     def close(self) -> None:
         if self.stage is not None:
