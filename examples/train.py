@@ -28,7 +28,9 @@ optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_par
 bps.broadcast_parameters(model.state_dict(), root_rank=0)     # start from rank 0's weights
 bps.broadcast_optimizer_state(optimizer, root_rank=0)
 
-for step in range(1, STEPS + 1):
+# a worker restarted by `bpsctl run --max-restarts` got the model above from a live worker,
+# and resumes where the job is (step_count() is 0 otherwise)
+for step in range(bps.step_count() + 1, STEPS + 1):
     x = torch.randn(BATCH, FEATURES)
     y = x @ w_true + 0.01 * torch.randn(BATCH)
     optimizer.zero_grad()

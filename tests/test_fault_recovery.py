@@ -7,9 +7,9 @@ Every run goes through the CLI: `bpsctl up --emulate --workers 4 --servers 4 --n
 asserts what a user would check:
 
 - `bpsctl run` exits 0 after every step;
-- server faults: the final parameters equal the fault-free run's to float32 rounding (the
-  summation order may differ after a failover), and the workers equal each other bit for bit
-  after every step;
+- server faults: the final parameters equal the fault-free run's within REL_DIFF_BOUND
+  (relative L2; servers sum in arrival order, so no two runs are bitwise equal), and the
+  workers equal each other bit for bit after every step;
 - worker faults: the workers still in the job equal each other bit for bit after every step
   (a restarted one from its first step on);
 - the slowest step of the run is at most the heartbeat timeout + 2 s longer than the median.
@@ -42,6 +42,7 @@ STEPS = int(os.environ.get("BPSCTL_RECOVERY_STEPS", "40"))
 SEED = int(os.environ.get("BPSCTL_RECOVERY_SEED", "19"))
 REPORT_FILE = os.environ.get("BPSCTL_RECOVERY_REPORT")
 HEARTBEAT_TIMEOUT_S = 2.0
+REL_DIFF_BOUND = 1e-4           # final parameters against the fault-free run, relative L2
 RUN_BOUND_S = 240.0
 WORKER_SCRIPT = Path(__file__).resolve().parent / "recovery_worker.py"
 
@@ -55,7 +56,7 @@ class Outcome:
     exit_code: int
     seconds: float              # the whole run
     stall_s: float              # slowest step - median step
-    max_rel_diff: float | None  # server faults: against the fault-free run
+    rel_diff: float | None      # server faults: against the fault-free run, relative L2
     rejoined_at: int | None     # worker-restart: the first step of the restarted worker
 
 
@@ -207,14 +208,16 @@ def _strike(cluster: Cluster, tmp_path: Path, fault: str, index: int,
     stall = max(times) - statistics.median(times)
     assert stall <= HEARTBEAT_TIMEOUT_S + 2, f"{where}: a step stalled {stall:.1f} s:\n{text}"
     diff = None
-    if reference is not None:
+    if reference is not None:       # ||final - fault-free|| / ||fault-free||
         final = torch.load(out / "final-0.pt")
-        diff = float(((final - reference).abs() / reference.abs().clamp_min(1e-6)).max())
-        assert torch.allclose(final, reference, rtol=1e-4, atol=1e-6), \
-            f"{where}: final parameters differ from the fault-free run (max rel {diff:.2e})"
+        diff = float((final - reference).norm() / reference.norm())
     outcome = Outcome(fault, target, seed, step, exit_code, round(seconds, 2), round(stall, 3),
                       diff, rejoined_at)
     OUTCOMES.append(outcome)
+    # two fault-free runs differ by a few 1e-6 (the servers sum in arrival order); a worker's
+    # share missing from about 100 steps, by a few 1e-3
+    assert diff is None or diff <= REL_DIFF_BOUND, \
+        f"{where}: final parameters differ from the fault-free run by {diff:.2e} (relative)"
     return outcome
 
 
@@ -242,7 +245,7 @@ def figures():
     for fault in ("server-kill", "server-cut", "worker-kill", "worker-restart"):
         runs = [o for o in OUTCOMES if o.fault == fault]
         if runs:
-            diffs = [o.max_rel_diff for o in runs if o.max_rel_diff is not None]
+            diffs = [o.rel_diff for o in runs if o.rel_diff is not None]
             summary[fault] = {"runs": len(runs), "exit_0": sum(o.exit_code == 0 for o in runs),
                               "max_stall_s": max(o.stall_s for o in runs),
                               "median_stall_s": round(statistics.median(o.stall_s for o in runs),
