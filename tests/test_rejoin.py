@@ -44,17 +44,17 @@ bps.shutdown()
 '''
 
 
-def _run(tmp_path: Path, steps: int, die_at: int, again: str = "",
-         max_restarts: int = 1) -> tuple[subprocess.CompletedProcess, Path]:
+def _run(tmp_path: Path, source: str, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """`bpsctl run -np 3 --max-restarts 1 -- python SCRIPT OUT ARGS...` on a private cluster
+    that declares a silent worker lost within 1 s."""
     script, out = tmp_path / "train.py", tmp_path / "out"
-    script.write_text(SCRIPT)
+    script.write_text(source)
     out.mkdir()
     env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
            "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
     done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
-                           "--max-restarts", str(max_restarts), "--", sys.executable,
-                           str(script), str(out), str(steps), str(die_at), again],
-                          env=env, capture_output=True, text=True, timeout=240)
+                           "--max-restarts", "1", "--", sys.executable, str(script), str(out),
+                           *args], env=env, capture_output=True, text=True, timeout=240)
     return done, out
 
 
@@ -64,7 +64,7 @@ def test_a_killed_worker_is_restarted_and_rejoins_bitwise_equal(tmp_path):
     workers hold the same parameters (SGD with momentum and weight decay: the optimizer state
     came with the model)."""
     steps, die_at = 60, 4
-    done, out = _run(tmp_path, steps, die_at)
+    done, out = _run(tmp_path, SCRIPT, str(steps), str(die_at), "")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "restarted worker 2" in done.stderr and "rejoined the job" in done.stderr, \
         done.stdout + done.stderr
@@ -82,7 +82,7 @@ def test_a_killed_worker_is_restarted_and_rejoins_bitwise_equal(tmp_path):
 def test_a_worker_that_fails_again_after_its_last_restart_ends_the_job(tmp_path):
     """With one restart allowed, a worker that dies again after rejoining ends the job (no
     --min-workers): exit non-zero, naming it, nothing left running."""
-    done, _ = _run(tmp_path, 200, 4, again="die-again")
+    done, _ = _run(tmp_path, SCRIPT, "200", "4", "die-again")
     assert done.returncode != 0, done.stdout + done.stderr
     assert "worker 2" in done.stderr and "SIGKILL" in done.stderr, done.stderr
 
@@ -138,15 +138,7 @@ def test_a_horovod_elastic_script_runs_with_its_import_changed_and_rejoins(tmp_p
     restarted, resumes from the committed epoch and batch, and from then on all three hold
     the same parameters; every live worker's reset callbacks ran at the same commits."""
     epochs, batches, die_at = 4, 15, 6
-    script, out = tmp_path / "train.py", tmp_path / "out"
-    script.write_text(ELASTIC_SCRIPT)
-    out.mkdir()
-    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
-           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
-    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
-                           "--max-restarts", "1", "--", sys.executable, str(script), str(out),
-                           str(epochs), str(batches), str(die_at)],
-                          env=env, capture_output=True, text=True, timeout=240)
+    done, out = _run(tmp_path, ELASTIC_SCRIPT, str(epochs), str(batches), str(die_at))
     assert done.returncode == 0, done.stdout + done.stderr
     total = epochs * batches
     joined = min(s for s in range(die_at + 1, total) if (out / f"r2-s{s}.pt").exists())

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,28 @@ def _where(config: Any) -> str:
         else "this machine"
 
 
+def _run_bench(what: str, config: Any, run: Callable[[Callable[[str], None]], dict[str, Any]],
+               show: Callable[[Any, dict[str, Any]], None], json_file: Path | None,
+               plot_file: Path | None,
+               plot: Callable[[dict[str, Any], Path], None]) -> dict[str, Any]:
+    """One bench command's frame: matplotlib checked up front when plotting (a missing one is
+    a usage error), ``run(progress)`` under a status line, then the table, traces, JSON, plot.
+    Returns the report."""
+    if plot_file is not None:
+        from .report import _pyplot
+        _pyplot()
+    where = _where(config)
+    with err_console.status(f"bench {what} on {where}") as status:
+        report = run(lambda message: status.update(f"bench {what} on {where}: {message}"))
+    show(err_console, report)
+    _said_traces(config)
+    _write_json(json_file, report)
+    if plot_file is not None:
+        plot(report, plot_file)
+        err_console.print(f"wrote {plot_file}", highlight=False)
+    return report
+
+
 def _write_json(path: Path | None, report: dict[str, Any]) -> None:
     if path is None:
         return
@@ -191,23 +214,11 @@ def comm(ctx: typer.Context,
         if too_small:
             raise ConfigError(f"--size: {too_small[0]} bytes is too small for {tensors} float32 "
                               f"tensors (at least {4 * tensors} bytes)")
-        if plot_file is not None:
-            from .report import _pyplot
-            _pyplot()                       # a missing matplotlib is a usage error, said up front
-        where = _where(config)
-        with err_console.status(f"bench comm on {where}") as status:
-            def progress(message: str) -> None:
-                status.update(f"bench comm on {where}: {message}")
+        def run(progress: Callable[[str], None]) -> dict[str, Any]:
             if worker_counts is None:
-                report = run_comm(config, settings, progress=progress)
-            else:
-                report = run_sweep(config, settings, worker_counts, servers, progress=progress)
-        print_comm(err_console, report)
-        _said_traces(config)
-        _write_json(json_file, report)
-        if plot_file is not None:
-            plot_comm(report, plot_file)
-            err_console.print(f"wrote {plot_file}", highlight=False)
+                return run_comm(config, settings, progress=progress)
+            return run_sweep(config, settings, worker_counts, servers, progress=progress)
+        _run_bench("comm", config, run, print_comm, json_file, plot_file, plot_comm)
 
 
 def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | None,
@@ -229,20 +240,9 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                                  num_classes=num_classes, warmup=warmup, iters=iters,
                                  batches_per_iter=batches_per_iter, compare=_names(compare),
                                  rounds=rounds, compression=compression or "")
-        if plot_file is not None:
-            from .report import _pyplot
-            _pyplot()
-        where = _where(config)
-        with err_console.status(f"bench {model} on {where}") as status:
-            def progress(message: str) -> None:
-                status.update(f"bench {model} on {where}: training with {message}")
-            report = run_train(config, settings, progress=progress)
-        print_train(err_console, report)
-        _said_traces(config)
-        _write_json(json_file, report)
-        if plot_file is not None:
-            plot_train(report, plot_file)
-            err_console.print(f"wrote {plot_file}", highlight=False)
+        _run_bench(model, config, lambda progress: run_train(
+            config, settings, progress=lambda message: progress(f"training with {message}")),
+            print_train, json_file, plot_file, plot_train)
 
 
 def _train_command(model: str, title: str) -> None:
@@ -360,19 +360,10 @@ def convergence(ctx: typer.Context,
                                        target=target, max_steps=max_steps,
                                        eval_every=eval_every, batch_size=batch_size, lr=lr,
                                        train=train_samples, seed=seed, backup_workers=backup)
-        if plot_file is not None:
-            from .report import _pyplot
-            _pyplot()
-        where = _where(config)
-        with err_console.status(f"bench convergence on {where}") as status:
-            def progress(message: str) -> None:
-                status.update(f"bench convergence on {where}: {message}")
-            report = run_convergence(config, settings, progress=progress)
-        print_convergence(err_console, report)
-        _write_json(json_file, report)
-        if plot_file is not None:
-            plot_convergence(report, plot_file)
-            err_console.print(f"wrote {plot_file}", highlight=False)
+        report = _run_bench("convergence", config,
+                            lambda progress: run_convergence(config, settings,
+                                                             progress=progress),
+                            print_convergence, json_file, plot_file, plot_convergence)
         if not report["all_reached"]:
             missed = ", ".join(r["system"] for r in report["results"] if not r["reached"])
             err_console.print(f"[bold red]error:[/] {missed} did not reach {target:g} within "

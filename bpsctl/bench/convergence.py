@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -143,8 +144,12 @@ def main(argv: list[str] | None = None) -> None:
                       "seconds": seconds, "final_accuracy": curve[-1][2],
                       "curve": [{"step": s, "seconds": t, "accuracy": a} for s, t, a in curve]})
     shutdown()
-    faulthandler.cancel_dump_traceback_later()
+    # the result is out and the system shut down: leave now. Once in a dozen or so DDP runs
+    # a worker hung after this point (interpreter exit, after the watchdog was cancelled)
+    # and the bench waited for it until its own deadline
     sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -68,8 +68,9 @@ RESULT = 23         # server -> worker: header + summed partition bytes; the hea
                     #   field says how many workers' pushes it sums (0: 65536)
 ADMIT = 24          # donor -> each server: {rank, rounds: {part id: round}} (count rank's
                     #   pushes from these rounds on: it rejoins at the donor's step boundary)
-STATE = 25          # donor -> a server -> the joiner: header (rank = the joiner) + the model
-                    #   and optimizer state the joiner starts from (the server only relays it)
+STATE = 25          # donor -> a server -> the joiner: header (rank = the joiner, round = its
+                    #   incarnation), the rounds {part id: round} as JSON, then the model and
+                    #   optimizer state the joiner starts from (the server only relays them)
 
 TYPE_NAMES = {v: k for k, v in dict(globals()).items() if isinstance(v, int) and k.isupper()
               and k not in ("PROTOCOL_VERSION", "HEADER_SIZE")}

@@ -204,7 +204,7 @@ class Server:
         self.lost_ranks: set[int] = set()           # workers the job goes on without
         self.lost_peers: set[bytes] = set()         # connections of lost workers: ignored
         self.dead: set[tuple[int, int]] = set()     # (rank, incarnation) lost: never admitted
-        self.mailbox: dict[tuple[int, int], zmq.Frame] = {}   # a joiner's model, until its HELLO
+        self.mailbox: dict[tuple[int, int], list[zmq.Frame]] = {}   # a joiner's model, till HELLO
         self.backup_workers = 0                     # the job's BPSCTL_BACKUP_WORKERS
         self.late_pushes = 0                        # the job's pushes that came too late
         self.parts: dict[int, PartitionState] = {}
@@ -413,7 +413,7 @@ class Server:
         self.incarnations[rid] = incarnation
         state = self.mailbox.pop((rank, incarnation), None)
         if state is not None:
-            self._relay_state(rid, rank, incarnation, state)
+            self._relay_state(rid, state)
 
     def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0,
                backup_workers: int = 0) -> None:
@@ -677,8 +677,7 @@ class Server:
     def _worker_lost(self, rank: int, incarnation: int, live: int, message: str) -> None:
         """The job goes on without worker ``rank``: rounds it already pushed keep its
         contribution; the others complete without it, now if every other push is in."""
-        rid = next((r for r, peer in self.peers.items()
-                    if peer == rank and self.incarnations.get(r) == incarnation), None)
+        rid = self._peer(rank, incarnation)
         self.dead.add((rank, incarnation))
         self.mailbox.pop((rank, incarnation), None)
         if rid is not None:
@@ -740,28 +739,29 @@ class Server:
         self.log.warning("worker %d (restart %d) rejoined: rounds go on with %d workers", rank,
                          incarnation, self.num_workers)
 
+    def _peer(self, rank: int, incarnation: int) -> bytes | None:
+        """The connection of worker ``rank``'s process of that incarnation, if it said HELLO."""
+        return next((rid for rid, peer in self.peers.items()
+                     if peer == rank and self.incarnations.get(rid) == incarnation), None)
+
     def _state(self, rid: bytes, rank: int, incarnation: int, frames: list[zmq.Frame]) -> None:
         """The model a donor hands a restarted worker: relay it, or keep it until the joiner
         says HELLO (one per joiner; gone when relayed, when the joiner is lost, or at the
-        job's end)."""
-        if rid not in self.peers or len(frames) != 3:
+        job's end). Its frames after the header travel on as they came, never copied."""
+        if rid not in self.peers or len(frames) != 4:
             raise P.ProtocolError("STATE from a connection that has not said HELLO, or "
-                                  "without its payload")
+                                  "without its rounds and payload")
         if (rank, incarnation) in self.dead:
             return
-        joiner = next((r for r, peer in self.peers.items()
-                       if peer == rank and self.incarnations.get(r) == incarnation), None)
+        joiner = self._peer(rank, incarnation)
         if joiner is None:
-            self.mailbox[(rank, incarnation)] = frames[2]
+            self.mailbox[(rank, incarnation)] = frames[1:]
         else:
-            self._relay_state(joiner, rank, incarnation, frames[2])
+            self._relay_state(joiner, frames[1:])
 
-    def _relay_state(self, rid: bytes, rank: int, incarnation: int, payload: zmq.Frame) -> None:
+    def _relay_state(self, rid: bytes, frames: list[zmq.Frame]) -> None:
         try:
-            self.sock.send(rid, zmq.SNDMORE)
-            self.sock.send(P.pack_header(P.STATE, rank=rank, round=incarnation,
-                                         nbytes=len(payload)), zmq.SNDMORE)
-            self.sock.send(payload, copy=False)
+            self.sock.send_multipart([rid, *frames], copy=False)
         except zmq.ZMQError:
             pass        # the joiner is gone; the scheduler will say so
 

@@ -126,7 +126,7 @@ class Worker:
         self.incarnation = 0                    # > 0: this process restarted a lost rank
         self.joining = False                    # ... and has not received the state yet
         self.pending_joins: list[tuple[int, int]] = []         # (rank, incarnation)
-        self._join_payload: bytes | None = None
+        self._join_payload: memoryview | None = None
         self._joined = threading.Event()
         self._lost_at_start: list[int] = []     # servers already lost when this one joined
         # results of pushes that came after their round was complete (backup workers): those
@@ -467,7 +467,7 @@ class Worker:
         self._command("barrier", handle)
         handle.wait(timeout_s if timeout_s is not None else self.config.op_timeout_s)
 
-    def donate(self, rank: int, incarnation: int, state: bytes,
+    def donate(self, rank: int, incarnation: int, state: bytes | memoryview,
                timeout_s: float | None = None) -> None:
         """Hand a rejoining worker (one of :attr:`pending_joins`) the job's state at a step
         boundary, with no push_pull in flight: every server counts its pushes from the next
@@ -477,7 +477,7 @@ class Worker:
         self._command("donate", (handle, rank, incarnation, state))
         handle.wait(timeout_s if timeout_s is not None else self.config.op_timeout_s)
 
-    def receive_state(self, timeout_s: float | None = None) -> bytes:
+    def receive_state(self, timeout_s: float | None = None) -> memoryview:
         """A rejoining worker: wait for the state a live worker hands it (see :meth:`donate`)
         and join the job's rounds. Push_pulls called before wait for it too."""
         if not self.joining and self._join_payload is None:
@@ -728,12 +728,13 @@ class Worker:
                     self.late_pushes += 1
                 self._result(part_id, round_, frames[1], count or 1 << 16)
             elif msg_type == P.STATE:
-                self._received_state(frames[1])
+                self._received_state(frames[1], frames[2])
             elif msg_type == P.ERROR:
                 _, msg = P.parse_control([frames[0].buffer, frames[1].buffer])
                 self._fail_all(EngineError(f"worker {self.rank}: {msg.get('message')}"))
 
-    def _donate(self, handle: Handle, rank: int, incarnation: int, state: bytes) -> None:
+    def _donate(self, handle: Handle, rank: int, incarnation: int,
+                state: bytes | memoryview) -> None:
         """ADMIT to every server, then the rounds and ``state`` to the joiner through the
         first live one (same connection as this worker's later pushes: they come after)."""
         try:
@@ -749,11 +750,9 @@ class Worker:
                                         "rounds": rounds})
             for index in live:
                 self._server_socks[index].send_multipart(admit)
-            head = json.dumps({"rounds": rounds}).encode()
-            payload = len(head).to_bytes(8, "little") + head + state
             self._server_socks[live[0]].send_multipart([
-                P.pack_header(P.STATE, rank=rank, round=incarnation, nbytes=len(payload)),
-                payload], copy=False)
+                P.pack_header(P.STATE, rank=rank, round=incarnation, nbytes=len(state)),
+                json.dumps(rounds).encode(), state], copy=False)
             self._sched.send_multipart(P.control(P.JOIN_DONE, {"rank": rank}))
             self.pending_joins = [j for j in self.pending_joins if j != (rank, incarnation)]
             log.warning("worker %d: handed the model (%.1f MiB) to rejoining worker %d",
@@ -762,15 +761,13 @@ class Worker:
             handle.error = exc
         handle._done.set()
 
-    def _received_state(self, frame: zmq.Frame) -> None:
+    def _received_state(self, rounds: zmq.Frame, state: zmq.Frame) -> None:
         """This rejoining worker's state came: take the donor's rounds, start what waited."""
         if not self.joining:
             return
-        data = frame.bytes
-        size = int.from_bytes(data[:8], "little")
-        head = json.loads(data[8:8 + size])
-        self._rounds.update({int(part): int(round_) for part, round_ in head["rounds"].items()})
-        self._join_payload = data[8 + size:]
+        self._rounds.update({int(part): int(round_)
+                             for part, round_ in json.loads(rounds.bytes).items()})
+        self._join_payload = state.buffer       # the frame's memory, not a copy
         self.joining = False
         waiting, self._join_waiting = self._join_waiting, []
         declares: list[dict[str, Any]] = []

@@ -507,13 +507,13 @@ def _received_state(plugin: _Plugin) -> dict[str, Any] | None:
     return plugin.received
 
 
-def _pack_state(plugin: _Plugin, elastic: Any = None) -> bytes:
+def _pack_state(plugin: _Plugin, elastic: Any = None) -> memoryview:
     """What a rejoining worker starts from (see the module docstring)."""
     buffer = io.BytesIO()
     torch.save({"steps": plugin.steps, "params": plugin.shared,
                 "optimizers": [opt.state_dict() for opt in plugin.optimizers],
                 "elastic": elastic}, buffer)
-    return buffer.getvalue()
+    return buffer.getbuffer()           # sent without another copy
 
 
 def _donate(plugin: _Plugin, elastic: Any = None) -> None:
