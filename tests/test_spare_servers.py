@@ -93,6 +93,24 @@ def test_a_spare_holds_nothing_until_it_takes_over_a_killed_servers_partitions(c
     assert rows[2]["state"] == "running" and rows[2]["took_over"] == 0, rows
 
 
+def test_a_server_lost_between_jobs_is_replaced_by_the_spare_for_the_next_job(cluster):
+    """kill -9 server 1 while no job runs: `bpsctl status` soon shows the spare as having taken
+    its place, and the next job of two servers runs on server 0 and the former spare."""
+    victim = next(p for p in cluster.processes if p.role == "server" and p.rank == 1)
+    os.kill(victim.pid, signal.SIGKILL)
+    wait_until(lambda: _rows(cluster)[2].get("took_over") == 1, 10,
+               "the spare to take the lost server's place")
+    assert _rows(cluster)[2]["state"] == "running"
+
+    def body(worker):
+        grad = np.full(100 * KiB, worker.rank + 1, np.int32)      # 7 partitions
+        worker.push_pull(grad, name="grad", average=False, out=grad)
+        assert np.all(grad == 3), grad[:4]
+        return sorted({worker._servers[part[1]]["rank"] for part in worker._parts.values()})
+
+    assert run_job(cluster, 2, 2, body, partition_bytes=64 * KiB) == [[0, 2], [0, 2]]
+
+
 @pytest.mark.parametrize("args, spares, message", [
     (["up", "--spare-servers", "-1"], "", "--spare-servers / BPSCTL_SPARE_SERVERS: expected 0 "
                                           "or more, got -1"),
