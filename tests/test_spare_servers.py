@@ -116,8 +116,11 @@ def test_a_server_lost_between_jobs_is_replaced_by_the_spare_for_the_next_job(cl
                                           "or more, got -1"),
     (["up"], "-2", "--spare-servers / BPSCTL_SPARE_SERVERS: expected 0 or more, got -2"),
     (["up", "--slurm", "--spare-servers", "1"], "", "--spare-servers / BPSCTL_SPARE_SERVERS: "
-     "spare servers are started on this machine or on emulated hosts; on a Slurm allocation "
-     "give --spare-servers 0"),
+     "spare servers are started on this machine, on emulated hosts or on SSH hosts; on a Slurm "
+     "allocation give --spare-servers 0"),
+    (["up", "--hosts", "h1:2", "--spare-servers", "1"], "", "--spare-servers / "
+     "BPSCTL_SPARE_SERVERS: on SSH hosts the hosts file says where spare servers run: add "
+     "`spare: true` to a `servers:` entry"),
 ])
 def test_a_spare_count_bpsctl_cannot_start_exits_2_naming_the_flag(tmp_path, args, spares,
                                                                    message):
