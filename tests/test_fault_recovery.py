@@ -265,10 +265,11 @@ def test_the_job_goes_on_through_two_lost_servers_the_first_replaced_by_a_spare(
         reference, tmp_path_factory, tmp_path):
     """`bpsctl up ... --spare-servers 1`, then kill -9 two servers at different seeded steps:
     the spare takes over all of the first one's partitions, the survivors share the second's.
-    The same checks as the server rows: exit 0 after every step, the workers bitwise equal
-    after every step, the final parameters within REL_DIFF_BOUND of the fault-free run, no
-    step stalled more than the heartbeat timeout + 2 s; and the output and `bpsctl status`
-    say that the spare took over."""
+    The same checks as the server rows: exit 0 after every step, every step's average the
+    exact mean within STEP_ERROR_BOUND, the workers bitwise equal after every step, the final
+    parameters within REL_DIFF_BOUND of the fault-free run, no step stalled more than the
+    heartbeat timeout + 2 s; and the output and `bpsctl status` say that the spare took
+    over."""
     spared = Cluster(tmp_path_factory.mktemp("spare") / "state")
     spared.up("--spare-servers", "1")
     try:
@@ -304,7 +305,7 @@ def _strike_two_servers(cluster: Cluster, tmp_path: Path, index: int,
     with open(out / "output.txt", "w") as output:
         launcher = subprocess.Popen(
             [sys.executable, "-m", "bpsctl.cli", "run", "-np", "4", "--", sys.executable,
-             str(WORKER_SCRIPT), str(out), str(STEPS)],
+             str(WORKER_SCRIPT), str(out), str(STEPS), "check"],
             env=cluster.env(), stdout=output, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True)
     cluster.pids.add(launcher.pid)
@@ -336,9 +337,15 @@ def _strike_two_servers(cluster: Cluster, tmp_path: Path, index: int,
     assert stall <= HEARTBEAT_TIMEOUT_S + 2, f"{where}: a step stalled {stall:.1f} s:\n{text}"
     final = torch.load(out / "final-0.pt")
     diff = float((final - reference).norm() / reference.norm())
+    errors = {s: float(e) for s, e in _steps(out, "errors", 0).items()}
+    assert len(errors) == STEPS, f"{where}: rank 0 checked {len(errors)} of {STEPS} steps"
+    worst_step = max(errors, key=errors.__getitem__)
     outcome = Outcome("two-servers-spare", target, seed, first_step, exit_code,
-                      round(seconds, 2), round(stall, 3), diff, None)
+                      round(seconds, 2), round(stall, 3), diff, errors[worst_step], None)
     OUTCOMES.append(outcome)
+    assert errors[worst_step] <= STEP_ERROR_BOUND, \
+        f"{where}: step {worst_step}'s average differs from the exact mean by " \
+        f"{errors[worst_step]:.2e}"
     assert diff <= REL_DIFF_BOUND, \
         f"{where}: final parameters differ from the fault-free run by {diff:.2e} (relative)"
     # every worker says so: the spare took the first, the survivors the second
