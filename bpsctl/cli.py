@@ -74,6 +74,7 @@ def up(ctx: typer.Context,
        servers: int | None = typer.Option(
            None, "--servers", min=1,
            help="Summation servers to start (default: num_servers of the config file, else 1)."),
+       spare_servers: int | None = knob_option("spare_servers", "--spare-servers"),
        port: int | None = knob_option("port", "--port"),
        start_timeout_s: float | None = knob_option("start_timeout_s", "--start-timeout"),
        hosts: str | None = _hosts_option(),
@@ -108,7 +109,8 @@ def up(ctx: typer.Context,
                                     "start_timeout_s": (start_timeout_s, "--start-timeout"),
                                     "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
                                     "straggler": (straggler, "--straggler"),
-                                    "security": (security, "--security")},
+                                    "security": (security, "--security"),
+                                    "spare_servers": (spare_servers, "--spare-servers")},
                               config_file, read_file=True)
         check_backup_workers(config.backup_workers, config.world_size)
         servers = servers or config.num_servers or 1
@@ -120,11 +122,12 @@ def up(ctx: typer.Context,
         if use_slurm:
             doing = "starting job steps on the Slurm allocation"
         elif config.emulate and not hosts:
-            doing = f"building {workers} worker and {servers} server host(s)"
+            doing = (f"building {workers} worker and {servers + config.spare_servers} server "
+                     "host(s)")
         elif hosts:
             doing = "starting over SSH"
         else:
-            doing = f"starting the scheduler and {servers} server(s)"
+            doing = f"starting the scheduler and {servers + config.spare_servers} server(s)"
         with err_console.status(doing) as spinner:
             cluster = launch.up(config, servers=servers, workers=workers, hosts=hosts,
                                 ship_wheel=ship, progress=lambda text: spinner.update(text),
@@ -236,7 +239,8 @@ def status(ctx: typer.Context,
            json_output: bool = typer.Option(False, "--json", help="Print only JSON, on stdout."),
            hosts: str | None = _ignored_hosts_option(),
            ) -> None:
-    """Show the cluster's processes: running, lost (silent to the scheduler) or exited.
+    """Show the cluster's processes: running, spare (a spare server, holding nothing until a
+    server is lost), lost (silent to the scheduler) or exited.
 
     Exits 1 if the scheduler or a server is not running.
     """
@@ -256,7 +260,7 @@ def status(ctx: typer.Context,
             err_console.print(f"[yellow]warning:[/] {escape(info['scheduler_error'])}",
                               highlight=False)
     unhealthy = [p for p in info["processes"]
-                 if p["role"] != "worker" and p["state"] != "running"]
+                 if p["role"] != "worker" and p["state"] not in ("running", "spare")]
     raise typer.Exit(1 if unhealthy else 0)
 
 
@@ -264,12 +268,14 @@ def _print_processes(processes: list[dict[str, Any]]) -> None:
     table = Table()
     for column in ("role", "rank", "address", "pid", "state"):
         table.add_column(column)
-    colors = {"running": "green", "lost": "red", "exited": "yellow"}
+    colors = {"running": "green", "spare": "cyan", "lost": "red", "exited": "yellow"}
     for process in processes:
         address = process["host"] + (f":{process['port']}" if process["port"] else "")
         state = process["state"]
+        took_over = ("" if process.get("took_over") is None
+                     else f" (took over server {process['took_over']})")
         table.add_row(process["role"], str(process["rank"]), address, str(process["pid"]),
-                      f"[{colors.get(state, 'white')}]{state}[/]")
+                      f"[{colors.get(state, 'white')}]{state}[/]{took_over}")
     err_console.print(table, highlight=False)
 
 

@@ -346,6 +346,13 @@ class Config:
                                "live workers pushed it; later pushes are dropped from the sum and "
                                "answered with the round's result (0: wait for every worker)",
                                "int")
+    spare_servers: int = knob(0, "BPSCTL_SPARE_SERVERS",
+                              "spare servers `bpsctl up` starts besides --servers: they hold no "
+                              "partition until a server is lost, then one takes over all of its "
+                              "partitions", "int")
+    spare: bool = knob(False, "BPSCTL_SPARE",
+                       "set by `bpsctl up` on a spare server: it registers as a spare and holds "
+                       "nothing until it takes over a lost server's partitions", "bool")
     server_failover: bool = knob(True, "BPSCTL_SERVER_FAILOVER",
                                  "when a server is lost, move its partitions to the job's other "
                                  "servers and go on (0: fail the job, naming the server)", "bool",
@@ -397,6 +404,7 @@ class Config:
             (self.op_timeout_s > 0, "BPSCTL_OP_TIMEOUT", "more than 0 s", self.op_timeout_s),
             (self.min_workers >= 0, "BPSCTL_MIN_WORKERS", "0 or more", self.min_workers),
             (self.max_restarts >= 0, "BPSCTL_MAX_RESTARTS", "0 or more", self.max_restarts),
+            (self.spare_servers >= 0, "BPSCTL_SPARE_SERVERS", "0 or more", self.spare_servers),
             (self.backup_workers >= 0 and (self.world_size == 1
                                             or self.backup_workers < self.world_size),
              "BPSCTL_BACKUP_WORKERS", backup_range(self.world_size if self.world_size > 1

@@ -59,7 +59,8 @@ WORKER_SCRIPT = Path(__file__).resolve().parent / "recovery_worker.py"
 
 @dataclass
 class Outcome:
-    fault: str                  # server-kill | server-cut | worker-kill | worker-restart
+    fault: str                  # server-kill | server-cut | worker-kill | worker-restart |
+                                # two-servers-spare
     target: str
     seed: str
     step: int                   # the step all workers had finished when it struck
@@ -89,9 +90,9 @@ class Cluster:
         return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=self.env(),
                               capture_output=True, text=True, timeout=timeout_s, check=False)
 
-    def up(self) -> None:
+    def up(self, *extra: str) -> None:
         result = self.cli("up", "--emulate", "--workers", "4", "--servers", "4",
-                          "--nic", "1gbit")
+                          "--nic", "1gbit", *extra)
         assert result.returncode == 0, result.stderr
         self.state = api.load_state(self.state_dir)
         self.pids |= {p.pid for p in self.state.processes}
@@ -259,12 +260,111 @@ def test_the_job_goes_on_through_a_lost_worker(cluster, tmp_path, fault):
         _strike(cluster, tmp_path, fault, index, None)
 
 
+@pytest.mark.timeout(300 + 300 * RUNS)
+def test_the_job_goes_on_through_two_lost_servers_the_first_replaced_by_a_spare(
+        reference, tmp_path_factory, tmp_path):
+    """`bpsctl up ... --spare-servers 1`, then kill -9 two servers at different seeded steps:
+    the spare takes over all of the first one's partitions, the survivors share the second's.
+    The same checks as the server rows: exit 0 after every step, every step's average the
+    exact mean within STEP_ERROR_BOUND, the workers bitwise equal after every step, the final
+    parameters within REL_DIFF_BOUND of the fault-free run, no step stalled more than the
+    heartbeat timeout + 2 s; and the output and `bpsctl status` say that the spare took
+    over."""
+    spared = Cluster(tmp_path_factory.mktemp("spare") / "state")
+    spared.up("--spare-servers", "1")
+    try:
+        for index in range(RUNS):
+            if index:
+                spared.down()       # killed servers do not come back, nor does the spare
+                spared.up("--spare-servers", "1")
+            _strike_two_servers(spared, tmp_path, index, reference)
+    finally:
+        spared.down()
+
+
+def _strike_two_servers(cluster: Cluster, tmp_path: Path, index: int,
+                        reference: torch.Tensor) -> Outcome:
+    seed = f"{SEED}-two-servers-spare-{index}"
+    rng = random.Random(seed)
+    state = cluster.state
+    assert state is not None
+    first_step = rng.randrange(3, STEPS - 15)
+    second_step = rng.randrange(first_step + 4, STEPS - 6)
+    rows = {row["rank"]: row for row in api.status(cluster.state_dir)["processes"]
+            if row["role"] == "server"}
+    spare_rank = next(rank for rank, row in rows.items() if row["state"] == "spare")
+    scheduler_host = next(p.host for p in state.processes if p.role == "scheduler")
+    # not the server beside the scheduler, nor the spare
+    victims = rng.sample(sorted((p for p in state.processes if p.role == "server"
+                                 and p.host != scheduler_host and p.rank != spare_rank),
+                                key=lambda p: p.rank), 2)
+    target = ",".join(f"server:{v.rank}" for v in victims)
+    where = f"seed {seed}: {target} at steps {first_step}, {second_step}"
+    out = tmp_path / f"run-{seed}"
+    out.mkdir()
+    with open(out / "output.txt", "w") as output:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "bpsctl.cli", "run", "-np", "4", "--", sys.executable,
+             str(WORKER_SCRIPT), str(out), str(STEPS), "check"],
+            env=cluster.env(), stdout=output, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True)
+    cluster.pids.add(launcher.pid)
+    began = time.monotonic()
+    try:
+        deadline = began + RUN_BOUND_S
+        for step, victim in zip((first_step, second_step), victims, strict=True):
+            while min(_done(out, rank) for rank in range(4)) < step:
+                assert time.monotonic() < deadline and launcher.poll() is None, \
+                    f"{where}: the run did not reach step {step}:\n" \
+                    f"{(out / 'output.txt').read_text()}"
+                time.sleep(0.01)
+            os.kill(victim.pid, signal.SIGKILL)
+        exit_code = launcher.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    seconds = time.monotonic() - began
+    text = (out / "output.txt").read_text()
+    assert exit_code == 0, f"{where}: exit code {exit_code}:\n{text}"
+    hashes = {rank: _steps(out, "hashes", rank) for rank in range(4)}
+    for s in range(STEPS):
+        present = [hashes[r].get(s) for r in range(4)]
+        assert None not in present, f"{where}: step {s} has {present} "
+        assert len(set(present)) == 1, f"{where}: workers differ after step {s}"
+    times = [float(t) for r in range(4) for t in _steps(out, "times", r).values()]
+    stall = max(times) - statistics.median(times)
+    assert stall <= HEARTBEAT_TIMEOUT_S + 2, f"{where}: a step stalled {stall:.1f} s:\n{text}"
+    final = torch.load(out / "final-0.pt")
+    diff = float((final - reference).norm() / reference.norm())
+    errors = {s: float(e) for s, e in _steps(out, "errors", 0).items()}
+    assert len(errors) == STEPS, f"{where}: rank 0 checked {len(errors)} of {STEPS} steps"
+    worst_step = max(errors, key=errors.__getitem__)
+    outcome = Outcome("two-servers-spare", target, seed, first_step, exit_code,
+                      round(seconds, 2), round(stall, 3), diff, errors[worst_step], None)
+    OUTCOMES.append(outcome)
+    assert errors[worst_step] <= STEP_ERROR_BOUND, \
+        f"{where}: step {worst_step}'s average differs from the exact mean by " \
+        f"{errors[worst_step]:.2e}"
+    assert diff <= REL_DIFF_BOUND, \
+        f"{where}: final parameters differ from the fault-free run by {diff:.2e} (relative)"
+    # every worker says so: the spare took the first, the survivors the second
+    assert text.count(f"spare server {spare_rank} took over its") == 4, text
+    assert text.count("partitions moved to other servers") == 4, text
+    rows = {row["rank"]: row for row in api.status(cluster.state_dir)["processes"]
+            if row["role"] == "server"}
+    assert rows[spare_rank]["state"] == "running", rows
+    assert rows[spare_rank].get("took_over") == victims[0].rank, rows
+    return outcome
+
+
 @pytest.fixture(scope="module", autouse=True)
 def figures():
     """Per fault: runs, worst stall, worst relative difference (printed with -s; JSON)."""
     yield
     summary = {}
-    for fault in ("server-kill", "server-cut", "worker-kill", "worker-restart"):
+    for fault in ("server-kill", "server-cut", "worker-kill", "worker-restart",
+                  "two-servers-spare"):
         runs = [o for o in OUTCOMES if o.fault == fault]
         if runs:
             diffs = [o.rel_diff for o in runs if o.rel_diff is not None]

@@ -91,6 +91,9 @@ BASE = "scheduler: {host: a}\nworkers:\n  - {host: b, slots: 2}\n"
     (BASE + "servers:\n  - {host: c, count: 2}\n  - {host: c, port: 9002}\n",
      ":6: servers[1]: duplicate host and port c:9002 (also servers[0])"),
     (BASE + "  - {host: b}\n", ":4: workers[1].host: duplicate host b (also workers[0])"),
+    # spares only
+    (BASE + "servers:\n  - {host: c, spare: true}\n",
+     ":4: servers: expected at least one server that is not a spare"),
     # duplicate YAML key, bad YAML, bad Horovod list
     ("workers: [{host: b}]\nworkers: [{host: c}]\n", ":2: workers: duplicate key"),
     ("workers: [{host: b}\n", "not valid YAML"),

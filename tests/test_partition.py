@@ -115,3 +115,16 @@ def test_a_lost_servers_partitions_move_to_the_least_loaded_survivors_and_stay_o
     placement.move_off(0, parts)
     with pytest.raises(ValueError, match="every server of the job is lost"):
         placement.move_off(2, parts)        # the scheduler fails the job instead
+
+
+def test_a_spare_gets_nothing_until_it_takes_over_all_of_a_lost_servers_partitions():
+    placement = Placement(4, spare={2, 3})
+    parts = [[p.part_id, p.server, p.offset, p.length] for p in placement.place(800, 4, 100)]
+    assert {p[1] for p in parts} == {0, 1}
+    on_lost = sorted(p[0] for p in parts if p[1] == 0)
+    moves = placement.move_off(0, parts, to=2)
+    assert moves == [[part_id, 2] for part_id in on_lost]
+    assert placement.loads[1] == placement.loads[2] == 400       # as balanced as before
+    assert placement.spare == {3}
+    assert {p.server for p in placement.place(800, 4, 100)} == {1, 2}   # 2 is a server now
+    assert placement.move_off(3, parts) == [] and placement.spare == set()   # a spare lost

@@ -60,3 +60,17 @@ def test_server_environment_binds_its_planned_port():
 
 def test_plan_is_pure():
     assert plan(HOSTS, secret="x") == plan(HOSTS, secret="x")
+
+
+def test_a_spare_entry_starts_spare_servers():
+    hosts = parse_hosts_yaml("""
+scheduler: {host: s, port: 7000}
+servers:
+  - {host: s, count: 2}
+  - {host: t, spare: true}
+workers: [{host: b}]
+""", "h.yaml")
+    p = plan(hosts, secret="x")
+    seen = [Config.from_env(s.to_env(Config(), p)) for s in p.servers]
+    assert [(s.host, s.port, s.spare) for s in seen] == [
+        ("s", 7001, False), ("s", 7002, False), ("t", 7001, True)]

@@ -243,6 +243,38 @@ def test_up_run_status_logs_down_on_three_hosts(cluster_hosts, state, tmp_path):
     assert again.returncode == 0 and "nothing to stop" in " ".join(again.stderr.split())
 
 
+@pytest.mark.timeout(150)
+def test_a_spare_server_of_the_hosts_file_starts_last_and_holds_nothing(cluster_hosts, state,
+                                                                        tmp_path):
+    """A `servers:` entry with `spare: true`: `up` starts it after the others (so it has the
+    highest rank), `status` shows it as spare, and a job runs on the other two: the spare's
+    log says it freed no partition when the job ended."""
+    hosts = cluster_hosts
+    hosts_file = hosts.hosts_yaml(tmp_path / "hosts.yaml")
+    s0 = hosts.address("s0")
+    hosts_file.write_text(hosts_file.read_text().replace(
+        "workers:", f"  - {{host: {s0}, spare: true}}\nworkers:"))
+    up = hosts.bpsctl(*state, "up", "--hosts", str(hosts_file))
+    assert up.returncode == 0, up.stderr
+    status = hosts.bpsctl(*state, "status", "--json")
+    assert status.returncode == 0, status.stderr
+    assert [(p["role"], p["rank"], p["port"], p["state"])
+            for p in json.loads(status.stdout)["processes"]] == [
+        ("scheduler", 0, 9000, "running"), ("server", 0, 9001, "running"),
+        ("server", 1, 9002, "running"), ("server", 2, 9003, "spare")]
+    run = hosts.bpsctl(*state, "run", "--", sys.executable, str(EXAMPLES / "push_pull.py"))
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert run.stdout.count("sum 10, expected 10") == 4, run.stdout
+    deadline = time.monotonic() + 20         # the job's end reaches the servers after the run's
+    while "ended; freeing" not in (logs := hosts.bpsctl(*state, "logs", "server:2").stdout):
+        assert time.monotonic() < deadline, logs
+        time.sleep(0.5)
+    assert "freeing its 0 partitions" in logs, logs
+    down = hosts.bpsctl(*state, "down")
+    assert down.returncode == 0, down.stderr
+    _nothing_left(hosts)
+
+
 JOB_UNTIL_STOPPED = """
 import os, sys, time, numpy as np, bpsctl.engine as bps
 bps.init()

@@ -30,7 +30,10 @@ def split(nbytes: int, itemsize: int, partition_bytes: int) -> list[tuple[int, i
 
 @dataclass
 class Placement:
-    """Assigns partitions to the least-loaded server by bytes; ties go to the lowest index."""
+    """Assigns partitions to the least-loaded server by bytes; ties go to the lowest index.
+
+    Servers in ``spare`` (spare servers, ``bpsctl up --spare-servers``) get nothing until one
+    takes over a lost server's partitions (:meth:`move_off` with ``to``)."""
 
     num_servers: int
     loads: list[int] = field(default_factory=list)
@@ -42,6 +45,7 @@ class Placement:
         self.loads = [0] * self.num_servers
 
     lost: set[int] = field(default_factory=set)
+    spare: set[int] = field(default_factory=set)
 
     def place(self, nbytes: int, itemsize: int, partition_bytes: int) -> list[Partition]:
         parts = []
@@ -53,20 +57,25 @@ class Placement:
         return parts
 
     def least_loaded(self) -> int:
-        """The server with the fewest bytes placed on it, of those not lost."""
-        alive = [s for s in range(self.num_servers) if s not in self.lost]
+        """The server with the fewest bytes placed on it, of those neither lost nor spare."""
+        alive = [s for s in range(self.num_servers) if s not in self.lost and s not in self.spare]
         if not alive:
             raise ValueError("every server of the job is lost")
         return min(alive, key=lambda s: (self.loads[s], s))
 
-    def move_off(self, server: int, parts: list[list[int]]) -> list[list[int]]:
+    def move_off(self, server: int, parts: list[list[int]],
+                 to: int | None = None) -> list[list[int]]:
         """Server ``server`` is lost: move each of ``parts`` (``[part id, server, offset,
-        length]`` lists, changed in place) that lives there to the least-loaded survivor;
-        returns ``[part id, new server]`` per move. Largest first, so loads stay balanced."""
+        length]`` lists, changed in place) that lives there to spare server ``to``, which is
+        no longer spare from now on, or else each to the least-loaded survivor (largest first,
+        so loads stay balanced); returns ``[part id, new server]`` per move."""
         self.lost.add(server)
+        self.spare.discard(server)
+        if to is not None:
+            self.spare.discard(to)
         moves = []
         for part in sorted((p for p in parts if p[1] == server), key=lambda p: (-p[3], p[0])):
-            target = self.least_loaded()
+            target = self.least_loaded() if to is None else to
             self.loads[target] += max(part[3], 1)
             part[1] = target
             moves.append([part[0], target])

@@ -46,8 +46,9 @@ ERROR = 13          # anyone -> anyone: {message, name?}
 MEMBER_LEFT = 14    # scheduler -> workers: {rank, message} (a peer shut down while others run)
 WORKER_LOST = 30    # scheduler -> job's workers and servers: {rank, message, live: [ranks]}
                     #   (the job goes on without it: BPSCTL_MIN_WORKERS)
-SERVER_MOVED = 19   # scheduler -> workers: {index, rank, message, moves: [[part id, new index]]}
-                    #   (a lost server's partitions now live on the job's other servers)
+SERVER_MOVED = 19   # scheduler -> workers: {index, rank, message, moves: [[part id, new index]],
+                    #   spare?: rank} (a lost server's partitions now live on the job's other
+                    #   servers; ``spare``: all on that spare server, which took over)
 # --- a restarted worker rejoins a running job (docs/design.md, "Keeping going")
 WORKER_JOINING = 31  # scheduler -> the donor (a live worker): {rank, incarnation}
 JOIN_DONE = 32      # donor -> scheduler: {rank} (servers admitted it, its state is on its way)

@@ -38,14 +38,20 @@ class Member:
     state: str = "running"        # running | joining (a restarted worker) | lost | left
     clock: tuple[int, int] | None = None   # its clock when it sent REGISTER, ours on arrival
     incarnation: int = 0          # a worker's: how many times its rank was (re)started before
+    spare: bool = False           # a spare server: holds nothing until a server is lost
+    took_over: int | None = None  # a former spare: the rank of the lost server it replaced
 
     def describe(self) -> str:
         where = f"{self.host}:{self.port}" if self.port else self.host
         return f"{self.role} {self.rank} ({where}, pid {self.pid})"
 
     def as_dict(self, now: float) -> dict[str, Any]:
-        return {"role": self.role, "rank": self.rank, "host": self.host, "port": self.port,
-                "pid": self.pid, "state": self.state, "last_seen_s": round(now - self.last_seen, 3)}
+        state = "spare" if self.spare and self.state == "running" else self.state
+        row = {"role": self.role, "rank": self.rank, "host": self.host, "port": self.port,
+               "pid": self.pid, "state": state, "last_seen_s": round(now - self.last_seen, 3)}
+        if self.took_over is not None:
+            row["took_over"] = self.took_over
+        return row
 
 
 @dataclass
@@ -217,11 +223,14 @@ class Scheduler:
                                       last_seen=now,
                                       clock=(sent_ns, arrived_ns) if sent_ns else None)
         if role == "server":
+            spare = msg.get("spare", False)
+            if not isinstance(spare, bool):
+                raise P.ProtocolError("field 'spare' must be true or false")
             member = Member(rank=len(self.servers), port=P.int_field(msg, "port", 1, 65535),
-                            **common)
+                            spare=spare, **common)
             self.servers.append(member)
             self.members[rid] = member
-            self.log.info("registered %s", member.describe())
+            self.log.info("registered %s%s", member.describe(), " as a spare" if spare else "")
             self._send(rid, P.REGISTERED, {"rank": member.rank, **_clock(member)})
         elif role == "worker":
             self._register_worker(rid, msg, common)
@@ -242,7 +251,7 @@ class Scheduler:
                                 now + self.config.heartbeat_timeout_s + 2 * interval))
             return
         if job is None:
-            live = [s for s in self.servers if s.state == "running"]
+            live = [s for s in self.servers if s.state == "running" and not s.spare]
             wanted = int(msg.get("num_servers") or 0) or len(live)
             if not live:
                 self._send(rid, P.ERROR, {"message": "no server has registered with the scheduler "
@@ -250,8 +259,11 @@ class Scheduler:
                                           "`bpsctl up --servers K`"})
                 return
             if wanted > len(live):
+                spares = sum(s.state == "running" and s.spare for s in self.servers)
                 self._send(rid, P.ERROR, {"message": f"the job asks for {wanted} servers "
-                                          f"(BPSCTL_NUM_SERVERS) but only {len(live)} are running"})
+                                          f"(BPSCTL_NUM_SERVERS) but only {len(live)} are running"
+                                          + (f" besides {spares} spare(s), which hold nothing "
+                                             "until a server is lost" if spares else "")})
                 return
             job = self.job = Job(id=job_id, world_size=world_size, num_servers=wanted,
                                  partition_bytes=int(msg["partition_bytes"]),
@@ -379,15 +391,19 @@ class Scheduler:
 
     def _start_job(self, job: Job) -> None:
         job.started = True
-        job.servers = [s for s in self.servers if s.state == "running"][:job.num_servers]
-        job.placement = Placement(len(job.servers))
+        running = [s for s in self.servers if s.state == "running"]
+        # spares last: in the address book (workers connect to them), never placed on
+        job.servers = [s for s in running if not s.spare][:job.num_servers]
+        active = len(job.servers)
+        job.servers += [s for s in running if s.spare]
+        job.placement = Placement(len(job.servers), spare=set(range(active, len(job.servers))))
         book = [{"rank": s.rank, "host": s.host, "port": s.port} for s in job.servers]
         for rank, worker in job.workers.items():
             self._send(worker.rid, P.REGISTERED, {"rank": rank, "servers": book,
                                                   "world_size": job.world_size,
                                                   **_clock(worker)})
-        self.log.info("job %s started: %d workers, %d servers", job.id, job.world_size,
-                      len(job.servers))
+        self.log.info("job %s started: %d workers, %d servers (%d spare)", job.id,
+                      job.world_size, len(job.servers), len(job.servers) - active)
 
     def _check_start_deadline(self) -> None:
         job = self.job
@@ -506,6 +522,8 @@ class Scheduler:
                 "port": member.port, "pid": member.pid, "reason": reason,
                 "message": f"lost {member.describe()}: {reason}"}
         job = self.job
+        if member.role == "server" and not member.spare and (job is None or not job.started):
+            self._promote_spare(member)         # no partitions yet: it takes the lost one's place
         if job is None:
             return
         if member.role == "server" and self._fail_over(
@@ -546,10 +564,21 @@ class Scheduler:
             self._end_job(None, notify=())
         return True
 
+    def _promote_spare(self, lost: Member) -> Member | None:
+        """The first live spare server takes lost server ``lost``'s place: it is a server like
+        the others from now on (this job's placement is the caller's business)."""
+        spare = next((s for s in self.servers if s.spare and s.state == "running"), None)
+        if spare is not None:
+            spare.spare, spare.took_over = False, lost.rank
+            self.log.warning("spare %s takes the place of lost server %d", spare.describe(),
+                             lost.rank)
+        return spare
+
     def _fail_over(self, job: Job, server: Member, message: str) -> bool:
-        """Move a lost server's partitions to the job's surviving servers and tell the workers
-        (see "Keeping going through a lost machine" in docs/design.md); False if the job cannot
-        go on without it (failover off, not started, no server left)."""
+        """Move a lost server's partitions to a spare server of the job (all of them to one,
+        so loads stay as balanced as before), or with none left to the job's surviving servers,
+        and tell the workers (see "Keeping going through a lost machine" in docs/design.md);
+        False if the job cannot go on without it (failover off, not started, no server left)."""
         if server not in job.servers:
             return True                 # not one of this job's servers: nothing to move
         index = job.servers.index(server)
@@ -559,11 +588,24 @@ class Scheduler:
         if not self.config.server_failover or placement is None or not alive:
             return False
         parts = [part for tensor in job.tensors.values() for part in tensor["parts"]]
-        moves = placement.move_off(index, parts)
-        moved_to = sorted({job.servers[new].rank for _, new in moves})
-        self.log.warning("%s; job %s goes on: %d partitions moved to server(s) %s", message,
-                         job.id, len(moves), moved_to or "(none yet declared)")
+        was_spare = index in placement.spare
+        spare = None if was_spare else next(
+            (i for i in sorted(placement.spare) if job.servers[i].state == "running"), None)
+        moves = placement.move_off(index, parts, to=spare)
         body = {"index": index, "rank": server.rank, "message": message, "moves": moves}
+        if was_spare:
+            self.log.warning("%s; it was a spare and held nothing; job %s goes on", message,
+                             job.id)
+        elif spare is not None:
+            taker = job.servers[spare]
+            taker.spare, taker.took_over = False, server.rank
+            body["spare"] = taker.rank
+            self.log.warning("%s; job %s goes on: spare %s took over its %d partitions",
+                             message, job.id, taker.describe(), len(moves))
+        else:
+            moved_to = sorted({job.servers[new].rank for _, new in moves})
+            self.log.warning("%s; job %s goes on: %d partitions moved to server(s) %s", message,
+                             job.id, len(moves), moved_to or "(none yet declared)")
         for worker in job.workers.values():
             if worker.state == "running":
                 self._send(worker.rid, P.SERVER_MOVED, body)

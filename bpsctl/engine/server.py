@@ -231,7 +231,7 @@ class Server:
         # stamped as it leaves: the registration is also a clock exchange (for traces)
         login = self.security.login(self.sched, lambda: P.control(P.REGISTER, {
             "role": "server", "host": self.config.host, "port": self.port, "pid": os.getpid(),
-            "version": __version__, "clock_ns": now_ns()}), where)
+            "version": __version__, "spare": self.config.spare, "clock_ns": now_ns()}), where)
         deadline = time.monotonic() + self.config.start_timeout_s
         connected = False
         while time.monotonic() < deadline:

@@ -978,9 +978,11 @@ class Worker:
         for parked in self._parked:                 # held back while it was unreachable
             heapq.heappush(self._queue, parked)
         self._parked.clear()
-        log.warning("worker %d: %s; its %d partitions moved to other servers, %d pushed again "
-                    "(%.1f s after its connection dropped)", self.rank, msg["message"],
-                    len(msg["moves"]), again, time.monotonic() - since)
+        moved = (f"its {len(msg['moves'])} partitions moved to other servers"
+                 if msg.get("spare") is None else
+                 f"spare server {msg['spare']} took over its {len(msg['moves'])} partitions")
+        log.warning("worker %d: %s; %s, %d pushed again (%.1f s after its connection dropped)",
+                    self.rank, msg["message"], moved, again, time.monotonic() - since)
 
     def _fail_overdue(self, now: float) -> None:
         for index, (_, give_up) in list(self._server_down.items()):

@@ -34,6 +34,15 @@ def up(config: Config, *, servers: int, workers: int | None = None,
     ``hosts`` over SSH, as steps of the current Slurm allocation with ``use_slurm``
     (``servers_per_node`` on each node, or on ``server_nodes`` dedicated nodes), else on this
     machine."""
+    if config.spare_servers and use_slurm:
+        raise ConfigError("--spare-servers / BPSCTL_SPARE_SERVERS: spare servers are started on "
+                          "this machine, on emulated hosts or on SSH hosts; on a Slurm "
+                          "allocation give --spare-servers 0 (the job still goes on through a "
+                          "lost server, on the others)")
+    if config.spare_servers and hosts:
+        raise ConfigError("--spare-servers / BPSCTL_SPARE_SERVERS: on SSH hosts the hosts file "
+                          "says where spare servers run: add `spare: true` to a `servers:` entry, "
+                          "e.g. {host: 10.0.0.7, spare: true}, and give --spare-servers 0")
     if use_slurm:
         if config.emulate or hosts:
             raise ConfigError("--slurm places everything on the allocation's nodes; drop "

@@ -58,6 +58,7 @@ class _ServerModel(_Model):
     interface: str | None = None
     address: str | None = None
     ssh: _SshModel | None = None
+    spare: bool = False
 
 
 class _WorkerModel(_Model):
@@ -361,9 +362,10 @@ def _build(model: _HostsModel, where: str, lines: dict[tuple, int],
                          for w in workers]
     else:
         server_models = model.servers
-    if not server_models:
+    if not [s for s in server_models if not s.spare]:
         raise ConfigError(f"{_where(where, lines, ('servers',))}: servers: expected at least "
-                          "one server (leave `servers:` out for one on each worker host)")
+                          "one server that is not a spare (leave `servers:` out for one on each "
+                          "worker host)")
     # Ports: each host's servers take consecutive ports after the scheduler's (or after the
     # entry's own `port:`), so nothing collides unless the file says so.
     next_port: dict[str, int] = {scheduler.host: sched_model.port + 1}
@@ -385,7 +387,7 @@ def _build(model: _HostsModel, where: str, lines: dict[tuple, int],
         next_port[s.host] = first + s.count
         servers.append(HostSpec(role="server", host=s.host, count=s.count, ssh=_ssh(s.ssh, base),
                                 port=first, interface=s.interface, address=s.address,
-                                line=_line_of(lines, ("servers", i))))
+                                line=_line_of(lines, ("servers", i)), spare=s.spare))
     seen_workers: dict[str, int] = {}
     for i, w in enumerate(workers):
         if w.host in seen_workers:

@@ -132,7 +132,7 @@ def _wait_servers_registered(scheduler: _Child, servers: list[_Child], address: 
         try:
             view = scheduler_status(address, secret, timeout_s=min(1.0, remaining_s),
                                     security=security)
-            registered = sum(1 for s in view["servers"] if s["state"] == "running")
+            registered = sum(1 for s in view["servers"] if s["state"] in ("running", "spare"))
             if registered >= len(servers):
                 return
         except EngineError as exc:
@@ -146,7 +146,8 @@ def _wait_servers_registered(scheduler: _Child, servers: list[_Child], address: 
 
 
 def up_local(config: Config, servers: int) -> ClusterState:
-    """Start a scheduler and ``servers`` servers on this machine, recorded in ``config.state_dir``.
+    """Start a scheduler and ``servers`` servers on this machine, recorded in ``config.state_dir``,
+    and then ``config.spare_servers`` spare servers (so they have the highest ranks).
 
     Returns once the scheduler reports every server registered. On any failure everything
     started is stopped and :class:`LaunchError` names the process and quotes its log.
@@ -158,10 +159,12 @@ def up_emulated(config: Config, workers: int, servers: int) -> ClusterState:
     """Build an emulated cluster on this machine (root): ``workers`` worker hosts and ``servers``
     server hosts, each a network namespace with a NIC shaped to ``config.nic`` (see
     :mod:`bpsctl.launch.emulate`), then start the scheduler (beside the first server) and one
-    server per server host. Workers of later runs go to the worker hosts. On any failure,
-    everything built or started is removed again.
+    server per server host; ``config.spare_servers`` more server hosts run the spare servers.
+    Workers of later runs go to the worker hosts. On any failure, everything built or started
+    is removed again.
     """
-    plan = emulate.plan_network(workers, servers, config.nic or None,     # checks the flags
+    plan = emulate.plan_network(workers, servers + config.spare_servers,     # checks the flags
+                                config.nic or None,
                                 slow=config.stragglers, slow_cpu=config.cpu_stragglers)
     emulate.check_prerequisites()
     state_dir = Path(config.state_dir).resolve()
@@ -230,18 +233,25 @@ def _up(config: Config, servers: int, network: emulate.EmulatedNetwork | None) -
             ready = _wait_ready(scheduler, deadline, config.start_timeout_s, stop_signals)
             address = f"{ready['host']}:{ready['port']}"
             server_config = config.replace(role="server", scheduler=address, secret=secret, port=0)
-            server_children = []
-            for i in range(servers):
-                if network is None:
-                    server_children.append(_start_child("server", i, server_config, state_dir))
-                else:
-                    host = network.plan.servers[i]
-                    server_children.append(_start_child(
-                        "server", i, server_config.replace(host=host.address), state_dir,
-                        tuple(network.command(host.name, []))))
-            started.extend(server_children)
-            server_ready = [_wait_ready(c, deadline, config.start_timeout_s, stop_signals)
-                            for c in server_children]
+            server_children: list[_Child] = []
+            server_ready: list[dict[str, Any]] = []
+            # the spares once the others have registered: the scheduler ranks servers in the
+            # order they register, so spares come last
+            for first, count, spare in ((0, servers, False),
+                                        (servers, config.spare_servers, True)):
+                children = []
+                for i in range(first, first + count):
+                    child_config = server_config.replace(spare=spare)
+                    prefix: tuple[str, ...] = ()
+                    if network is not None:
+                        host = network.plan.servers[i]
+                        child_config = child_config.replace(host=host.address)
+                        prefix = tuple(network.command(host.name, []))
+                    children.append(_start_child("server", i, child_config, state_dir, prefix))
+                started.extend(children)
+                server_children.extend(children)
+                server_ready += [_wait_ready(c, deadline, config.start_timeout_s, stop_signals)
+                                 for c in children]
             _wait_servers_registered(scheduler, server_children,
                                      f"ipc://{state.control_socket(state_dir)}", secret,
                                      config.security, deadline, config.start_timeout_s,

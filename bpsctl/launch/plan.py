@@ -22,7 +22,8 @@ class Assignment:
     """One process of the cluster.
 
     For a server ``rank`` is its place in the file; the scheduler gives it its real rank when
-    it registers (in the order servers arrive).
+    it registers (in the order servers arrive). A server of a ``spare: true`` entry starts as a
+    spare server (``BPSCTL_SPARE``).
     """
 
     role: str                   # scheduler | server | worker
@@ -58,7 +59,8 @@ class Assignment:
                 torch_env["GLOO_SOCKET_IFNAME"] = self.entry.interface
         else:
             process_config = config.replace(role=self.role, rank=-1, world_size=1, local_rank=0,
-                                            local_size=1, port=self.port or 0, **common)
+                                            local_size=1, port=self.port or 0,
+                                            spare=self.entry.spare, **common)
             torch_env = {}
         return {**dict(plan.extra_env), **process_config.to_env(), **torch_env}
 

@@ -276,10 +276,10 @@ def cmd_scheduler(spec: dict[str, Any]) -> dict[str, Any]:
             view = scheduler_status(spec["address"], spec["secret"],
                                     timeout_s=max(0.2, min(1.0, deadline - time.monotonic())),
                                     security=spec.get("security", DEFAULT_SECURITY))
-            if sum(1 for s in view["servers"] if s["state"] == "running") >= wanted:
+            registered = sum(1 for s in view["servers"] if s["state"] in ("running", "spare"))
+            if registered >= wanted:
                 return {"view": view}
-            error = (f"{sum(1 for s in view['servers'] if s['state'] == 'running')} of "
-                     f"{wanted} servers registered")
+            error = f"{registered} of {wanted} servers registered"
         except EngineError as exc:
             error = str(exc)
         if time.monotonic() > deadline:

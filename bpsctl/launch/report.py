@@ -53,7 +53,9 @@ def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | Non
 
     ``running`` says whether each recorded process still runs (None: could not be asked);
     ``view`` is the scheduler's answer, None if it gave none. A process's state is running,
-    lost (running but silent to the scheduler), exited, or unknown.
+    spare (a spare server holding nothing yet), lost (running but silent to the scheduler),
+    exited, or unknown. A former spare that took over a lost server's place says whose
+    (``took_over``: its rank).
     """
     seen_servers: dict[tuple[str, int | None], dict[str, Any]] = (
         {(s["host"], int(s["port"])): s for s in view["servers"]} if view else {})
@@ -64,9 +66,11 @@ def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | Non
         seen = (seen_servers.pop((record.host, record.port), None) if record.role == "server"
                 else None)
         if state == "running" and seen is not None and seen["state"] != "running":
-            state = "lost"
+            state = "spare" if seen["state"] == "spare" else "lost"
         row = {"role": record.role, "rank": record.rank, "host": record.host,
                "port": record.port, "pid": record.pid, "state": state}
+        if seen is not None and "took_over" in seen:
+            row["took_over"] = seen["took_over"]
         if record.ssh_host:
             row["ssh_host"] = record.ssh_host
         if record.node:
@@ -77,12 +81,16 @@ def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | Non
     unrecorded = [("server", member) for member in seen_servers.values()]
     unrecorded += [("worker", member) for member in (view["workers"] if view else [])]
     for role, member in unrecorded:
-        state = {"running": "running", "lost": "lost"}.get(member["state"], "exited")
+        state = {"running": "running", "spare": "spare", "lost": "lost"}.get(member["state"],
+                                                                             "exited")
         if state == "running" and _is_this_machine(member["host"]) \
                 and not pid_running(member["pid"]):
             state = "exited"
-        processes.append({"role": role, "rank": member["rank"], "host": member["host"],
-                          "port": member["port"], "pid": member["pid"], "state": state})
+        row = {"role": role, "rank": member["rank"], "host": member["host"],
+               "port": member["port"], "pid": member["pid"], "state": state}
+        if "took_over" in member:
+            row["took_over"] = member["took_over"]
+        processes.append(row)
     return {"cluster": cluster.name, "kind": cluster.kind, "scheduler": cluster.scheduler,
             "state_dir": cluster.state_dir, "created": cluster.created, "processes": processes,
             "job": view["job"] if view else None, "scheduler_error": scheduler_error}

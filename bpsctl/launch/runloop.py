@@ -90,7 +90,8 @@ def _fatal_loss(gone: list[ProcessRecord], servers_lost: set[str], servers: int,
                 and len(servers_lost) + 1 < servers:
             servers_lost.add(record.label)
             log.warning("lost %s: it exited during the run; the job goes on with its "
-                        "partitions on the other servers", record.label)
+                        "partitions on a spare server if one is left, else on the other "
+                        "servers (each worker says where)", record.label)
             continue
         return record
     return None

@@ -114,9 +114,19 @@ def up(hosts: HostsSpec | str | Path, config: Config, *, ship_wheel: bool = Fals
             started: list[ProcessRecord] = []
             try:
                 say(f"starting the scheduler and {len(cluster_plan.servers)} server(s)")
-                started = _start_roles(session, hosts, config, cluster_plan, name)
+                # spares once the others have registered: the scheduler ranks servers in the
+                # order they register, so spares come last
+                regular = tuple(a for a in cluster_plan.servers if not a.entry.spare)
+                started = _start_roles(session, hosts, config, cluster_plan, name, regular)
                 stop_signals.check()
-                ranks = _wait_registered(session, cluster_plan, started, config)
+                ranks = _wait_registered(session, cluster_plan, started, config, len(regular))
+                spares = tuple(a for a in cluster_plan.servers if a.entry.spare)
+                if spares:
+                    started += _start_roles(session, hosts, config, cluster_plan, name, spares,
+                                            scheduler=False)
+                    stop_signals.check()
+                    ranks = _wait_registered(session, cluster_plan, started, config,
+                                             len(cluster_plan.servers))
                 processes = tuple(dataclasses.replace(p, rank=ranks.get((p.host, p.port), p.rank))
                                   for p in started)
                 cluster = ClusterState(name=name, kind="ssh",
@@ -133,7 +143,9 @@ def up(hosts: HostsSpec | str | Path, config: Config, *, ship_wheel: bool = Fals
 
 
 def _start_roles(session: Hosts, hosts: HostsSpec, config: Config, cluster_plan: Plan,
-                 name: str) -> list[ProcessRecord]:
+                 name: str, servers: tuple[Assignment, ...], scheduler: bool = True
+                 ) -> list[ProcessRecord]:
+    """Start the scheduler (unless told not to), then ``servers``, over SSH."""
     directory = remote_dir(hosts, name)
     started: list[ProcessRecord] = []
     lock = threading.Lock()
@@ -153,12 +165,14 @@ def _start_roles(session: Hosts, hosts: HostsSpec, config: Config, cluster_plan:
         return process
 
     # the scheduler first, so servers find it listening
-    ok, value = parallel([cluster_plan.scheduler.host],
-                         lambda _: start(cluster_plan.scheduler))[cluster_plan.scheduler.host]
-    if not ok:
-        raise LaunchError(f"cannot start the scheduler on {cluster_plan.scheduler.host}: {value}")
+    if scheduler:
+        ok, value = parallel([cluster_plan.scheduler.host],
+                             lambda _: start(cluster_plan.scheduler))[cluster_plan.scheduler.host]
+        if not ok:
+            raise LaunchError(f"cannot start the scheduler on {cluster_plan.scheduler.host}: "
+                              f"{value}")
     by_host: dict[str, list[Assignment]] = {}
-    for s in cluster_plan.servers:
+    for s in servers:
         by_host.setdefault(s.host, []).append(s)
     failures = {}
     for host, (ok, value) in parallel(list(by_host),
@@ -173,13 +187,14 @@ def _start_roles(session: Hosts, hosts: HostsSpec, config: Config, cluster_plan:
 
 
 def _wait_registered(session: Hosts, cluster_plan: Plan, started: list[ProcessRecord],
-                     config: Config) -> dict[tuple[str, int | None], int]:
-    """Wait on the scheduler's host until every server registered; (address, port) -> rank."""
+                     config: Config, servers: int) -> dict[tuple[str, int | None], int]:
+    """Wait on the scheduler's host until ``servers`` servers registered; (address, port) ->
+    rank."""
     scheduler = cluster_plan.scheduler
     watch = [agent_record(p) for p in started if p.ssh_host == scheduler.host]
     answer = session.agent(scheduler.host, "scheduler", {
         "address": cluster_plan.scheduler_address, "security": config.security,
-        "secret": cluster_plan.secret, "servers": len(cluster_plan.servers),
+        "secret": cluster_plan.secret, "servers": servers,
         "timeout_s": config.start_timeout_s, "watch": watch},
         timeout_s=config.start_timeout_s + COMMAND_TIMEOUT_S)
     if "view" in answer:

@@ -56,6 +56,7 @@ class HostSpec:
     interface: str | None = None            # bind/advertise this NIC's IPv4 address
     address: str | None = None              # or this address (default: ``host``)
     line: int | None = None                 # where the entry is in its file
+    spare: bool = False                     # a server entry of spare servers (``spare: true``)
 
 
 @dataclass(frozen=True)
