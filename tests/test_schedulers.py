@@ -72,6 +72,18 @@ def test_colocated_layout_ranks_follow_the_nodes():
 
 
 
+def test_the_nic_preflight_found_is_the_one_gloo_binds():
+    """DDP's and Horovod's gloo bind GLOO_SOCKET_IFNAME, the NIC holding the node's address
+    (not whatever the node's hostname resolves to)."""
+    hosts = allocation_hosts(ALLOCATION, servers_per_node=1, server_nodes=0, port=9000,
+                             addresses={"n2": "10.0.0.2"}, interfaces={"n2": "ib0"},
+                             state_dir="/tmp/s")
+    the_plan = plan(hosts)
+    on_n2 = [w for w in the_plan.workers if w.host == "n2"]
+    assert [w.to_env(Config(), the_plan)["GLOO_SOCKET_IFNAME"] for w in on_n2] == ["ib0", "ib0"]
+    assert "GLOO_SOCKET_IFNAME" not in the_plan.workers[0].to_env(Config(), the_plan)
+
+
 def test_dedicated_server_nodes_take_no_workers():
     hosts = allocation_hosts(ALLOCATION, servers_per_node=None, server_nodes=1, port=9000,
                              addresses={}, state_dir="/tmp/s")
