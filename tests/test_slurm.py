@@ -211,6 +211,8 @@ def _systems(report: dict) -> list[str]:
 def test_bench_comm_in_an_sbatch_job_measures_bpsctl_and_allreduce_on_the_nodes(slurm, job_dir):
     script = _script(job_dir, f"""
         $B up --slurm || exit 3
+        $B bench comm --workers 3
+        echo "3 workers: exit code $?"
         COLUMNS=80 $B bench comm --size 1MiB --warmup 1 --repeats 2 --compare allreduce \\
             --json {job_dir / 'comm.json'}
         echo "bench exit code $?"
@@ -221,6 +223,10 @@ def test_bench_comm_in_an_sbatch_job_measures_bpsctl_and_allreduce_on_the_nodes(
                           str(job_dir / "out.txt"), str(script), check=False, timeout_s=130)
     output = (job_dir / "out.txt").read_text()
     assert result.returncode == 0 and "bench exit code 0" in output, output[-3000:]
+    # the allocation says how many workers: one per task
+    assert "3 workers: exit code 2" in output, output[-3000:]
+    assert re.search(r"--workers: the Slurm cluster up in \S+ \(Slurm job \d+\) has 2 worker "
+                     r"slots", " ".join(output.split())), output[-3000:]
     report = json.loads((job_dir / "comm.json").read_text())
     # one worker per task and one server per node: 2 x 2, on the job's nodes
     assert (report["kind"], report["workers"], report["servers"]) == ("comm", 2, 2)
