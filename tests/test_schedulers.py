@@ -4,6 +4,7 @@ refuses (exit 2), and Kubernetes manifests validated against the Kubernetes 1.37
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -311,6 +312,7 @@ def test_a_pod_runs_its_ranks_as_kubernetes_would_start_it(tmp_path):
         "[2] rank 2 of 4 local 0 of 2 sum 10", "[3] rank 3 of 4 local 1 of 2 sum 10"], out
 
 
+@pytest.mark.timeout(40)
 def test_the_first_failing_rank_ends_the_pod_with_its_code():
     started = time.monotonic()
     result = subprocess.run(
@@ -321,3 +323,28 @@ def test_the_first_failing_rank_ends_the_pod_with_its_code():
     assert result.returncode == 3, result.stderr
     assert "rank 1 exited 3" in result.stderr
     assert time.monotonic() - started < 15        # rank 0 was stopped, not waited for
+
+
+@pytest.mark.timeout(30)
+def test_sigterm_to_the_pod_stops_every_rank():
+    """The kubelet stops a pod with SIGTERM: every rank is stopped (no orphan keeps the
+    pod's resources), and the pod exits 128 + 15."""
+    import psutil
+    pod = subprocess.Popen(
+        [sys.executable, "-m", "bpsctl.launch.pod", "--node-rank", "0", "--local-size", "2",
+         "--world-size", "2", "--", sys.executable, "-c",
+         "import os, time\nprint('ready', os.getpid(), flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert pod.stdout is not None
+        ranks = [int(pod.stdout.readline().split()[-1]) for _ in range(2)]
+        pod.send_signal(signal.SIGTERM)
+        assert pod.wait(timeout=15) == 128 + signal.SIGTERM
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                       for pid in ranks)
+    finally:
+        if pod.poll() is None:
+            pod.kill()
+            pod.wait()
+        pod.stdout.close()
+        pod.stderr.close()
