@@ -356,6 +356,11 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
            server_node: list[str] = typer.Option(
                [], "--server-node", help="Node label key=value the scheduler and server pods "
                                          "require (repeatable)."),
+           hosts_per_node: int = typer.Option(
+               1, "--hosts-per-node", metavar="K",
+               help="Worker processes in each worker pod (a hosts file's slots: one pod per "
+                    "machine, one process per GPU); LOCAL_RANK 0..K-1, WORLD_SIZE = workers x "
+                    "K."),
            ) -> None:
     """Write the manifests of a job to stdout (YAML, several documents): a Secret, the
     scheduler (Deployment + Service), the servers (Deployment) and the workers (an Indexed Job
@@ -368,7 +373,7 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
                      security=security, worker_cpu=worker_cpu, worker_memory=worker_memory,
                      gpus_per_worker=gpus_per_worker, server_cpu=server_cpu,
                      server_memory=server_memory, worker_nodes=tuple(worker_node),
-                     server_nodes=tuple(server_node))
+                     server_nodes=tuple(server_node), hosts_per_node=hosts_per_node)
         text = to_yaml(render_manifests(job))
     sys.stdout.write(text)
 

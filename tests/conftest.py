@@ -83,7 +83,8 @@ TIERS: dict[str, set[str]] = {
     # SSH: a real sshd per emulated host
     "test_ssh_cluster.py": {"slow", "root", "sshd", "ssh extra"},
     "test_bench_ssh.py": {"slow", "root", "sshd", "ssh extra"},
-    # a real Slurm (slurmctld + one slurmd per emulated host): 5-15 s each
+    # a real Slurm (slurmctld + one slurmd per emulated host): 5-15 s each; the bench jobs
+    # 20-55 s (comm against allreduce) and 80-140 s (ResNet50 against Horovod and DDP)
     "test_slurm.py": {"slow", "root", "slurm"},
     # ResNet50 training against DDP and Horovod: 20-30 s each
     "test_bench_train.py::test_train_bench_on_emulated_hosts_against_the_baselines":

@@ -79,9 +79,15 @@ class SlurmCluster:
     def command(self, host: str, argv: list[str]) -> list[str]:
         """``argv`` in ``host``'s network namespace. ``nsenter`` rather than ``ip netns
         exec``: the latter remounts /sys, and slurmd refuses to start without the machine's
-        cgroup mounts under /sys/fs/cgroup."""
+        cgroup mounts under /sys/fs/cgroup. Only the host's ``/etc/hosts`` (the one ``ip netns
+        exec`` would give it) is bound over the machine's, in a mount namespace of its own:
+        there this machine's hostname is the host's address, as a real node's hostname is its
+        own (Horovod's Gloo resolves it)."""
         namespace = self.network.host(host).namespace
-        return ["nsenter", f"--net=/run/netns/{namespace}", "--", *argv]
+        hosts = emulate.NETNS_ETC / namespace / "hosts"
+        return ["nsenter", f"--net=/run/netns/{namespace}", "--", "unshare", "--mount",
+                "--propagation", "private", "--", "sh", "-c",
+                'mount --bind "$0" /etc/hosts && exec "$@"', str(hosts), *argv]
 
     def client(self, *argv: str, timeout_s: float = 30, check: bool = True,
                host: str | None = None) -> subprocess.CompletedProcess:

@@ -4,8 +4,10 @@ refuses (exit 2), and Kubernetes manifests validated against the Kubernetes 1.37
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import kubernetes_validate
 import pytest
@@ -70,6 +72,18 @@ def test_colocated_layout_ranks_follow_the_nodes():
         ("3", "6", "1", "10.0.0.1")
 
 
+
+
+def test_the_nic_preflight_found_is_the_one_gloo_binds():
+    """DDP's and Horovod's gloo bind GLOO_SOCKET_IFNAME, the NIC holding the node's address
+    (not whatever the node's hostname resolves to)."""
+    hosts = allocation_hosts(ALLOCATION, servers_per_node=1, server_nodes=0, port=9000,
+                             addresses={"n2": "10.0.0.2"}, interfaces={"n2": "ib0"},
+                             state_dir="/tmp/s")
+    the_plan = plan(hosts)
+    on_n2 = [w for w in the_plan.workers if w.host == "n2"]
+    assert [w.to_env(Config(), the_plan)["GLOO_SOCKET_IFNAME"] for w in on_n2] == ["ib0", "ib0"]
+    assert "GLOO_SOCKET_IFNAME" not in the_plan.workers[0].to_env(Config(), the_plan)
 
 
 def test_dedicated_server_nodes_take_no_workers():
@@ -179,3 +193,158 @@ def test_negative_replicas_pass_the_schemas_so_the_cli_checks_them_itself():
     _validate(documents)
     with pytest.raises(ConfigError, match="--servers: expected a whole number"):
         render_manifests(K8sJob(workers=2, servers=-1, image="img", command=("python3",)))
+
+
+# --------------------------------------------------------------------------- several per pod
+
+_IMAGES = ("--image", "registry.example/bpsctl-worker:0.1")
+
+
+def _worker_job(documents: list[dict]) -> dict:
+    return next(d for d in documents if d["kind"] == "Job")
+
+
+@pytest.mark.parametrize("workers, servers", [(2, 2), (8, 4)])
+def test_hosts_per_node_runs_that_many_ranks_in_each_worker_pod(workers, servers):
+    code, out, err = _render("--workers", str(workers), "--servers", str(servers), *_IMAGES,
+                             "--hosts-per-node", "2", "--gpus-per-worker", "2",
+                             "--", "python3", "train.py")
+    assert code == 0, err
+    documents = list(yaml.safe_load_all(out))
+    _validate(documents)
+    job = _worker_job(documents)
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == workers    # pods
+    pod = job["spec"]["template"]["spec"]
+    worker = pod["containers"][0]
+    assert worker["args"] == ["python3", "-m", "bpsctl.launch.pod", "--node-rank",
+                              "$(NODE_RANK)", "--local-size", "2", "--world-size",
+                              str(2 * workers), "--", "python3", "train.py"]
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["NODE_RANK"]["valueFrom"]["fieldRef"]["fieldPath"].endswith(
+        "['batch.kubernetes.io/job-completion-index']")
+    assert (env["WORLD_SIZE"]["value"], env["LOCAL_WORLD_SIZE"]["value"]) == \
+        (str(2 * workers), "2")
+    assert "RANK" not in env and "LOCAL_RANK" not in env      # each process gets its own
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 2
+    # the intra-node stage's arena needs more than the runtime's 64 MiB /dev/shm
+    assert pod["volumes"] == [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+    assert worker["volumeMounts"] == [{"name": "shm", "mountPath": "/dev/shm"}]
+
+
+def test_one_rank_per_pod_stays_as_it_was():
+    code, out, err = _render("--workers", "2", "--servers", "1", *_IMAGES, "--hosts-per-node",
+                             "1", "--", "python3", "train.py")
+    assert code == 0, err
+    pod = _worker_job(list(yaml.safe_load_all(out)))["spec"]["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert pod["containers"][0]["args"] == ["python3", "train.py"] and "volumes" not in pod
+    assert (env["LOCAL_RANK"]["value"], env["WORLD_SIZE"]["value"]) == ("0", "2")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "-4"])
+def test_a_bad_hosts_per_node_exits_2_before_anything_is_rendered(value):
+    code, out, err = _render("--workers", "2", "--servers", "1", *_IMAGES,
+                             "--hosts-per-node", value, "--", "python3", "train.py")
+    assert code == 2, err
+    assert "--hosts-per-node: expected a whole number of at least 1" in err, err
+    assert value in err and out == ""
+
+
+PUSH_PULL = """
+import os
+import numpy as np
+from bpsctl import engine
+engine.init()
+total = engine.push_pull(np.full(8, float(engine.rank() + 1), dtype=np.float32), name="t",
+                         average=False)
+print(f"rank {engine.rank()} of {engine.size()} local {os.environ['LOCAL_RANK']} of "
+      f"{os.environ['LOCAL_WORLD_SIZE']} sum {total[0]:g}", flush=True)
+engine.shutdown()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_pod_runs_its_ranks_as_kubernetes_would_start_it(tmp_path):
+    """The rendered worker pod of a 2-pod job with --hosts-per-node 2, run here as the kubelet
+    would run pod 1: its env (the Secret, the pod IP and the index filled in, the Services'
+    names replaced by a local cluster's addresses) and its args with $(NODE_RANK) expanded.
+    Pod 1's two ranks are 2 and 3 of 4; two more workers stand for pod 0."""
+    from conftest import cluster_config
+
+    from bpsctl.launch import api
+    from bpsctl.launch.local import free_port
+    script = tmp_path / "push_pull.py"
+    script.write_text(PUSH_PULL)
+    with api.local_cluster(cluster_config(), servers=1) as cluster:
+        documents = render_manifests(K8sJob(workers=2, servers=1, image="img",
+                                            command=("python3", str(script)),
+                                            hosts_per_node=2, security=cluster.security),
+                                     secret=cluster.secret)
+        container = _worker_job(documents)["spec"]["template"]["spec"]["containers"][0]
+        master_port = str(free_port())
+        filled = {"BPSCTL_SECRET": cluster.secret, "BPSCTL_HOST": "127.0.0.1", "NODE_RANK": "1",
+                  "BPSCTL_SCHEDULER": cluster.scheduler, "MASTER_ADDR": "127.0.0.1",
+                  "MASTER_PORT": master_port}
+        env = {e["name"]: filled.get(e["name"], e.get("value")) for e in container["env"]}
+        args = [sys.executable if a == "python3" else a.replace("$(NODE_RANK)", env["NODE_RANK"])
+                for a in container["args"]]
+        base = {k: v for k, v in os.environ.items() if not k.startswith(("BPSCTL_", "RANK"))}
+        pod = subprocess.Popen(args, env={**base, **env}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+        # pod 0's two ranks, started directly, on another "host" so that each pod's pair
+        # meets on its own
+        others = [subprocess.Popen(
+            [sys.executable, str(script)], env={**base, **env, "RANK": str(rank),
+                                                "LOCAL_RANK": str(rank),
+                                                "BPSCTL_HOST": "127.0.0.2"},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        try:
+            out, _ = pod.communicate(timeout=45)
+            for other in others:
+                other.communicate(timeout=15)
+        finally:
+            for process in (pod, *others):
+                if process.poll() is None:
+                    process.kill()
+                    process.wait()
+    assert pod.returncode == 0, out
+    assert sorted(line for line in out.splitlines() if " sum " in line) == [
+        "[2] rank 2 of 4 local 0 of 2 sum 10", "[3] rank 3 of 4 local 1 of 2 sum 10"], out
+
+
+@pytest.mark.timeout(40)
+def test_the_first_failing_rank_ends_the_pod_with_its_code():
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "bpsctl.launch.pod", "--node-rank", "0", "--local-size", "2",
+         "--world-size", "2", "--", sys.executable, "-c",
+         "import os, sys, time\nif os.environ['LOCAL_RANK'] == '1': sys.exit(3)\n"
+         "time.sleep(60)"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 3, result.stderr
+    assert "rank 1 exited 3" in result.stderr
+    assert time.monotonic() - started < 15        # rank 0 was stopped, not waited for
+
+
+@pytest.mark.timeout(30)
+def test_sigterm_to_the_pod_stops_every_rank():
+    """The kubelet stops a pod with SIGTERM: every rank is stopped (no orphan keeps the
+    pod's resources), and the pod exits 128 + 15."""
+    import psutil
+    pod = subprocess.Popen(
+        [sys.executable, "-m", "bpsctl.launch.pod", "--node-rank", "0", "--local-size", "2",
+         "--world-size", "2", "--", sys.executable, "-c",
+         "import os, time\nprint('ready', os.getpid(), flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert pod.stdout is not None
+        ranks = [int(pod.stdout.readline().split()[-1]) for _ in range(2)]
+        pod.send_signal(signal.SIGTERM)
+        assert pod.wait(timeout=15) == 128 + signal.SIGTERM
+        assert not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"
+                       for pid in ranks)
+    finally:
+        if pod.poll() is None:
+            pod.kill()
+            pod.wait()
+        pod.stdout.close()
+        pod.stderr.close()

@@ -3,7 +3,7 @@
 A real Slurm 22.05 (tests/slurm_cluster.py): slurmctld on host s0, one slurmd on each of the
 emulated hosts w0 and w1 (2 CPUs each). Jobs are submitted with ``sbatch`` and ``salloc`` from
 s0, exactly as a user would; the tests read what the user would see (the job's output, exit
-codes) and what is left running on every node.
+codes, a benchmark's JSON) and what is left running on every node.
 """
 from __future__ import annotations
 
@@ -199,3 +199,77 @@ def test_nodelists_are_expanded_by_scontrol(slurm, job_dir):
                           "from bpsctl.launch.slurm import expand_nodelist as e; "
                           "print(e('w[0-1]'), e('w0,w1'))", check=False)
     assert "('w0', 'w1') ('w0', 'w1')" in result.stdout, result.stdout + result.stderr
+
+
+# --------------------------------------------------------------------------- bench
+
+def _systems(report: dict) -> list[str]:
+    return [row["system"] for row in report["results"]]
+
+
+@pytest.mark.timeout(150)
+def test_bench_comm_in_an_sbatch_job_measures_bpsctl_and_allreduce_on_the_nodes(slurm, job_dir):
+    script = _script(job_dir, f"""
+        $B up --slurm || exit 3
+        $B bench comm --workers 3
+        echo "3 workers: exit code $?"
+        COLUMNS=80 $B bench comm --size 1MiB --warmup 1 --repeats 2 --compare allreduce \\
+            --json {job_dir / 'comm.json'}
+        echo "bench exit code $?"
+        $B down
+        """)
+    started = time.monotonic()
+    result = slurm.client("sbatch", "--wait", "-N2", "--ntasks-per-node=1", "-o",
+                          str(job_dir / "out.txt"), str(script), check=False, timeout_s=130)
+    output = (job_dir / "out.txt").read_text()
+    assert result.returncode == 0 and "bench exit code 0" in output, output[-3000:]
+    # the allocation says how many workers: one per task
+    assert "3 workers: exit code 2" in output, output[-3000:]
+    assert re.search(r"--workers: the Slurm cluster up in \S+ \(Slurm job \d+\) has 2 worker "
+                     r"slots", " ".join(output.split())), output[-3000:]
+    report = json.loads((job_dir / "comm.json").read_text())
+    # one worker per task and one server per node: 2 x 2, on the job's nodes
+    assert (report["kind"], report["workers"], report["servers"]) == ("comm", 2, 2)
+    assert (report["cluster"], report["nodes"]) == ("slurm", ["w0", "w1"])
+    # raw ZeroMQ would be the batch host's loopback: not a figure of the allocation
+    assert _systems(report) == ["bpsctl", "allreduce"]
+    for row in report["results"]:
+        assert len(row["seconds_all"]) == 2 and row["seconds"] > 0, row
+    assert report["speedup"]["allreduce"] > 0
+    said = " ".join(output.split())
+    assert f"Slurm job {report['slurm_job']} (w0, w1)" in said, output[-3000:]
+    assert "loopback" not in output and "BPSCTL_RESULT" not in output, output[-3000:]
+    _nothing_left(slurm)
+    print(f"sbatch bench comm: {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.timeout(420)
+def test_bench_resnet50_in_salloc_trains_bpsctl_and_the_baselines_on_the_nodes(slurm, job_dir):
+    """salloc runs the bench on s0, outside the allocation's nodes: every worker is a job step
+    on w0 or w1, and Horovod's rendezvous, served by the bench on s0, is reached from them."""
+    from bpsctl.bench.horovod import installed_version
+    baselines = [*(["horovod"] if installed_version() else []), "ddp"]
+    script = _script(job_dir, f"""
+        $B up --slurm || exit 3
+        COLUMNS=80 $B bench resnet50 --batch-size 2 --num-classes 2 --warmup 1 --iters 1 \\
+            --compare {','.join(baselines)} --json {job_dir / 'train.json'}
+        echo "bench exit code $?"
+        $B down
+        """)
+    started = time.monotonic()
+    result = slurm.client("salloc", "-N2", "--ntasks-per-node=1", "-J", "bench", str(script),
+                          check=False, timeout_s=400)
+    output = result.stdout + result.stderr
+    assert "bench exit code 0" in output, output[-3000:]
+    report = json.loads((job_dir / "train.json").read_text())
+    assert (report["kind"], report["model"], report["workers"]) == ("train", "resnet50", 2)
+    assert (report["cluster"], report["nodes"]) == ("slurm", ["w0", "w1"])
+    assert _systems(report) == ["bpsctl", *baselines]
+    for row in report["results"]:
+        assert row["workers"] == 2 and row["img_per_sec"] > 0 and row["version"], row
+    assert set(report["speedup"]) == set(baselines)
+    said = " ".join(output.split())
+    assert f"on the nodes of Slurm job {report['slurm_job']}" in said, output[-3000:]
+    _nothing_left(slurm)
+    print(f"salloc bench resnet50, bpsctl + {', '.join(baselines)}: "
+          f"{time.monotonic() - started:.1f} s")

@@ -89,6 +89,19 @@ def ssh_cluster(state_dir: Path | str) -> launch.ClusterState | None:
     return cluster if cluster is not None and cluster.kind == "ssh" else None
 
 
+def hosts_cluster(state_dir: Path | str) -> launch.ClusterState | None:
+    """The cluster of fixed hosts recorded in ``state_dir``: `bpsctl up --hosts` (SSH) or
+    `bpsctl up --slurm` (the nodes of a Slurm allocation), or None. A benchmark on it runs
+    one worker per slot (per Slurm task), and its figures are those machines', not this
+    one's."""
+    cluster = launch.load_state(state_dir)
+    return cluster if cluster is not None and cluster.kind in ("ssh", "slurm") else None
+
+
+def _up_again(cluster: launch.ClusterState) -> str:
+    return "bpsctl up --slurm" if cluster.kind == "slurm" else "bpsctl up --hosts"
+
+
 def _refuse_live(config: Config, flags: tuple[str, ...]) -> None:
     for flag in flags:
         if flag:
@@ -98,11 +111,11 @@ def _refuse_live(config: Config, flags: tuple[str, ...]) -> None:
 
 def cluster_size(config: Config, workers: int | None, servers: int | None,
                  own_cluster_for: str = "") -> tuple[int, int]:
-    """(workers, servers) a benchmark runs with. On an SSH cluster: one worker per slot of its
-    hosts file (a different --workers is refused) and its servers (--servers may use fewer).
-    Otherwise the flags', by default 2 workers and num_servers of the config or as many servers
-    as workers."""
-    cluster = ssh_cluster(config.state_dir)
+    """(workers, servers) a benchmark runs with. On an SSH or Slurm cluster: one worker per
+    slot of its hosts file or task of its allocation (a different --workers is refused) and
+    its servers (--servers may use fewer). Otherwise the flags', by default 2 workers and
+    num_servers of the config or as many servers as workers."""
+    cluster = hosts_cluster(config.state_dir)
     if cluster is None:
         workers = workers or 2
         return workers, servers or config.num_servers or workers
@@ -110,11 +123,17 @@ def cluster_size(config: Config, workers: int | None, servers: int | None,
     assert cluster.hosts is not None
     slots = cluster.hosts.world_size
     total = sum(entry.count for entry in cluster.hosts.servers)
-    where = f"the SSH cluster up in {config.state_dir} (hosts file {cluster.hosts.source})"
+    if cluster.kind == "slurm":
+        where = f"the Slurm cluster up in {config.state_dir} ({cluster.hosts.source})"
+        change = ("allocate as many tasks (salloc/sbatch --ntasks-per-node) and "
+                  "`bpsctl up --slurm` again")
+    else:
+        where = f"the SSH cluster up in {config.state_dir} (hosts file {cluster.hosts.source})"
+        change = "change the slots in the hosts file and `bpsctl up --hosts` again"
     if workers is not None and workers != slots:
         raise ConfigError(f"--workers: {where} has {slots} worker slots, and bench runs one "
                           f"worker per slot: drop --workers (or give --workers {slots}), or "
-                          "change the slots in the hosts file and `bpsctl up --hosts` again")
+                          f"{change}")
     if servers is not None and servers > total:
         raise ConfigError(f"--servers: {where} has {total} servers; give at most {total}")
     return slots, servers or min(config.num_servers or total, total)
@@ -123,16 +142,19 @@ def cluster_size(config: Config, workers: int | None, servers: int | None,
 @contextlib.contextmanager
 def bench_cluster(config: Config, workers: int | None, servers: int | None,
                   own_cluster_for: str = "") -> Iterator[tuple[Config, float | None]]:
-    """The cluster to measure on: the one `bpsctl up` started (local, emulated or over SSH),
-    or a private one (emulated with ``config.emulate``). Yields a config whose state dir names
-    it, and the NIC rate (an SSH cluster's is unknown: ``--nic`` if given, else None).
-    ``own_cluster_for`` names a flag that needs a private cluster (a live one is an error)."""
+    """The cluster to measure on: the one `bpsctl up` started (local, emulated, over SSH or in
+    a Slurm allocation), or a private one (emulated with ``config.emulate``). Yields a config
+    whose state dir names it, and the NIC rate (an SSH or Slurm cluster's is unknown:
+    ``--nic`` if given, else None). ``own_cluster_for`` names a flag that needs a private
+    cluster (a live one is an error)."""
     workers, servers = cluster_size(config, workers, servers, own_cluster_for)
-    if ssh_cluster(config.state_dir) is not None:
+    fixed = hosts_cluster(config.state_dir)
+    if fixed is not None:
         problem = launch.status(config.state_dir)["scheduler_error"]
         if problem is not None:
-            raise BenchError(f"the SSH cluster recorded in {config.state_dir} is not healthy "
-                             f"({problem}); `bpsctl down`, then `bpsctl up --hosts` again")
+            kind = "Slurm" if fixed.kind == "slurm" else "SSH"
+            raise BenchError(f"the {kind} cluster recorded in {config.state_dir} is not healthy "
+                             f"({problem}); `bpsctl down`, then `{_up_again(fixed)}` again")
         yield config, config.nic_mbit
         return
     live = launch.load_state(config.state_dir)
@@ -197,11 +219,12 @@ class _ResultCatcher(io.TextIOBase):
 def _run_workers(config: Config, module: str, args: list[str], workers: int, servers: int,
                  output: IO[str]) -> dict[str, Any]:
     """``python -m module args`` as every worker of the cluster named by ``config`` (over SSH
-    with the hosts file's ``python:``); rank 0's result, read from the relayed output."""
+    with the hosts file's ``python:``, as Slurm job steps with the python that started the
+    cluster); rank 0's result, read from the relayed output."""
     catcher = _ResultCatcher(output)
     stream = cast(IO[str], catcher)     # a text stream: the relays only write and flush
     job_config = config.replace(num_servers=servers)
-    cluster = ssh_cluster(config.state_dir)
+    cluster = hosts_cluster(config.state_dir)
     python = cluster.hosts.python if cluster is not None and cluster.hosts else sys.executable
     result = launch.run([python, "-m", module, *args], job_config, workers=workers,
                         servers=servers, stdout=stream, stderr=stream)
@@ -249,9 +272,12 @@ def _row(system: str, version: str, seconds: list[float], size: int, workers: in
 
 
 def _cluster_keys(config: Config) -> dict[str, Any]:
-    """Report keys naming an SSH cluster's hosts file (the figures are not this machine's),
-    or an emulated cluster's slow hosts (--straggler)."""
-    cluster = ssh_cluster(config.state_dir)
+    """Report keys naming an SSH cluster's hosts file or a Slurm cluster's job and nodes (the
+    figures are not this machine's), or an emulated cluster's slow hosts (--straggler)."""
+    cluster = hosts_cluster(config.state_dir)
+    if cluster and cluster.kind == "slurm" and cluster.slurm:
+        return {"cluster": "slurm", "slurm_job": str(cluster.slurm["job_id"]),
+                "nodes": list(cluster.slurm["nodes"])}
     if cluster and cluster.hosts:
         return {"cluster": "ssh", "hosts_file": cluster.hosts.source}
     if config.emulate and (config.stragglers or config.cpu_stragglers):
@@ -289,7 +315,7 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
     }
     if n > 1:
         report["theory_speedup"] = 2 * (n - 1) / n
-    if settings.raw and nic_mbit is None and ssh_cluster(config.state_dir) is None:
+    if settings.raw and nic_mbit is None and hosts_cluster(config.state_dir) is None:
         raw_seconds = zmq_pair_seconds(size, min(config.partition_bytes, size),
                                        repeats=max(5, settings.repeats))
         import zmq
@@ -459,16 +485,25 @@ def _grouped(hosts: list[str]) -> list[tuple[str, int]]:
 
 
 @contextlib.contextmanager
-def _horovod_rendezvous(config: Config,
-                        workers: int) -> Iterator[tuple[list[tuple[str, int]], int]]:
-    """Horovod's rendezvous server on the first worker host (over SSH on an SSH cluster, in its
-    namespace on an emulated one); yields the host plan it serves and its port."""
+def _horovod_rendezvous(config: Config, workers: int
+                        ) -> Iterator[tuple[list[tuple[str, int]], str, int]]:
+    """Horovod's rendezvous server: on the first worker host (over SSH on an SSH cluster, in
+    its namespace on an emulated one), or in this process on a Slurm cluster (every step
+    reaches the host that launches them, as srun itself needs). Yields the host plan it
+    serves, and the address and port the workers reach it at."""
+    recorded = launch.load_state(config.state_dir)
+    if recorded is not None and recorded.kind == "slurm":
+        from .horovod import address_towards, serve_rendezvous
+        hosts = _grouped([a.address for a in launch.worker_slots(recorded)])
+        with serve_rendezvous(hosts) as port:
+            yield hosts, address_towards(hosts[0][0]), port
+        return
     cluster = ssh_cluster(config.state_dir)
     if cluster is None:
         from .horovod import rendezvous
         hosts, prefix = _host_plan(config, workers)
         with rendezvous(hosts, prefix) as port:
-            yield hosts, port
+            yield hosts, hosts[0][0], port
         return
     from ..launch.transport import remote_service
     assert cluster.hosts is not None
@@ -477,15 +512,20 @@ def _horovod_rendezvous(config: Config,
     argv = [cluster.hosts.python, "-m", "bpsctl.bench.horovod", "rendezvous", json.dumps(hosts)]
     try:
         with remote_service(cluster.hosts, slots[0].host, argv) as line:
-            yield hosts, int(line)
+            yield hosts, hosts[0][0], int(line)
     except launch.LaunchError as exc:
         raise BenchError(f"Horovod's rendezvous server: {exc}") from None
 
 
 def _check_horovod(config: Config) -> None:
-    """Horovod loads where its workers will run (every worker host of an SSH cluster), and on
-    an SSH cluster every worker host names the NIC its Gloo binds; a ConfigError otherwise."""
+    """Horovod loads where its workers will run (every worker host of an SSH cluster, every
+    worker node of a Slurm cluster), and on an SSH cluster every worker host names the NIC its
+    Gloo binds; a ConfigError otherwise."""
     from .horovod import INSTALL_COMMAND, installed_version, missing_message
+    recorded = launch.load_state(config.state_dir)
+    if recorded is not None and recorded.kind == "slurm":
+        _check_horovod_on_nodes(recorded)
+        return
     cluster = ssh_cluster(config.state_dir)
     if cluster is None:
         if installed_version() is None:
@@ -509,6 +549,31 @@ def _check_horovod(config: Config) -> None:
                           f"(`{INSTALL_COMMAND}` on that host), or drop horovod from --compare")
 
 
+def _check_horovod_on_nodes(cluster: launch.ClusterState) -> None:
+    """Horovod loads with torch on every worker node of a Slurm cluster (one step on them
+    all), or a ConfigError naming the nodes where it does not."""
+    from ..launch import slurm
+    from .horovod import INSTALL_COMMAND
+    assert cluster.hosts is not None and cluster.slurm is not None
+    nodes = list(dict.fromkeys(entry.host for entry in cluster.hosts.workers))
+    probe = ("import json, os\nanswer = {'node': os.environ.get('SLURMD_NODENAME')}\n"
+             "try:\n    import horovod, horovod.torch\n"
+             "    answer['version'] = horovod.__version__\n"
+             "except Exception as exc:\n    answer['error'] = f'{type(exc).__name__}: {exc}'\n"
+             "print(json.dumps(answer))")
+    answers, why = slurm.ask_nodes(str(cluster.slurm["job_id"]), nodes,
+                                   [cluster.hosts.python, "-c", probe], "bpsctl-horovod-check",
+                                   timeout_s=120.0)
+    missing = [f"{node} ({answers[node].get('error')})" if node in answers
+               else f"{node} (no answer{why})"
+               for node in nodes if node not in answers or "version" not in answers[node]]
+    if missing:
+        raise ConfigError(f"--compare horovod: Horovod does not load with torch for "
+                          f"{cluster.hosts.python} on worker node {'; '.join(missing)}. Build it "
+                          f"there (`{INSTALL_COMMAND}` on that node), or drop horovod from "
+                          "--compare")
+
+
 def train_system(config: Config, settings: TrainSettings, system: str,
                  output: IO[str]) -> dict[str, Any]:
     """One system's run of the training loop on the cluster named by ``config``."""
@@ -524,9 +589,9 @@ def train_system(config: Config, settings: TrainSettings, system: str,
         config = config.replace(trace_dir="")       # --trace is bpsctl's timeline only
     if system != "horovod":
         return _run_workers(config, "bpsctl.bench.train", args, n, k, output)
-    with _horovod_rendezvous(config, n) as (hosts, port):
+    with _horovod_rendezvous(config, n) as (hosts, address, port):
         args += ["--horovod-hosts", ",".join(f"{h}:{c}" for h, c in hosts),
-                 "--rendezvous-addr", hosts[0][0], "--rendezvous-port", str(port)]
+                 "--rendezvous-addr", address, "--rendezvous-port", str(port)]
         return _run_workers(config, "bpsctl.bench.train", args, n, k, output)
 
 

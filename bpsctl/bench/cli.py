@@ -16,11 +16,11 @@ from .api import (
     ConvergenceSettings,
     TrainSettings,
     cluster_size,
+    hosts_cluster,
     run_comm,
     run_convergence,
     run_sweep,
     run_train,
-    ssh_cluster,
 )
 from .report import (
     plot_comm,
@@ -32,7 +32,7 @@ from .report import (
 )
 
 WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on an SSH cluster: its hosts "
-                "file's worker slots).")
+                "file's worker slots; on a Slurm cluster: the allocation's tasks).")
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
                         help="Benchmarks, measured side by side in one run.")
 
@@ -81,10 +81,10 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
     config = build_config(ctx, flags, config_file, read_file=True).replace(server_failover=False)
     if config.trace_dir:
         _check_trace_dir(Path(config.trace_dir))
-    if config.nic and not config.emulate and ssh_cluster(config.state_dir) is None:
+    if config.nic and not config.emulate and hosts_cluster(config.state_dir) is None:
         raise ConfigError("--nic: a NIC rate only applies to an emulated cluster; add --emulate "
-                          "(or, as the ideal of nic_fraction, to an SSH cluster `bpsctl up "
-                          "--hosts` started)")
+                          "(or, as the ideal of nic_fraction, to an SSH or Slurm cluster "
+                          "`bpsctl up --hosts` or `bpsctl up --slurm` started)")
     return config
 
 
@@ -122,7 +122,9 @@ def _where(config: Any) -> str:
         slow += "".join(f", worker {rank}'s host at {factor:g} CPU" for rank, factor in
                         config.cpu_stragglers.items())
         return f"emulated NIC {config.nic or 'unshaped'}{slow}"
-    cluster = ssh_cluster(config.state_dir)
+    cluster = hosts_cluster(config.state_dir)
+    if cluster and cluster.slurm:
+        return f"the nodes of Slurm job {cluster.slurm['job_id']}"
     return f"the SSH cluster of {cluster.hosts.source}" if cluster and cluster.hosts \
         else "this machine"
 

@@ -6,7 +6,9 @@ Workers are started by bpsctl's own launcher, the way horovodrun's gloo launcher
 HOROVOD_RANK/SIZE/LOCAL_*/CROSS_*, HOROVOD_HOSTNAME, HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT,
 HOROVOD_CONTROLLER=gloo, HOROVOD_CPU_OPERATIONS=gloo and HOROVOD_GLOO_IFACE (see
 :func:`bpsctl.bench.train.horovod_env`). The rendezvous server runs in the first worker host's
-network namespace, since an emulated cluster's addresses exist only inside the namespaces.
+network namespace, since an emulated cluster's addresses exist only inside the namespaces; on
+a Slurm cluster it runs in the bench process itself (:func:`serve_rendezvous`), whose host
+every job step can reach.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import os
 import re
 import select
 import shutil
+import socket
 import subprocess
 import sys
 import tarfile
@@ -23,7 +26,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from bpsctl.errors import BpsctlError
 
@@ -118,15 +121,13 @@ def install(version: str = HOROVOD_VERSION, output: IO[str] | None = None,
 
 # --------------------------------------------------------------------------- rendezvous
 
-def rendezvous_main(plan_json: str) -> None:
-    """Inside a worker host: serve Horovod's rendezvous for the plan [(host, slots)], print
-    the port, and serve until stdin closes (the launcher going away ends it too)."""
+def _slot_plan(hosts: list[tuple[str, int]]) -> list[Any]:
+    """Horovod's SlotInfo of every rank of the plan [(host, slots)], as each worker's
+    HOROVOD_* environment states it."""
     from horovod.runner.common.util.hosts import SlotInfo
-    from horovod.runner.http.http_server import RendezvousServer
 
     from .train import horovod_env
 
-    hosts = [(host, int(count)) for host, count in json.loads(plan_json)]
     size = sum(count for _, count in hosts)
     plan = []
     for rank in range(size):
@@ -136,12 +137,42 @@ def rendezvous_main(plan_json: str) -> None:
                              cross_rank=int(env["HOROVOD_CROSS_RANK"]), size=size,
                              local_size=int(env["HOROVOD_LOCAL_SIZE"]),
                              cross_size=int(env["HOROVOD_CROSS_SIZE"])))
+    return plan
+
+
+@contextlib.contextmanager
+def serve_rendezvous(hosts: list[tuple[str, int]]) -> Iterator[int]:
+    """Horovod's rendezvous server for the plan [(host, slots)] in this process (its HTTP
+    server on a thread, on every address of this host); yields its port, stops it on exit."""
+    from horovod.runner.http.http_server import RendezvousServer
     server = RendezvousServer(verbose=0)
     port = server.start()
-    server.init(plan)
-    print(port, flush=True)
-    sys.stdin.read()
-    server.stop()
+    try:
+        server.init(_slot_plan(hosts))
+        yield port
+    finally:
+        server.stop()
+
+
+def address_towards(peer: str) -> str:
+    """This host's address on the route to ``peer``: where ``peer`` reaches a server here.
+    (Connecting a UDP socket only picks the route; nothing is sent.)"""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((peer, 9))
+        except OSError as exc:
+            raise HorovodError(f"no route from this host to worker {peer} for Horovod's "
+                               f"rendezvous ({exc.strerror or exc})") from None
+        return str(probe.getsockname()[0])
+
+
+def rendezvous_main(plan_json: str) -> None:
+    """Inside a worker host: serve Horovod's rendezvous for the plan [(host, slots)], print
+    the port, and serve until stdin closes (the launcher going away ends it too)."""
+    hosts = [(host, int(count)) for host, count in json.loads(plan_json)]
+    with serve_rendezvous(hosts) as port:
+        print(port, flush=True)
+        sys.stdin.read()
 
 
 @contextlib.contextmanager

@@ -21,16 +21,24 @@ def comm_reports(report: dict[str, Any]) -> list[dict[str, Any]]:
     return report.get("sizes", [report])
 
 
+def _machines(report: dict[str, Any]) -> str:
+    """The real machines the figures were measured on ("" for this machine or emulated
+    hosts): an SSH cluster's hosts file, or a Slurm job's nodes."""
+    if report.get("slurm_job"):
+        return f"Slurm job {report['slurm_job']} ({', '.join(report.get('nodes', []))})"
+    return f"SSH cluster of {Path(report['hosts_file']).name}" if report.get("hosts_file") else ""
+
+
 def _network(report: dict[str, Any]) -> str:
-    """What the figures went through: the NIC rate, else an SSH cluster's hosts, else loopback."""
+    """What the figures went through: the NIC rate, else an SSH or Slurm cluster's machines,
+    else loopback."""
     slow_cpu = "".join(f", worker {rank}'s host at {factor:g} CPU"
                        for rank, factor in report.get("cpu_stragglers", {}).items())
     if report["nic_mbit"]:
         slow = "".join(f", worker {rank}'s at {factor:g}x"
                        for rank, factor in report.get("stragglers", {}).items())
         return f"NIC {report['nic_mbit']:g} Mbit/s{slow}{slow_cpu}"
-    return (f"SSH cluster of {Path(report['hosts_file']).name}" if report.get("hosts_file")
-            else "loopback" + slow_cpu)
+    return _machines(report) or "loopback" + slow_cpu
 
 
 #: how the summary sentence names each system
@@ -51,6 +59,8 @@ def _where(report: dict[str, Any], slower: bool) -> str:
     in that setting works against it."""
     if report.get("hosts_file"):
         return f"on the SSH cluster of {report['hosts_file']}"
+    if report.get("slurm_job"):
+        return f"on the nodes of Slurm job {report['slurm_job']}"
     if report["nic_mbit"]:
         return f"through emulated {report['nic_mbit']:g} Mbit/s NICs" + (
             ", on hosts that share this machine's CPU cores" if slower else "")
@@ -84,7 +94,7 @@ def comm_summary(report: dict[str, Any]) -> str:
     else:
         text = f"{what} took {ours['seconds']:.3g} s ({ours['algbw_MBps']:.0f} MB/s algbw)"
     slower = speedup is not None and speedup < 0.95
-    network = not r["nic_mbit"] and not r.get("hosts_file")
+    network = not r["nic_mbit"] and not _machines(r)
     return _sentence(f"{text} {_where(r, slower)}",
                      "" if speedup is not None else "add --compare allreduce",
                      _TRY_NETWORK if network else "")
@@ -202,7 +212,7 @@ def train_summary(report: dict[str, Any]) -> str:
         slower = False
         lead = (f"bpsctl trained {report['model']} at {report['results'][0]['img_per_sec']:.1f} "
                 f"img/sec on {_workers(report['workers'])}")
-    network = not report["nic_mbit"] and not report.get("hosts_file")
+    network = not report["nic_mbit"] and not _machines(report)
     return _sentence(f"{lead} {_where(report, slower)}",
                      "" if ratios else "add --compare horovod,ddp to see the baselines",
                      _TRY_NETWORK if network else "")

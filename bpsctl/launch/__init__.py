@@ -6,7 +6,8 @@ Modules, bottom up: ``types`` (hosts, cluster records, results), ``processes`` (
 run loop), ``emulate`` (network namespaces), ``transport``/``hostkeys``/``preflight``/``ship``
 (SSH), the backends ``local`` (local and emulated), ``ssh`` and ``slurm`` (steps of a Slurm
 allocation), then ``cluster`` (the one interface) and ``api`` (its entry points). ``remote`` is
-the agent that runs on SSH hosts; ``k8s`` renders Kubernetes manifests (nothing is launched).
+the agent that runs on SSH hosts; ``k8s`` renders Kubernetes manifests (nothing is launched),
+and ``pod`` runs the worker processes of one such pod.
 
 The entry points are importable from here (``from bpsctl import launch; launch.run(...)``);
 they load on first use, so that the agent, which needs none of them, starts quickly.

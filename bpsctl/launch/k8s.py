@@ -13,6 +13,14 @@ What it writes, and how the roles find each other:
   ``RANK`` from the job completion index, ``WORLD_SIZE`` the number of workers, and a headless
   Service ``<name>-workers`` that gives pod 0 the DNS name ``MASTER_ADDR``
   (``<name>-workers-0.<name>-workers``) for torch's rendezvous.
+- with ``--hosts-per-node K`` (a hosts file's ``slots:``), each worker pod stands for one
+  machine and runs K worker processes, as BytePS runs one process per GPU of a machine: the
+  pod's command is :mod:`bpsctl.launch.pod`, which starts K copies of the user's command with
+  ``RANK = index·K + LOCAL_RANK``, ``LOCAL_RANK`` 0..K-1, ``LOCAL_WORLD_SIZE = K`` and
+  ``WORLD_SIZE = workers·K``. The K processes share the pod's network address and its
+  ``/dev/shm`` (a memory-backed volume, since the container's default 64 MiB is less than the
+  intra-node stage's arena), so their sums meet in shared memory before one of them talks to
+  the servers, which K pods of one process each could not do.
 
 The images are the project's own (``dockerfiles/server.Dockerfile``, whose entrypoint is
 ``python -m``, and ``dockerfiles/worker.Dockerfile``). Every flag is checked before anything is
@@ -60,14 +68,23 @@ class K8sJob:
     server_memory: str | None = None
     worker_nodes: tuple[str, ...] = field(default=())    # key=value: node affinity
     server_nodes: tuple[str, ...] = field(default=())
+    hosts_per_node: int = 1             # worker processes in each worker pod
+
+    @property
+    def world_size(self) -> int:
+        """Worker processes in the job: ``hosts_per_node`` in each of ``workers`` pods."""
+        return self.workers * self.hosts_per_node
 
     def check(self) -> None:
         """Every problem with the flags, at once, as one :class:`ConfigError`."""
         problems = []
-        for flag, value in (("--workers", self.workers), ("--servers", self.servers)):
+        for flag, value, what in (("--workers", self.workers, "the replicas to run"),
+                                  ("--servers", self.servers, "the replicas to run"),
+                                  ("--hosts-per-node", self.hosts_per_node,
+                                   "worker processes in each worker pod")):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{flag}: expected a whole number of at least 1 (the "
-                                f"replicas to run), got {value!r}")
+                problems.append(f"{flag}: expected a whole number of at least 1 ({what}), "
+                                f"got {value!r}")
         if not self.image.strip():
             problems.append("--image: expected the worker image (built from "
                             "dockerfiles/worker.Dockerfile), got nothing")
@@ -201,21 +218,42 @@ def render_manifests(job: K8sJob, *, secret: str | None = None,
                        "metadata": meta("workers", "worker"),
                        "spec": {"clusterIP": "None", "selector": selector("worker"),
                                 "ports": [{"name": "master", "port": DEFAULT_MASTER_PORT}]}}
-    rank_ref = {"fieldRef": {
+    index_ref = {"fieldRef": {
         "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    per_pod = job.hosts_per_node
+    rank_env: list[dict[str, Any]]
+    if per_pod == 1:
+        worker_args = list(job.command)
+        rank_env = [{"name": "RANK", "valueFrom": index_ref},
+                    {"name": "WORLD_SIZE", "value": str(job.world_size)},
+                    {"name": "LOCAL_RANK", "value": "0"},
+                    {"name": "LOCAL_WORLD_SIZE", "value": "1"}]
+    else:
+        # each process's RANK and LOCAL_RANK are set by bpsctl.launch.pod from the pod's index,
+        # which Kubernetes puts into its arguments ($(NODE_RANK))
+        worker_args = ["python3", "-m", "bpsctl.launch.pod", "--node-rank", "$(NODE_RANK)",
+                       "--local-size", str(per_pod), "--world-size", str(job.world_size),
+                       "--", *job.command]
+        rank_env = [{"name": "NODE_RANK", "valueFrom": index_ref},
+                    {"name": "WORLD_SIZE", "value": str(job.world_size)},
+                    {"name": "LOCAL_WORLD_SIZE", "value": str(per_pod)}]
     worker_pod = role_pod(
-        "worker", job.image, list(job.command),
+        "worker", job.image, worker_args,
         [{"name": "BPSCTL_SCHEDULER", "value": scheduler_address},
          {"name": "BPSCTL_JOB_ID", "value": job_id or uuid.uuid4().hex},
-         {"name": "RANK", "valueFrom": rank_ref},
-         {"name": "WORLD_SIZE", "value": str(job.workers)},
-         {"name": "LOCAL_RANK", "value": "0"}, {"name": "LOCAL_WORLD_SIZE", "value": "1"},
+         *rank_env,
          {"name": "MASTER_ADDR", "value": f"{name}-workers-0.{name}-workers"},
          {"name": "MASTER_PORT", "value": str(DEFAULT_MASTER_PORT)},
          {"name": "PYTHONUNBUFFERED", "value": "1"}],
         _resources(job.worker_cpu, job.worker_memory, job.gpus_per_worker),
         _affinity(job.worker_nodes), [{"name": "master", "containerPort": DEFAULT_MASTER_PORT}])
     worker_pod["spec"].update({"subdomain": f"{name}-workers", "restartPolicy": "Never"})
+    if per_pod > 1:
+        # the intra-node stage's arena (BPSCTL_SHM_BYTES, 512 MiB) is larger than the
+        # container runtime's default /dev/shm (64 MiB)
+        worker_pod["spec"]["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
+        worker_pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "shm",
+                                                                "mountPath": "/dev/shm"}]
     workers = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta("workers", "worker"),
                "spec": {"completionMode": "Indexed", "completions": job.workers,
                         "parallelism": job.workers, "backoffLimit": 0,

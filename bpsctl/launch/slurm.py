@@ -4,7 +4,8 @@ script, then ``run``/``status``/``logs``/``down`` as for any cluster.
 The allocation is read once from Slurm's own environment (``SLURM_JOB_ID``,
 ``SLURM_JOB_NODELIST``, ``SLURM_TASKS_PER_NODE``, ``SLURM_JOB_CPUS_PER_NODE``); its node list
 is expanded by ``scontrol show hostnames`` and each node's address and state come from
-``scontrol show node``, so bpsctl never parses a host list itself. The allocation becomes a
+``scontrol show node``, so bpsctl never parses a host list itself; preflight finds the NIC
+holding each node's address, which the workers' gloo (DDP, Horovod) binds. The allocation becomes a
 :class:`~bpsctl.launch.types.HostsSpec` (scheduler on the first node, ``--servers-per-node``
 servers on every node or on ``--server-nodes`` dedicated nodes, one worker slot per Slurm task)
 and every process is planned by :func:`bpsctl.launch.plan.plan`, as on SSH hosts.
@@ -184,13 +185,15 @@ def default_port(job_id: str) -> int:
 
 def allocation_hosts(allocation: Allocation, *, servers_per_node: int | None,
                      server_nodes: int, port: int, addresses: Mapping[str, str],
-                     state_dir: str) -> HostsSpec:
+                     state_dir: str, interfaces: Mapping[str, str] | None = None) -> HostsSpec:
     """The allocation as a hosts file would describe it (pure).
 
     Without ``server_nodes`` every node runs ``servers_per_node`` (default 1) servers beside
     its workers (BytePS's colocated layout); with it, the first ``server_nodes`` nodes run only
     servers and the rest only workers. The scheduler is on the first node; server ports follow
-    the scheduler's, and torch's ``MASTER_PORT`` is 1000 above it.
+    the scheduler's, and torch's ``MASTER_PORT`` is 1000 above it. ``interfaces`` names the
+    NIC holding each node's address, as preflight found it: gloo (DDP, Horovod) binds it
+    (``GLOO_SOCKET_IFNAME``) rather than whatever the node's hostname resolves to.
     """
     nodes = allocation.nodes
     per_node = 1 if servers_per_node is None else servers_per_node
@@ -216,16 +219,21 @@ def allocation_hosts(allocation: Allocation, *, servers_per_node: int | None,
     def address(node: str) -> str:
         return addresses.get(node, node)
 
+    def interface(node: str) -> str | None:
+        return (interfaces or {}).get(node)
+
     scheduler = HostSpec(role="scheduler", host=nodes[0], count=1, ssh=local, port=port,
-                         address=address(nodes[0]))
+                         address=address(nodes[0]), interface=interface(nodes[0]))
     servers = []
     next_port = port + 1
     for node in server_hosts:
         servers.append(HostSpec(role="server", host=node, count=per_node, ssh=local,
-                                port=next_port, address=address(node)))
+                                port=next_port, address=address(node),
+                                interface=interface(node)))
         next_port += per_node
     workers = tuple(HostSpec(role="worker", host=node, count=tasks, ssh=local,
-                             address=address(node)) for node, tasks in worker_nodes if tasks)
+                             address=address(node), interface=interface(node))
+                    for node, tasks in worker_nodes if tasks)
     return HostsSpec(source=f"Slurm job {allocation.job_id}", python=sys.executable,
                      workdir=state_dir, scheduler=scheduler, servers=tuple(servers),
                      workers=workers, master_port=port + 1000)
@@ -279,11 +287,13 @@ def cancel_steps(job_id: str, prefix: str) -> None:
 # --------------------------------------------------------------------------- preflight
 
 def _check_nodes(allocation: Allocation, hosts: HostsSpec, records: dict[str, dict[str, str]],
-                 timeout_s: float) -> tuple[dict[str, str], dict[str, list[str]]]:
+                 timeout_s: float
+                 ) -> tuple[dict[str, str], dict[str, str], dict[str, list[str]]]:
     """Check every node at once: its Slurm state, then (one step on every node that is up)
-    the same bpsctl version there, the address it binds, and its ports free.
+    the same bpsctl version there, the address it binds (and the NIC holding it), and its
+    ports free.
 
-    Returns (node -> address, node -> problems)."""
+    Returns (node -> address, node -> interface, node -> problems)."""
     problems: dict[str, list[str]] = {}
     for node in allocation.nodes:
         problem = node_problem(records.get(node))
@@ -298,35 +308,17 @@ def _check_nodes(allocation: Allocation, hosts: HostsSpec, records: dict[str, di
             specs[a.host]["ports"].append(a.port)
     up_nodes = [n for n in allocation.nodes if n not in problems]
     addresses: dict[str, str] = {}
+    interfaces: dict[str, str] = {}
     if not up_nodes:
-        return addresses, problems
-    argv = ["srun", f"--jobid={allocation.job_id}", "--overlap", f"--nodes={len(up_nodes)}",
-            f"--ntasks={len(up_nodes)}", "--ntasks-per-node=1",
-            f"--nodelist={','.join(up_nodes)}", "--job-name=bpsctl-preflight",
-            "--kill-on-bad-exit=0", sys.executable, "-m", "bpsctl.launch.slurm", "check",
-            json.dumps(specs)]
-    try:
-        result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s,
-                                cwd=_PACKAGE_ROOT, stdin=subprocess.DEVNULL)
-        output, errors, code = result.stdout, result.stderr, result.returncode
-    except subprocess.TimeoutExpired as exc:
-        output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
-        errors, code = f"no answer within {timeout_s:g} s", None
-        cancel_steps(allocation.job_id, "bpsctl-preflight")
-    answered: dict[str, dict[str, Any]] = {}
-    for line in output.splitlines():
-        with contextlib.suppress(ValueError):
-            answer = json.loads(line)
-            if isinstance(answer, dict) and "node" in answer:
-                answered[answer["node"]] = answer
+        return addresses, interfaces, problems
+    answered, why = ask_nodes(allocation.job_id, up_nodes,
+                              [sys.executable, "-m", "bpsctl.launch.slurm", "check",
+                               json.dumps(specs)], "bpsctl-preflight", timeout_s)
     for node in up_nodes:
         answer = answered.get(node)
         if answer is None:
-            why = errors.strip().splitlines()[-3:] if errors.strip() else []
             problems.setdefault(node, []).append(
-                "unreachable: the check step did not answer"
-                + (f" (srun exit code {code})" if code is not None else "")
-                + (": " + " / ".join(why) if why else ""))
+                f"unreachable: the check step did not answer{why}")
             continue
         if answer.get("version") != bpsctl.__version__:
             problems.setdefault(node, []).append(
@@ -340,7 +332,38 @@ def _check_nodes(allocation: Allocation, hosts: HostsSpec, records: dict[str, di
             problems.setdefault(node, []).extend(answer["problems"])
         elif answer.get("address"):
             addresses[node] = answer["address"]
-    return addresses, problems
+            if answer.get("interface"):
+                interfaces[node] = answer["interface"]
+    return addresses, interfaces, problems
+
+
+def ask_nodes(job_id: str, nodes: Sequence[str], argv: Sequence[str], name: str,
+              timeout_s: float) -> tuple[dict[str, dict[str, Any]], str]:
+    """Run ``argv`` once on each of ``nodes`` (one step, one task per node) and read the JSON
+    line each task prints with its ``"node"``. Returns (node -> answer, why a node may not
+    have answered: srun's exit code and its last lines, "" when every node answered)."""
+    command = ["srun", f"--jobid={job_id}", "--overlap", f"--nodes={len(nodes)}",
+               f"--ntasks={len(nodes)}", "--ntasks-per-node=1", f"--nodelist={','.join(nodes)}",
+               f"--job-name={name}", "--kill-on-bad-exit=0", *argv]
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
+                                cwd=_PACKAGE_ROOT, stdin=subprocess.DEVNULL)
+        output, errors, code = result.stdout, result.stderr, result.returncode
+    except subprocess.TimeoutExpired as exc:
+        output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else ""
+        errors, code = f"no answer within {timeout_s:g} s", None
+        cancel_steps(job_id, name)
+    answered: dict[str, dict[str, Any]] = {}
+    for line in output.splitlines():
+        with contextlib.suppress(ValueError):
+            answer = json.loads(line)
+            if isinstance(answer, dict) and "node" in answer:
+                answered[answer["node"]] = answer
+    if all(node in answered for node in nodes):
+        return answered, ""
+    last = errors.strip().splitlines()[-3:] if errors.strip() else []
+    return answered, ((f" (srun exit code {code})" if code is not None else "")
+                      + (": " + " / ".join(last) if last else ""))
 
 
 def hosts_address(hosts: HostsSpec, node: str) -> str:
@@ -384,13 +407,14 @@ def up(config: Config, *, servers_per_node: int | None = None, server_nodes: int
                                   f"is recorded in {state_dir}; run `bpsctl down` first")
             state.forget(state_dir)             # every process of it has exited: stale
         say(f"preflight checks on {len(allocation.nodes)} node(s)")
-        checked, problems = _check_nodes(allocation, hosts, records, config.start_timeout_s)
+        checked, interfaces, problems = _check_nodes(allocation, hosts, records,
+                                                     config.start_timeout_s)
         if problems:
             raise PreflightError(problems)
         addresses.update(checked)
         hosts = allocation_hosts(allocation, servers_per_node=servers_per_node,
                                  server_nodes=server_nodes, port=port, addresses=addresses,
-                                 state_dir=str(state_dir))
+                                 state_dir=str(state_dir), interfaces=interfaces)
         stop_signals.check()
         state.rotate_logs(state_dir)
         name = f"slurm-{allocation.job_id}-{secrets.token_hex(2)}"
@@ -548,10 +572,13 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signum, signal.SIG_IGN)       # kept across exec
         os.execv(sys.executable, [sys.executable, "-m", f"bpsctl.engine.{args[1]}"])
     if len(args) == 2 and args[0] == "check":
+        from bpsctl.engine.trace import interface_of
         from bpsctl.launch.remote import cmd_check
         node = os.environ.get("SLURMD_NODENAME", socket.gethostname())
         spec = json.loads(args[1]).get(node, {"address": None, "ports": []})
         answer = cmd_check(spec)
+        if answer["address"] and not answer["problems"]:
+            answer["interface"] = interface_of(answer["address"])
         sys.stdout.write(json.dumps({"node": node, **answer}) + "\n")
         return 0
     sys.stderr.write("usage: python -m bpsctl.launch.slurm check SPECS | role scheduler|server\n")
