@@ -11,6 +11,9 @@ from pathlib import Path
 
 import torch
 
+from bpsctl.launch.local import scheduler_view
+from bpsctl.launch.state import load_job, load_state
+
 SCRIPT = '''
 import os, signal, sys
 import torch
@@ -243,3 +246,71 @@ def test_a_worker_attached_to_a_running_job_joins_it_as_rank_2_bitwise_equal(tmp
         assert steps[rank][0][2] == "2" and steps[rank][-1][2] == "3", steps[rank]
         assert (out / f"live-{rank}").read_text().split("\n")[-2] == "[0, 1, 2]"
     assert all(c == "3" and size == "3" for _, c, size in steps[2]), steps[2]
+
+
+# bare-engine workers never hand over a model, so a worker attached to their job stays
+# unadmitted; they sum ones until the test says stop
+SUMMING_SCRIPT = '''
+import os, sys, time
+import numpy as np
+import bpsctl.engine as bps
+
+out_dir = sys.argv[1]
+bps.init()
+if bps.rank() >= 2:                 # attached: gone before any worker admitted it
+    os.kill(os.getpid(), 9)
+with open(os.path.join(out_dir, f"sums-{bps.rank()}"), "w") as f:
+    while not os.path.exists(os.path.join(out_dir, "stop")):
+        f.write(f"{int(bps.push_pull(np.ones(1, np.int32), name='count', average=False)[0])} ")
+        f.flush()
+        time.sleep(0.02)
+bps.shutdown()
+'''
+
+
+def test_an_attached_worker_lost_before_it_joined_leaves_the_job_going(tmp_path):
+    """A worker attached to a fail-fast job (no --min-workers) and killed before any worker
+    admitted it was never in the job's rounds: the scheduler declares it lost and the job
+    goes on as it was (sums of two), and ends 0; the attaching run exits with its code."""
+    script, out = tmp_path / "sum.py", tmp_path / "out"
+    script.write_text(SUMMING_SCRIPT)
+    out.mkdir()
+    state_dir = tmp_path / "state"
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
+    train = [sys.executable, str(script), str(out)]
+    job = subprocess.Popen(_bpsctl("run", "-np", "2", "--max-workers", "3", "--", *train),
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (record := load_job(state_dir)) is None:
+            assert job.poll() is None and time.monotonic() < deadline, "no job within 60 s"
+            time.sleep(0.05)
+        cluster = load_state(record["cluster_state_dir"])
+        assert cluster is not None
+        while not ((view := scheduler_view(cluster))["job"] or {}).get("started"):
+            assert time.monotonic() < deadline, "the job did not start within 60 s"
+            time.sleep(0.05)
+        attached = subprocess.run(_bpsctl("run", "--attach", "--", *train), env=env,
+                                  capture_output=True, text=True, timeout=60)
+        assert attached.returncode == 128 + 9, attached.stdout + attached.stderr
+        while not any(w["rank"] == 2 and w["state"] == "lost" for w in view["workers"]):
+            assert time.monotonic() < deadline, f"worker 2 was not declared lost: {view}"
+            time.sleep(0.05)
+            view = scheduler_view(cluster)
+        done_at_verdict = len((out / "sums-0").read_text().split())
+        while len((out / "sums-0").read_text().split()) < done_at_verdict + 20:
+            assert job.poll() is None, job.communicate()    # it goes on past the verdict
+            assert time.monotonic() < deadline, "the job did not go on after the verdict"
+            time.sleep(0.05)
+        (out / "stop").touch()
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.terminate()
+            job.wait(timeout=30)
+    assert job.returncode == 0, stdout + stderr
+    assert "joined" not in stderr, stderr
+    for rank in (0, 1):
+        sums = (out / f"sums-{rank}").read_text().split()
+        assert sums and set(sums) == {"2"}, sums

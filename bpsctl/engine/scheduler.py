@@ -499,6 +499,9 @@ class Scheduler:
         job = self.job
         if job is None or job.workers.get(member.rank) is not member:
             return
+        if member.rank in job.donors:   # before it was admitted: nobody waits for its pushes
+            self._go_on_without(job, member, f"{member.describe()} left before it joined")
+            return
         if all(w.state in ("left", "lost") for w in job.workers.values()) \
                 and len(job.workers) >= job.world_size:
             self.log.info("job %s finished", job.id)
@@ -563,7 +566,10 @@ class Scheduler:
         if job.workers.get(worker.rank) is not worker or not job.started:
             return False
         live = job.live()
-        if not job.min_workers or len(live) < max(1, job.min_workers):
+        # a joiner lost before its donor admitted it was never in the rounds: the job goes
+        # on as it was, whatever BPSCTL_MIN_WORKERS says
+        if worker.rank not in job.donors and (
+                not job.min_workers or len(live) < max(1, job.min_workers)):
             return False
         body = {"rank": worker.rank, "incarnation": worker.incarnation, "message": message,
                 "live": live}
