@@ -192,6 +192,10 @@ for step in range(start, 2000):
     if full_at is not None and step >= full_at + 10:
         break
     time.sleep(0.02)
+# named like the live workers' (the joiner skipped broadcast_optimizer_state's object)
+reference = bps.broadcast_object(flat, root_rank=0, name="final")
+with open(os.path.join(out_dir, f"final-{rank}"), "w") as f:
+    f.write(str(torch.equal(flat, reference)))
 bps.shutdown()
 '''
 
@@ -246,6 +250,7 @@ def test_a_worker_attached_to_a_running_job_joins_it_as_rank_2_bitwise_equal(tmp
         assert steps[rank][0][2] == "2" and steps[rank][-1][2] == "3", steps[rank]
         assert (out / f"live-{rank}").read_text().split("\n")[-2] == "[0, 1, 2]"
     assert all(c == "3" and size == "3" for _, c, size in steps[2]), steps[2]
+    assert all((out / f"final-{rank}").read_text() == "True" for rank in range(3))
 
 
 # bare-engine workers never hand over a model, so a worker attached to their job stays

@@ -182,6 +182,7 @@ class _Plugin:
         self.membership_seen = 0                # worker.membership_changes already told
         # what a rejoining worker receives (see the module docstring)
         self.steps = 0                          # optimizer steps this model has taken
+        self.objects = 0                        # broadcast_object calls: each names its tensors
         self.shared: dict[str, torch.Tensor] = {}           # from broadcast_parameters
         self.optimizers: list[torch.optim.Optimizer] = []   # every DistributedOptimizer
         self.elastic: Any = None                # an elastic State: it hands over the model
@@ -507,6 +508,8 @@ def _received_state(plugin: _Plugin) -> dict[str, Any] | None:
         payload = plugin.worker.receive_state()
         plugin.received = torch.load(io.BytesIO(payload), weights_only=False)
         plugin.steps = plugin.received["steps"]
+        # the next broadcast_object pushes under the name the live workers' next one does
+        plugin.objects = plugin.received["objects"]
         plugin.unloaded = set(range(len(plugin.received["optimizers"])))
     return plugin.received
 
@@ -514,7 +517,7 @@ def _received_state(plugin: _Plugin) -> dict[str, Any] | None:
 def _pack_state(plugin: _Plugin, elastic: Any = None) -> memoryview:
     """What a rejoining worker starts from (see the module docstring)."""
     buffer = io.BytesIO()
-    torch.save({"steps": plugin.steps, "params": plugin.shared,
+    torch.save({"steps": plugin.steps, "objects": plugin.objects, "params": plugin.shared,
                 "optimizers": [opt.state_dict() for opt in plugin.optimizers],
                 "elastic": elastic}, buffer)
     return buffer.getbuffer()           # sent without another copy
@@ -529,13 +532,12 @@ def _donate(plugin: _Plugin, elastic: Any = None) -> None:
             worker.donate(rank_, incarnation, state)
 
 
-_object_counter = itertools.count()
-
-
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """Return ``obj`` from ``root_rank`` on every rank (pickled; all ranks must call it)."""
     _check_root(root_rank)
-    key = f"broadcast_object.{name or 'object'}.{next(_object_counter)}"
+    plugin = _p()
+    key = f"broadcast_object.{name or 'object'}.{plugin.objects}"
+    plugin.objects += 1
     me = rank() == root_rank
     data = pickle.dumps(obj) if me else b""
     length = torch.tensor([len(data)], dtype=torch.int64)
