@@ -76,9 +76,11 @@ def job_file(state_dir: Path | str) -> Path:
 
 def write_job(state_dir: Path | str, job: dict[str, Any]) -> None:
     """Record the running job (see :func:`job_file`): its id, sizes, the launcher's pid and
-    process start time, and where its cluster is recorded."""
+    process start time, and where its cluster is recorded. A record of another `run` from
+    this state dir that still runs is kept: `run --attach` joins the job recorded first."""
     with state_lock(state_dir):
-        write_private_json(job_file(state_dir), {**job, "joined": []})
+        if load_job(state_dir) is None:
+            write_private_json(job_file(state_dir), {**job, "joined": []})
 
 
 def load_job(state_dir: Path | str) -> dict[str, Any] | None:
