@@ -713,8 +713,8 @@ class Server:
     def _admit(self, rid: bytes, msg: dict[str, Any]) -> None:
         """A restarted worker rejoins, or a new one joins (its donor says so at a step
         boundary, before pushing anything more): count its pushes from each partition's
-        current round on. The donor
-        has every round before those, so none of them can complete without it meanwhile."""
+        current round on. The donor has every round before those, so none of them can
+        complete without it meanwhile."""
         if rid not in self.peers:
             raise P.ProtocolError("ADMIT from a connection that has not said HELLO")
         rank = P.int_field(msg, "rank", 0, P.MAX_WORKERS)

@@ -21,12 +21,12 @@ integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed
 **Rejoining** (``bpsctl run --max-restarts``; new ranks of ``bpsctl run --attach`` join the
 same way): a live worker hands a restarted one its state at the end of an optimizer step
 (``DistributedOptimizer.step``): the tensors it passed to ``broadcast_parameters``, every
-``DistributedOptimizer``'s state and the step count. The restarted process runs the script
-from the top; its ``broadcast_parameters`` waits for that
-state and copies it in (no collective), its first ``step()`` loads the optimizer state, and
-:func:`step_count` says where to resume. After its first step its parameters equal the
-others' bit for bit. :mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic
-API.
+``DistributedOptimizer``'s state, the step count and the count of ``broadcast_object`` calls
+(so that later ones line up). The restarted process runs the script
+from the top; its ``broadcast_parameters`` waits for that state and copies it in (no
+collective), its first ``step()`` loads the optimizer state, and :func:`step_count` says
+where to resume. After its first step its parameters equal the others' bit for bit.
+:mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic API.
 """
 from __future__ import annotations
 
@@ -441,8 +441,8 @@ _membership_callbacks: list[Callable[[list[int]], None]] = []
 def add_membership_callback(callback: Callable[[list[int]], None]) -> None:
     """Call ``callback(live_ranks)`` when the job goes on without a lost worker
     (``bpsctl run --min-workers``) or a worker joins it (``--max-restarts``, ``--attach``),
-    on the caller's thread, at the next ``synchronize`` (an
-    optimizer step synchronizes): for example to re-shard the data over ``size()`` workers."""
+    on the caller's thread, at the next ``synchronize`` (an optimizer step synchronizes): for
+    example to re-shard the data over ``size()`` workers."""
     _membership_callbacks.append(callback)
 
 
