@@ -161,6 +161,11 @@ def run(ctx: typer.Context,
         start_timeout_s: float | None = knob_option("start_timeout_s", "--start-timeout"),
         min_workers: int | None = knob_option("min_workers", "--min-workers", min=0),
         max_restarts: int | None = knob_option("max_restarts", "--max-restarts", min=0),
+        max_workers: int | None = knob_option("max_workers", "--max-workers", min=0),
+        attach: bool = typer.Option(
+            False, "--attach", help="Start -np more workers of CMD that join the job a `bpsctl "
+                                    "run --max-workers W` is running from this state dir, with "
+                                    "its next unused ranks (local and emulated clusters)."),
         backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
         cmd: list[str] = typer.Argument(..., metavar="CMD",
                                         help="The worker command, e.g. python train.py."),
@@ -174,13 +179,29 @@ def run(ctx: typer.Context,
     stopped and bpsctl exits with the failing worker's exit code; with --min-workers M the
     others go on while M live, averaging over the workers left; with --max-restarts R a failed
     worker is started again (R times in all) and rejoins the running job with a live worker's
-    model and optimizer state.
+    model and optimizer state. With --max-workers W the job may grow to W workers while it
+    runs: `bpsctl run --attach -np K -- CMD` starts K more, which join it the same way.
     """
     with cli_errors():
+        if attach:
+            _check_attach_flags({"--servers": servers, "--min-workers": min_workers,
+                                 "--max-restarts": max_restarts, "--max-workers": max_workers,
+                                 "--backup-workers": backup_workers, "--hosts": hosts,
+                                 "--ship": ship})
+            config = build_config(ctx, {"world_size": (np, "-np"),
+                                        "start_timeout_s": (start_timeout_s, "--start-timeout")},
+                                  config_file, read_file=True)
+            result = launch.attach(cmd, config)
+            for rank in result.joined:
+                err_console.print(f"bpsctl run --attach: worker {rank} joined the job",
+                                  highlight=False)
+            _print_outcome(result)
+            raise typer.Exit(result.exit_code)
         config = build_config(ctx, {"world_size": (np, "-np"),
                                     "start_timeout_s": (start_timeout_s, "--start-timeout"),
                                     "min_workers": (min_workers, "--min-workers"),
                                     "max_restarts": (max_restarts, "--max-restarts"),
+                                    "max_workers": (max_workers, "--max-workers"),
                                     "backup_workers": (backup_workers, "--backup-workers")},
                               config_file, read_file=True)
         if config.min_workers > config.world_size:
@@ -190,13 +211,11 @@ def run(ctx: typer.Context,
         servers = servers or config.num_servers or 1
         _check_ssh_extra(hosts)
         result = launch.run(cmd, config, servers=servers, hosts=hosts, ship_wheel=ship)
-    if result.lost:
-        label = "[bold red]error:[/]" if result.exit_code else "[yellow]warning:[/]"
-        err_console.print(f"{label} {escape(result.lost)}", highlight=False)
-    if result.failures:
-        _print_failures(result)
-    elif result.exit_code:
-        err_console.print(f"bpsctl run: stopped every worker (exit code {result.exit_code})")
+    _print_outcome(result)
+    if result.joined:
+        err_console.print("membership changed: " + ", ".join(
+            f"worker {rank} joined" for rank in result.joined) + " (bpsctl run --attach)",
+            highlight=False)
     if result.restarted:
         again = ", ".join(f"worker {f.rank} (pid {f.pid}, {_how(f)})" for f in result.restarted)
         err_console.print(f"membership changed: restarted {again} to rejoin the job",
@@ -207,6 +226,25 @@ def run(ctx: typer.Context,
                           f"{config.world_size - len(result.left_behind)} of "
                           f"{config.world_size} workers finished", highlight=False)
     raise typer.Exit(result.exit_code)
+
+
+def _check_attach_flags(given: dict[str, Any]) -> None:
+    """With --attach the job's settings are the running job's: refuse flags that set them."""
+    setting = [flag for flag, value in given.items() if value not in (None, False)]
+    if setting:
+        raise ConfigError(f"{', '.join(setting)}: set when the job started; --attach joins it "
+                          f"as it is, so drop {'it' if len(setting) == 1 else 'them'}")
+
+
+def _print_outcome(result: launch.RunResult) -> None:
+    """A lost cluster process, the root-cause table of a failure, or the stop."""
+    if result.lost:
+        label = "[bold red]error:[/]" if result.exit_code else "[yellow]warning:[/]"
+        err_console.print(f"{label} {escape(result.lost)}", highlight=False)
+    if result.failures:
+        _print_failures(result)
+    elif result.exit_code:
+        err_console.print(f"bpsctl run: stopped every worker (exit code {result.exit_code})")
 
 
 def _how(failure: launch.WorkerFailure) -> str:

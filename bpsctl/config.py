@@ -338,6 +338,13 @@ class Config:
                              "`bpsctl run` restarts a failed worker this many times in all; the "
                              "restarted worker rejoins the running job (the job goes on without "
                              "it meanwhile)", "int")
+    max_workers: int = knob(0, "BPSCTL_MAX_WORKERS",
+                            "the job may grow to this many workers: `bpsctl run --attach` starts "
+                            "more that join it while it runs, with the next unused ranks (0: the "
+                            "job's -np, no growth)", "int")
+    attach: bool = knob(False, "BPSCTL_ATTACH",
+                        "set by `bpsctl run --attach` on a worker that joins a running job with "
+                        "a new rank instead of starting a new job", "bool")
     rejoin: bool = knob(False, "BPSCTL_REJOIN",
                         "set by `bpsctl run` on a restarted worker: it takes its rank back in "
                         "the running job instead of starting a new one", "bool")
@@ -367,8 +374,13 @@ class Config:
                               f"got {self.role!r}")
         checks = [
             (self.world_size >= 1, "BPSCTL_WORLD_SIZE", "at least 1", self.world_size),
-            (self.rank >= -1 and self.rank < self.world_size, "BPSCTL_RANK",
-             f"-1 or 0..{self.world_size - 1} (world size {self.world_size})", self.rank),
+            (self.max_workers == 0 or self.max_workers >= self.world_size, "BPSCTL_MAX_WORKERS",
+             f"0 (the job's -np) or at least the job's {self.world_size} workers",
+             self.max_workers),
+            (self.rank >= -1 and self.rank < max(self.world_size, self.max_workers), "BPSCTL_RANK",
+             f"-1 or 0..{max(self.world_size, self.max_workers) - 1} (world size "
+             f"{self.world_size}" + (f", up to {self.max_workers} workers)"
+                                     if self.max_workers > self.world_size else ")"), self.rank),
             (self.local_size >= 1, "BPSCTL_LOCAL_SIZE", "at least 1", self.local_size),
             (0 <= self.local_rank < self.local_size, "BPSCTL_LOCAL_RANK",
              f"0..{self.local_size - 1}", self.local_rank),

@@ -60,7 +60,8 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     # faults the job survives on an emulated 4x4 cluster (2 runs of each): about 4 minutes
     "test_fault_recovery.py": {"slow", "root"},
-    # a worker killed and restarted under `bpsctl run --max-restarts`: 10-15 s each
+    # a worker killed and restarted under `bpsctl run --max-restarts`, or attached to a running
+    # job with `bpsctl run --attach`: 10-25 s each
     "test_rejoin.py": {"slow"},
     # emulated clusters (network namespaces): 1-10 s each
     "test_resilience.py::test_a_job_on_emulated_hosts_goes_on_through_a_lost_server":

@@ -160,6 +160,7 @@ def test_ctrl_c_stops_every_worker(state_dir, tmp_path):
     (["up", "--start-timeout", "-1"], "--start-timeout"),
     (["up", "--port", "70000"], "--port"),
     (["run", "-np", "2", "--min-workers", "3", "--", "true"], "--min-workers 3"),
+    (["run", "-np", "2", "--max-workers", "1", "--", "true"], "--max-workers"),
     (["logs", "servers"], "ROLE"),
 ])
 def test_usage_errors_exit_2_and_name_the_flag(state_dir, args, flag):

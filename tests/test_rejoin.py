@@ -1,14 +1,18 @@
-"""A restarted worker rejoins the running job (`bpsctl run --max-restarts`): it receives a live
-worker's model and optimizer state at a step boundary, and from its first step on its
-parameters equal the others' bit for bit."""
+"""A restarted worker rejoins the running job (`bpsctl run --max-restarts`), and a new one joins
+it (`bpsctl run --attach`): it receives a live worker's model and optimizer state at a step
+boundary, and from its first step on its parameters equal the others' bit for bit."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+from bpsctl.launch.local import scheduler_view
+from bpsctl.launch.state import load_job, load_state
 
 SCRIPT = '''
 import os, signal, sys
@@ -148,3 +152,171 @@ def test_a_horovod_elastic_script_runs_with_its_import_changed_and_rejoins(tmp_p
     assert not any((out / f"r2-s{s}.pt").exists() for s in range(die_at, joined))
     resets = [(out / f"resets-{rank}").read_text() for rank in (0, 1)]
     assert resets[0] == resets[1] and resets[0] != "[]", resets    # the same resets, in step
+
+
+# a job that may grow (`--max-workers 3`), paced so that a worker attached a few seconds in
+# finds it running; every worker counts the workers in each step (a sum of ones) and they all
+# stop 10 steps after the first step that counted three
+GROWING_SCRIPT = '''
+import os, sys, time
+import torch
+import bpsctl.engine.torch as bps
+
+out_dir = sys.argv[1]
+bps.init()
+rank = bps.rank()
+torch.manual_seed(rank)
+model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+optimizer = bps.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4),
+    named_parameters=model.named_parameters())
+bps.broadcast_parameters(model.state_dict(), root_rank=0)
+bps.broadcast_optimizer_state(optimizer, root_rank=0)
+bps.add_membership_callback(lambda live: open(os.path.join(out_dir, f"live-{rank}"), "a").write(
+    f"{live}\\n"))
+start, full_at = bps.step_count(), None
+with open(os.path.join(out_dir, f"start-{rank}"), "w") as f:
+    f.write(str(start))
+for step in range(start, 2000):
+    # at the top of a step: a joiner starts at the step after its donor's boundary
+    count = bps.push_pull(torch.ones(1, dtype=torch.int32), average=False, name="count")
+    if count.item() == 3 and full_at is None:
+        full_at = step
+    optimizer.zero_grad()
+    model(torch.randn(16, 32)).pow(2).mean().backward()
+    optimizer.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    torch.save(flat, os.path.join(out_dir, f"r{rank}-s{step}.pt"))
+    with open(os.path.join(out_dir, f"steps-{rank}"), "a") as f:
+        f.write(f"{step}:{count.item()}:{bps.size()} ")
+    if full_at is not None and step >= full_at + 10:
+        break
+    time.sleep(0.02)
+# named like the live workers' (the joiner skipped broadcast_optimizer_state's object)
+reference = bps.broadcast_object(flat, root_rank=0, name="final")
+with open(os.path.join(out_dir, f"final-{rank}"), "w") as f:
+    f.write(str(torch.equal(flat, reference)))
+bps.shutdown()
+'''
+
+
+def _bpsctl(*args: str) -> list[str]:
+    return [sys.executable, "-m", "bpsctl.cli", *args]
+
+
+def test_a_worker_attached_to_a_running_job_joins_it_as_rank_2_bitwise_equal(tmp_path):
+    """`bpsctl run -np 2 --max-workers 3`, then `bpsctl run --attach -np 1` while it runs: the
+    new worker is rank 2; from its first step on all three hold the same parameters; size()
+    and the sums count three workers, the others' membership callbacks see ranks 0-2; asking
+    for more than the job has room for exits 2; everything exits 0."""
+    script, out = tmp_path / "train.py", tmp_path / "out"
+    script.write_text(GROWING_SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200"}
+    train = [sys.executable, str(script), str(out)]
+    job = subprocess.Popen(_bpsctl("run", "-np", "2", "--max-workers", "3", "--", *train),
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "r0-s1.pt").exists():      # the job is running
+            assert job.poll() is None, job.communicate()
+            assert time.monotonic() < deadline, "the job did not start within 120 s"
+            time.sleep(0.05)
+        too_many = subprocess.run(_bpsctl("run", "--attach", "-np", "2", "--", *train), env=env,
+                                  capture_output=True, text=True, timeout=60)
+        assert too_many.returncode == 2, too_many.stdout + too_many.stderr
+        assert "has room for 1 more worker" in " ".join(too_many.stderr.split()), too_many.stderr
+        attached = subprocess.run(_bpsctl("run", "--attach", "-np", "1", "--", *train), env=env,
+                                  capture_output=True, text=True, timeout=180)
+        stdout, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.terminate()                 # the launcher stops its workers
+            job.wait(timeout=30)
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert "worker 2 joined the job" in attached.stderr, attached.stderr
+    assert job.returncode == 0, stdout + stderr
+    assert "membership changed: worker 2 joined" in stderr, stderr
+    start = int((out / "start-2").read_text())
+    steps = {rank: [entry.split(":") for entry in (out / f"steps-{rank}").read_text().split()]
+             for rank in range(3)}
+    last = int(steps[0][-1][0])
+    assert start > 1 and [int(s) for s, _, _ in steps[2]] == list(range(start, last + 1))
+    for step in range(start, last + 1):         # bitwise equal from the joiner's first step
+        first, *others = (torch.load(out / f"r{rank}-s{step}.pt") for rank in range(3))
+        assert all(torch.equal(first, other) for other in others), f"step {step} differs"
+    for rank in (0, 1):                         # two workers until it joined, three after
+        assert [int(c) for s, c, _ in steps[rank]] == [2] * start + [3] * (last + 1 - start)
+        assert steps[rank][0][2] == "2" and steps[rank][-1][2] == "3", steps[rank]
+        assert (out / f"live-{rank}").read_text().split("\n")[-2] == "[0, 1, 2]"
+    assert all(c == "3" and size == "3" for _, c, size in steps[2]), steps[2]
+    assert all((out / f"final-{rank}").read_text() == "True" for rank in range(3))
+
+
+# bare-engine workers never hand over a model, so a worker attached to their job stays
+# unadmitted; they sum ones until the test says stop
+SUMMING_SCRIPT = '''
+import os, sys, time
+import numpy as np
+import bpsctl.engine as bps
+
+out_dir = sys.argv[1]
+bps.init()
+if bps.rank() >= 2:                 # attached: gone before any worker admitted it
+    os.kill(os.getpid(), 9)
+with open(os.path.join(out_dir, f"sums-{bps.rank()}"), "w") as f:
+    while not os.path.exists(os.path.join(out_dir, "stop")):
+        f.write(f"{int(bps.push_pull(np.ones(1, np.int32), name='count', average=False)[0])} ")
+        f.flush()
+        time.sleep(0.02)
+bps.shutdown()
+'''
+
+
+def test_an_attached_worker_lost_before_it_joined_leaves_the_job_going(tmp_path):
+    """A worker attached to a fail-fast job (no --min-workers) and killed before any worker
+    admitted it was never in the job's rounds: the scheduler declares it lost and the job
+    goes on as it was (sums of two), and ends 0; the attaching run exits with its code."""
+    script, out = tmp_path / "sum.py", tmp_path / "out"
+    script.write_text(SUMMING_SCRIPT)
+    out.mkdir()
+    state_dir = tmp_path / "state"
+    # a silent worker is lost within 3 s (a loaded machine can hold a heartbeat back a second)
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "3", "BPSCTL_HEARTBEAT_INTERVAL": "0.3"}
+    train = [sys.executable, str(script), str(out)]
+    job = subprocess.Popen(_bpsctl("run", "-np", "2", "--max-workers", "3", "--", *train),
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (record := load_job(state_dir)) is None:
+            assert job.poll() is None and time.monotonic() < deadline, "no job within 60 s"
+            time.sleep(0.05)
+        cluster = load_state(record["cluster_state_dir"])
+        assert cluster is not None
+        while not ((view := scheduler_view(cluster))["job"] or {}).get("started"):
+            assert time.monotonic() < deadline, "the job did not start within 60 s"
+            time.sleep(0.05)
+        attached = subprocess.run(_bpsctl("run", "--attach", "--", *train), env=env,
+                                  capture_output=True, text=True, timeout=60)
+        assert attached.returncode == 128 + 9, attached.stdout + attached.stderr
+        while not any(w["rank"] == 2 and w["state"] == "lost" for w in view["workers"]):
+            assert time.monotonic() < deadline, f"worker 2 was not declared lost: {view}"
+            time.sleep(0.05)
+            view = scheduler_view(cluster)
+        done_at_verdict = len((out / "sums-0").read_text().split())
+        while len((out / "sums-0").read_text().split()) < done_at_verdict + 20:
+            assert job.poll() is None, job.communicate()    # it goes on past the verdict
+            assert time.monotonic() < deadline, "the job did not go on after the verdict"
+            time.sleep(0.05)
+        (out / "stop").touch()
+        stdout, stderr = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.terminate()
+            job.wait(timeout=30)
+    assert job.returncode == 0, stdout + stderr
+    assert "joined" not in stderr, stderr
+    for rank in (0, 1):
+        sums = (out / f"sums-{rank}").read_text().split()
+        assert sums and set(sums) == {"2"}, sums

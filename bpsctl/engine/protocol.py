@@ -28,7 +28,8 @@ HEADER_SIZE = HEADER.size
 
 # --- scheduler plane (JSON bodies)
 REGISTER = 1        # any -> scheduler: {role, rank, world_size, job, host, port, pid, version,
-                    #   clock_ns (the sender's monotonic clock as it sent), ...}
+                    #   clock_ns (the sender's monotonic clock as it sent), ...}; a worker's also
+                    #   max_workers, and rejoin or attach to join a running job
 REGISTERED = 2      # scheduler -> any: {rank, servers: [{rank, host, port}], clock: [clock_ns,
                     #   arrival, answer] (the scheduler's readings), ...}
 HEARTBEAT = 3       # any -> scheduler: {}
@@ -49,7 +50,8 @@ WORKER_LOST = 30    # scheduler -> job's workers and servers: {rank, message, li
 SERVER_MOVED = 19   # scheduler -> workers: {index, rank, message, moves: [[part id, new index]],
                     #   spare?: rank} (a lost server's partitions now live on the job's other
                     #   servers; ``spare``: all on that spare server, which took over)
-# --- a restarted worker rejoins a running job (docs/design.md, "Keeping going")
+# --- a restarted worker rejoins a running job, or a new one joins it (`bpsctl run --attach`;
+# docs/design.md, "Keeping going")
 WORKER_JOINING = 31  # scheduler -> the donor (a live worker): {rank, incarnation}
 JOIN_DONE = 32      # donor -> scheduler: {rank} (servers admitted it, its state is on its way)
 WORKER_JOINED = 33  # scheduler -> job's workers: {rank, message, live: [ranks]}
@@ -62,7 +64,7 @@ CLOCK = 18          # any -> scheduler: {clock_ns}; scheduler -> any: {clock: [c
 
 # --- data plane
 HELLO = 20          # worker -> server: {job, rank, world_size, hosts, version, incarnation,
-                    #   backup_workers}
+                    #   backup_workers, max_workers}
 PUSH = 21           # worker -> server: header + partition bytes
 ACK = 22            # server -> worker: header (push received; credit may be released)
 RESULT = 23         # server -> worker: header + summed partition bytes; the header's rank

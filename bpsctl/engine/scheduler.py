@@ -69,6 +69,7 @@ class Job:
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     barriers: dict[str, set[int]] = field(default_factory=dict)
     min_workers: int = 0          # go on while this many live (0: every worker)
+    max_workers: int = 0          # ranks below this may join while it runs (`run --attach`)
     donors: dict[int, int] = field(default_factory=dict)    # joining rank -> its donor's rank
 
     def live(self) -> list[int]:
@@ -265,11 +266,17 @@ class Scheduler:
                                           + (f" besides {spares} spare(s), which hold nothing "
                                              "until a server is lost" if spares else "")})
                 return
+            if msg.get("attach"):
+                self._send(rid, P.ERROR, {"message": "no job is running on this cluster to "
+                                          "attach to; start one with `bpsctl run --max-workers "
+                                          "W -np N -- CMD`"})
+                return
             job = self.job = Job(id=job_id, world_size=world_size, num_servers=wanted,
                                  partition_bytes=int(msg["partition_bytes"]),
                                  start_timeout_s=float(msg["start_timeout_s"]),
                                  first_seen=time.monotonic(),
-                                 min_workers=int(msg.get("min_workers", 0)))
+                                 min_workers=int(msg.get("min_workers", 0)),
+                                 max_workers=int(msg.get("max_workers") or 0) or world_size)
         if world_size != job.world_size:
             self._send(rid, P.ERROR, {"message": f"job {job.id!r}: this worker says world size "
                                       f"{world_size}, the first worker said {job.world_size}"})
@@ -278,9 +285,16 @@ class Scheduler:
         if job.started:
             if msg.get("rejoin") and rank in job.workers:
                 self._rejoin(job, rid, rank, common)
+            elif msg.get("attach"):
+                self._attach(job, rid, rank, common)
             else:
                 self._send(rid, P.ERROR, {"message": f"job {job.id!r} has already started with "
                                           f"all {job.world_size} workers"})
+            return
+        if msg.get("attach") or rank >= job.world_size:
+            self._send(rid, P.ERROR, {"message": f"job {job.id!r} has not started yet (it waits "
+                                      f"for its {job.world_size} workers); a worker beyond them "
+                                      "joins it once it runs (`bpsctl run --attach`)"})
             return
         if rank == -1:
             rank = min(set(range(job.world_size)) - set(job.workers))
@@ -315,13 +329,33 @@ class Scheduler:
                 self._send(rid, P.ERROR, {"message": f"job {job.id!r} ended: too few workers "
                                           "were left to go on"})
                 return
-        donors = [w for w in job.workers.values() if w.state == "running"]
-        if not donors:
+        self._join(job, rid, Member(rank=rank, port=None, **{
+            **common, "state": "joining", "incarnation": old.incarnation + 1}))
+
+    def _attach(self, job: Job, rid: bytes, rank: int, common: dict[str, Any]) -> None:
+        """A new worker joins the running job (`bpsctl run --attach`): it gets the rank it
+        asks for if that is unused and below ``max_workers``, else the lowest such rank
+        (ranks are never reused, so the job never renumbers), and joins as a restarted
+        worker rejoins."""
+        free = sorted(set(range(job.max_workers)) - set(job.workers))
+        if not free:
+            self._send(rid, P.ERROR, {"message": f"job {job.id!r} has no room for another "
+                                      f"worker: its ranks reach its --max-workers "
+                                      f"{job.max_workers} (BPSCTL_MAX_WORKERS); start the job "
+                                      "with a larger `bpsctl run --max-workers W`"})
+            return
+        self._join(job, rid, Member(rank=rank if rank in free else free[0], port=None,
+                                    **{**common, "state": "joining"}))
+
+    def _join(self, job: Job, rid: bytes, member: Member) -> None:
+        """``member`` (joining) takes its rank in the running job: it is told the job's servers
+        and live workers, and the lowest live worker is asked to admit it and hand it the
+        model at its next step boundary."""
+        rank = member.rank
+        if not any(w.state == "running" for w in job.workers.values()):
             self._send(rid, P.ERROR, {"message": f"job {job.id!r} has no live worker to hand "
                                       f"rank {rank} the model"})
             return
-        member = Member(rank=rank, port=None, **{**common, "state": "joining",
-                                                 "incarnation": old.incarnation + 1})
         job.workers[rank] = member
         self.members[rid] = member
         placement = job.placement
@@ -339,8 +373,9 @@ class Scheduler:
         if donor is None:
             return          # nobody left: the job ends (the joiner's wait for the model fails)
         job.donors[joiner.rank] = donor.rank
-        self.log.info("%s rejoins job %s; worker %d hands it the model at its next step",
-                      joiner.describe(), job.id, donor.rank)
+        self.log.info("%s %s job %s; worker %d hands it the model at its next step",
+                      joiner.describe(), "rejoins" if joiner.incarnation else "joins", job.id,
+                      donor.rank)
         self._send(donor.rid, P.WORKER_JOINING,
                    {"rank": joiner.rank, "incarnation": joiner.incarnation})
 
@@ -356,7 +391,8 @@ class Scheduler:
             return          # lost meanwhile: WORKER_LOST told everyone
         joiner.state = "running"
         live = job.live()
-        message = f"{joiner.describe()} rejoined the job (model from worker {donor.rank})"
+        message = (f"{joiner.describe()} {'rejoined' if joiner.incarnation else 'joined'} the "
+                   f"job (model from worker {donor.rank})")
         self.log.warning("%s; it goes on with %d workers", message, len(live))
         for worker in job.workers.values():
             if worker.state == "running":
@@ -479,8 +515,11 @@ class Scheduler:
         job = self.job
         if job is None or job.workers.get(member.rank) is not member:
             return
+        if member.rank in job.donors:   # before it was admitted: nobody waits for its pushes
+            self._go_on_without(job, member, f"{member.describe()} left before it joined")
+            return
         if all(w.state in ("left", "lost") for w in job.workers.values()) \
-                and len(job.workers) == job.world_size:
+                and len(job.workers) >= job.world_size:
             self.log.info("job %s finished", job.id)
             self._end_job(None, notify=())
             return
@@ -545,7 +584,10 @@ class Scheduler:
         if job.workers.get(worker.rank) is not worker or not job.started:
             return False
         live = job.live()
-        if not job.min_workers or len(live) < max(1, job.min_workers):
+        # a joiner lost before its donor admitted it was never in the rounds: the job goes
+        # on as it was, whatever BPSCTL_MIN_WORKERS says
+        if worker.rank not in job.donors and (
+                not job.min_workers or len(live) < max(1, job.min_workers)):
             return False
         body = {"rank": worker.rank, "incarnation": worker.incarnation, "message": message,
                 "live": live}
@@ -618,8 +660,8 @@ class Scheduler:
         self._send(rid, P.STATUS_REPLY, {
             "servers": [s.as_dict(now) for s in self.servers],
             "workers": [w.as_dict(now) for w in workers],
-            "job": ({"id": job.id, "world_size": job.world_size, "started": job.started}
-                    if job else None),
+            "job": ({"id": job.id, "world_size": job.world_size, "started": job.started,
+                     "max_workers": job.max_workers} if job else None),
         })
 
 
@@ -637,14 +679,19 @@ def _clock(member: Member) -> dict[str, Any]:
 def _check_worker_registration(msg: dict[str, Any]) -> None:
     """Raise ProtocolError unless a worker's REGISTER carries every field in range."""
     world_size = P.int_field(msg, "world_size", 1, P.MAX_WORKERS)
-    P.int_field(msg, "rank", -1, world_size - 1, default=-1)
+    max_workers = P.int_field(msg, "max_workers", 0, P.MAX_WORKERS, default=0)
+    if 0 < max_workers < world_size:
+        raise P.ProtocolError(f"max_workers: expected 0 or at least world_size {world_size}, "
+                              f"got {max_workers}")
+    P.int_field(msg, "rank", -1, max(world_size, max_workers) - 1, default=-1)
     P.str_field(msg, "job")
     P.int_field(msg, "num_servers", 0, 1 << 16, default=0)
     P.int_field(msg, "partition_bytes", 8, 1 << 40)
     P.float_field(msg, "start_timeout_s", 0, 1e6)
     P.int_field(msg, "min_workers", 0, world_size, default=0)
-    if not isinstance(msg.get("rejoin", False), bool):
-        raise P.ProtocolError("field 'rejoin' must be true or false")
+    for flag in ("rejoin", "attach"):
+        if not isinstance(msg.get(flag, False), bool):
+            raise P.ProtocolError(f"field {flag!r} must be true or false")
 
 
 def _checked_tensors(msg: dict[str, Any],

@@ -387,11 +387,12 @@ class Server:
         job = P.str_field(msg, "job")
         world_size = P.int_field(msg, "world_size", 1, P.MAX_WORKERS)
         hosts = P.int_field(msg, "hosts", 1, world_size, default=world_size)
-        rank = P.int_field(msg, "rank", 0, world_size - 1)
+        max_workers = P.int_field(msg, "max_workers", 0, P.MAX_WORKERS, default=0)
+        rank = P.int_field(msg, "rank", 0, max(world_size, max_workers) - 1)
         incarnation = P.int_field(msg, "incarnation", 0, 1 << 30, default=0)
         backup = P.int_field(msg, "backup_workers", 0, max(0, world_size - 1), default=0)
         if job != self.job_id:
-            self._reset(job, world_size, hosts, backup)
+            self._reset(job, world_size, hosts, backup, max_workers)
         elif backup != self.backup_workers:
             raise P.ProtocolError(f"rank {rank} has {backup} backup workers, the job's first "
                                   f"worker {self.backup_workers}: every worker of a job must "
@@ -416,7 +417,7 @@ class Server:
             self._relay_state(rid, state)
 
     def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0,
-               backup_workers: int = 0) -> None:
+               backup_workers: int = 0, max_workers: int = 0) -> None:
         self._write_trace()
         if self.late_pushes:
             self.log.info("job %s: %d pushes came after their round was complete (backup "
@@ -426,7 +427,9 @@ class Server:
         self.peers = {}
         self.incarnations = {}
         self.parts = {}
-        self.lost_ranks = set()
+        # ranks the job may grow into (`bpsctl run --attach`) count as lost until a donor
+        # admits them: a new worker joins exactly as a restarted one rejoins
+        self.lost_ranks = set(range(num_workers, max_workers))
         self.lost_peers = set()
         self.dead = set()
         self.mailbox = {}
@@ -708,9 +711,10 @@ class Server:
 
 
     def _admit(self, rid: bytes, msg: dict[str, Any]) -> None:
-        """A restarted worker rejoins (its donor says so at a step boundary, before pushing
-        anything more): count its pushes from each partition's current round on. The donor
-        has every round before those, so none of them can complete without it meanwhile."""
+        """A restarted worker rejoins, or a new one joins (its donor says so at a step
+        boundary, before pushing anything more): count its pushes from each partition's
+        current round on. The donor has every round before those, so none of them can
+        complete without it meanwhile."""
         if rid not in self.peers:
             raise P.ProtocolError("ADMIT from a connection that has not said HELLO")
         rank = P.int_field(msg, "rank", 0, P.MAX_WORKERS)
@@ -736,8 +740,9 @@ class Server:
         self.num_workers += 1
         for state in self.parts.values():
             state.expected += 1
-        self.log.warning("worker %d (restart %d) rejoined: rounds go on with %d workers", rank,
-                         incarnation, self.num_workers)
+        self.log.warning("worker %d (%s) joined: rounds go on with %d workers", rank,
+                         f"restart {incarnation}" if incarnation else "a new rank",
+                         self.num_workers)
 
     def _peer(self, rank: int, incarnation: int) -> bytes | None:
         """The connection of worker ``rank``'s process of that incarnation, if it said HELLO."""

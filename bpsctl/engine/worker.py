@@ -120,10 +120,12 @@ class Worker:
         self.size = self.config.world_size
         self.live_ranks: list[int] = list(range(self.size))   # fewer once a worker is lost
         self.membership_changes = 0                             # how many times it changed
-        # rejoining (`bpsctl run --max-restarts`): this process restarted a lost rank and
-        # waits for a live worker's model (receive_state); as a live worker, the joiners this
-        # one hands the model to at its next step boundary (donate)
+        # joining a running job (a lost rank restarted by `bpsctl run --max-restarts`, or a
+        # new rank from `bpsctl run --attach`): this process waits for a live worker's model
+        # (receive_state); as a live worker, the joiners this one hands the model to at its
+        # next step boundary (donate)
         self.incarnation = 0                    # > 0: this process restarted a lost rank
+        self.joined_running = False             # this process joined a running job ...
         self.joining = False                    # ... and has not received the state yet
         self.pending_joins: list[tuple[int, int]] = []         # (rank, incarnation)
         self._join_payload: memoryview | None = None
@@ -233,7 +235,8 @@ class Worker:
             "host": cfg.host, "pid": os.getpid(),
             "version": __version__, "num_servers": cfg.num_servers,
             "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s,
-            "min_workers": cfg.min_workers, "rejoin": cfg.rejoin}
+            "min_workers": cfg.min_workers, "max_workers": cfg.max_workers,
+            "rejoin": cfg.rejoin, "attach": cfg.attach}
         # stamped as it leaves: the registration is also a clock exchange (for traces)
         login = self.security.login(self._sched, lambda: P.control(P.REGISTER, {
             **register, "clock_ns": now_ns()}), where)
@@ -281,6 +284,7 @@ class Worker:
                 self._servers = msg["servers"]
                 if msg.get("joining"):      # live ones, and this one once it is admitted
                     self.joining, self.incarnation = True, int(msg["incarnation"])
+                    self.joined_running = True
                     self.live_ranks = sorted({*map(int, msg["live"]), self.rank})
                     self.size = len(self.live_ranks)
                     self._lost_at_start = [int(i) for i in msg.get("lost_servers", [])]
@@ -299,7 +303,8 @@ class Worker:
         hello_body: dict[str, Any] = {"job": cfg.job_id, "rank": self.rank,
                                       "world_size": self.size, "hosts": self.hosts,
                                       "version": __version__, "incarnation": self.incarnation,
-                                      "backup_workers": cfg.backup_workers}
+                                      "backup_workers": cfg.backup_workers,
+                                      "max_workers": cfg.max_workers}
         if cfg.trace_dir:
             self._trace = self._open_trace(Path(cfg.trace_dir))
             self._trace.scheduler_clock = best_clock(clock, measure_clock(
@@ -755,7 +760,7 @@ class Worker:
                 json.dumps(rounds).encode(), state], copy=False)
             self._sched.send_multipart(P.control(P.JOIN_DONE, {"rank": rank}))
             self.pending_joins = [j for j in self.pending_joins if j != (rank, incarnation)]
-            log.warning("worker %d: handed the model (%.1f MiB) to rejoining worker %d",
+            log.warning("worker %d: handed the model (%.1f MiB) to joining worker %d",
                         self.rank, len(state) / 2**20, rank)
         except EngineError as exc:
             handle.error = exc

@@ -17,9 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["ClusterState", "DownReport", "Interrupted", "LaunchError", "ProcessRecord",
-           "RunResult", "WorkerFailure", "down", "load_state", "local_cluster", "log_files",
-           "logs", "logs_dir", "recorded", "run", "run_local", "run_on", "status", "up",
-           "up_emulated", "up_local", "worker_plan", "worker_slots"]
+           "RunResult", "WorkerFailure", "attach", "down", "load_state", "local_cluster",
+           "log_files", "logs", "logs_dir", "recorded", "run", "run_local", "run_on", "status",
+           "up", "up_emulated", "up_local", "worker_plan", "worker_slots"]
 
 
 def __getattr__(name: str) -> Any:

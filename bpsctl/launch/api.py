@@ -11,6 +11,7 @@ from typing import IO
 
 from bpsctl.config import Config
 from bpsctl.launch.cluster import (
+    attach,
     down,
     logs,
     private_cluster,
@@ -50,6 +51,6 @@ def up_ssh(hosts: str | Path, config: Config, *, ship_wheel: bool = False) -> Cl
 
 
 __all__ = ["ClusterState", "DownReport", "LaunchError", "ProcessRecord", "RunResult",
-           "WorkerFailure", "down", "load_state", "local_cluster", "log_files", "logs",
+           "WorkerFailure", "attach", "down", "load_state", "local_cluster", "log_files", "logs",
            "logs_dir", "private_cluster", "recorded", "run", "run_local", "run_on", "state_file",
            "status", "up", "up_emulated", "up_local", "up_ssh", "worker_plan", "worker_slots"]

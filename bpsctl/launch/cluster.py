@@ -4,22 +4,27 @@ The backend is chosen once: by the flags for ``up`` (``--emulate``: emulated hos
 ``--hosts``: SSH, ``--slurm``: job steps of the Slurm allocation bpsctl runs in, else the
 embedded default of local processes), and by what the state dir records for everything after
 it. ``run`` uses the recorded cluster, or starts a private one
-for the job (and stops it afterwards). The CLI, ``bench`` and ``tune`` call only this module.
+for the job (and stops it afterwards); ``attach`` (``run --attach``) starts more workers that
+join the job a ``run`` is running. The CLI, ``bench`` and ``tune`` call only this module.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 from bpsctl.config import Config, ConfigError
+from bpsctl.engine import EngineError
+from bpsctl.errors import UsageError
 from bpsctl.launch import local, slurm, ssh, state
 from bpsctl.launch.plan import Assignment, Plan, cluster_hosts, plan
-from bpsctl.launch.processes import stop_signals_recorded
+from bpsctl.launch.processes import identify, stop_signals_recorded
 from bpsctl.launch.report import no_cluster
 from bpsctl.launch.runloop import STOP_GRACE_S, new_job_id, run_workers
 from bpsctl.launch.types import ClusterState, DownReport, HostsSpec, LaunchError, RunResult
@@ -190,19 +195,132 @@ def run(cmd: list[str], config: Config, *, workers: int | None = None, servers: 
 def run_on(cluster: ClusterState, cmd: list[str], config: Config, workers: int | None = None, *,
            stdout: IO[str] | None = None, stderr: IO[str] | None = None,
            stop_grace_s: float = STOP_GRACE_S) -> RunResult:
-    """Run one job's workers on ``cluster`` through the one run loop (see :func:`run`)."""
+    """Run one job's workers on ``cluster`` through the one run loop (see :func:`run`). While
+    it runs, the job is recorded in ``config.state_dir`` for :func:`attach`."""
     stdout = stdout if stdout is not None else sys.stdout
     stderr = stderr if stderr is not None else sys.stderr
     config = config.replace(security=cluster.security)
     the_plan = worker_plan(cluster, config, workers)
-    if cluster.kind == "ssh":
-        with ssh.SshSpawner(cluster, cmd, config, stdout, stderr) as spawner:
-            return run_workers(spawner, the_plan, config, stop_grace_s=stop_grace_s)
-    if cluster.kind == "slurm":
-        return run_workers(slurm.SlurmSpawner(cluster, cmd, config, stdout, stderr), the_plan,
-                           config, stop_grace_s=stop_grace_s)
+    if cluster.kind in ("local", "emulated") and shutil.which(cmd[0]) is None:
+        raise LaunchError(f"cannot run {cmd[0]!r}: no such executable (in PATH)")
+    state.write_job(config.state_dir, {
+        "job_id": the_plan.job_id, "world_size": the_plan.world_size,
+        "max_workers": max(config.max_workers, the_plan.world_size),
+        "backup_workers": config.backup_workers, "master_port": the_plan.master_port,
+        "cluster_state_dir": cluster.state_dir, "pid": os.getpid(),
+        "create_time": identify(os.getpid()).create_time})
+    try:
+        if cluster.kind == "ssh":
+            with ssh.SshSpawner(cluster, cmd, config, stdout, stderr) as spawner:
+                result = run_workers(spawner, the_plan, config, stop_grace_s=stop_grace_s)
+        elif cluster.kind == "slurm":
+            result = run_workers(slurm.SlurmSpawner(cluster, cmd, config, stdout, stderr),
+                                 the_plan, config, stop_grace_s=stop_grace_s)
+        else:
+            # the worker logs of a private cluster go to the caller's state dir, which
+            # outlives it
+            result = run_workers(local.LocalSpawner(cluster, cmd, config, stdout, stderr),
+                                 the_plan, config, stop_grace_s=stop_grace_s)
+    finally:
+        joined = state.forget_job(config.state_dir, the_plan.job_id)
+    return dataclasses.replace(result, joined=tuple(joined))
+
+
+def attach(cmd: list[str], config: Config, workers: int | None = None, *,
+           stdout: IO[str] | None = None, stderr: IO[str] | None = None,
+           stop_grace_s: float = STOP_GRACE_S) -> RunResult:
+    """Start ``workers`` (default ``config.world_size``) more workers of ``cmd`` that join the
+    job a `bpsctl run --max-workers W` runs from ``config.state_dir``, on its cluster's worker
+    hosts, with the job's next unused ranks (placed where `run` places those ranks of a job
+    that size). Each joins as a restarted worker rejoins (docs/design.md §5): a live worker
+    admits it to every server at its next step boundary and hands it the model. Their output
+    is streamed; the first to fail is the root cause (see :func:`run`). ``joined`` of the
+    result lists the ranks the scheduler saw join.
+
+    A :class:`UsageError` (exit 2) says why when no job runs, the job's cluster is not local
+    or emulated, or the job has fewer than ``workers`` ranks left below W.
+    """
+    workers = config.world_size if workers is None else workers
+    if workers < 1:
+        raise ConfigError(f"-np: expected at least 1 worker, got {workers}")
+    if not cmd:
+        raise ConfigError("CMD: expected the command to run after `--`, e.g. "
+                          "`bpsctl run --attach -np 1 -- python train.py`")
+    state_dir = Path(config.state_dir).resolve()
+    job = state.load_job(state_dir)
+    cluster = state.load_state(job["cluster_state_dir"]) if job is not None else None
+    if job is None or cluster is None:
+        raise UsageError(f"--attach: no job is running from {state_dir}; start one with "
+                         "`bpsctl run --max-workers W -np N -- CMD`, then attach while it runs "
+                         "(with the same --state-dir)")
+    job_id = str(job["job_id"])
+    if cluster.kind not in ("local", "emulated"):
+        raise UsageError(f"--attach: job {job_id} runs on a {cluster.kind} cluster; attaching "
+                         "workers is built for local and emulated clusters only")
+    try:
+        view = local.scheduler_view(cluster)
+    except EngineError as exc:
+        raise LaunchError(f"--attach: the scheduler of job {job_id} did not answer: {exc}"
+                          ) from None
+    running = view.get("job")
+    if not running or running["id"] != job_id or not running["started"]:
+        raise UsageError(f"--attach: job {job_id} is not running (it has not started yet, or "
+                         "has ended); attach while it runs")
+    max_workers = int(running.get("max_workers") or running["world_size"])
+    taken = {int(w["rank"]) for w in view["workers"]}
+    free = sorted(set(range(max_workers)) - taken)
+    if len(free) < workers:
+        grow = ("it was started without --max-workers, so it cannot grow"
+                if max_workers == running["world_size"] else
+                f"ranks {', '.join(map(str, sorted(taken)))} of its --max-workers "
+                f"{max_workers} are taken")
+        raise UsageError(f"--attach -np {workers}: job {job_id} has room for {len(free)} more "
+                         f"worker(s) ({grow}); start the job with a larger `bpsctl run "
+                         "--max-workers W`, or attach fewer")
     if shutil.which(cmd[0]) is None:
         raise LaunchError(f"cannot run {cmd[0]!r}: no such executable (in PATH)")
-    # the worker logs of a private cluster go to the caller's state dir, which outlives it
-    return run_workers(local.LocalSpawner(cluster, cmd, config, stdout, stderr), the_plan, config,
-                       stop_grace_s=stop_grace_s)
+    ranks = free[:workers]
+    # the job's own settings, whatever this command's environment says
+    engine_config = config.replace(
+        state_dir=state_dir, security=cluster.security, world_size=int(job["world_size"]),
+        max_workers=max_workers, backup_workers=int(job["backup_workers"]), attach=True,
+        min_workers=0, max_restarts=0, rejoin=False)
+    grown = worker_plan(cluster, engine_config, ranks[-1] + 1, job_id=job_id,
+                        master_port=int(job["master_port"]))
+    the_plan = dataclasses.replace(grown, workers=tuple(grown.workers[r] for r in ranks),
+                                   job_size=int(job["world_size"]))
+    done = threading.Event()
+    joined: list[int] = []
+    watcher = threading.Thread(target=_watch_joins, name="bpsctl-attach-watch", daemon=True,
+                               args=(cluster, state_dir, job_id, ranks, joined, done))
+    watcher.start()
+    try:
+        result = run_workers(local.LocalSpawner(cluster, cmd, engine_config,
+                                                stdout if stdout is not None else sys.stdout,
+                                                stderr if stderr is not None else sys.stderr),
+                             the_plan, engine_config, stop_grace_s=stop_grace_s)
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+    return dataclasses.replace(result, joined=tuple(sorted(joined)))
+
+
+_JOIN_POLL_S = 0.25
+
+
+def _watch_joins(cluster: ClusterState, state_dir: Path, job_id: str, ranks: list[int],
+                 joined: list[int], done: threading.Event) -> None:
+    """Until ``done`` or every one of ``ranks`` joined: ask the scheduler which run in job
+    ``job_id`` now, and record each that does in the job's record (its `run` says so)."""
+    while len(joined) < len(ranks) and not done.wait(_JOIN_POLL_S):
+        try:
+            view = local.scheduler_view(cluster, timeout_s=1.0)
+        except EngineError:
+            continue            # the run loop notices a lost scheduler
+        if (view.get("job") or {}).get("id") != job_id:
+            continue
+        for worker in view["workers"]:
+            rank = int(worker["rank"])
+            if rank in ranks and worker["state"] == "running" and rank not in joined:
+                joined.append(rank)
+                state.record_joined(state_dir, job_id, rank)

@@ -352,6 +352,14 @@ def status(cluster: ClusterState, timeout_s: float = STATUS_TIMEOUT_S) -> dict[s
                         f"the scheduler (pid {cluster.scheduler_record.pid}) has exited")
 
 
+def scheduler_view(cluster: ClusterState, timeout_s: float = STATUS_TIMEOUT_S
+                   ) -> dict[str, Any]:
+    """The scheduler's own view of ``cluster``: servers, the running job and its workers
+    (see :func:`bpsctl.engine.client.scheduler_status`)."""
+    return scheduler_status(_control_address(cluster), cluster.secret, timeout_s,
+                            security=cluster.security)
+
+
 def live_cluster(state_dir: Path) -> ClusterState | None:
     """The cluster recorded in ``state_dir`` if any of its processes still runs."""
     cluster = state.load_state(state_dir)

@@ -78,6 +78,9 @@ class Plan:
     master_addr: str
     master_port: int
     extra_env: tuple[tuple[str, str], ...] = ()
+    #: the job's world size when this plan starts only some of its workers (the new ranks of
+    #: `run --attach`); 0: the plan's workers are the whole job
+    job_size: int = 0
 
     @property
     def scheduler_address(self) -> str:
@@ -85,7 +88,7 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return len(self.workers)
+        return self.job_size or len(self.workers)
 
     @property
     def assignments(self) -> tuple[Assignment, ...]:

@@ -3,7 +3,8 @@
 The state file (mode 0600 in a 0700 directory: it holds the cluster's secret) is written
 atomically and only under the state dir's lock, which serialises ``up`` and ``down``. Logs of
 the scheduler, servers and workers live in ``<state_dir>/logs/<role>-<rank>.log``; the previous
-cluster's in ``logs.previous/`` until the next ``up``.
+cluster's in ``logs.previous/`` until the next ``up``. While ``run`` runs a job,
+``<state_dir>/job.json`` records it, so that ``run --attach`` finds the job and its cluster.
 """
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from bpsctl.config import ConfigError
+from bpsctl.launch.processes import ProcessIdentity, is_running
 from bpsctl.launch.types import ClusterState, LaunchError
 
 STATE_FILE_NAME = "cluster.json"
+JOB_FILE_NAME = "job.json"
 LOG_ROLES = ("scheduler", "server", "worker")
 _LOG_TAIL_LINES = 15
 
@@ -63,6 +66,54 @@ def write_private_json(path: Path, data: Any) -> None:
     with os.fdopen(fd, "w") as out:
         json.dump(data, out, indent=2)
     os.replace(tmp, path)
+
+
+def job_file(state_dir: Path | str) -> Path:
+    """The job that `bpsctl run` is running from this state dir (mode 0600, like the state
+    file: `run --attach` reads the cluster's place from it)."""
+    return Path(state_dir) / JOB_FILE_NAME
+
+
+def write_job(state_dir: Path | str, job: dict[str, Any]) -> None:
+    """Record the running job (see :func:`job_file`): its id, sizes, the launcher's pid and
+    process start time, and where its cluster is recorded. A record of another `run` from
+    this state dir that still runs is kept: `run --attach` joins the job recorded first."""
+    with state_lock(state_dir):
+        if load_job(state_dir) is None:
+            write_private_json(job_file(state_dir), {**job, "joined": []})
+
+
+def load_job(state_dir: Path | str) -> dict[str, Any] | None:
+    """The job recorded in ``state_dir`` while the `bpsctl run` that records it runs, else
+    None (none recorded, or left behind by a launcher that was killed)."""
+    try:
+        job = json.loads(job_file(state_dir).read_text())
+        launcher = ProcessIdentity(pid=int(job["pid"]), pgid=0,
+                                   create_time=float(job["create_time"]))
+    except (FileNotFoundError, ValueError, TypeError, KeyError):
+        return None
+    return job if is_running(launcher) else None
+
+
+def record_joined(state_dir: Path | str, job_id: str, rank: int) -> None:
+    """Worker ``rank`` (of `run --attach`) joined job ``job_id``: its `run` says so at the end."""
+    with state_lock(state_dir):
+        job = load_job(state_dir)
+        if job is not None and job["job_id"] == job_id and rank not in job["joined"]:
+            write_private_json(job_file(state_dir), {**job, "joined": [*job["joined"], rank]})
+
+
+def forget_job(state_dir: Path | str, job_id: str) -> list[int]:
+    """The job ``job_id`` ended: remove its record; return the ranks that joined it."""
+    with state_lock(state_dir):
+        try:
+            job = json.loads(job_file(state_dir).read_text())
+        except (FileNotFoundError, ValueError):
+            return []
+        if job.get("job_id") != job_id:
+            return []           # another run's job (a second run from the same state dir)
+        job_file(state_dir).unlink(missing_ok=True)
+        return [int(rank) for rank in job.get("joined", [])]
 
 
 def write_state(cluster: ClusterState) -> None:

@@ -218,6 +218,8 @@ class RunResult:
     left_behind: tuple[WorkerFailure, ...] = ()
     #: workers that failed and were started again to rejoin the job (BPSCTL_MAX_RESTARTS)
     restarted: tuple[WorkerFailure, ...] = ()
+    #: ranks of workers that `run --attach` started and that joined the job while it ran
+    joined: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

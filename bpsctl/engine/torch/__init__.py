@@ -18,14 +18,15 @@ NCCL (only each rank's owned chunk is staged through pinned memory), else they a
 whole and take the host path. Handles are
 integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed.
 
-**Rejoining** (``bpsctl run --max-restarts``): a live worker hands a restarted one its state
-at the end of an optimizer step (``DistributedOptimizer.step``): the tensors it passed to
-``broadcast_parameters``, every ``DistributedOptimizer``'s state and the step count. The
-restarted process runs the script from the top; its ``broadcast_parameters`` waits for that
-state and copies it in (no collective), its first ``step()`` loads the optimizer state, and
-:func:`step_count` says where to resume. After its first step its parameters equal the
-others' bit for bit. :mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic
-API.
+**Rejoining** (``bpsctl run --max-restarts``; new ranks of ``bpsctl run --attach`` join the
+same way): a live worker hands a restarted one its state at the end of an optimizer step
+(``DistributedOptimizer.step``): the tensors it passed to ``broadcast_parameters``, every
+``DistributedOptimizer``'s state, the step count and the count of ``broadcast_object`` calls
+(so that later ones line up). The restarted process runs the script
+from the top; its ``broadcast_parameters`` waits for that state and copies it in (no
+collective), its first ``step()`` loads the optimizer state, and :func:`step_count` says
+where to resume. After its first step its parameters equal the others' bit for bit.
+:mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic API.
 """
 from __future__ import annotations
 
@@ -181,6 +182,7 @@ class _Plugin:
         self.membership_seen = 0                # worker.membership_changes already told
         # what a rejoining worker receives (see the module docstring)
         self.steps = 0                          # optimizer steps this model has taken
+        self.objects = 0                        # broadcast_object calls: each names its tensors
         self.shared: dict[str, torch.Tensor] = {}           # from broadcast_parameters
         self.optimizers: list[torch.optim.Optimizer] = []   # every DistributedOptimizer
         self.elastic: Any = None                # an elastic State: it hands over the model
@@ -190,9 +192,11 @@ class _Plugin:
         self.pinned: dict[str, torch.Tensor] = {}
         w, cfg = self.worker, self.config
         # the intra-node stage (shared memory or a gloo group of the host's workers) cannot
-        # lose one and waits for its slowest: with BPSCTL_MIN_WORKERS below the world size, or
-        # with backup workers, every worker pushes on its own
-        elastic = 0 < cfg.min_workers < w.size or cfg.backup_workers > 0
+        # lose one, gain one, and waits for its slowest: with BPSCTL_MIN_WORKERS below the
+        # world size, room to grow (BPSCTL_MAX_WORKERS) or backup workers, every worker
+        # pushes on its own
+        elastic = (0 < cfg.min_workers < w.size or cfg.max_workers > cfg.world_size
+                   or cfg.backup_workers > 0)
         if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0
                 and not elastic):
             if not cfg.master_port:
@@ -436,8 +440,9 @@ _membership_callbacks: list[Callable[[list[int]], None]] = []
 
 def add_membership_callback(callback: Callable[[list[int]], None]) -> None:
     """Call ``callback(live_ranks)`` when the job goes on without a lost worker
-    (``bpsctl run --min-workers``), on the caller's thread, at the next ``synchronize`` (an
-    optimizer step synchronizes): for example to re-shard the data over ``size()`` workers."""
+    (``bpsctl run --min-workers``) or a worker joins it (``--max-restarts``, ``--attach``),
+    on the caller's thread, at the next ``synchronize`` (an optimizer step synchronizes): for
+    example to re-shard the data over ``size()`` workers."""
     _membership_callbacks.append(callback)
 
 
@@ -499,10 +504,12 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
 
 def _received_state(plugin: _Plugin) -> dict[str, Any] | None:
     """A rejoining worker's state from a live worker (waiting for it once), else None."""
-    if plugin.received is None and plugin.worker.incarnation:      # a restarted process
+    if plugin.received is None and plugin.worker.joined_running:   # restarted, or attached
         payload = plugin.worker.receive_state()
         plugin.received = torch.load(io.BytesIO(payload), weights_only=False)
         plugin.steps = plugin.received["steps"]
+        # the next broadcast_object pushes under the name the live workers' next one does
+        plugin.objects = plugin.received["objects"]
         plugin.unloaded = set(range(len(plugin.received["optimizers"])))
     return plugin.received
 
@@ -510,7 +517,7 @@ def _received_state(plugin: _Plugin) -> dict[str, Any] | None:
 def _pack_state(plugin: _Plugin, elastic: Any = None) -> memoryview:
     """What a rejoining worker starts from (see the module docstring)."""
     buffer = io.BytesIO()
-    torch.save({"steps": plugin.steps, "params": plugin.shared,
+    torch.save({"steps": plugin.steps, "objects": plugin.objects, "params": plugin.shared,
                 "optimizers": [opt.state_dict() for opt in plugin.optimizers],
                 "elastic": elastic}, buffer)
     return buffer.getbuffer()           # sent without another copy
@@ -525,13 +532,12 @@ def _donate(plugin: _Plugin, elastic: Any = None) -> None:
             worker.donate(rank_, incarnation, state)
 
 
-_object_counter = itertools.count()
-
-
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
     """Return ``obj`` from ``root_rank`` on every rank (pickled; all ranks must call it)."""
     _check_root(root_rank)
-    key = f"broadcast_object.{name or 'object'}.{next(_object_counter)}"
+    plugin = _p()
+    key = f"broadcast_object.{name or 'object'}.{plugin.objects}"
+    plugin.objects += 1
     me = rank() == root_rank
     data = pickle.dumps(obj) if me else b""
     length = torch.tensor([len(data)], dtype=torch.int64)
@@ -754,7 +760,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         plugin = _p()
-        if plugin.worker.incarnation and plugin.received is None:
+        if plugin.worker.joined_running and plugin.received is None:
             raise EngineError("this worker rejoins a running job and receives the model in "
                               "broadcast_parameters(model.state_dict(), root_rank=0): call it "
                               "before the first step, as with Horovod")
