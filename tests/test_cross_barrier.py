@@ -270,3 +270,31 @@ def test_a_lost_peer_fails_the_next_forward_pass_instead_of_hanging_it(tmp_path)
     assert outcome == "ok", f"rank 0: {outcome}\n{output[-3000:]}"
     assert records[0]["waited_s"] < 10.0
     assert seconds < 60, output[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_restarted_worker_rejoins_a_cross_barrier_job_bitwise_equal(tmp_path):
+    """test_rejoin's job (`bpsctl run -np 3 --max-restarts 1`, worker 2 killed at step 4)
+    with CrossBarrier: the donor hands the model over once its own updates are applied, and
+    after each step all three workers hold the same parameters (read after synchronize())."""
+    from test_rejoin import SCRIPT, _run
+    plain = '''optimizer = bps.DistributedOptimizer(
+    torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4),
+    named_parameters=model.named_parameters())'''
+    crossed = '''from bpsctl.engine.torch.cross_barrier import CrossBarrier
+optimizer = CrossBarrier(model,
+    torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=1e-4),
+    named_parameters=model.named_parameters(), num_steps=steps)'''
+    assert plain in SCRIPT and "    optimizer.step()\n" in SCRIPT
+    script = SCRIPT.replace(plain, crossed).replace(
+        "    optimizer.step()\n", "    optimizer.step()\n    optimizer.synchronize()\n")
+    steps, die_at = 60, 4           # as test_rejoin: the live two must not finish before the
+    #                                 restarted one has started
+    done, out = _run(tmp_path, script, str(steps), str(die_at), "")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rejoined the job" in done.stderr, done.stdout + done.stderr
+    start = int((out / "start-2").read_text())
+    assert die_at <= start < steps, f"the restarted worker resumed at step {start}"
+    for step in [*range(die_at), *range(start, steps)]:
+        first, *others = (torch.load(out / f"r{rank}-s{step}.pt") for rank in range(3))
+        assert all(torch.equal(first, other) for other in others), f"step {step} differs"

@@ -194,11 +194,11 @@ class _CrossBarrier(torch.optim.Optimizer):
         self._wait_applied(self._sync.params, "synchronize()")
 
     def state_dict(self):
-        self.synchronize()
+        self._wait_applied(self._sync.params, "state_dict()")
         return super(self.__class__, self).state_dict()
 
     def load_state_dict(self, state_dict):
-        self.synchronize()
+        self._wait_applied(self._sync.params, "load_state_dict()")
         return super(self.__class__, self).load_state_dict(state_dict)
 
     # ------------------------------------------------------------------ waiting
