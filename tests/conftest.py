@@ -92,7 +92,7 @@ TIERS: dict[str, set[str]] = {
     # full training on 4 workers (the module's fixture trains every variant: about 12 s)
     "test_torch_training.py": {"slow"},
     # CrossBarrier on 2 workers: one job trains every variant (about 25 s); a lost peer, 10 s;
-    # a worker restarted under --max-restarts, 25 s
+    # a worker restarted under --max-restarts, 25 s; bench resnet50 --cross-barrier, 45 s
     "test_cross_barrier.py": {"slow"},
     # the plugins on more than 2 workers (5-7 s each launch under load); their 2-worker tests
     # (torch: the API checks; mxnet: Gluon training) stay in the fast tier

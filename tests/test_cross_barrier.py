@@ -298,3 +298,23 @@ optimizer = CrossBarrier(model,
     for step in [*range(die_at), *range(start, steps)]:
         first, *others = (torch.load(out / f"r{rank}-s{step}.pt") for rank in range(3))
         assert all(torch.equal(first, other) for other in others), f"step {step} differs"
+
+
+@pytest.mark.timeout(300)
+def test_the_training_bench_runs_bpsctl_with_cross_barrier(tmp_path):
+    """`bpsctl bench resnet50 --cross-barrier` (tiny scale, embedded default): bpsctl's row
+    trains with CrossBarrier and the JSON says so; nothing is left running."""
+    import psutil
+    from test_bench_train import _bpsctl
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = tmp_path / "train.json"
+    result = _bpsctl(["bench", "resnet50", "--workers", "2", "--servers", "1", "--batch-size",
+                      "2", "--warmup", "1", "--iters", "2", "--cross-barrier",
+                      "--json", str(out)], tmp_path / "state", 280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["cross_barrier"] is True
+    (row,) = report["results"]
+    assert row["system"] == "bpsctl" and row["version"].endswith("CrossBarrier")
+    assert row["img_per_sec"] > 0
+    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
