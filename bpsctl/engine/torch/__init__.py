@@ -19,10 +19,11 @@ whole and take the host path. Handles are
 integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed.
 
 **Rejoining** (``bpsctl run --max-restarts``): a live worker hands a restarted one its state
-at the end of an optimizer step (``DistributedOptimizer.step``): the tensors it passed to
-``broadcast_parameters``, every ``DistributedOptimizer``'s state and the step count. The
-restarted process runs the script from the top; its ``broadcast_parameters`` waits for that
-state and copies it in (no collective), its first ``step()`` loads the optimizer state, and
+at the end of an optimizer step (``DistributedOptimizer.step``, ``CrossBarrier.step``): the
+tensors it passed to ``broadcast_parameters``, every such optimizer's state and the step
+count. The restarted process runs the script from the top; its ``broadcast_parameters`` waits
+for that state and copies it in (no collective), its first ``step()`` loads the optimizer
+state, and
 :func:`step_count` says where to resume. After its first step its parameters equal the
 others' bit for bit. :mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic
 API.
