@@ -23,10 +23,10 @@ at the end of an optimizer step (``DistributedOptimizer.step``, ``CrossBarrier.s
 tensors it passed to ``broadcast_parameters``, every such optimizer's state and the step
 count. The restarted process runs the script from the top; its ``broadcast_parameters`` waits
 for that state and copies it in (no collective), its first ``step()`` loads the optimizer
-state, and
-:func:`step_count` says where to resume. After its first step its parameters equal the
-others' bit for bit. :mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic
-API.
+state, and :func:`step_count` says where to resume. After its first step its parameters equal
+the others' bit for bit. :mod:`bpsctl.engine.torch.elastic` does the same for Horovod's
+elastic API. ``CrossBarrier`` (:mod:`bpsctl.engine.torch.cross_barrier`) updates parameters
+per layer as their sums arrive, on the same gradient hooks.
 """
 from __future__ import annotations
 
