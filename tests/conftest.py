@@ -93,6 +93,10 @@ TIERS: dict[str, set[str]] = {
     "test_bench_train.py::test_rounds_rotate_the_order_and_pair_the_ratios": {"slow"},
     # full training on 4 workers (the module's fixture trains every variant: about 12 s)
     "test_torch_training.py": {"slow"},
+    # CrossBarrier on 2 workers (quiet machine / loaded): one job trains every variant, 7-25 s;
+    # a lost peer, 10 s; a worker restarted under --max-restarts, 20-30 s; bench resnet50
+    # --cross-barrier, 11-45 s
+    "test_cross_barrier.py": {"slow"},
     # the plugins on more than 2 workers (5-7 s each launch under load); their 2-worker tests
     # (torch: the API checks; mxnet: Gluon training) stay in the fast tier
     "test_torch_plugin.py::test_intranode_stage_gives_exact_sums": {"slow"},

@@ -436,6 +436,7 @@ class TrainSettings:
     rounds: int = 1                      # each system runs once per round; rounds rotate the order
     timeout_s: float = 900.0             # per system; a hung worker exits after it
     compression: str = ""                # bpsctl's gradients: a spec of engine/compression.py
+    cross_barrier: bool = False          # bpsctl updates per layer (engine/torch/cross_barrier.py)
 
     def __post_init__(self) -> None:
         from ..engine.compression import parse
@@ -585,6 +586,8 @@ def train_system(config: Config, settings: TrainSettings, system: str,
             "--timeout", str(settings.timeout_s)]
     if system == "bpsctl" and settings.compression:
         args += ["--compression", settings.compression]
+    if system == "bpsctl" and settings.cross_barrier:
+        args += ["--cross-barrier"]
     if system != "bpsctl":
         config = config.replace(trace_dir="")       # --trace is bpsctl's timeline only
     if system != "horovod":
@@ -639,6 +642,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         "parameters": sum(params), "gradient_tensors": len(params),
         "gradient_bytes": 4 * sum(params), "host": socket.gethostname(),
         "compression": settings.compression or None, "wire_bytes_per_step": wire,
+        "cross_barrier": settings.cross_barrier,
         "results": results, **_cluster_keys(config),
         "speedup": {system: statistics.median(values) for system, values in ratios.items()},
         **({"speedup_by_round": ratios} if settings.rounds > 1 else {}),

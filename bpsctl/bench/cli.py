@@ -231,7 +231,7 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            json_file: Path | None, plot_file: Path | None,
            config_file: Path | None, trace_dir: Path | None = None,
            straggler: str | None = None, compression: str | None = None,
-           backup_workers: int | None = None) -> None:
+           backup_workers: int | None = None, cross_barrier: bool = False) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
                                  trace_dir, straggler, backup_workers)
@@ -241,7 +241,8 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,
                                  batches_per_iter=batches_per_iter, compare=_names(compare),
-                                 rounds=rounds, compression=compression or "")
+                                 rounds=rounds, compression=compression or "",
+                                 cross_barrier=cross_barrier)
         _run_bench(model, config, lambda progress: run_train(
             config, settings, progress=lambda message: progress(f"training with {message}")),
             print_train, json_file, plot_file, plot_train)
@@ -277,6 +278,11 @@ def _train_command(model: str, title: str) -> None:
                     help="bpsctl's gradients between machines: onebit, topk:RATIO, "
                     "randomk:RATIO, dithering:LEVELS (with error feedback), fp16 or bf16; "
                     "tensors under BPSCTL_MIN_COMPRESS_BYTES travel as they are."),
+                cross_barrier: bool = typer.Option(
+                    False, "--cross-barrier",
+                    help="bpsctl trains with CrossBarrier instead of DistributedOptimizer: "
+                    "each layer is updated as its sum arrives and the next forward pass starts "
+                    "on the first layers."),
                 rounds: int = typer.Option(1, "--rounds", min=1,
                                            help="Run every system this many times, each going "
                                                 "first in turn; speedup is the median of the "
@@ -299,7 +305,7 @@ def _train_command(model: str, title: str) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file, trace_dir, straggler, compression,
-               backup_workers)
+               backup_workers, cross_barrier)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")

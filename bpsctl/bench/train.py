@@ -88,10 +88,17 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
             engine = parse(args.compression)
             if engine is not None:
                 compression = bps.EngineCompressor(engine)
-        optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                             compression=compression)
-        return (model, optimizer, bps.rank(), bps.size(), f"bpsctl {bpsctl.__version__}",
-                bps.shutdown)
+        version = f"bpsctl {bpsctl.__version__}"
+        if args.cross_barrier:
+            from ..engine.torch.cross_barrier import CrossBarrier
+            optimizer = CrossBarrier(model, optimizer, named_parameters=model.named_parameters(),
+                                     compression=compression,
+                                     num_steps=args.warmup + args.iters * args.batches_per_iter)
+            version += " CrossBarrier"
+        else:
+            optimizer = bps.DistributedOptimizer(
+                optimizer, named_parameters=model.named_parameters(), compression=compression)
+        return model, optimizer, bps.rank(), bps.size(), version, bps.shutdown
     if system in ("ddp", "ddp-powersgd"):
         import torch.distributed as dist
         dist.init_process_group("gloo", init_method="env://",
@@ -142,6 +149,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--compression", default="",
                         help="bpsctl's gradient compression, e.g. onebit or topk:0.01")
+    parser.add_argument("--cross-barrier", action="store_true",
+                        help="bpsctl: CrossBarrier instead of DistributedOptimizer")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds the whole run may take; a hung worker exits after it")
     parser.add_argument("--horovod-hosts", default="")
@@ -168,8 +177,9 @@ def main(argv: list[str] | None = None) -> None:
     target = torch.randint(0, args.num_classes, (args.batch_size,))
 
     # where a step's time goes (the profile behind a shortfall): forward + backward (DDP's
-    # allreduce runs inside backward), then optimizer.step() (bpsctl and Horovod wait there
-    # for the gradients still in flight)
+    # allreduce runs inside backward; with --cross-barrier the forward pass waits for each
+    # layer's update), then optimizer.step() (bpsctl and Horovod wait there for the gradients
+    # still in flight)
     phases = {"backward_seconds": 0.0, "step_seconds": 0.0}
 
     def step() -> None:

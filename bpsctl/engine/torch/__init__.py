@@ -20,13 +20,15 @@ integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed
 
 **Rejoining** (``bpsctl run --max-restarts``; new ranks of ``bpsctl run --attach`` join the
 same way): a live worker hands a restarted one its state at the end of an optimizer step
-(``DistributedOptimizer.step``): the tensors it passed to ``broadcast_parameters``, every
-``DistributedOptimizer``'s state, the step count and the count of ``broadcast_object`` calls
-(so that later ones line up). The restarted process runs the script
-from the top; its ``broadcast_parameters`` waits for that state and copies it in (no
+(``DistributedOptimizer.step``, ``CrossBarrier.step``): the tensors it passed to
+``broadcast_parameters``, every such optimizer's state, the step count and the count of
+``broadcast_object`` calls (so that later ones line up). The restarted process runs the
+script from the top; its ``broadcast_parameters`` waits for that state and copies it in (no
 collective), its first ``step()`` loads the optimizer state, and :func:`step_count` says
 where to resume. After its first step its parameters equal the others' bit for bit.
-:mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic API.
+:mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic API. ``CrossBarrier``
+(:mod:`bpsctl.engine.torch.cross_barrier`) updates parameters per layer as their sums arrive,
+on the same gradient hooks.
 """
 from __future__ import annotations
 
@@ -231,10 +233,17 @@ def init(config: Config | None = None) -> None:
 
 
 def shutdown() -> None:
+    """Leave the job. Parameter updates a ``CrossBarrier`` still has in flight finish first; an
+    error of one that nothing has raised yet is raised once the engine is closed."""
     global _plugin
     if _plugin is not None:
+        errors = [drain() for drain in (getattr(opt, "_drain", None) for opt in _plugin.optimizers)
+                  if drain is not None]
         plugin, _plugin = _plugin, None
         plugin.close()
+        for error in errors:
+            if error is not None:
+                raise error
 
 
 def is_initialized() -> bool:
@@ -413,6 +422,14 @@ def poll(handle: int) -> bool:
 
 def synchronize(handle: int) -> torch.Tensor:
     """Wait for the push_pull behind ``handle``; return its output tensor."""
+    output = _finish(handle)
+    _tell_membership(_p())
+    return output
+
+
+def _finish(handle: int) -> torch.Tensor:
+    """:func:`synchronize` without telling membership callbacks: the cross-barrier's update
+    thread finishes its push_pulls here, and callbacks run on the caller's thread."""
     plugin = _p()
     with plugin.lock:
         op = plugin.ops.pop(handle, None)
@@ -431,7 +448,6 @@ def synchronize(handle: int) -> torch.Tensor:
         result = op.compression.decompress(op.device_out, op.ctx)
     if result.data_ptr() != op.output.data_ptr():
         op.output.detach().copy_(result.reshape(op.output.shape))
-    _tell_membership(plugin)
     return op.output
 
 
@@ -692,34 +708,89 @@ class _GradientSync:
         """Wait for every bucket's push_pull; ``end_of_step``: the step ends here (no
         optimizer update follows that would end it)."""
         started_ns = now_ns()
+        for bucket, handle in self.take_handles():
+            synchronize(handle)
+            self.unpack(bucket)
+        # the wait for the averaged gradients, on the worker's timeline
+        worker = _engine._w()
+        worker.trace_span("synchronize", self.prefix, started_ns, now_ns())
+        if end_of_step:
+            worker.mark_step()
+
+    def take_handles(self) -> list[tuple[_Bucket, int]]:
+        """End the step's pushes: push every bucket not pushed yet, then hand over each
+        bucket's handle (highest priority first) and reset the counts for the next step."""
         # buckets not pushed yet (a parameter unused this step, or fewer backward passes than
         # backward_passes_per_step) still take part, so every worker pushes the same tensors
         for bucket in self.buckets:
             if bucket not in self.handles:
                 self._push(bucket)
-        for bucket, handle in list(self.handles.items()):
-            synchronize(handle)
-            if bucket.flat is not None:
-                offset = 0
-                for p in bucket.params:
-                    n = p.numel()
-                    grad = p.grad
-                    assert grad is not None                 # _push gave every one a gradient
-                    grad.copy_(bucket.flat[offset:offset + n].view_as(grad))
-                    offset += n
+        taken = sorted(self.handles.items(), key=lambda item: -item[0].priority)
+        for bucket in self.buckets:
             bucket.ready = 0
         for p in self.params:
             self.delay[p] = self.passes_per_step
         self.handles.clear()
-        # the backward pass (first to last gradient ready) and the wait for the averaged
-        # gradients, on the worker's timeline
-        worker = _engine._w()
+        # the backward pass (first to last gradient ready), on the worker's timeline
         if self.first_ready_ns:
-            worker.trace_span("backward", self.prefix, self.first_ready_ns, self.last_ready_ns)
+            _engine._w().trace_span("backward", self.prefix, self.first_ready_ns,
+                                    self.last_ready_ns)
             self.first_ready_ns = 0
-        worker.trace_span("synchronize", self.prefix, started_ns, now_ns())
-        if end_of_step:
-            worker.mark_step()
+        return taken
+
+    @staticmethod
+    def unpack(bucket: _Bucket) -> None:
+        """After a fused bucket's push_pull: copy the averages back into its gradients (a lone
+        gradient was averaged in place)."""
+        if bucket.flat is not None:
+            offset = 0
+            for p in bucket.params:
+                n = p.numel()
+                grad = p.grad
+                assert grad is not None                 # _push gave every one a gradient
+                grad.copy_(bucket.flat[offset:offset + n].view_as(grad))
+                offset += n
+
+
+def _named(optimizer: torch.optim.Optimizer,
+           named_parameters: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The optimizer's parameters with their names (``param.<i>`` when none are given)."""
+    all_params = [p for group in optimizer.param_groups for p in group["params"]]
+    if named_parameters is not None:
+        named = list(named_parameters)
+    else:
+        named = [(f"param.{i}", p) for i, p in enumerate(all_params)]
+    unnamed = {id(p) for p in all_params} - {id(p) for _, p in named}
+    if unnamed:
+        raise ValueError("named_parameters does not cover every parameter of the optimizer "
+                         f"({len(unnamed)} missing); pass model.named_parameters()")
+    return named
+
+
+def _check_rejoined(plugin: _Plugin) -> None:
+    if plugin.worker.joined_running and plugin.received is None:     # restarted, or attached
+        raise EngineError("this worker rejoins a running job and receives the model in "
+                          "broadcast_parameters(model.state_dict(), root_rank=0): call it "
+                          "before the first step, as with Horovod")
+
+
+def _load_received(plugin: _Plugin, optimizer: Any) -> None:
+    """At a rejoined worker's first step: load the live worker's state of ``optimizer``."""
+    if optimizer._index in plugin.unloaded:
+        plugin.unloaded.discard(optimizer._index)
+        assert plugin.received is not None
+        optimizer.load_state_dict(plugin.received["optimizers"][optimizer._index])
+
+
+def _end_step(plugin: _Plugin) -> None:
+    """An optimizer step is over (no push_pull of it in flight): count it, and hand the state
+    to any worker waiting to rejoin."""
+    plugin.steps += 1
+    if plugin.received is not None and plugin.received["params"] and not plugin.unloaded:
+        plugin.received = {**plugin.received, "params": {}, "optimizers": []}   # memory
+    _engine._w().mark_step()
+    if plugin.elastic is None:          # an elastic State hands it over at commit()
+        _donate(plugin)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -727,17 +798,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # the class is rebuilt on the wrapped optimizer's class (DistributedOptimizer): this is
         # that optimizer's __init__, whose hyperparameters all have defaults
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
-        all_params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters is not None:
-            named = list(named_parameters)
-        else:
-            named = [(f"param.{i}", p) for i, p in enumerate(all_params)]
-        unnamed = {id(p) for p in all_params} - {id(p) for _, p in named}
-        if unnamed:
-            raise ValueError("named_parameters does not cover every parameter of the optimizer "
-                             f"({len(unnamed)} missing); pass model.named_parameters()")
-        self._sync = _GradientSync(named, "DistributedOptimizer.grad", compression,
-                                   backward_passes_per_step)
+        self._sync = _GradientSync(_named(self, named_parameters), "DistributedOptimizer.grad",
+                                   compression, backward_passes_per_step)
         self._should_synchronize = True
         self._synchronized = False
         plugin = _p()
@@ -760,24 +822,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure=None):
         plugin = _p()
-        if plugin.worker.joined_running and plugin.received is None:
-            raise EngineError("this worker rejoins a running job and receives the model in "
-                              "broadcast_parameters(model.state_dict(), root_rank=0): call it "
-                              "before the first step, as with Horovod")
+        _check_rejoined(plugin)
         if self._should_synchronize:
             self.synchronize()
         self._synchronized = False
-        if self._index in plugin.unloaded:      # rejoined: the live worker's optimizer state
-            plugin.unloaded.discard(self._index)
-            assert plugin.received is not None
-            self.load_state_dict(plugin.received["optimizers"][self._index])
+        _load_received(plugin, self)
         loss = super(self.__class__, self).step(closure)
-        plugin.steps += 1
-        if plugin.received is not None and plugin.received["params"] and not plugin.unloaded:
-            plugin.received = {**plugin.received, "params": {}, "optimizers": []}   # memory
-        _engine._w().mark_step()
-        if plugin.elastic is None:          # an elastic State hands it over at commit()
-            _donate(plugin)
+        _end_step(plugin)
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
