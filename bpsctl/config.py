@@ -375,7 +375,7 @@ class Config:
                                       "seconds servers and workers wait for a lost scheduler to "
                                       "come back before what needs it (a new tensor, a barrier, "
                                       "a loss or rejoin) fails; push_pulls of declared tensors "
-                                      "go on meanwhile", "float", in_file=True)
+                                      "go on meanwhile", "float")
 
     def __post_init__(self) -> None:
         if self.role not in ("scheduler", "server", "worker"):

@@ -17,6 +17,8 @@ restarted: the launcher reports its failure.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import json
 import os
 import signal
@@ -35,6 +37,7 @@ _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0
 _STEADY_S = 10.0            # a scheduler that ran this long resets the back-off
 _POLL_S = 0.05
+_PR_SET_PDEATHSIG = 1       # linux/prctl.h
 
 
 class Supervisor:
@@ -59,7 +62,9 @@ class Supervisor:
         """Start a scheduler and wait until it serves; its exit code if it died first."""
         self.child_ready.unlink(missing_ok=True)
         self.child = subprocess.Popen([sys.executable, "-m", "bpsctl.engine.scheduler"],
-                                      env=self.env, stdin=subprocess.DEVNULL)
+                                      env=self.env, stdin=subprocess.DEVNULL,
+                                      preexec_fn=functools.partial(_die_with_parent,
+                                                                   os.getpid()))
         deadline = time.monotonic() + self.config.start_timeout_s
         while not self.stopping:
             try:
@@ -151,6 +156,14 @@ class Supervisor:
         self._write()
         self.child_ready.unlink(missing_ok=True)
         return 0
+
+
+def _die_with_parent(parent: int) -> None:
+    """In the scheduler, before it runs: the kernel kills it if the supervisor dies (a
+    supervisor killed alone would otherwise leave a scheduler nobody records)."""
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:      # it died before that took effect
+        os._exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
