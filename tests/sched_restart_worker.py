@@ -4,8 +4,9 @@
 
 Each step push_pulls two integer-valued tensors (one spans two partitions) and checks every
 sum exactly. At step KILL_AT rank 0 kills the scheduler (SIGKILL); the job goes on. Each rank
-counts the steps it finished while the scheduler was gone, then push_pulls a tensor never
-declared before (it needs the restarted scheduler) and writes ``RANK.json``.
+counts the steps it finished while the scheduler was gone; a tensor first push_pulled just
+after the kill completes once the scheduler is back (the steps go on meanwhile), and so does one
+first push_pulled after the loop. Then it writes ``RANK.json``.
 """
 from __future__ import annotations
 
@@ -27,9 +28,14 @@ def main() -> None:
     worker = bps._w()
     tensors = [np.zeros(n, np.int32) for n in (1_000, 300_000)]
     gone_steps, step_s = 0, []
+    while_gone = np.full(10, rank + 1, np.int64)
+    pending = None
     for step in range(steps):
         if step == kill_at and rank == 0:
             os.kill(scheduler_pid, signal.SIGKILL)
+        if step == kill_at + 1:     # a new tensor while the scheduler is away: it waits
+            pending = bps.push_pull_async(while_gone, name="declared-while-gone", average=False,
+                                          out=while_gone)
         started = time.monotonic()
         handles = []
         for index, tensor in enumerate(tensors):
@@ -45,6 +51,11 @@ def main() -> None:
                 sys.exit(f"wrong sum of layer{index} at step {step}: {tensor[:4]} != {want}")
         gone_steps += worker._sched_gone is not None
         time.sleep(0.01)
+    if pending is not None:
+        bps.synchronize(pending)
+    if pending is not None and not np.all(while_gone == size * (size + 1) // 2):
+        sys.exit(f"wrong sum of the tensor declared while the scheduler was gone: "
+                 f"{while_gone[:4]}")
     started = time.monotonic()
     fresh = bps.push_pull(np.full(10, rank + 1, np.int64), name="declared-after-the-restart",
                           average=False)

@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--record", required=True, type=Path,
                         help="where to write the running scheduler's pid and restart count")
     args = parser.parse_args(argv)
-    supervisor = Supervisor(Config.from_env(role="scheduler"), args.record)
+    supervisor = Supervisor(Config.from_env(role="scheduler"), args.record.expanduser())
     signal.signal(signal.SIGTERM, supervisor.stop)
     signal.signal(signal.SIGINT, supervisor.stop)
     sys.exit(supervisor.run())

@@ -113,7 +113,8 @@ def _supervised(record: ProcessRecord, state: str,
         row["pid"] = pid
     if state == "running" and supervision.get("state") == "restarting":
         row["state"] = "restarting"
-    elif state == "running" and isinstance(pid, int) and not pid_running(pid):
+    elif state == "running" and isinstance(pid, int) and not record.ssh_host \
+            and not pid_running(pid):
         row["state"] = "restarting"         # died a moment ago; the supervisor will say so
     return row
 
