@@ -40,8 +40,9 @@ def _scheduler_row(info: dict) -> dict:
 
 def test_a_job_trains_through_a_killed_scheduler_and_status_shows_the_new_one(tmp_path):
     """kill -9 the scheduler mid-job: both workers finish every step with exact sums (some
-    steps while no scheduler ran), a tensor declared after the restart works, the run exits
-    0, `bpsctl status` shows the new scheduler restarted once, and `down` leaves nothing."""
+    steps while no scheduler ran), tensors first used while it was gone and after its restart
+    work, the run exits 0, `bpsctl status` shows the new scheduler restarted once, the next
+    job runs, and `down` leaves nothing."""
     state_dir, report = tmp_path / "state", tmp_path / "report"
     report.mkdir()
     up = _cli(state_dir, "up", "--servers", "2")
@@ -73,6 +74,12 @@ def test_a_job_trains_through_a_killed_scheduler_and_status_shows_the_new_one(tm
         assert "restarted 1 time" in text and str(row["pid"]) in text, text
         logs = _cli(state_dir, "logs", "server").stdout
         assert logs.count("registered again with the restarted scheduler") == 2, logs
+        # the job ended at the restarted scheduler: the cluster takes the next one
+        (tmp_path / "again").mkdir()
+        again = _cli(state_dir, "run", "-np", "2", "--", sys.executable,
+                     str(HERE / "sched_restart_worker.py"), str(tmp_path / "again"), "10",
+                     "1000", "0", timeout_s=60)
+        assert again.returncode == 0, again.stdout + again.stderr
     finally:
         down = _cli(state_dir, "down")
     assert down.returncode == 0, down.stderr
