@@ -123,3 +123,37 @@ def test_without_a_restart_a_new_tensor_fails_in_time_naming_the_scheduler():
     kill_pids(pid for pid in pids if not gone(pid))
     wait_until(lambda: all(gone(pid) for pid in [*pids, scheduler_pid]), 5,
                "the cluster's processes to exit")
+
+
+def test_a_server_lost_while_the_scheduler_restarts_moves_once_it_is_back():
+    """kill -9 the scheduler and a server at once: the workers wait for a verdict on the
+    server while no scheduler runs; the restarted one, not hearing from that server within
+    the heartbeat timeout, moves its partitions, and every sum stays exact."""
+    config = cluster_config(heartbeat_timeout_s=1.0)
+    with api.local_cluster(config, servers=3) as cluster:
+        pids = [p.pid for p in cluster.processes]
+        scheduler_pid = state.load_supervision(cluster.state_dir)["pid"]
+        victim = next(p.pid for p in cluster.processes if p.role == "server" and p.rank == 1)
+
+        def body(worker):
+            grads = [np.zeros(16 * 1024, np.float32) for _ in range(6)]
+            for step in range(30):
+                if step == 10 and worker.rank == 0:
+                    os.kill(scheduler_pid, signal.SIGKILL)
+                    os.kill(victim, signal.SIGKILL)
+                for i, grad in enumerate(grads):
+                    grad[:] = (worker.rank + 1) * (step + 1) + i
+                handles = [worker.push_pull_async(g, name=f"g{i}", average=False, out=g)
+                           for i, g in enumerate(grads)]
+                for handle in handles:
+                    worker.synchronize(handle)
+                for i, grad in enumerate(grads):
+                    assert np.all(grad == 3 * (step + 1) + 2 * i), (worker.rank, step, i)
+            return worker._servers_lost
+
+        results = run_job(cluster, 2, 3, body, partition_bytes=16 * 1024,
+                          heartbeat_timeout_s=1.0, scheduler_timeout_s=10.0)
+        assert all(lost == {1} for lost in results), results
+        info = api.status(cluster.state_dir)
+        assert _scheduler_row(info)["restarts"] == 1
+    kill_pids(pid for pid in [*pids, scheduler_pid] if not gone(pid))
