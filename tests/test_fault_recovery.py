@@ -362,8 +362,8 @@ def _strike_two_servers(cluster: Cluster, tmp_path: Path, index: int,
 def test_the_job_goes_on_through_a_killed_scheduler(cluster, tmp_path):
     """kill -9 the scheduler at a seeded step: `bpsctl up`'s supervisor restarts it, the
     servers and workers register again, and the job never waits for it: exit 0, the workers
-    equal bit for bit after every step, no step slower than the heartbeat timeout + 2 s, and
-    `bpsctl status` shows the restarted scheduler."""
+    equal bit for bit after every step, every step's average the exact mean, no step slower
+    than the heartbeat timeout + 2 s, and `bpsctl status` shows the restarted scheduler."""
     for index in range(RUNS):
         seed = f"{SEED}-scheduler-kill-{index}"
         step = random.Random(seed).randrange(3, STEPS - 10)
@@ -376,8 +376,9 @@ def test_the_job_goes_on_through_a_killed_scheduler(cluster, tmp_path):
         with open(out / "output.txt", "w") as output:
             launcher = subprocess.Popen(
                 [sys.executable, "-m", "bpsctl.cli", "run", "-np", "4", "--", sys.executable,
-                 str(WORKER_SCRIPT), str(out), str(STEPS)], env=cluster.env(), stdout=output,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                 str(WORKER_SCRIPT), str(out), str(STEPS), "check"], env=cluster.env(),
+                stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
         cluster.pids.add(launcher.pid)
         began = time.monotonic()
         try:
@@ -409,8 +410,13 @@ def test_the_job_goes_on_through_a_killed_scheduler(cluster, tmp_path):
         assert gone(victim) and row["pid"] != victim, f"{where}: status shows {row}"
         assert (row["state"], row["restarts"]) == ("running", restarts + 1), row
         assert all(p["state"] == "running" for p in after["processes"] if p["role"] == "server")
+        errors = {s: float(e) for s, e in _steps(out, "errors", 0).items()}
+        assert len(errors) == STEPS, f"{where}: rank 0 checked {len(errors)} of {STEPS} steps"
         OUTCOMES.append(Outcome("scheduler-kill", "scheduler", seed, step, exit_code,
-                                round(time.monotonic() - began, 2), round(stall, 3), None, None))
+                                round(time.monotonic() - began, 2), round(stall, 3),
+                                rel_diff=None, step_error=max(errors.values()),
+                                rejoined_at=None))
+        assert max(errors.values()) <= STEP_ERROR_BOUND, f"{where}: {errors}"
 
 
 @pytest.fixture(scope="module", autouse=True)
