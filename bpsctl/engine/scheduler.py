@@ -444,7 +444,9 @@ class Scheduler:
         place: it keeps its rank (workers know it by its place in the job's server list)."""
         rank = P.int_field(msg, "rank", 0, 1 << 16)
         member = self._server(rank)
-        if member is not None and not member.awaited and member.state == "running":
+        # the same process again (its link dropped and came back): a new connection of it
+        if member is not None and not member.awaited and member.state == "running" \
+                and member.pid != common["pid"]:
             self._send(rid, P.ERROR, {"message": f"server rank {rank} is already taken by "
                                       f"{member.describe()}"})
             return
@@ -485,7 +487,9 @@ class Scheduler:
         self._merge(job, again, rank)
         member = job.workers[rank]
         joining = again.get("joining") is True
-        if not (member.awaited or (joining and member.state == "lost" and member.pid == 0)):
+        same = member.pid == common["pid"] and member.state in ("running", "joining")
+        if not (member.awaited or same or
+                (joining and member.state == "lost" and member.pid == 0)):
             self._send(rid, P.ERROR, {"message": f"job {job.id!r}: rank {rank} is "
                                       f"{member.state} ({member.describe()}) at the restarted "
                                       "scheduler"})
