@@ -510,35 +510,40 @@ class Scheduler:
 
     def _rebuild_job(self, msg: dict[str, Any], again: dict[str, Any]) -> Job:
         book = again.get("servers")
-        if not isinstance(book, list) or not book or not all(
+        if not isinstance(book, list) or not book or len(book) > 1 << 16 or not all(
                 isinstance(s, dict) for s in book):
             raise P.ProtocolError("reregister.servers: expected the job's [{rank, host, port}]")
         world_size = int(msg["world_size"])
-        job = Job(id=str(msg["job"]), world_size=world_size, num_servers=len(book),
-                  partition_bytes=int(msg["partition_bytes"]),
-                  start_timeout_s=float(msg["start_timeout_s"]), first_seen=time.monotonic(),
-                  started=True, min_workers=int(msg.get("min_workers", 0)))
+        # everything checked before anything changes
+        servers = [(P.int_field(entry, "rank", 0, 1 << 16), P.str_field(entry, "host"),
+                    P.int_field(entry, "port", 1, 65535)) for entry in book]
         lost_servers = set(_ints(again, "lost_servers", len(book) - 1))
-        for index, entry in enumerate(book):
-            rank = P.int_field(entry, "rank", 0, 1 << 16)
-            server = self._server(rank)
-            if server is None:
-                server = self._await("server", rank, P.str_field(entry, "host"),
-                                     P.int_field(entry, "port", 1, 65535),
-                                     "lost" if index in lost_servers else "running")
-                self.servers.append(server)
-                self.servers.sort(key=lambda s: s.rank)
-            job.servers.append(server)
-        job.placement = Placement(len(book))
         live = set(_ints(again, "live", world_size - 1))
         left = set(_ints(again, "left", world_size - 1))
         incarnations = again.get("incarnations", {})
         if not isinstance(incarnations, dict):
             raise P.ProtocolError("reregister.incarnations: expected {rank: incarnation}")
+        restarts = [P.int_field(incarnations, str(rank), 0, 1 << 30, default=0)
+                    for rank in range(world_size)]
+        _checked_tensors({"tensors": again.get("tensors", [])}, int(msg["partition_bytes"]))
+
+        job = Job(id=str(msg["job"]), world_size=world_size, num_servers=len(book),
+                  partition_bytes=int(msg["partition_bytes"]),
+                  start_timeout_s=float(msg["start_timeout_s"]), first_seen=time.monotonic(),
+                  started=True, min_workers=int(msg.get("min_workers", 0)))
+        for index, (rank, host, port) in enumerate(servers):
+            server = self._server(rank)
+            if server is None:
+                server = self._await("server", rank, host, port,
+                                     "lost" if index in lost_servers else "running")
+                self.servers.append(server)
+                self.servers.sort(key=lambda s: s.rank)
+            job.servers.append(server)
+        job.placement = Placement(len(book))
         for rank in range(world_size):
             state = "left" if rank in left else "running" if rank in live else "lost"
             worker = job.workers[rank] = self._await("worker", rank, "", None, state)
-            worker.incarnation = P.int_field(incarnations, str(rank), 0, 1 << 30, default=0)
+            worker.incarnation = restarts[rank]
         self.job = job
         self.log.warning("job %s goes on with this restarted scheduler: %d workers (%d live), "
                          "%d servers; waiting up to %g s for them to register again", job.id,
@@ -549,22 +554,23 @@ class Scheduler:
         """Take the tensors (and lost servers) a re-registering worker knows into the job."""
         placement = job.placement
         assert placement is not None
-        for index in _ints(again, "lost_servers", len(job.servers) - 1):
-            placement.lost.add(index)
+        lost_servers = _ints(again, "lost_servers", len(job.servers) - 1)
         specs = again.get("tensors", [])
         checked = _checked_tensors({"tensors": specs}, job.partition_bytes)
-        for spec, (name, dtype, shape, _) in zip(specs, checked, strict=True):
+        for spec, (name, _, _, _) in zip(specs, checked, strict=True):
             parts = spec.get("parts")
-            if not isinstance(parts, list) or not all(
-                    isinstance(p, list) and len(p) == 4 and all(
+            P.int_field(spec, "key", 0, 1 << 40)
+            if not isinstance(parts, list) or len(parts) > P.MAX_PARTITIONS_PER_DECLARE or \
+                    not all(isinstance(p, list) and len(p) == 4 and all(
                         isinstance(x, int) and x >= 0 for x in p) and p[1] < len(job.servers)
-                    for p in parts):
+                        for p in parts):
                 raise P.ProtocolError(f"tensor {name!r}: parts are not [[id, server, offset, "
                                       "length]] of this job's servers")
+        for spec, (name, dtype, shape, _) in zip(specs, checked, strict=True):
             if name not in job.tensors:
-                job.tensors[name] = {"name": name, "key": P.int_field(spec, "key", 0, 1 << 40),
-                                     "dtype": dtype, "shape": shape, "rank": rank,
-                                     "parts": parts}
+                job.tensors[name] = {"name": name, "key": spec["key"], "dtype": dtype,
+                                     "shape": shape, "rank": rank, "parts": spec["parts"]}
+        placement.lost.update(lost_servers)
         # the loads and counters the placement had, from where the partitions live now
         loads = [0] * len(job.servers)
         next_part = 0
