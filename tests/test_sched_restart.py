@@ -125,11 +125,13 @@ def test_without_a_restart_a_new_tensor_fails_in_time_naming_the_scheduler():
                "the cluster's processes to exit")
 
 
-def test_a_server_lost_while_the_scheduler_restarts_moves_once_it_is_back():
+@pytest.mark.parametrize("spares", [0, 1])
+def test_a_server_lost_while_the_scheduler_restarts_moves_once_it_is_back(spares):
     """kill -9 the scheduler and a server at once: the workers wait for a verdict on the
     server while no scheduler runs; the restarted one, not hearing from that server within
-    the heartbeat timeout, moves its partitions, and every sum stays exact."""
-    config = cluster_config(heartbeat_timeout_s=1.0)
+    the heartbeat timeout, moves its partitions (to the spare, with one: the workers told the
+    restarted scheduler which server is spare), and every sum stays exact."""
+    config = cluster_config(heartbeat_timeout_s=1.0, spare_servers=spares)
     with api.local_cluster(config, servers=3) as cluster:
         pids = [p.pid for p in cluster.processes]
         scheduler_pid = state.load_supervision(cluster.state_dir)["pid"]
@@ -149,11 +151,14 @@ def test_a_server_lost_while_the_scheduler_restarts_moves_once_it_is_back():
                     worker.synchronize(handle)
                 for i, grad in enumerate(grads):
                     assert np.all(grad == 3 * (step + 1) + 2 * i), (worker.rank, step, i)
-            return worker._servers_lost
+            return worker._servers_lost, worker._spare_servers
 
         results = run_job(cluster, 2, 3, body, partition_bytes=16 * 1024,
                           heartbeat_timeout_s=1.0, scheduler_timeout_s=10.0)
-        assert all(lost == {1} for lost in results), results
+        assert all(result == ({1}, set()) for result in results), results
         info = api.status(cluster.state_dir)
         assert _scheduler_row(info)["restarts"] == 1
+        if spares:          # the spare (rank 3) took over from server 1
+            row = next(p for p in info["processes"] if p["role"] == "server" and p["rank"] == 3)
+            assert row.get("took_over") == 1, info["processes"]
     kill_pids(pid for pid in [*pids, scheduler_pid] if not gone(pid))

@@ -239,7 +239,7 @@ class Scheduler:
                 raise P.ProtocolError("field 'spare' must be true or false")
             port = P.int_field(msg, "port", 1, 65535)
             if msg.get("reregister"):
-                self._reregister_server(rid, msg, common, port)
+                self._reregister_server(rid, msg, common, port, spare)
                 return
             member = Member(rank=max((s.rank for s in self.servers), default=-1) + 1, port=port,
                             spare=spare, **common)
@@ -380,6 +380,7 @@ class Scheduler:
             "rank": rank, "servers": book, "world_size": job.world_size, "joining": True,
             "incarnation": member.incarnation, "live": job.live(),
             "lost_servers": sorted(placement.lost) if placement is not None else [],
+            "spares": sorted(placement.spare) if placement is not None else [],
             **_clock(member)})
         self._ask_donor(job, member)
 
@@ -439,7 +440,7 @@ class Scheduler:
         self.members[rid] = member
 
     def _reregister_server(self, rid: bytes, msg: dict[str, Any], common: dict[str, Any],
-                           port: int) -> None:
+                           port: int, spare: bool) -> None:
         """A server that lost the scheduler registers again with the one restarted in its
         place: it keeps its rank (workers know it by its place in the job's server list)."""
         rank = P.int_field(msg, "rank", 0, 1 << 16)
@@ -450,8 +451,8 @@ class Scheduler:
             self._send(rid, P.ERROR, {"message": f"server rank {rank} is already taken by "
                                       f"{member.describe()}"})
             return
-        if member is None:
-            member = Member(rank=rank, port=port, **common)
+        if member is None:      # (a placeholder knows from the workers whether it is spare)
+            member = Member(rank=rank, port=port, spare=spare, **common)
             self.servers.append(member)
             self.servers.sort(key=lambda s: s.rank)
             self.members[rid] = member
@@ -475,7 +476,7 @@ class Scheduler:
         if not isinstance(again, dict):
             raise P.ProtocolError("reregister: expected an object")
         job_id, world_size = str(msg["job"]), int(msg["world_size"])
-        rank = P.int_field(msg, "rank", 0, world_size - 1)
+        rank = P.int_field(msg, "rank", 0, max(world_size, int(msg.get("max_workers") or 0)) - 1)
         job = self.job
         if job is None:
             job = self._rebuild_job(msg, again)
@@ -485,7 +486,9 @@ class Scheduler:
                                       f"{job_id!r}"})
             return
         self._merge(job, again, rank)
-        member = job.workers[rank]
+        member = job.workers.get(rank)
+        if member is None:      # an attached rank the first worker did not know of
+            member = job.workers[rank] = self._await("worker", rank, "", None, "lost")
         joining = again.get("joining") is True
         same = member.pid == common["pid"] and member.state in ("running", "joining")
         if not (member.awaited or same or
@@ -514,23 +517,30 @@ class Scheduler:
                 isinstance(s, dict) for s in book):
             raise P.ProtocolError("reregister.servers: expected the job's [{rank, host, port}]")
         world_size = int(msg["world_size"])
+        max_workers = int(msg.get("max_workers") or 0) or world_size
         # everything checked before anything changes
         servers = [(P.int_field(entry, "rank", 0, 1 << 16), P.str_field(entry, "host"),
                     P.int_field(entry, "port", 1, 65535)) for entry in book]
         lost_servers = set(_ints(again, "lost_servers", len(book) - 1))
-        live = set(_ints(again, "live", world_size - 1))
-        left = set(_ints(again, "left", world_size - 1))
+        spares = set(_ints(again, "spares", len(book) - 1)) - lost_servers
+        live = set(_ints(again, "live", max_workers - 1))
+        left = set(_ints(again, "left", max_workers - 1))
         incarnations = again.get("incarnations", {})
-        if not isinstance(incarnations, dict):
+        if not isinstance(incarnations, dict) or len(incarnations) > max_workers:
             raise P.ProtocolError("reregister.incarnations: expected {rank: incarnation}")
-        restarts = [P.int_field(incarnations, str(rank), 0, 1 << 30, default=0)
-                    for rank in range(world_size)]
+        # the job's ranks, and those that attached beyond them (`bpsctl run --attach`)
+        ranks = sorted({*range(world_size), *live, *left,
+                        *(int(r) for r in incarnations
+                          if isinstance(r, str) and r.isdigit() and int(r) < max_workers)})
+        restarts = {rank: P.int_field(incarnations, str(rank), 0, 1 << 30, default=0)
+                    for rank in ranks}
         _checked_tensors({"tensors": again.get("tensors", [])}, int(msg["partition_bytes"]))
 
         job = Job(id=str(msg["job"]), world_size=world_size, num_servers=len(book),
                   partition_bytes=int(msg["partition_bytes"]),
                   start_timeout_s=float(msg["start_timeout_s"]), first_seen=time.monotonic(),
-                  started=True, min_workers=int(msg.get("min_workers", 0)))
+                  started=True, min_workers=int(msg.get("min_workers", 0)),
+                  max_workers=max_workers)
         for index, (rank, host, port) in enumerate(servers):
             server = self._server(rank)
             if server is None:
@@ -538,16 +548,18 @@ class Scheduler:
                                      "lost" if index in lost_servers else "running")
                 self.servers.append(server)
                 self.servers.sort(key=lambda s: s.rank)
+            server.spare = index in spares      # the job's view, not the server's own flag
             job.servers.append(server)
-        job.placement = Placement(len(book))
-        for rank in range(world_size):
+        job.placement = Placement(len(book), spare=spares)
+        for rank in ranks:
             state = "left" if rank in left else "running" if rank in live else "lost"
             worker = job.workers[rank] = self._await("worker", rank, "", None, state)
             worker.incarnation = restarts[rank]
         self.job = job
         self.log.warning("job %s goes on with this restarted scheduler: %d workers (%d live), "
-                         "%d servers; waiting up to %g s for them to register again", job.id,
-                         world_size, len(live), len(book), self.config.heartbeat_timeout_s)
+                         "%d servers (%d spare); waiting up to %g s for them to register again",
+                         job.id, len(ranks), len(live), len(book), len(spares),
+                         self.config.heartbeat_timeout_s)
         return job
 
     def _merge(self, job: Job, again: dict[str, Any], rank: int) -> None:
@@ -628,6 +640,7 @@ class Scheduler:
         for rank, worker in job.workers.items():
             self._send(worker.rid, P.REGISTERED, {"rank": rank, "servers": book,
                                                   "world_size": job.world_size,
+                                                  "spares": sorted(job.placement.spare),
                                                   **_clock(worker)})
         self.log.info("job %s started: %d workers, %d servers (%d spare)", job.id,
                       job.world_size, len(job.servers), len(job.servers) - active)

@@ -133,6 +133,7 @@ class Worker:
         self._joined = threading.Event()
         self._lost_at_start: list[int] = []     # servers already lost when this one joined
         self._job_size = self.size              # the job's world size, whoever is live
+        self._spare_servers: set[int] = set()   # indices of the job's spares still holding nothing
         # results of pushes that came after their round was complete (backup workers): those
         # pushes are not in the sums
         self.late_pushes = 0
@@ -296,6 +297,7 @@ class Worker:
                 self.size = self._job_size = int(msg["world_size"])
                 self.live_ranks = list(range(self.size))
                 self._servers = msg["servers"]
+                self._spare_servers = {int(i) for i in msg.get("spares", [])}
                 if msg.get("joining"):      # live ones, and this one once it is admitted
                     self.joining, self.incarnation = True, int(msg["incarnation"])
                     self.joined_running = True
@@ -998,11 +1000,12 @@ class Worker:
             "job": cfg.job_id, "host": cfg.host, "pid": os.getpid(), "version": __version__,
             "num_servers": cfg.num_servers, "partition_bytes": cfg.partition_bytes,
             "start_timeout_s": cfg.start_timeout_s, "min_workers": cfg.min_workers,
-            "clock_ns": now_ns(),
+            "max_workers": cfg.max_workers, "clock_ns": now_ns(),
             "reregister": {
                 "incarnation": self.incarnation, "joining": self.joining,
                 "servers": [{k: s[k] for k in ("rank", "host", "port")} for s in self._servers],
                 "lost_servers": sorted(self._servers_lost), "live": list(self.live_ranks),
+                "spares": sorted(self._spare_servers),
                 "left": sorted(self._left_ranks),
                 "incarnations": {str(r): i for r, i in self._incarnations.items()},
                 "donating": [list(join) for join in self.pending_joins], "tensors": tensors}}
@@ -1096,6 +1099,8 @@ class Worker:
         index = int(msg["index"])
         since, _ = self._server_down.pop(index, (time.monotonic(), 0.0))
         self._servers_lost.add(index)
+        self._spare_servers -= {index, *(i for i, s in enumerate(self._servers)
+                                         if s["rank"] == msg.get("spare"))}
         server = self._servers[index]
         try:        # stop reconnecting to it
             self._server_socks[index].disconnect(f"tcp://{server['host']}:{server['port']}")
