@@ -1,11 +1,12 @@
 """Keeps a cluster's scheduler running: ``bpsctl up`` starts this in the scheduler's place.
 
 ``python -m bpsctl.engine.supervise --record FILE`` runs ``python -m bpsctl.engine.scheduler``
-as its child, in its own process group (so stopping the group stops both), with the
-environment it was given: the same secret, security mode and address. When the scheduler
-dies the supervisor starts it again on the port the first one bound, after a short back-off
-(0.2 s, doubling while restarts come fast, at most 5 s), ``BPSCTL_SCHEDULER_RESTARTS`` times
-in all; then it exits with the scheduler's exit code. Servers and workers re-register with
+as its child, in the supervisor's process group (so stopping the group stops both; the child
+also dies with the supervisor), with the environment it was given: the same secret, security
+mode and address. When the scheduler dies the supervisor starts it again on the port the
+first one bound, after a short back-off (0.2 s, doubling while restarts come fast, at most
+5 s), ``BPSCTL_SCHEDULER_RESTARTS`` times in all; then it exits with the scheduler's exit
+code. Servers and workers re-register with
 the new scheduler (docs/design.md, "Keeping going through a lost machine", item 4).
 
 ``FILE`` (JSON) says who runs now, for ``bpsctl status``: ``{"supervisor_pid", "pid",
@@ -41,6 +42,8 @@ _PR_SET_PDEATHSIG = 1       # linux/prctl.h
 
 
 class Supervisor:
+    """Runs the scheduler, restarts it when it dies, and keeps ``record`` up to date."""
+
     def __init__(self, config: Config, record: Path):
         self.config, self.record = config, record
         self.log = setup_process_logging("supervisor")
