@@ -310,10 +310,13 @@ def _print_processes(processes: list[dict[str, Any]]) -> None:
     for process in processes:
         address = process["host"] + (f":{process['port']}" if process["port"] else "")
         state = process["state"]
-        took_over = ("" if process.get("took_over") is None
-                     else f" (took over server {process['took_over']})")
+        note = ("" if process.get("took_over") is None
+                else f" (took over server {process['took_over']})")
+        restarts = process.get("restarts")
+        if restarts:
+            note += f" (restarted {restarts} time{'s' if restarts != 1 else ''})"
         table.add_row(process["role"], str(process["rank"]), address, str(process["pid"]),
-                      f"[{colors.get(state, 'white')}]{state}[/]{took_over}")
+                      f"[{colors.get(state, 'white')}]{state}[/]{note}")
     err_console.print(table, highlight=False)
 
 

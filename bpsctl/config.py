@@ -367,6 +367,15 @@ class Config:
     heartbeat_timeout_s: float = knob(5.0, "BPSCTL_HEARTBEAT_TIMEOUT",
                                       "seconds without a heartbeat before a process is declared "
                                       "lost", "float", in_file=True)
+    scheduler_restarts: int = knob(10, "BPSCTL_SCHEDULER_RESTARTS",
+                                   "times the supervisor `bpsctl up` leaves beside the scheduler "
+                                   "restarts it (same address, same secret) when it dies; "
+                                   "servers and workers re-register with it (0: never)", "int")
+    scheduler_timeout_s: float = knob(15.0, "BPSCTL_SCHEDULER_TIMEOUT",
+                                      "seconds servers and workers wait for a lost scheduler to "
+                                      "come back before what needs it (a new tensor, a barrier, "
+                                      "a loss or rejoin) fails; push_pulls of declared tensors "
+                                      "go on meanwhile", "float")
 
     def __post_init__(self) -> None:
         if self.role not in ("scheduler", "server", "worker"):
@@ -425,6 +434,10 @@ class Config:
              self.heartbeat_interval_s),
             (self.heartbeat_timeout_s > self.heartbeat_interval_s, "BPSCTL_HEARTBEAT_TIMEOUT",
              "more than the heartbeat interval", self.heartbeat_timeout_s),
+            (self.scheduler_restarts >= 0, "BPSCTL_SCHEDULER_RESTARTS", "0 or more",
+             self.scheduler_restarts),
+            (self.scheduler_timeout_s > 0, "BPSCTL_SCHEDULER_TIMEOUT", "more than 0 s",
+             self.scheduler_timeout_s),
         ]
         for ok, env, expected, value in checks:
             if not ok:

@@ -8,9 +8,10 @@ Every run goes through the CLI as a user would: `bpsctl up --emulate` (2 worker 
 hosts, the scheduler beside server 0, 1 Gbit NICs), `bpsctl run -np 2 -- python
 fault_worker.py`, then the fault, then `bpsctl down`. For each run it asserts:
 
-- every process that cannot go on (the run's workers and launcher; servers that lost the
-  scheduler) is gone within ``EXIT_WITHIN_S`` of the fault, and the cluster processes that can
-  go on are still running;
+- every process that cannot go on (the run's workers and launcher) is gone within
+  ``EXIT_WITHIN_S`` of the fault, and the cluster processes that can go on are still running
+  (servers go on without the scheduler: a killed one is killed with its supervisor here, so
+  that nothing restarts it);
 - the launcher exits non-zero and its output names the lost role and its host;
 - after `bpsctl down`, no recorded process (cluster, launcher, workers) and no namespace is left.
 
@@ -36,6 +37,7 @@ import pytest
 from conftest import gone, kill_pids
 
 from bpsctl.launch import api, emulate
+from bpsctl.launch.state import load_supervision
 
 RUNS = int(os.environ.get("BPSCTL_FAULT_RUNS", "4"))
 SEED = int(os.environ.get("BPSCTL_FAULT_SEED", "8"))
@@ -193,18 +195,20 @@ def strike_run(cluster: Cluster, tmp_path: Path, kind: str, index: int) -> Outco
             victim = record.pid
             role = "the scheduler" if kind == "scheduler" else f"server {record.rank}"
             names = [f"{role} at {record.host}:{record.port}"]
-            if kind == "scheduler":         # servers cannot go on without it
-                must_exit, stay = must_exit | stay, set()
+            if kind == "scheduler":     # and its supervisor: nothing restarts it; servers go on
+                also_killed = load_supervision(state.state_dir)["pid"]
+                cluster.pids.add(also_killed)
+                os.kill(also_killed, signal.SIGKILL)
             stay.discard(victim)
         else:
             victim = None
             address = host_address(cluster, host)
             names = link_names(cluster, address, slots)
-            # servers cut off from the scheduler cannot go on; those beside it can
+            # servers cut off from the scheduler wait for it to come back (it may not); those
+            # beside it go on
             scheduler_host = cluster.record("scheduler:0").host
             cut_off = {p.pid for p in state.processes if p.role == "server" and (
                 p.host != scheduler_host if address == scheduler_host else p.host == address)}
-            must_exit |= cut_off
             stay -= cut_off
         must_exit.discard(victim)
 

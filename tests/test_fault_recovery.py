@@ -358,6 +358,67 @@ def _strike_two_servers(cluster: Cluster, tmp_path: Path, index: int,
     return outcome
 
 
+@pytest.mark.timeout(300 + 300 * RUNS)
+def test_the_job_goes_on_through_a_killed_scheduler(cluster, tmp_path):
+    """kill -9 the scheduler at a seeded step: `bpsctl up`'s supervisor restarts it, the
+    servers and workers register again, and the job never waits for it: exit 0, the workers
+    equal bit for bit after every step, every step's average the exact mean, no step slower
+    than the heartbeat timeout + 2 s, and `bpsctl status` shows the restarted scheduler."""
+    for index in range(RUNS):
+        seed = f"{SEED}-scheduler-kill-{index}"
+        step = random.Random(seed).randrange(3, STEPS - 10)
+        out = tmp_path / f"run-{seed}"
+        out.mkdir()
+        before = json.loads(cluster.cli("status", "--json").stdout)
+        row = next(p for p in before["processes"] if p["role"] == "scheduler")
+        victim, restarts = row["pid"], row["restarts"]
+        cluster.pids.add(victim)
+        with open(out / "output.txt", "w") as output:
+            launcher = subprocess.Popen(
+                [sys.executable, "-m", "bpsctl.cli", "run", "-np", "4", "--", sys.executable,
+                 str(WORKER_SCRIPT), str(out), str(STEPS), "check"], env=cluster.env(),
+                stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                start_new_session=True)
+        cluster.pids.add(launcher.pid)
+        began = time.monotonic()
+        try:
+            deadline = began + RUN_BOUND_S
+            while min(_done(out, rank) for rank in range(4)) < step:
+                assert time.monotonic() < deadline and launcher.poll() is None, \
+                    f"{seed}: no step {step}:\n{(out / 'output.txt').read_text()}"
+                time.sleep(0.01)
+            os.kill(victim, signal.SIGKILL)
+            exit_code = launcher.wait(max(1.0, deadline - time.monotonic()))
+        finally:
+            if launcher.poll() is None:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait()
+        text = (out / "output.txt").read_text()
+        where = f"seed {seed}: the scheduler (pid {victim}) at step {step}"
+        assert exit_code == 0, f"{where}: exit code {exit_code}:\n{text}"
+        hashes = [_steps(out, "hashes", rank) for rank in range(4)]
+        for s in range(STEPS):
+            assert len({h.get(s) for h in hashes}) == 1 and s in hashes[0], \
+                f"{where}: workers differ (or one is missing) after step {s}"
+        times = [float(t) for r in range(4) for t in _steps(out, "times", r).values()]
+        stall = max(times) - statistics.median(times)
+        assert stall <= HEARTBEAT_TIMEOUT_S + 2, f"{where}: a step stalled {stall:.1f} s:\n{text}"
+        assert text.count("registered again with the restarted scheduler") == 4, text
+        after = json.loads(cluster.cli("status", "--json").stdout)
+        row = next(p for p in after["processes"] if p["role"] == "scheduler")
+        cluster.pids.add(row["pid"])
+        assert gone(victim) and row["pid"] != victim, f"{where}: status shows {row}"
+        assert (row["state"], row["restarts"]) == ("running", restarts + 1), row
+        assert all(p["state"] == "running" for p in after["processes"] if p["role"] == "server")
+        errors = {s: float(e) for s, e in _steps(out, "errors", 0).items()}
+        assert len(errors) == STEPS, f"{where}: rank 0 checked {len(errors)} of {STEPS} steps"
+        OUTCOMES.append(Outcome("scheduler-kill", "scheduler", seed, step, exit_code,
+                                round(time.monotonic() - began, 2), round(stall, 3),
+                                rel_diff=None, step_error=max(errors.values()),
+                                rejoined_at=None))
+        assert max(errors.values()) <= STEP_ERROR_BOUND, f"{where}: {errors}"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def figures():
     """Per fault: runs, worst stall, worst relative difference (printed with -s; JSON)."""

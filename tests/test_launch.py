@@ -68,6 +68,11 @@ def test_up_status_down_leaves_nothing(config, state_dir):
     assert info["cluster"] == cluster.name and info["scheduler"] == cluster.scheduler
     assert [(p["role"], p["rank"], p["state"]) for p in info["processes"]] == [
         ("scheduler", 0, "running"), ("server", 0, "running"), ("server", 1, "running")]
+    # the scheduler runs under the supervisor that `up` records in its place
+    scheduler = info["processes"][0]
+    assert scheduler["supervisor_pid"] == pids[0] and scheduler["restarts"] == 0
+    assert psutil.Process(scheduler["pid"]).ppid() == pids[0]
+    pids.append(scheduler["pid"])
     assert all(p["pid"] in pids and p["port"] > 0 for p in info["processes"])
     assert "serving on" in api.logs(state_dir, "scheduler")
     assert "server-1.log" in api.logs(state_dir, "server")

@@ -275,6 +275,36 @@ def test_a_spare_server_of_the_hosts_file_starts_last_and_holds_nothing(cluster_
     _nothing_left(hosts)
 
 
+@pytest.mark.timeout(150)
+def test_a_killed_scheduler_is_restarted_on_its_host(cluster_hosts, state, tmp_path):
+    """kill -9 the scheduler of an SSH cluster: its supervisor on s0 restarts it on the same
+    port, the servers register again, status shows the new pid, and a job runs."""
+    hosts = cluster_hosts
+    up = hosts.bpsctl(*state, "up", "--hosts", str(hosts.hosts_yaml(tmp_path / "hosts.yaml")))
+    assert up.returncode == 0, up.stderr
+
+    def scheduler() -> dict:
+        info = json.loads(hosts.bpsctl(*state, "status", "--json").stdout)
+        return next(p for p in info["processes"] if p["role"] == "scheduler")
+
+    before = scheduler()
+    assert before["restarts"] == 0 and before["pid"] != before["supervisor_pid"], before
+    os.kill(before["pid"], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while (after := scheduler())["restarts"] != 1 or after["state"] != "running":
+        assert time.monotonic() < deadline, after
+        time.sleep(0.2)
+    assert after["pid"] != before["pid"] and after["port"] == 9000, after
+    run = hosts.bpsctl(*state, "run", "--", sys.executable, str(EXAMPLES / "push_pull.py"))
+    assert run.returncode == 0, run.stderr + run.stdout
+    assert run.stdout.count("sum 10, expected 10") == 4, run.stdout
+    logs = hosts.bpsctl(*state, "logs", "server").stdout
+    assert logs.count("registered again with the restarted scheduler") == 2, logs
+    down = hosts.bpsctl(*state, "down")
+    assert down.returncode == 0, down.stderr
+    _nothing_left(hosts)
+
+
 JOB_UNTIL_STOPPED = """
 import os, sys, time, numpy as np, bpsctl.engine as bps
 bps.init()

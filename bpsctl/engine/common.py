@@ -22,6 +22,11 @@ class EngineError(BpsctlError, RuntimeError):
     """A distributed operation failed; the message names the culprit (role, rank, host:port)."""
 
 
+class SchedulerGone(EngineError):
+    """What needs the scheduler (a new tensor, a barrier, a lost server's partitions moved)
+    failed: it has been gone for BPSCTL_SCHEDULER_TIMEOUT and no restarted one took over."""
+
+
 def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     """A socket that never blocks on close and never drops messages at a high-water mark.
 

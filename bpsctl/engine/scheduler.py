@@ -40,6 +40,9 @@ class Member:
     incarnation: int = 0          # a worker's: how many times its rank was (re)started before
     spare: bool = False           # a spare server: holds nothing until a server is lost
     took_over: int | None = None  # a former spare: the rank of the lost server it replaced
+    # a restarted scheduler's placeholder for a member others named when they registered
+    # again, until it registers again itself (or its heartbeat timeout passes: then lost)
+    awaited: bool = False
 
     def describe(self) -> str:
         where = f"{self.host}:{self.port}" if self.port else self.host
@@ -71,6 +74,13 @@ class Job:
     min_workers: int = 0          # go on while this many live (0: every worker)
     max_workers: int = 0          # ranks below this may join while it runs (`run --attach`)
     donors: dict[int, int] = field(default_factory=dict)    # joining rank -> its donor's rank
+    next_key: int = 0             # the key of the next tensor declared
+    # a restarted scheduler: declarations held until every live worker has registered again
+    # (one that has not may know tensors the others do not, and their partitions' ids)
+    held: list[tuple[Member, dict[str, Any]]] = field(default_factory=list)
+
+    def awaiting(self) -> bool:
+        return any(w.awaited and w.state == "running" for w in self.workers.values())
 
     def live(self) -> list[int]:
         """Ranks of the workers in the job's rounds (not lost, not still joining, whether
@@ -227,12 +237,18 @@ class Scheduler:
             spare = msg.get("spare", False)
             if not isinstance(spare, bool):
                 raise P.ProtocolError("field 'spare' must be true or false")
-            member = Member(rank=len(self.servers), port=P.int_field(msg, "port", 1, 65535),
+            port = P.int_field(msg, "port", 1, 65535)
+            if msg.get("reregister"):
+                self._reregister_server(rid, msg, common, port, spare)
+                return
+            member = Member(rank=max((s.rank for s in self.servers), default=-1) + 1, port=port,
                             spare=spare, **common)
             self.servers.append(member)
             self.members[rid] = member
             self.log.info("registered %s%s", member.describe(), " as a spare" if spare else "")
             self._send(rid, P.REGISTERED, {"rank": member.rank, **_clock(member)})
+        elif role == "worker" and msg.get("reregister"):
+            self._reregister_worker(rid, msg, common)
         elif role == "worker":
             self._register_worker(rid, msg, common)
         else:
@@ -364,6 +380,7 @@ class Scheduler:
             "rank": rank, "servers": book, "world_size": job.world_size, "joining": True,
             "incarnation": member.incarnation, "live": job.live(),
             "lost_servers": sorted(placement.lost) if placement is not None else [],
+            "spares": sorted(placement.spare) if placement is not None else [],
             **_clock(member)})
         self._ask_donor(job, member)
 
@@ -397,7 +414,193 @@ class Scheduler:
         for worker in job.workers.values():
             if worker.state == "running":
                 self._send(worker.rid, P.WORKER_JOINED,
-                           {"rank": rank, "message": message, "live": live})
+                           {"rank": rank, "incarnation": joiner.incarnation,
+                            "message": message, "live": live})
+
+    # ------------------------------------------------------------------ a restarted scheduler
+
+    def _server(self, rank: int) -> Member | None:
+        return next((s for s in self.servers if s.rank == rank), None)
+
+    def _await(self, role: str, rank: int, host: str, port: int | None,
+               state: str = "running") -> Member:
+        """A placeholder for a member named by another's re-registration (see Member)."""
+        member = Member(rid=f"awaiting {role} {rank}".encode(), role=role, rank=rank, host=host,
+                        port=port, pid=0, last_seen=time.monotonic(), state=state,
+                        awaited=state == "running")
+        if member.awaited:
+            self.members[member.rid] = member       # lost, like anyone, when it stays silent
+        return member
+
+    def _adopt(self, member: Member, rid: bytes, common: dict[str, Any]) -> None:
+        """``member`` (a placeholder) registered again on connection ``rid``."""
+        self.members.pop(member.rid, None)
+        member.rid, member.host, member.pid = rid, common["host"], common["pid"]
+        member.last_seen, member.clock, member.awaited = common["last_seen"], common["clock"], False
+        self.members[rid] = member
+
+    def _reregister_server(self, rid: bytes, msg: dict[str, Any], common: dict[str, Any],
+                           port: int, spare: bool) -> None:
+        """A server that lost the scheduler registers again with the one restarted in its
+        place: it keeps its rank (workers know it by its place in the job's server list)."""
+        rank = P.int_field(msg, "rank", 0, 1 << 16)
+        member = self._server(rank)
+        # the same process again (its link dropped and came back): a new connection of it
+        if member is not None and not member.awaited and member.state == "running" \
+                and member.pid != common["pid"]:
+            self._send(rid, P.ERROR, {"message": f"server rank {rank} is already taken by "
+                                      f"{member.describe()}"})
+            return
+        if member is None:      # (a placeholder knows from the workers whether it is spare)
+            member = Member(rank=rank, port=port, spare=spare, **common)
+            self.servers.append(member)
+            self.servers.sort(key=lambda s: s.rank)
+            self.members[rid] = member
+        else:
+            self._adopt(member, rid, common)
+            member.port = port
+        self.log.warning("%s registered again%s", member.describe(),
+                         "" if member.state == "running" else " (already declared lost)")
+        self._send(rid, P.REGISTERED, {"rank": rank, **_clock(member)})
+
+    def _reregister_worker(self, rid: bytes, msg: dict[str, Any],
+                           common: dict[str, Any]) -> None:
+        """A worker of a running job registers again with a restarted scheduler, saying what
+        the scheduler had: the job, its own rank and incarnation, who was live, left or
+        joining, the job's servers and which were lost, and its tensors with their partitions
+        where they live now. The first such worker rebuilds the job; nothing is placed again
+        and nobody is renumbered. Members it names that do not register again within the
+        heartbeat timeout are lost, as if their heartbeats had stopped."""
+        _check_worker_registration(msg)
+        again = msg["reregister"]
+        if not isinstance(again, dict):
+            raise P.ProtocolError("reregister: expected an object")
+        job_id, world_size = str(msg["job"]), int(msg["world_size"])
+        rank = P.int_field(msg, "rank", 0, max(world_size, int(msg.get("max_workers") or 0)) - 1)
+        job = self.job
+        if job is None:
+            job = self._rebuild_job(msg, again)
+        elif job.id != job_id or job.world_size != world_size or not job.started:
+            self._send(rid, P.ERROR, {"message": f"the restarted scheduler runs job {job.id!r} "
+                                      f"of {job.world_size} workers, not this worker's job "
+                                      f"{job_id!r}"})
+            return
+        self._merge(job, again, rank)
+        member = job.workers.get(rank)
+        if member is None:      # an attached rank the first worker did not know of
+            member = job.workers[rank] = self._await("worker", rank, "", None, "lost")
+        joining = again.get("joining") is True
+        same = member.pid == common["pid"] and member.state in ("running", "joining")
+        if not (member.awaited or same or
+                (joining and member.state == "lost" and member.pid == 0)):
+            self._send(rid, P.ERROR, {"message": f"job {job.id!r}: rank {rank} is "
+                                      f"{member.state} ({member.describe()}) at the restarted "
+                                      "scheduler"})
+            return
+        self._adopt(member, rid, common)
+        member.incarnation = P.int_field(again, "incarnation", 0, 1 << 30, default=0)
+        member.state = "joining" if joining else "running"
+        donating = again.get("donating", [])
+        if not isinstance(donating, list):
+            raise P.ProtocolError("reregister.donating: expected [[rank, incarnation]]")
+        for pair in donating:
+            if isinstance(pair, list) and pair and isinstance(pair[0], int):
+                job.donors[pair[0]] = rank
+        self.log.warning("%s of job %s registered again", member.describe(), job.id)
+        self._send(rid, P.REGISTERED, {"rank": rank, "world_size": job.world_size,
+                                       "reregistered": True, **_clock(member)})
+        self._release_held(job)
+
+    def _rebuild_job(self, msg: dict[str, Any], again: dict[str, Any]) -> Job:
+        book = again.get("servers")
+        if not isinstance(book, list) or not book or len(book) > 1 << 16 or not all(
+                isinstance(s, dict) for s in book):
+            raise P.ProtocolError("reregister.servers: expected the job's [{rank, host, port}]")
+        world_size = int(msg["world_size"])
+        max_workers = int(msg.get("max_workers") or 0) or world_size
+        # everything checked before anything changes
+        servers = [(P.int_field(entry, "rank", 0, 1 << 16), P.str_field(entry, "host"),
+                    P.int_field(entry, "port", 1, 65535)) for entry in book]
+        lost_servers = set(_ints(again, "lost_servers", len(book) - 1))
+        spares = set(_ints(again, "spares", len(book) - 1)) - lost_servers
+        live = set(_ints(again, "live", max_workers - 1))
+        left = set(_ints(again, "left", max_workers - 1))
+        incarnations = again.get("incarnations", {})
+        if not isinstance(incarnations, dict) or len(incarnations) > max_workers:
+            raise P.ProtocolError("reregister.incarnations: expected {rank: incarnation}")
+        # the job's ranks, and those that attached beyond them (`bpsctl run --attach`)
+        ranks = sorted({*range(world_size), *live, *left,
+                        *(int(r) for r in incarnations
+                          if isinstance(r, str) and r.isdigit() and int(r) < max_workers)})
+        restarts = {rank: P.int_field(incarnations, str(rank), 0, 1 << 30, default=0)
+                    for rank in ranks}
+        _checked_tensors({"tensors": again.get("tensors", [])}, int(msg["partition_bytes"]))
+
+        job = Job(id=str(msg["job"]), world_size=world_size, num_servers=len(book),
+                  partition_bytes=int(msg["partition_bytes"]),
+                  start_timeout_s=float(msg["start_timeout_s"]), first_seen=time.monotonic(),
+                  started=True, min_workers=int(msg.get("min_workers", 0)),
+                  max_workers=max_workers)
+        for index, (rank, host, port) in enumerate(servers):
+            server = self._server(rank)
+            if server is None:
+                server = self._await("server", rank, host, port,
+                                     "lost" if index in lost_servers else "running")
+                self.servers.append(server)
+                self.servers.sort(key=lambda s: s.rank)
+            server.spare = index in spares      # the job's view, not the server's own flag
+            job.servers.append(server)
+        job.placement = Placement(len(book), spare=spares)
+        for rank in ranks:
+            state = "left" if rank in left else "running" if rank in live else "lost"
+            worker = job.workers[rank] = self._await("worker", rank, "", None, state)
+            worker.incarnation = restarts[rank]
+        self.job = job
+        self.log.warning("job %s goes on with this restarted scheduler: %d workers (%d live), "
+                         "%d servers (%d spare); waiting up to %g s for them to register again",
+                         job.id, len(ranks), len(live), len(book), len(spares),
+                         self.config.heartbeat_timeout_s)
+        return job
+
+    def _merge(self, job: Job, again: dict[str, Any], rank: int) -> None:
+        """Take the tensors (and lost servers) a re-registering worker knows into the job."""
+        placement = job.placement
+        assert placement is not None
+        lost_servers = _ints(again, "lost_servers", len(job.servers) - 1)
+        specs = again.get("tensors", [])
+        checked = _checked_tensors({"tensors": specs}, job.partition_bytes)
+        for spec, (name, _, _, _) in zip(specs, checked, strict=True):
+            parts = spec.get("parts")
+            P.int_field(spec, "key", 0, 1 << 40)
+            if not isinstance(parts, list) or len(parts) > P.MAX_PARTITIONS_PER_DECLARE or \
+                    not all(isinstance(p, list) and len(p) == 4 and all(
+                        isinstance(x, int) and x >= 0 for x in p) and p[1] < len(job.servers)
+                        for p in parts):
+                raise P.ProtocolError(f"tensor {name!r}: parts are not [[id, server, offset, "
+                                      "length]] of this job's servers")
+        for spec, (name, dtype, shape, _) in zip(specs, checked, strict=True):
+            if name not in job.tensors:
+                job.tensors[name] = {"name": name, "key": spec["key"], "dtype": dtype,
+                                     "shape": shape, "rank": rank, "parts": spec["parts"]}
+        placement.lost.update(lost_servers)
+        # the loads and counters the placement had, from where the partitions live now
+        loads = [0] * len(job.servers)
+        next_part = 0
+        for tensor in job.tensors.values():
+            job.next_key = max(job.next_key, tensor["key"] + 1)
+            for part in tensor["parts"]:
+                loads[part[1]] += max(part[3], 1)
+                next_part = max(next_part, part[0] + 1)
+        placement.loads = [0 if i in placement.lost else load for i, load in enumerate(loads)]
+        placement.next_part_id = max(placement.next_part_id, next_part)
+
+    def _release_held(self, job: Job) -> None:
+        """Declarations held while some live worker had not registered again: answer them."""
+        if job.held and not job.awaiting() and self.job is job:
+            held, job.held = job.held, []
+            for member, msg in held:
+                if member.state in ("running", "joining"):
+                    self._declare(member, msg)
 
     def _ending(self, job: Job) -> bool:
         """True when some worker of ``job`` has left or gone quiet: it will end by itself."""
@@ -437,6 +640,7 @@ class Scheduler:
         for rank, worker in job.workers.items():
             self._send(worker.rid, P.REGISTERED, {"rank": rank, "servers": book,
                                                   "world_size": job.world_size,
+                                                  "spares": sorted(job.placement.spare),
                                                   **_clock(worker)})
         self.log.info("job %s started: %d workers, %d servers (%d spare)", job.id,
                       job.world_size, len(job.servers), len(job.servers) - active)
@@ -461,14 +665,18 @@ class Scheduler:
                 or job.workers.get(member.rank) is not member):
             self._send(member.rid, P.ERROR, {"message": "declare outside a running job"})
             return
+        if job.awaiting():
+            job.held.append((member, msg))
+            return
         answers = []
         for name, dtype, shape, nbytes in _checked_tensors(msg, job.partition_bytes):
             known = job.tensors.get(name)
             if known is None:
                 itemsize = np.dtype(dtype).itemsize
                 parts = job.placement.place(nbytes, itemsize, job.partition_bytes)
+                job.next_key += 1
                 known = job.tensors[name] = {
-                    "name": name, "key": len(job.tensors), "dtype": dtype, "shape": shape,
+                    "name": name, "key": job.next_key - 1, "dtype": dtype, "shape": shape,
                     "rank": member.rank,
                     "parts": [[p.part_id, p.server, p.offset, p.length] for p in parts]}
             elif "conflict" in known:
@@ -551,7 +759,13 @@ class Scheduler:
             if (member.state not in ("running", "joining")
                     or now - member.last_seen <= self.config.heartbeat_timeout_s):
                 continue
-            self._lose(member, f"no heartbeat for {now - member.last_seen:.1f} s")
+            if member.awaited:
+                self._lose(member, f"it did not register again with the restarted scheduler "
+                                   f"within {now - member.last_seen:.1f} s")
+            else:
+                self._lose(member, f"no heartbeat for {now - member.last_seen:.1f} s")
+            if self.job is not None:
+                self._release_held(self.job)
 
     def _lose(self, member: Member, reason: str) -> None:
         """``member`` is lost: the job goes on without it where it can, else it ends."""
@@ -674,6 +888,15 @@ def _clock(member: Member) -> dict[str, Any]:
     if member.clock is None:
         return {}
     return {"clock": [*member.clock, time.monotonic_ns()]}
+
+
+def _ints(msg: dict[str, Any], key: str, high: int) -> list[int]:
+    """``msg[key]``: a list of integers in ``0..high`` (absent: empty)."""
+    values = msg.get(key, [])
+    if not isinstance(values, list) or len(values) > P.MAX_WORKERS or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= high for v in values):
+        raise P.ProtocolError(f"{key}: expected a list of integers in 0..{high}")
+    return values
 
 
 def _check_worker_registration(msg: dict[str, Any]) -> None:

@@ -57,7 +57,7 @@ from .common import (
     write_ready_file,
 )
 from .compression import ServerCodec
-from .security import Security, handshake_failed, refused_handshake, version_mismatch
+from .security import Login, Security, handshake_failed, refused_handshake, version_mismatch
 from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
 
 #: partitions at least this large are summed on a summation thread
@@ -190,11 +190,12 @@ class Server:
         self.gate = self.security.gate("a server", self.log)       # named once it has a rank
         self.rank = -1
         self.scheduler_address = config.scheduler
-        self.sched = make_socket(self.ctx, zmq.DEALER)
-        self.security.protect_connecting(self.sched)
-        watch_link(self.sched, config.heartbeat_interval_s, config.heartbeat_timeout_s)
-        self.sched_monitor = monitor(self.sched)
-        self.sched.connect(f"tcp://{config.scheduler}")
+        self.sched, self.sched_monitor = self._connect_scheduler()
+        # a lost scheduler (docs/design.md, "Keeping going", item 4): since when, and the
+        # re-registration with the one restarted in its place
+        self.sched_gone: float | None = None
+        self.sched_login: Login | None = None
+        self.poller = zmq.Poller()
 
         self.job_id: str | None = None
         self.num_workers = 0
@@ -224,6 +225,15 @@ class Server:
                                          name=f"bps-sum-{i}") for i, q in enumerate(self.queues)]
 
     # ------------------------------------------------------------------ startup
+
+    def _connect_scheduler(self) -> tuple[zmq.Socket, zmq.Socket]:
+        """A fresh connection to the scheduler, and its monitor."""
+        sock = make_socket(self.ctx, zmq.DEALER)
+        self.security.protect_connecting(sock)
+        watch_link(sock, self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s)
+        watch = monitor(sock)
+        sock.connect(f"tcp://{self.scheduler_address}")
+        return sock, watch
 
     def register(self) -> None:
         """Register with the scheduler; raise EngineError by the start deadline."""
@@ -276,7 +286,7 @@ class Server:
                                                   "pid": os.getpid(), "rank": self.rank})
         self.log.info("serving on %s:%d with %d summation threads", self.config.host, self.port,
                       len(self.threads))
-        poller = zmq.Poller()
+        poller = self.poller
         for sock in (self.sock, self.done, self.sched, self.sched_monitor):
             poller.register(sock, zmq.POLLIN)
         interval, release_after = self.config.heartbeat_interval_s, self.config.idle_release_s
@@ -297,7 +307,10 @@ class Server:
                     self._lost_scheduler()
                 now = time.monotonic()
                 if now >= next_heartbeat:
-                    self.sched.send_multipart(P.control(P.HEARTBEAT))
+                    if self.sched_gone is None:
+                        self.sched.send_multipart(P.control(P.HEARTBEAT))
+                    else:
+                        self._still_gone(now)
                     next_heartbeat = now + interval
                 if kept and release_after and now - last_traffic >= release_after:
                     kept = False
@@ -313,20 +326,49 @@ class Server:
             self.ctx.destroy(linger=0)
 
     def _lost_scheduler(self) -> None:
-        """Tell the job's workers why this server stops, then raise. Otherwise they would only
-        see its connection close and name this server, not the scheduler, as the culprit."""
-        message = (lost_link(f"the scheduler at {self.scheduler_address}",
-                             self.config.heartbeat_timeout_s)
-                   + "; the cluster cannot go on without it")
-        told = P.control(P.ERROR, {"message": f"server {self.rank} at {self.config.host}:"
-                                              f"{self.port} stopped: {message}"})
-        for rid in self.peers:
-            try:
-                self.sock.send_multipart([rid, *told], zmq.NOBLOCK)
-            except zmq.ZMQError:
-                pass            # that worker is gone already
-        self.sock.close(linger=1000)        # a moment for the words to leave
-        raise EngineError(message)
+        """The scheduler is gone: go on serving the workers (the data path does not need it)
+        and register again, with this server's rank, with the scheduler restarted in its
+        place (``bpsctl up``'s supervisor restarts it on the same address)."""
+        now = time.monotonic()
+        if self.sched_gone is None:
+            self.sched_gone = now
+            self.log.warning("%s; serving on, and registering again once it is back (it waits "
+                             "BPSCTL_SCHEDULER_TIMEOUT=%g s before anything that needs it fails)",
+                             lost_link(f"the scheduler at {self.scheduler_address}",
+                                       self.config.heartbeat_timeout_s),
+                             self.config.scheduler_timeout_s)
+        for sock in (self.sched, self.sched_monitor):
+            self.poller.unregister(sock)
+        self.sched.disable_monitor()
+        self.sched_monitor.close(0)
+        self.sched.close(0)
+        self.sched, self.sched_monitor = self._connect_scheduler()
+        for sock in (self.sched, self.sched_monitor):
+            self.poller.register(sock, zmq.POLLIN)
+        self.sched_login = self.security.login(self.sched, P.control(P.REGISTER, {
+            "role": "server", "host": self.config.host, "port": self.port, "pid": os.getpid(),
+            "version": __version__, "reregister": True, "rank": self.rank,
+            "job": self.job_id}), f"the scheduler at {self.scheduler_address}")
+
+    def _still_gone(self, now: float) -> None:
+        """Said once, when the scheduler has been gone for BPSCTL_SCHEDULER_TIMEOUT."""
+        assert self.sched_gone is not None
+        timeout_s = self.config.scheduler_timeout_s
+        if now - self.sched_gone >= timeout_s > now - self.sched_gone - \
+                self.config.heartbeat_interval_s:
+            self.log.warning("the scheduler at %s has been gone for %.0f s "
+                             "(BPSCTL_SCHEDULER_TIMEOUT): serving the workers still connected; "
+                             "a lost worker or server cannot be handled until it is back",
+                             self.scheduler_address, now - self.sched_gone)
+
+    def _registered_again(self, msg: dict[str, Any]) -> None:
+        assert self.sched_gone is not None
+        if int(msg.get("rank", -1)) != self.rank:
+            raise EngineError(f"the restarted scheduler at {self.scheduler_address} gave server "
+                              f"{self.rank} rank {msg.get('rank')}; stopping")
+        self.log.warning("registered again with the restarted scheduler at %s, %.1f s after "
+                         "losing it", self.scheduler_address, time.monotonic() - self.sched_gone)
+        self.sched_gone, self.sched_login = None, None
 
     def _drain_workers(self) -> None:
         sock = self.sock
@@ -667,7 +709,14 @@ class Server:
             except zmq.Again:
                 return
             msg_type, msg = P.parse_control(frames)
-            if msg_type == P.JOB_END and msg.get("job") == self.job_id:
+            if self.sched_login is not None and self.sched_login.handle(msg_type, msg):
+                continue
+            if msg_type == P.REGISTERED and self.sched_gone is not None:
+                self._registered_again(msg)
+            elif msg_type == P.ERROR and self.sched_gone is not None:
+                raise EngineError(f"the restarted scheduler at {self.scheduler_address} refused "
+                                  f"server {self.rank}: {msg.get('message')}")
+            elif msg_type == P.JOB_END and msg.get("job") == self.job_id:
                 self.log.info("job %s ended; freeing its %d partitions", self.job_id,
                               len(self.parts))
                 self._reset(None, 0)

@@ -41,6 +41,7 @@ from . import protocol as P
 from .client import measure_clock
 from .common import (
     EngineError,
+    SchedulerGone,
     lost_link,
     make_socket,
     monitor,
@@ -131,6 +132,8 @@ class Worker:
         self._join_payload: memoryview | None = None
         self._joined = threading.Event()
         self._lost_at_start: list[int] = []     # servers already lost when this one joined
+        self._job_size = self.size              # the job's world size, whoever is live
+        self._spare_servers: set[int] = set()   # indices of the job's spares still holding nothing
         # results of pushes that came after their round was complete (backup workers): those
         # pushes are not in the sums
         self.late_pushes = 0
@@ -191,6 +194,18 @@ class Worker:
         self._barriers: dict[str, Handle] = {}
         self._peer_left = ""                                    # why later ops cannot complete
         self._stop = False
+        # a lost scheduler (docs/design.md, "Keeping going", item 4): since when; the
+        # re-registration with the one restarted in its place; what waits to be said to it
+        # (JOIN_DONE, LEAVE; declarations and barriers are asked again from their records);
+        # what a restarted scheduler needs to hear: ranks that left, incarnations of others
+        self._sched_gone: float | None = None
+        self._sched_login: Login | None = None
+        self._sched_outbox: list[list[bytes]] = []
+        self._leaving = False                   # shutdown waits to say LEAVE to it
+        self._left_ranks: set[int] = set()
+        self._incarnations: dict[int, int] = {}
+        self._poller = zmq.Poller()
+        self._handlers: dict[Any, Callable[[], None]] = {}
 
         self._thread = threading.Thread(target=self._io_loop, name=f"bps-worker-{self.rank}",
                                         daemon=True)
@@ -279,9 +294,10 @@ class Worker:
                 raise EngineError(f"rank {cfg.rank}: {msg.get('message')} before the job started")
             if msg_type == P.REGISTERED:
                 self.rank = int(msg["rank"])
-                self.size = int(msg["world_size"])
+                self.size = self._job_size = int(msg["world_size"])
                 self.live_ranks = list(range(self.size))
                 self._servers = msg["servers"]
+                self._spare_servers = {int(i) for i in msg.get("spares", [])}
                 if msg.get("joining"):      # live ones, and this one once it is admitted
                     self.joining, self.incarnation = True, int(msg["incarnation"])
                     self.joined_running = True
@@ -527,7 +543,9 @@ class Worker:
                 return
             self._closed = True
         self._command("stop", None)
-        self._thread.join(timeout=10)
+        # with the scheduler gone, the I/O thread waits (up to BPSCTL_SCHEDULER_TIMEOUT) to
+        # tell the restarted one that this worker left, not lost
+        self._thread.join(timeout=10 + self.config.scheduler_timeout_s)
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._ctx.destroy(linger=0)
@@ -548,15 +566,15 @@ class Worker:
     # ------------------------------------------------------------------ I/O thread
 
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
+        poller, handlers = self._poller, self._handlers
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._sched, zmq.POLLIN)
         poller.register(self._sched_monitor, zmq.POLLIN)
-        handlers: dict[Any, Callable[[], None]] = {
+        handlers.update({
             self._wake_r: self._drain_commands,
             self._sched: self._drain_scheduler,
             self._sched_monitor: self._check_scheduler_link,
-        }
+        })
         for index, (sock, mon) in enumerate(zip(self._server_socks, self._server_monitors,
                                                 strict=True)):
             poller.register(sock, zmq.POLLIN)
@@ -570,7 +588,9 @@ class Worker:
         try:
             while not self._stop:
                 for sock, _ in poller.poll(0 if more else int(interval * 1000)):
-                    handlers[sock]()
+                    handler = handlers.get(sock)    # None: a scheduler socket just replaced
+                    if handler is not None:
+                        handler()
                 more = self._send_pushes()
                 now = time.monotonic()
                 if self._tasks:
@@ -581,7 +601,7 @@ class Worker:
                     log.debug("worker %d: quiet for %g s: gave %.1f MiB of free memory back to "
                               "the system", self.rank, release_after, released / 2**20)
                 if now >= next_tick:
-                    self._sched.send_multipart(P.control(P.HEARTBEAT))
+                    self._to_scheduler(P.control(P.HEARTBEAT))
                     self._fail_overdue(now)
                     next_tick = now + interval
         except Exception as exc:    # a bug here must not leave callers waiting forever
@@ -608,7 +628,7 @@ class Worker:
                     declares.append(payload)
             elif kind == "barrier":
                 self._barriers[payload.name] = payload
-                self._sched.send_multipart(P.control(P.BARRIER, {"name": payload.name}))
+                self._to_scheduler(P.control(P.BARRIER, {"name": payload.name}))
             elif kind == "step" and self._trace is not None:
                 if not self._marked_steps:
                     self._marked_steps = True
@@ -618,10 +638,11 @@ class Worker:
             elif kind == "donate":
                 self._donate(*payload)
             elif kind == "stop":
-                self._sched.send_multipart(P.control(P.LEAVE))
-                self._stop = True
+                self._to_scheduler(P.control(P.LEAVE), keep=True)
+                self._leaving = True
+                self._stop = self._sched_gone is None
         if declares:
-            self._sched.send_multipart(P.control(P.DECLARE, {"tensors": declares}))
+            self._to_scheduler(P.control(P.DECLARE, {"tensors": declares}))
 
     def _start_task(self, task: _Task, declares: list[dict[str, Any]]) -> None:
         if self._broken is not None:
@@ -758,7 +779,7 @@ class Worker:
             self._server_socks[live[0]].send_multipart([
                 P.pack_header(P.STATE, rank=rank, round=incarnation, nbytes=len(state)),
                 json.dumps(rounds).encode(), state], copy=False)
-            self._sched.send_multipart(P.control(P.JOIN_DONE, {"rank": rank}))
+            self._to_scheduler(P.control(P.JOIN_DONE, {"rank": rank}), keep=True)
             self.pending_joins = [j for j in self.pending_joins if j != (rank, incarnation)]
             log.warning("worker %d: handed the model (%.1f MiB) to joining worker %d",
                         self.rank, len(state) / 2**20, rank)
@@ -780,7 +801,7 @@ class Worker:
             self._tasks.discard(task)
             self._start_task(task, declares)
         if declares:
-            self._sched.send_multipart(P.control(P.DECLARE, {"tensors": declares}))
+            self._to_scheduler(P.control(P.DECLARE, {"tensors": declares}))
         self._joined.set()
 
     def _result(self, part_id: int, round_: int, payload: zmq.Frame, count: int) -> None:
@@ -855,7 +876,11 @@ class Worker:
             except zmq.Again:
                 return
             msg_type, msg = P.parse_control(frames)
-            if msg_type == P.DECLARED:
+            if self._sched_login is not None and self._sched_login.handle(msg_type, msg):
+                continue
+            if msg_type == P.REGISTERED and self._sched_gone is not None:
+                self._registered_again()
+            elif msg_type == P.DECLARED:
                 for info in msg["tensors"]:
                     self._declared(info)
             elif msg_type == P.BARRIER_DONE:
@@ -868,16 +893,19 @@ class Worker:
                 self._server_moved(msg)
             elif msg_type == P.WORKER_LOST:
                 lost = (int(msg["rank"]), int(msg.get("incarnation", 0)))
+                self._incarnations[lost[0]] = lost[1]
                 self.pending_joins = [j for j in self.pending_joins if j != lost]
                 self._membership([int(r) for r in msg["live"]], str(msg["message"]))
             elif msg_type == P.WORKER_JOINING:
                 self.pending_joins.append((int(msg["rank"]), int(msg["incarnation"])))
             elif msg_type == P.WORKER_JOINED:
+                self._incarnations[int(msg["rank"])] = int(msg.get("incarnation", 0))
                 self._membership([int(r) for r in msg["live"]], str(msg["message"]))
             elif msg_type == P.MEMBER_LEFT:
                 # results already on their way still land; what is left over after a grace
                 # period waits for the leaver in vain
                 self._peer_left = str(msg["message"])
+                self._left_ranks.add(int(msg["rank"]))
                 grace_deadline = time.monotonic() + self.config.heartbeat_timeout_s
                 for task in self._tasks:
                     task.deadline = min(task.deadline, grace_deadline)
@@ -917,8 +945,116 @@ class Worker:
 
     def _check_scheduler_link(self) -> None:
         if zmq.EVENT_DISCONNECTED in monitor_events(self._sched_monitor) and not self._stop:
-            self._fail_all(EngineError(f"worker {self.rank}: " + lost_link(
-                f"the scheduler at {self.scheduler_address}", self.config.heartbeat_timeout_s)))
+            self._lost_scheduler()
+
+    def _to_scheduler(self, frames: list[bytes], keep: bool = False) -> None:
+        """Send to the scheduler; while it is gone, drop the message (heartbeats, and
+        declarations and barriers, which are asked again from their records once it is
+        back) or, with ``keep``, hold it until then."""
+        if self._sched_gone is None:
+            self._sched.send_multipart(frames)
+        elif keep:
+            self._sched_outbox.append(frames)
+
+    def _lost_scheduler(self) -> None:
+        """The scheduler is gone. Push_pulls of declared tensors go on (the data path never
+        touches it); a fresh connection registers this worker again with the scheduler
+        restarted in its place (``bpsctl up``'s supervisor restarts it on the same address)
+        and says what it needs to go on with the job (see :meth:`_reregistration`)."""
+        now = time.monotonic()
+        if self._sched_gone is None:
+            self._sched_gone = now
+            log.warning("worker %d: %s; training goes on, and this worker registers again once "
+                        "it is back (what needs it waits up to BPSCTL_SCHEDULER_TIMEOUT=%g s)",
+                        self.rank, lost_link(f"the scheduler at {self.scheduler_address}",
+                                             self.config.heartbeat_timeout_s),
+                        self.config.scheduler_timeout_s)
+        for sock in (self._sched, self._sched_monitor):
+            self._poller.unregister(sock)
+            self._handlers.pop(sock, None)
+        self._sched.disable_monitor()
+        self._sched_monitor.close(0)
+        self._sched.close(0)
+        self._sched = self._linked_socket()
+        self._sched_monitor = monitor(self._sched)
+        self._sched.connect(f"tcp://{self.scheduler_address}")
+        self._poller.register(self._sched, zmq.POLLIN)
+        self._poller.register(self._sched_monitor, zmq.POLLIN)
+        self._handlers[self._sched] = self._drain_scheduler
+        self._handlers[self._sched_monitor] = self._check_scheduler_link
+        self._sched_login = self.security.login(
+            self._sched, lambda: P.control(P.REGISTER, self._reregistration()),
+            f"the scheduler at {self.scheduler_address}")
+
+    def _reregistration(self) -> dict[str, Any]:
+        """What a restarted scheduler needs to go on with the job as it was (the job, this
+        worker's rank and incarnation, who was live, left or joining, the job's servers and
+        which were lost, every tensor this worker knows with its partitions where they live
+        now): nothing is placed again, nobody renumbered."""
+        cfg = self.config
+        tensors = [{"name": name, "key": info["key"], "dtype": info["dtype"],
+                    "shape": info["shape"], "parts": info["parts"]}
+                   for name, info in self._tensors.items()]
+        return {
+            "role": "worker", "rank": self.rank, "world_size": self._job_size,
+            "job": cfg.job_id, "host": cfg.host, "pid": os.getpid(), "version": __version__,
+            "num_servers": cfg.num_servers, "partition_bytes": cfg.partition_bytes,
+            "start_timeout_s": cfg.start_timeout_s, "min_workers": cfg.min_workers,
+            "max_workers": cfg.max_workers, "clock_ns": now_ns(),
+            "reregister": {
+                "incarnation": self.incarnation, "joining": self.joining,
+                "servers": [{k: s[k] for k in ("rank", "host", "port")} for s in self._servers],
+                "lost_servers": sorted(self._servers_lost), "live": list(self.live_ranks),
+                "spares": sorted(self._spare_servers),
+                "left": sorted(self._left_ranks),
+                "incarnations": {str(r): i for r, i in self._incarnations.items()},
+                "donating": [list(join) for join in self.pending_joins], "tensors": tensors}}
+
+    def _registered_again(self) -> None:
+        """The restarted scheduler has this worker: ask again what waited for the lost one."""
+        assert self._sched_gone is not None
+        log.warning("worker %d: registered again with the restarted scheduler at %s, %.1f s "
+                    "after losing it", self.rank, self.scheduler_address,
+                    time.monotonic() - self._sched_gone)
+        self._sched_gone, self._sched_login = None, None
+        if self._awaiting_declare:
+            self._to_scheduler(P.control(P.DECLARE, {"tensors": [
+                spec for spec, _ in self._awaiting_declare.values()]}))
+        for name in self._barriers:
+            self._to_scheduler(P.control(P.BARRIER, {"name": name}))
+        outbox, self._sched_outbox = self._sched_outbox, []
+        for frames in outbox:
+            self._to_scheduler(frames)
+        cfg, now = self.config, time.monotonic()
+        for index, (since, _) in list(self._server_down.items()):
+            # the new scheduler decides within a heartbeat timeout whether the server is lost
+            self._server_down[index] = (since, now + cfg.heartbeat_timeout_s
+                                        + 2 * cfg.heartbeat_interval_s + 1)
+        self._stop = self._leaving
+
+    def _scheduler_overdue(self, now: float) -> None:
+        """The scheduler has been gone for BPSCTL_SCHEDULER_TIMEOUT: what needs it fails,
+        naming it; push_pulls of declared tensors go on."""
+        assert self._sched_gone is not None
+        gone = (f"the scheduler at {self.scheduler_address} has been gone for "
+                f"{now - self._sched_gone:.0f} s (BPSCTL_SCHEDULER_TIMEOUT="
+                f"{self.config.scheduler_timeout_s:g}; `bpsctl status` shows whether it "
+                "restarts)")
+        for name in list(self._awaiting_declare):
+            self._fail_name(name, SchedulerGone(f"worker {self.rank}: {gone}: tensor {name!r} "
+                                                "cannot be declared"))
+        for name, handle in self._barriers.items():
+            handle.error = SchedulerGone(f"worker {self.rank}: {gone}: barrier {name!r} cannot "
+                                         "complete")
+            handle._done.set()
+        self._barriers.clear()
+        if self._server_down:
+            names = ", ".join(self._server_name(i) for i in self._server_down)
+            self._server_down.clear()
+            self._fail_all(SchedulerGone(f"worker {self.rank}: lost the connection to {names}, "
+                                         f"and {gone}: nobody can move its partitions"))
+        if self._leaving:
+            self._stop = True
 
     def _check_server_link(self, index: int) -> None:
         events = monitor_events(self._server_monitors[index])
@@ -963,6 +1099,8 @@ class Worker:
         index = int(msg["index"])
         since, _ = self._server_down.pop(index, (time.monotonic(), 0.0))
         self._servers_lost.add(index)
+        self._spare_servers -= {index, *(i for i, s in enumerate(self._servers)
+                                         if s["rank"] == msg.get("spare"))}
         server = self._servers[index]
         try:        # stop reconnecting to it
             self._server_socks[index].disconnect(f"tcp://{server['host']}:{server['port']}")
@@ -990,8 +1128,11 @@ class Worker:
                     self.rank, msg["message"], moved, again, time.monotonic() - since)
 
     def _fail_overdue(self, now: float) -> None:
+        if self._sched_gone is not None and \
+                now - self._sched_gone >= self.config.scheduler_timeout_s:
+            self._scheduler_overdue(now)
         for index, (_, give_up) in list(self._server_down.items()):
-            if now >= give_up:
+            if now >= give_up and self._sched_gone is None:
                 del self._server_down[index]
                 self._fail_server(index)
         for task in [t for t in self._tasks if t.deadline < now]:

@@ -91,10 +91,13 @@ def _start_child(role: str, index: int, config: Config, state_dir: Path,
     ready_path.unlink(missing_ok=True)
     log_path = state.logs_dir(state_dir) / f"{stem}.log"
     env = _child_env(config.replace(ready_file=str(ready_path)))
-    # Run from the directory holding bpsctl/, so that `python -m` imports the very bpsctl this
-    # launcher runs, installed or not.
+    # The scheduler runs under a supervisor that restarts it when it dies (the same group:
+    # stopping it stops both). Run from the directory holding bpsctl/, so that `python -m`
+    # imports the very bpsctl this launcher runs, installed or not.
     # ``prefix`` places the process elsewhere, e.g. in an emulated host's network namespace.
-    process, identity = start_process([*prefix, sys.executable, "-m", f"bpsctl.engine.{role}"], env,
+    module = ["bpsctl.engine.supervise", "--record", str(state.supervision_file(state_dir))] \
+        if role == "scheduler" else [f"bpsctl.engine.{role}"]
+    process, identity = start_process([*prefix, sys.executable, "-m", *module], env,
                                       log_path=log_path, cwd=_PACKAGE_ROOT)
     return _Child(role, process, identity, log_path, ready_path)
 
@@ -217,6 +220,7 @@ def _up(config: Config, servers: int, network: emulate.EmulatedNetwork | None) -
                 raise _already_up(existing, state_dir)
             state.forget(state_dir)             # every process of it has exited: stale
         state.rotate_logs(state_dir)
+        state.supervision_file(state_dir).unlink(missing_ok=True)
         secret = new_secret()
         deadline = time.monotonic() + config.start_timeout_s
         started: list[_Child] = []
@@ -349,7 +353,8 @@ def status(cluster: ClusterState, timeout_s: float = STATUS_TIMEOUT_S) -> dict[s
     """The recorded cluster's processes, each checked here, merged with the scheduler's view
     (see :func:`bpsctl.launch.report.status_report`)."""
     return local_status(cluster, _control_address(cluster), timeout_s,
-                        f"the scheduler (pid {cluster.scheduler_record.pid}) has exited")
+                        f"the scheduler (pid {cluster.scheduler_record.pid}) has exited",
+                        state.load_supervision(cluster.state_dir))
 
 
 def scheduler_view(cluster: ClusterState, timeout_s: float = STATUS_TIMEOUT_S

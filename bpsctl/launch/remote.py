@@ -259,12 +259,23 @@ def cmd_stop(spec: dict[str, Any]) -> dict[str, Any]:
 
 def cmd_scheduler(spec: dict[str, Any]) -> dict[str, Any]:
     """The scheduler's view, waiting up to ``timeout_s`` for ``servers`` to have registered."""
+    deadline = time.monotonic() + float(spec.get("timeout_s", 2))
+    wanted = int(spec.get("servers", 0))
+    supervision = None          # the scheduler's supervisor's record (engine/supervise.py)
+    if spec.get("record"):
+        try:
+            supervision = json.loads(_expand(spec["record"]).read_text())
+        except (OSError, ValueError):
+            pass
+    answer = _scheduler_view(spec, deadline, wanted)
+    return {**answer, "supervision": supervision} if supervision is not None else answer
+
+
+def _scheduler_view(spec: dict[str, Any], deadline: float, wanted: int) -> dict[str, Any]:
     from bpsctl.config import DEFAULT_SECURITY
     from bpsctl.engine import EngineError
     from bpsctl.engine.client import scheduler_status
     from bpsctl.launch.processes import is_running
-    deadline = time.monotonic() + float(spec.get("timeout_s", 2))
-    wanted = int(spec.get("servers", 0))
     watch = [(r["name"], _identity(r), r.get("log")) for r in spec.get("watch", [])]
     error = ""
     while True:

@@ -19,10 +19,12 @@ def no_cluster(state_dir: Path | str) -> dict[str, Any]:
 
 
 def local_status(cluster: ClusterState, address: str, timeout_s: float,
-                 scheduler_gone: str) -> dict[str, Any]:
+                 scheduler_gone: str, supervision: dict[str, Any] | None = None
+                 ) -> dict[str, Any]:
     """The report for a cluster whose processes this machine can see (local, emulated, and
     Slurm's sruns): each checked here, merged with the scheduler's view asked at ``address``;
-    ``scheduler_gone`` is the error when the scheduler's process has exited."""
+    ``scheduler_gone`` is the error when the scheduler's process has exited; ``supervision``
+    the scheduler's supervisor's record (bpsctl/engine/supervise.py), if it runs under one."""
     running: dict[ProcessRecord, bool | None] = {p: is_running(p.identity)
                                                  for p in cluster.processes}
     view, scheduler_error = None, None
@@ -34,7 +36,7 @@ def local_status(cluster: ClusterState, address: str, timeout_s: float,
             scheduler_error = str(exc)
     else:
         scheduler_error = scheduler_gone
-    return status_report(cluster, running, view, scheduler_error)
+    return status_report(cluster, running, view, scheduler_error, supervision)
 
 
 def down_report(cluster: ClusterState, survivors: set[int], what: str = "pid") -> DownReport:
@@ -47,15 +49,18 @@ def down_report(cluster: ClusterState, survivors: set[int], what: str = "pid") -
 
 
 def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | None],
-           view: dict[str, Any] | None, scheduler_error: str | None) -> dict[str, Any]:
+                  view: dict[str, Any] | None, scheduler_error: str | None,
+                  supervision: dict[str, Any] | None = None) -> dict[str, Any]:
     """``{"cluster", "kind", "scheduler", "state_dir", "created", "processes": [{"role", "rank",
     "host", "port", "pid", "state"}], "job", "scheduler_error"}``.
 
     ``running`` says whether each recorded process still runs (None: could not be asked);
     ``view`` is the scheduler's answer, None if it gave none. A process's state is running,
     spare (a spare server holding nothing yet), lost (running but silent to the scheduler),
-    exited, or unknown. A former spare that took over a lost server's place says whose
-    (``took_over``: its rank).
+    exited, or unknown; a supervised scheduler's (``supervision``: see
+    bpsctl/engine/supervise.py) also restarting, and its row says the scheduler's own pid,
+    ``supervisor_pid`` and ``restarts``. A former spare that took over a lost server's place
+    says whose (``took_over``: its rank).
     """
     seen_servers: dict[tuple[str, int | None], dict[str, Any]] = (
         {(s["host"], int(s["port"])): s for s in view["servers"]} if view else {})
@@ -71,6 +76,8 @@ def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | Non
                "port": record.port, "pid": record.pid, "state": state}
         if seen is not None and "took_over" in seen:
             row["took_over"] = seen["took_over"]
+        if record.role == "scheduler" and supervision is not None:
+            row.update(_supervised(record, state, supervision))
         if record.ssh_host:
             row["ssh_host"] = record.ssh_host
         if record.node:
@@ -94,6 +101,22 @@ def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | Non
     return {"cluster": cluster.name, "kind": cluster.kind, "scheduler": cluster.scheduler,
             "state_dir": cluster.state_dir, "created": cluster.created, "processes": processes,
             "job": view["job"] if view else None, "scheduler_error": scheduler_error}
+
+
+def _supervised(record: ProcessRecord, state: str,
+                supervision: dict[str, Any]) -> dict[str, Any]:
+    """A supervised scheduler's row: the record's pid is its supervisor's."""
+    row: dict[str, Any] = {"supervisor_pid": record.pid,
+                           "restarts": int(supervision.get("restarts") or 0)}
+    pid = supervision.get("pid")
+    if isinstance(pid, int):
+        row["pid"] = pid
+    if state == "running" and supervision.get("state") == "restarting":
+        row["state"] = "restarting"
+    elif state == "running" and isinstance(pid, int) and not record.ssh_host \
+            and not pid_running(pid):
+        row["state"] = "restarting"         # died a moment ago; the supervisor will say so
+    return row
 
 
 def _is_this_machine(host: str) -> bool:

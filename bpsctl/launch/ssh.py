@@ -63,6 +63,12 @@ def remote_dir(hosts: HostsSpec, cluster_name: str) -> str:
     return f"{hosts.workdir.rstrip('/')}/{cluster_name}"
 
 
+def supervision_path(hosts: HostsSpec, cluster_name: str) -> str:
+    """The scheduler's supervisor's record on the scheduler's host (see
+    bpsctl/engine/supervise.py)."""
+    return f"{remote_dir(hosts, cluster_name)}/scheduler.json"
+
+
 def _hosts_of(cluster: ClusterState) -> HostsSpec:
     assert cluster.hosts is not None, "an SSH cluster records its hosts file"
     return cluster.hosts
@@ -151,7 +157,10 @@ def _start_roles(session: Hosts, hosts: HostsSpec, config: Config, cluster_plan:
     lock = threading.Lock()
 
     def start(a: Assignment) -> ProcessRecord:
-        spec = {"argv": [hosts.python, "-m", f"bpsctl.engine.{a.role}"],
+        # the scheduler under its supervisor, which restarts it (bpsctl/engine/supervise.py)
+        module = ["bpsctl.engine.supervise", "--record", supervision_path(hosts, name)] \
+            if a.role == "scheduler" else [f"bpsctl.engine.{a.role}"]
+        spec = {"argv": [hosts.python, "-m", *module],
                 "env": a.to_env(config, cluster_plan),
                 "log": f"{directory}/{a.name}.log"}
         answer = session.agent(a.host, "start", spec)
@@ -308,7 +317,7 @@ def status(cluster: ClusterState) -> dict[str, Any]:
     with Hosts(_hosts_of(cluster), targets=list(_by_host(cluster.processes))) as session:
         session.open()
         running = _process_states(session, cluster.processes)
-        view, scheduler_error = None, None
+        view, scheduler_error, supervision = None, None, None
         if scheduler.ssh_host not in session.connections:
             scheduler_error = (f"cannot reach the scheduler's host {scheduler.ssh_host}: "
                                f"{session.failures.get(scheduler.ssh_host)}")
@@ -319,12 +328,14 @@ def status(cluster: ClusterState) -> dict[str, Any]:
             try:
                 answer = session.agent(scheduler.ssh_host, "scheduler", {
                     "address": cluster.scheduler, "secret": cluster.secret,
-                    "security": cluster.security, "servers": 0, "timeout_s": 2.0})
+                    "security": cluster.security, "servers": 0, "timeout_s": 2.0,
+                    "record": supervision_path(_hosts_of(cluster), cluster.name)})
                 view = answer.get("view")
                 scheduler_error = answer.get("error")
+                supervision = answer.get("supervision")
             except HostFailure as exc:
                 scheduler_error = str(exc)
-    return status_report(cluster, running, view, scheduler_error)
+    return status_report(cluster, running, view, scheduler_error, supervision)
 
 
 def fetch_logs(cluster: ClusterState, role: str | None = None) -> None:

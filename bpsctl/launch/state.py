@@ -41,6 +41,21 @@ def control_socket(state_dir: Path | str) -> Path:
     return Path(state_dir) / "scheduler.sock"
 
 
+def supervision_file(state_dir: Path | str) -> Path:
+    """Where the scheduler's supervisor (bpsctl/engine/supervise.py) says which scheduler
+    process runs now and how many times it restarted one."""
+    return Path(state_dir) / "scheduler.json"
+
+
+def load_supervision(state_dir: Path | str) -> dict[str, Any] | None:
+    """The supervisor's record (see :func:`supervision_file`), None without one."""
+    try:
+        record = json.loads(supervision_file(state_dir).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def emulation_claim(state_dir: Path | str) -> Path:
     """Names the emulated network ``up`` is building, before the state file can."""
     return Path(state_dir) / "emulation.claim"
@@ -122,6 +137,7 @@ def write_state(cluster: ClusterState) -> None:
 
 def forget(state_dir: Path | str) -> None:
     state_file(state_dir).unlink(missing_ok=True)
+    supervision_file(state_dir).unlink(missing_ok=True)
 
 
 def make_state_dir(state_dir: Path | str) -> None:
