@@ -15,7 +15,7 @@ from bpsctl.launch.local import scheduler_view
 from bpsctl.launch.state import load_job, load_state
 
 SCRIPT = '''
-import os, signal, sys
+import os, signal, sys, time
 import torch
 import bpsctl.engine.torch as bps
 
@@ -42,6 +42,8 @@ for step in range(start, steps):
     torch.save(flat, os.path.join(out_dir, f"r{rank}-s{step}.pt"))
     with open(os.path.join(out_dir, f"size-{rank}"), "a") as f:
         f.write(f"{bps.size()} ")
+    if bps.size() < 3:      # slow down while one is missing: the job lasts until it is back
+        time.sleep(0.5)
 with open(os.path.join(out_dir, f"start-{rank}"), "w") as f:
     f.write(str(start))
 bps.shutdown()
@@ -93,7 +95,7 @@ def test_a_worker_that_fails_again_after_its_last_restart_ends_the_job(tmp_path)
 
 # written against horovod.torch.elastic; only the import line differs
 ELASTIC_SCRIPT = '''
-import os, signal, sys
+import os, signal, sys, time
 import torch
 import bpsctl.engine.torch as hvd          # was: import horovod.torch as hvd
 
@@ -127,6 +129,8 @@ def train(state):
             torch.save(flat, os.path.join(out_dir, f"r{rank}-s{step}.pt"))
             state.batch += 1
             state.commit()
+            if hvd.size() < 3:      # slow down while one is missing, as SCRIPT does
+                time.sleep(0.5)
         state.batch = 0
 
 train(state)
