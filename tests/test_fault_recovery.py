@@ -424,7 +424,7 @@ def figures():
     """Per fault: runs, worst stall, worst relative difference (printed with -s; JSON)."""
     yield
     summary = {}
-    for fault in ("server-kill", "server-cut", "worker-kill", "worker-restart",
+    for fault in ("server-kill", "server-cut", "worker-kill", "worker-restart", "scheduler-kill",
                   "two-servers-spare"):
         runs = [o for o in OUTCOMES if o.fault == fault]
         if runs:
