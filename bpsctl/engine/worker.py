@@ -544,7 +544,7 @@ class Worker:
             self._closed = True
         self._command("stop", None)
         # with the scheduler gone, the I/O thread waits (up to BPSCTL_SCHEDULER_TIMEOUT) to
-        # tell the restarted one that this worker left, not lost
+        # tell the restarted one that this worker left, not lost (unless the job failed here)
         self._thread.join(timeout=10 + self.config.scheduler_timeout_s)
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -640,7 +640,8 @@ class Worker:
             elif kind == "stop":
                 self._to_scheduler(P.control(P.LEAVE), keep=True)
                 self._leaving = True
-                self._stop = self._sched_gone is None
+                # a broken worker's job has failed: nobody needs to hear that it left
+                self._stop = self._sched_gone is None or self._broken is not None
         if declares:
             self._to_scheduler(P.control(P.DECLARE, {"tensors": declares}))
 
