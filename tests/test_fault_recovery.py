@@ -29,6 +29,7 @@ asserts what a user would check:
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
@@ -37,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -147,6 +149,42 @@ def _done(out: Path, rank: int) -> int:
         return -1
 
 
+def _run_and_strike(cluster: Cluster, out: Path, args: list[str], seed: str,
+                    strikes: list[tuple[int, Callable[[], str]]]) -> tuple[int, str, float]:
+    """`bpsctl run -np 4 ARGS` with its output in OUT/output.txt; for each ``(step, strike)``,
+    once every worker has finished ``step``, ``strike()`` (which returns what it struck).
+    Returns the exit code, the targets and the run's seconds; a launcher still running at the
+    deadline is killed with its workers."""
+    with open(out / "output.txt", "w") as output:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "bpsctl.cli", "run", "-np", "4", *args], env=cluster.env(),
+            stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True)
+    cluster.pids.add(launcher.pid)
+    began = time.monotonic()
+    targets = []
+    try:
+        deadline = began + RUN_BOUND_S
+        for step, strike in strikes:
+            while min(_done(out, rank) for rank in range(4)) < step:
+                assert time.monotonic() < deadline and launcher.poll() is None, \
+                    f"{seed}: the run did not reach step {step}:\n" \
+                    f"{(out / 'output.txt').read_text()}"
+                time.sleep(0.01)
+            targets.append(strike())
+        exit_code = launcher.wait(max(1.0, deadline - time.monotonic()))
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+    return exit_code, ",".join(targets), time.monotonic() - began
+
+
+def _kill(pid: int, what: str) -> str:
+    os.kill(pid, signal.SIGKILL)
+    return what
+
+
 def _strike(cluster: Cluster, tmp_path: Path, fault: str, index: int,
             reference: torch.Tensor | None) -> Outcome:
     seed = f"{SEED}-{fault}-{index}"
@@ -159,44 +197,30 @@ def _strike(cluster: Cluster, tmp_path: Path, fault: str, index: int,
     extra = {"worker-kill": ["--min-workers", "3"], "worker-restart": ["--max-restarts", "1"]}
     servers = sorted((p for p in state.processes if p.role == "server"), key=lambda p: p.rank)
     scheduler_host = next(p.host for p in state.processes if p.role == "scheduler")
-    with open(out / "output.txt", "w") as output:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "bpsctl.cli", "run", "-np", "4", *extra.get(fault, []),
-             "--", sys.executable, str(WORKER_SCRIPT), str(out), str(STEPS),
-             *(["check"] if fault.startswith("server") else [])],
-            env=cluster.env(), stdout=output, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)
-    cluster.pids.add(launcher.pid)
-    began = time.monotonic()
-    try:
-        deadline = began + RUN_BOUND_S
-        while min(_done(out, rank) for rank in range(4)) < step:
-            assert time.monotonic() < deadline and launcher.poll() is None, \
-                f"{seed}: the run did not reach step {step}:\n{(out / 'output.txt').read_text()}"
-            time.sleep(0.01)
+
+    def strike() -> str:
         if fault.startswith("worker"):
             rank = rng.randrange(4)
-            target = f"worker:{rank}"
             pid = int((out / f"pid-{rank}").read_text())
             cluster.pids.add(pid)
             os.kill(pid, signal.SIGKILL)
-        else:   # not the server beside the scheduler: a cut there would lose the scheduler
-            server = rng.choice([s for s in servers if s.host != scheduler_host])
-            target = f"server:{server.rank}"
-            if fault == "server-kill":
-                os.kill(server.pid, signal.SIGKILL)
-            else:
-                host = next(h["name"] for h in state.emulation["servers"]
-                            if h["address"] == server.host)
-                subprocess.run(["ip", "-n", emulate.namespace_name(
-                    state.emulation["cluster_id"], host), "link", "set",
-                    emulate.HOST_INTERFACE, "down"], check=True, timeout=10)
-        exit_code = launcher.wait(max(1.0, deadline - time.monotonic()))
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    seconds = time.monotonic() - began
+            return f"worker:{rank}"
+        # not the server beside the scheduler: a cut there would lose the scheduler
+        server = rng.choice([s for s in servers if s.host != scheduler_host])
+        if fault == "server-kill":
+            os.kill(server.pid, signal.SIGKILL)
+        else:
+            host = next(h["name"] for h in state.emulation["servers"]
+                        if h["address"] == server.host)
+            subprocess.run(["ip", "-n", emulate.namespace_name(
+                state.emulation["cluster_id"], host), "link", "set",
+                emulate.HOST_INTERFACE, "down"], check=True, timeout=10)
+        return f"server:{server.rank}"
+
+    exit_code, target, seconds = _run_and_strike(
+        cluster, out, [*extra.get(fault, []), "--", sys.executable, str(WORKER_SCRIPT), str(out),
+                       str(STEPS), *(["check"] if fault.startswith("server") else [])],
+        seed, [(step, strike)])
     text = (out / "output.txt").read_text()
     where = f"seed {seed}: {target} at step {step}"
     assert exit_code == 0, f"{where}: exit code {exit_code}:\n{text}"
@@ -302,29 +326,10 @@ def _strike_two_servers(cluster: Cluster, tmp_path: Path, index: int,
     where = f"seed {seed}: {target} at steps {first_step}, {second_step}"
     out = tmp_path / f"run-{seed}"
     out.mkdir()
-    with open(out / "output.txt", "w") as output:
-        launcher = subprocess.Popen(
-            [sys.executable, "-m", "bpsctl.cli", "run", "-np", "4", "--", sys.executable,
-             str(WORKER_SCRIPT), str(out), str(STEPS), "check"],
-            env=cluster.env(), stdout=output, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True)
-    cluster.pids.add(launcher.pid)
-    began = time.monotonic()
-    try:
-        deadline = began + RUN_BOUND_S
-        for step, victim in zip((first_step, second_step), victims, strict=True):
-            while min(_done(out, rank) for rank in range(4)) < step:
-                assert time.monotonic() < deadline and launcher.poll() is None, \
-                    f"{where}: the run did not reach step {step}:\n" \
-                    f"{(out / 'output.txt').read_text()}"
-                time.sleep(0.01)
-            os.kill(victim.pid, signal.SIGKILL)
-        exit_code = launcher.wait(max(1.0, deadline - time.monotonic()))
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-    seconds = time.monotonic() - began
+    exit_code, _, seconds = _run_and_strike(
+        cluster, out, ["--", sys.executable, str(WORKER_SCRIPT), str(out), str(STEPS), "check"],
+        seed, [(step, functools.partial(_kill, victim.pid, f"server:{victim.rank}"))
+               for step, victim in zip((first_step, second_step), victims, strict=True)])
     text = (out / "output.txt").read_text()
     assert exit_code == 0, f"{where}: exit code {exit_code}:\n{text}"
     hashes = {rank: _steps(out, "hashes", rank) for rank in range(4)}
@@ -373,26 +378,9 @@ def test_the_job_goes_on_through_a_killed_scheduler(cluster, tmp_path):
         row = next(p for p in before["processes"] if p["role"] == "scheduler")
         victim, restarts = row["pid"], row["restarts"]
         cluster.pids.add(victim)
-        with open(out / "output.txt", "w") as output:
-            launcher = subprocess.Popen(
-                [sys.executable, "-m", "bpsctl.cli", "run", "-np", "4", "--", sys.executable,
-                 str(WORKER_SCRIPT), str(out), str(STEPS), "check"], env=cluster.env(),
-                stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True)
-        cluster.pids.add(launcher.pid)
-        began = time.monotonic()
-        try:
-            deadline = began + RUN_BOUND_S
-            while min(_done(out, rank) for rank in range(4)) < step:
-                assert time.monotonic() < deadline and launcher.poll() is None, \
-                    f"{seed}: no step {step}:\n{(out / 'output.txt').read_text()}"
-                time.sleep(0.01)
-            os.kill(victim, signal.SIGKILL)
-            exit_code = launcher.wait(max(1.0, deadline - time.monotonic()))
-        finally:
-            if launcher.poll() is None:
-                os.killpg(launcher.pid, signal.SIGKILL)
-                launcher.wait()
+        exit_code, _, seconds = _run_and_strike(
+            cluster, out, ["--", sys.executable, str(WORKER_SCRIPT), str(out), str(STEPS),
+                           "check"], seed, [(step, functools.partial(_kill, victim, "scheduler"))])
         text = (out / "output.txt").read_text()
         where = f"seed {seed}: the scheduler (pid {victim}) at step {step}"
         assert exit_code == 0, f"{where}: exit code {exit_code}:\n{text}"
@@ -413,7 +401,7 @@ def test_the_job_goes_on_through_a_killed_scheduler(cluster, tmp_path):
         errors = {s: float(e) for s, e in _steps(out, "errors", 0).items()}
         assert len(errors) == STEPS, f"{where}: rank 0 checked {len(errors)} of {STEPS} steps"
         OUTCOMES.append(Outcome("scheduler-kill", "scheduler", seed, step, exit_code,
-                                round(time.monotonic() - began, 2), round(stall, 3),
+                                round(seconds, 2), round(stall, 3),
                                 rel_diff=None, step_error=max(errors.values()),
                                 rejoined_at=None))
         assert max(errors.values()) <= STEP_ERROR_BOUND, f"{where}: {errors}"

@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -174,12 +174,7 @@ def run(cmd: list[str], config: Config, *, workers: int | None = None, servers: 
     returned. Ctrl-C or SIGTERM stops every worker. Every worker has been waited for when this
     returns.
     """
-    workers = config.world_size if workers is None else workers
-    if workers < 1:
-        raise ConfigError(f"-np: expected at least 1 worker, got {workers}")
-    if not cmd:
-        raise ConfigError("CMD: expected the command to run after `--`, e.g. "
-                          "`bpsctl run -np 2 -- python train.py`")
+    workers = _checked_workers(config, workers, cmd, "bpsctl run -np 2 -- python train.py")
     state_dir = Path(config.state_dir).resolve()
     config = config.replace(state_dir=state_dir)
     state.make_state_dir(state_dir)
@@ -240,12 +235,8 @@ def attach(cmd: list[str], config: Config, workers: int | None = None, *,
     A :class:`UsageError` (exit 2) says why when no job runs, the job's cluster is not local
     or emulated, or the job has fewer than ``workers`` ranks left below W.
     """
-    workers = config.world_size if workers is None else workers
-    if workers < 1:
-        raise ConfigError(f"-np: expected at least 1 worker, got {workers}")
-    if not cmd:
-        raise ConfigError("CMD: expected the command to run after `--`, e.g. "
-                          "`bpsctl run --attach -np 1 -- python train.py`")
+    workers = _checked_workers(config, workers, cmd,
+                               "bpsctl run --attach -np 1 -- python train.py")
     state_dir = Path(config.state_dir).resolve()
     job = state.load_job(state_dir)
     cluster = state.load_state(job["cluster_state_dir"]) if job is not None else None
@@ -324,3 +315,15 @@ def _watch_joins(cluster: ClusterState, state_dir: Path, job_id: str, ranks: lis
             if rank in ranks and worker["state"] == "running" and rank not in joined:
                 joined.append(rank)
                 state.record_joined(state_dir, job_id, rank)
+
+
+def _checked_workers(config: Config, workers: int | None, cmd: Sequence[str],
+                     example: str) -> int:
+    """The number of workers to start (``-np``, else the config's world size), after checking
+    it and that there is a command; ``example`` is the command line the error shows."""
+    workers = config.world_size if workers is None else workers
+    if workers < 1:
+        raise ConfigError(f"-np: expected at least 1 worker, got {workers}")
+    if not cmd:
+        raise ConfigError(f"CMD: expected the command to run after `--`, e.g. `{example}`")
+    return workers
