@@ -306,6 +306,22 @@ class JobFailed(AssertionError):
     pass
 
 
+def exact_integer_step(worker: Worker, grads: list[Any], step: int,
+                       prefix: str = "grad") -> None:
+    """One step of a two-worker job's integer-valued sums: worker r fills tensor i with
+    (r + 1)(step + 1) + i, push_pulls every tensor (named ``prefix`` + i) and checks that each
+    came back as the exact sum of both workers', 3 (step + 1) + 2i (float32 holds these exactly,
+    so a contribution lost or counted twice shows)."""
+    for i, grad in enumerate(grads):
+        grad[:] = (worker.rank + 1) * (step + 1) + i
+    handles = [worker.push_pull_async(g, name=f"{prefix}{i}", average=False, out=g)
+               for i, g in enumerate(grads)]
+    for handle in handles:
+        worker.synchronize(handle)
+    for i, grad in enumerate(grads):
+        assert (grad == 3 * (step + 1) + 2 * i).all(), (worker.rank, step, i, grad[:4])
+
+
 def run_job(cluster: api.ClusterState, workers: int, servers: int,
             body: Callable[[Worker], Any], timeout_s: float = JOB_TIMEOUT_S,
             **knobs: Any) -> list[Any]:

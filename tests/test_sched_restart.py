@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cluster_config, gone, kill_pids, run_job, wait_until
+from conftest import cluster_config, exact_integer_step, gone, kill_pids, run_job, wait_until
 
 from bpsctl.engine.common import SchedulerGone
 from bpsctl.launch import api, state
@@ -143,14 +143,7 @@ def test_a_server_lost_while_the_scheduler_restarts_moves_once_it_is_back(spares
                 if step == 10 and worker.rank == 0:
                     os.kill(scheduler_pid, signal.SIGKILL)
                     os.kill(victim, signal.SIGKILL)
-                for i, grad in enumerate(grads):
-                    grad[:] = (worker.rank + 1) * (step + 1) + i
-                handles = [worker.push_pull_async(g, name=f"g{i}", average=False, out=g)
-                           for i, g in enumerate(grads)]
-                for handle in handles:
-                    worker.synchronize(handle)
-                for i, grad in enumerate(grads):
-                    assert np.all(grad == 3 * (step + 1) + 2 * i), (worker.rank, step, i)
+                exact_integer_step(worker, grads, step, prefix="g")
             return worker._servers_lost, worker._spare_servers
 
         results = run_job(cluster, 2, 3, body, partition_bytes=16 * 1024,

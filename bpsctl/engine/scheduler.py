@@ -44,6 +44,11 @@ class Member:
     # again, until it registers again itself (or its heartbeat timeout passes: then lost)
     awaited: bool = False
 
+    def take_over(self, lost_rank: int) -> None:
+        """This spare server takes lost server ``lost_rank``'s place: a server like the others
+        from now on, shown in status as having taken over."""
+        self.spare, self.took_over = False, lost_rank
+
     def describe(self) -> str:
         where = f"{self.host}:{self.port}" if self.port else self.host
         return f"{self.role} {self.rank} ({where}, pid {self.pid})"
@@ -825,7 +830,7 @@ class Scheduler:
         the others from now on (this job's placement is the caller's business)."""
         spare = next((s for s in self.servers if s.spare and s.state == "running"), None)
         if spare is not None:
-            spare.spare, spare.took_over = False, lost.rank
+            spare.take_over(lost.rank)
             self.log.warning("spare %s takes the place of lost server %d", spare.describe(),
                              lost.rank)
         return spare
@@ -854,7 +859,7 @@ class Scheduler:
                              job.id)
         elif spare is not None:
             taker = job.servers[spare]
-            taker.spare, taker.took_over = False, server.rank
+            taker.take_over(server.rank)
             body["spare"] = taker.rank
             self.log.warning("%s; job %s goes on: spare %s took over its %d partitions",
                              message, job.id, taker.describe(), len(moves))

@@ -194,6 +194,7 @@ class Server:
         # a lost scheduler (docs/design.md, "Keeping going", item 4): since when, and the
         # re-registration with the one restarted in its place
         self.sched_gone: float | None = None
+        self.sched_overdue_said = False         # that it has been gone too long, once
         self.sched_login: Login | None = None
         self.poller = zmq.Poller()
 
@@ -353,9 +354,9 @@ class Server:
     def _still_gone(self, now: float) -> None:
         """Said once, when the scheduler has been gone for BPSCTL_SCHEDULER_TIMEOUT."""
         assert self.sched_gone is not None
-        timeout_s = self.config.scheduler_timeout_s
-        if now - self.sched_gone >= timeout_s > now - self.sched_gone - \
-                self.config.heartbeat_interval_s:
+        if not self.sched_overdue_said and \
+                now - self.sched_gone >= self.config.scheduler_timeout_s:
+            self.sched_overdue_said = True
             self.log.warning("the scheduler at %s has been gone for %.0f s "
                              "(BPSCTL_SCHEDULER_TIMEOUT): serving the workers still connected; "
                              "a lost worker or server cannot be handled until it is back",
@@ -368,7 +369,7 @@ class Server:
                               f"{self.rank} rank {msg.get('rank')}; stopping")
         self.log.warning("registered again with the restarted scheduler at %s, %.1f s after "
                          "losing it", self.scheduler_address, time.monotonic() - self.sched_gone)
-        self.sched_gone, self.sched_login = None, None
+        self.sched_gone, self.sched_login, self.sched_overdue_said = None, None, False
 
     def _drain_workers(self) -> None:
         sock = self.sock
