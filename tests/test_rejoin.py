@@ -258,7 +258,7 @@ def test_a_worker_attached_to_a_running_job_joins_it_as_rank_2_bitwise_equal(tmp
 
 
 # bare-engine workers never hand over a model, so a worker attached to their job stays
-# unadmitted; they sum ones until the test says stop
+# unadmitted; they sum ones until the test says stop (all of them after the same round)
 SUMMING_SCRIPT = '''
 import os, sys, time
 import numpy as np
@@ -269,9 +269,15 @@ bps.init()
 if bps.rank() >= 2:                 # attached: gone before any worker admitted it
     os.kill(os.getpid(), 9)
 with open(os.path.join(out_dir, f"sums-{bps.rank()}"), "w") as f:
-    while not os.path.exists(os.path.join(out_dir, "stop")):
-        f.write(f"{int(bps.push_pull(np.ones(1, np.int32), name='count', average=False)[0])} ")
+    while True:
+        # [1, saw stop]: the workers stop after the same round, so none waits on a round
+        # the other has already left
+        stop = os.path.exists(os.path.join(out_dir, "stop"))
+        count, stops = bps.push_pull(np.array([1, stop], np.int32), name='count', average=False)
+        f.write(f"{int(count)} ")
         f.flush()
+        if stops:
+            break
         time.sleep(0.02)
 bps.shutdown()
 '''
