@@ -133,6 +133,29 @@ def check_backup_workers(backup_workers: int, workers: int,
                           f"got {backup_workers}")
 
 
+def check_training_mode(config: Config, flags: dict[str, str] | None = None) -> None:
+    """Refuse the combinations of --staleness, --async and --backup-workers that have no
+    meaning: asynchronous training has no rounds to be stale in or to complete early.
+    ``flags`` names the flag that set each knob, for the message."""
+    flags = flags or {}
+
+    def name(knob: str, env: str) -> str:
+        return f"{flags[knob]} / {env}" if knob in flags else env
+
+    if config.staleness < 0:
+        raise ConfigError(f"{name('staleness', 'BPSCTL_STALENESS')}: expected 0 (synchronous) "
+                          f"or more steps, got {config.staleness}")
+    if config.async_mode and config.staleness:
+        raise ConfigError(f"{name('async_mode', 'BPSCTL_ASYNC')} with "
+                          f"{name('staleness', 'BPSCTL_STALENESS')} {config.staleness}: "
+                          "asynchronous training has no steps to bound; choose one")
+    if config.async_mode and config.backup_workers:
+        raise ConfigError(f"{name('async_mode', 'BPSCTL_ASYNC')} with "
+                          f"{name('backup_workers', 'BPSCTL_BACKUP_WORKERS')} "
+                          f"{config.backup_workers}: asynchronous training waits for no one "
+                          "already; choose one")
+
+
 def backup_range(workers: int) -> str:
     """What a backup worker count may be in a job of ``workers`` workers."""
     if workers <= 0:
@@ -353,6 +376,15 @@ class Config:
                                "live workers pushed it; later pushes are dropped from the sum and "
                                "answered with the round's result (0: wait for every worker)",
                                "int")
+    staleness: int = knob(0, "BPSCTL_STALENESS",
+                          "bounded staleness: a worker may run up to this many steps ahead of "
+                          "the slowest, updating with the averaged gradients of that many steps "
+                          "ago (0: synchronous)", "int")
+    async_mode: bool = knob(False, "BPSCTL_ASYNC",
+                            "asynchronous training: servers hold the parameters and apply each "
+                            "worker's gradient as it arrives (SGD with momentum on the server); "
+                            "workers push gradients and pull parameters", "bool",
+                            ("BYTEPS_ENABLE_ASYNC",))
     spare_servers: int = knob(0, "BPSCTL_SPARE_SERVERS",
                               "spare servers `bpsctl up` starts besides --servers: they hold no "
                               "partition until a server is lost, then one takes over all of its "
