@@ -16,7 +16,7 @@ from rich.table import Table
 
 from bpsctl import launch
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
-from bpsctl.config import ConfigError, check_backup_workers
+from bpsctl.config import ConfigError, check_backup_workers, check_training_mode
 from bpsctl.engine.common import exit_on_sigterm
 
 app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
@@ -167,6 +167,8 @@ def run(ctx: typer.Context,
                                     "run --max-workers W` is running from this state dir, with "
                                     "its next unused ranks (local and emulated clusters)."),
         backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
+        staleness: int | None = knob_option("staleness", "--staleness"),
+        async_mode: bool | None = knob_option("async_mode", "--async"),
         cmd: list[str] = typer.Argument(..., metavar="CMD",
                                         help="The worker command, e.g. python train.py."),
         hosts: str | None = _hosts_option(),
@@ -187,6 +189,7 @@ def run(ctx: typer.Context,
             _check_attach_flags({"--servers": servers, "--min-workers": min_workers,
                                  "--max-restarts": max_restarts, "--max-workers": max_workers,
                                  "--backup-workers": backup_workers, "--hosts": hosts,
+                                 "--staleness": staleness, "--async": async_mode,
                                  "--ship": ship})
             config = build_config(ctx, {"world_size": (np, "-np"),
                                         "start_timeout_s": (start_timeout_s, "--start-timeout")},
@@ -202,12 +205,18 @@ def run(ctx: typer.Context,
                                     "min_workers": (min_workers, "--min-workers"),
                                     "max_restarts": (max_restarts, "--max-restarts"),
                                     "max_workers": (max_workers, "--max-workers"),
-                                    "backup_workers": (backup_workers, "--backup-workers")},
+                                    "backup_workers": (backup_workers, "--backup-workers"),
+                                    "staleness": (staleness, "--staleness"),
+                                    "async_mode": (async_mode, "--async")},
                               config_file, read_file=True)
         if config.min_workers > config.world_size:
             raise ConfigError(f"--min-workers {config.min_workers}: more than the job's "
                               f"{config.world_size} workers (-np); give at most -np")
         check_backup_workers(config.backup_workers, config.world_size)
+        check_training_mode(config, {"staleness": "--staleness", "async_mode": "--async",
+                                     "backup_workers": "--backup-workers",
+                                     "max_restarts": "--max-restarts",
+                                     "max_workers": "--max-workers"})
         servers = servers or config.num_servers or 1
         _check_ssh_extra(hosts)
         result = launch.run(cmd, config, servers=servers, hosts=hosts, ship_wheel=ship)

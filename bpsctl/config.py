@@ -149,6 +149,19 @@ def check_training_mode(config: Config, flags: dict[str, str] | None = None) -> 
         raise ConfigError(f"{name('async_mode', 'BPSCTL_ASYNC')} with "
                           f"{name('staleness', 'BPSCTL_STALENESS')} {config.staleness}: "
                           "asynchronous training has no steps to bound; choose one")
+    for knob, env, what in (("staleness", "BPSCTL_STALENESS", "staleness"),
+                            ("async_mode", "BPSCTL_ASYNC", "asynchronous training")):
+        if not getattr(config, knob):
+            continue
+        for other, other_env, value in (
+                ("max_restarts", "BPSCTL_MAX_RESTARTS", config.max_restarts),
+                ("max_workers", "BPSCTL_MAX_WORKERS",
+                 config.max_workers if config.max_workers > config.world_size else 0)):
+            if value:
+                raise ConfigError(
+                    f"{name(knob, env)} with {name(other, other_env)} {value}: a worker "
+                    f"joins a running job at a step with no push_pull in flight, which "
+                    f"{what} never has; choose one")
     if config.async_mode and config.backup_workers:
         raise ConfigError(f"{name('async_mode', 'BPSCTL_ASYNC')} with "
                           f"{name('backup_workers', 'BPSCTL_BACKUP_WORKERS')} "

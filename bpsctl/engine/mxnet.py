@@ -60,6 +60,10 @@ def init(config: Config | None = None) -> None:
     A restarted worker cannot rejoin a running MXNet job (only the PyTorch plugin hands a
     rejoining worker the model): it fails here, and the job goes on without it."""
     _engine.init(config)
+    if _engine._w().config.staleness:
+        _engine.shutdown()
+        raise EngineError("BPSCTL_STALENESS (--staleness) is built for the PyTorch plugin's "
+                          "DistributedOptimizer, not for MXNet: set BPSCTL_STALENESS=0")
     if _engine._w().joining:
         _engine.shutdown()
         raise EngineError("a restarted worker cannot rejoin a running MXNet job (only the "

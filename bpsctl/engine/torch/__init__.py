@@ -49,6 +49,7 @@ from .. import protocol as P
 from ..common import EngineError
 from ..intranode import LocalOp, LocalStage, _as_array
 from ..trace import now_ns
+from .staleness import StaleGradients
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
            "push_pull", "push_pull_async", "push_pull_inplace", "push_pull_async_inplace",
@@ -195,10 +196,10 @@ class _Plugin:
         w, cfg = self.worker, self.config
         # the intra-node stage (shared memory or a gloo group of the host's workers) cannot
         # lose one, gain one, and waits for its slowest: with BPSCTL_MIN_WORKERS below the
-        # world size, room to grow (BPSCTL_MAX_WORKERS) or backup workers, every worker
-        # pushes on its own
+        # world size, room to grow (BPSCTL_MAX_WORKERS), backup workers or staleness, every
+        # worker pushes on its own
         elastic = (0 < cfg.min_workers < w.size or cfg.max_workers > cfg.world_size
-                   or cfg.backup_workers > 0)
+                   or cfg.backup_workers > 0 or cfg.staleness > 0)
         if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0
                 and not elastic):
             if not cfg.master_port:
@@ -662,6 +663,7 @@ class _GradientSync:
         self.enabled = True
         self.before_first_push = before_first_push
         self.hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self.stale: StaleGradients | None = None    # bounded staleness: pushes from slots
         # when this step's first and last bucket were ready (the backward span of a trace)
         self.first_ready_ns = self.last_ready_ns = 0
 
@@ -691,7 +693,15 @@ class _GradientSync:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        if len(grads) == 1:
+        name = bucket.name
+        if self.stale is not None:
+            # this step's slot: the gradients stay there while s more steps run
+            tensor, name = self.stale.slot_tensor(bucket)
+            if len(grads) == 1:
+                tensor.copy_(grads[0].reshape(-1))
+            else:
+                torch.cat([g.reshape(-1) for g in grads], out=tensor)
+        elif len(grads) == 1:
             tensor = grads[0]
         else:
             if bucket.flat is None:
@@ -700,7 +710,7 @@ class _GradientSync:
                                           dtype=first.dtype, device=first.device)
             torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
             tensor = bucket.flat
-        self.handles[bucket] = push_pull_async_inplace(tensor, average=True, name=bucket.name,
+        self.handles[bucket] = push_pull_async_inplace(tensor, average=True, name=name,
                                                        priority=bucket.priority,
                                                        compression=self.compression)
 
@@ -803,13 +813,35 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._should_synchronize = True
         self._synchronized = False
         plugin = _p()
+        if plugin.config.staleness:
+            self._sync.stale = StaleGradients(self._sync, plugin.config.staleness)
+        self._update_due = True         # the gradients hold an average to apply
         self._index = len(plugin.optimizers)        # its state's place in a handed-over model
         plugin.optimizers.append(self)
 
     def synchronize(self) -> None:
-        """Wait for every gradient's push_pull (pushing any that has not started)."""
-        self._sync.synchronize(end_of_step=False)       # step() ends it, after the update
+        """Wait for every gradient's push_pull (pushing any that has not started). Under
+        staleness (``BPSCTL_STALENESS=s``): push this step's, and wait for the averages of
+        ``s`` steps ago, which the gradients then hold (none in the first ``s`` steps)."""
+        if self._sync.stale is not None:
+            self._update_due = self._sync.stale.end_step()
+        else:
+            self._sync.synchronize(end_of_step=False)   # step() ends it, after the update
         self._synchronized = True
+
+    def flush(self) -> int:
+        """Under staleness: apply the averaged gradients of every step still in flight, oldest
+        first, one update each, so the model holds every step's gradients (call it after the
+        last step, before evaluating or saving). Returns how many updates it applied (0
+        without staleness)."""
+        stale = self._sync.stale
+        if stale is None:
+            return 0
+        return stale.flush(lambda: super(self.__class__, self).step())
+
+    def _drain(self) -> BaseException | None:
+        """At shutdown: wait for the rounds still in flight under staleness."""
+        return None if self._sync.stale is None else self._sync.stale.drain()
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -827,7 +859,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self.synchronize()
         self._synchronized = False
         _load_received(plugin, self)
-        loss = super(self.__class__, self).step(closure)
+        if self._update_due:
+            loss = super(self.__class__, self).step(closure)
+        else:           # staleness: no averaged gradients yet in the first s steps
+            loss = closure() if closure is not None else None
         _end_step(plugin)
         return loss
 
@@ -857,6 +892,10 @@ class DistributedDataParallel(torch.nn.Module):
     def __init__(self, module: torch.nn.Module,
                  compression: CompressionArg = Compression.none):
         super().__init__()
+        if _p().config.staleness:
+            raise EngineError("BPSCTL_STALENESS (--staleness) applies the averaged gradients of "
+                              "s steps ago in the optimizer step: use DistributedOptimizer, not "
+                              "DistributedDataParallel, or set BPSCTL_STALENESS=0")
         self.module = module
         broadcast_parameters(module.state_dict(), root_rank=0)
         # the first push of a backward pass queues the wait for all of them at its end

@@ -108,6 +108,11 @@ class _CrossBarrier(torch.optim.Optimizer):
                              "model: the next forward pass could not wait for their update; "
                              "pass the model that owns every parameter of the optimizer")
         plugin = _p()
+        if plugin.config.staleness:
+            raise EngineError("CrossBarrier with BPSCTL_STALENESS (--staleness): the cross "
+                              "barrier updates each layer as its average of this step arrives; "
+                              "use DistributedOptimizer for stale updates, or set "
+                              "BPSCTL_STALENESS=0")
         self._base = base
         self._sync = _GradientSync(named, "CrossBarrier.grad", compression,
                                    backward_passes_per_step)
