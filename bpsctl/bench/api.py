@@ -704,6 +704,7 @@ class ConvergenceSettings:
     test: int = 1024
     seed: int = 0
     backup_workers: int = 1              # the `backup` system's
+    staleness: int = 2                   # the `stale` system's
     timeout_s: float = 900.0             # per system; a hung worker exits after it
 
     def __post_init__(self) -> None:
@@ -726,6 +727,9 @@ class ConvergenceSettings:
                               f"needs 1..{self.workers - 1} backup workers of {self.workers} "
                               f"workers, got {self.backup_workers}"
                               + ("; give --workers 2 or more" if self.workers < 2 else ""))
+        if "stale" in self.compare and self.staleness < 1:
+            raise ConfigError(f"--staleness / BPSCTL_STALENESS: the stale system needs 1 or "
+                              f"more steps of staleness, got {self.staleness}")
 
 
 def run_convergence(config: Config, settings: ConvergenceSettings,
@@ -745,11 +749,14 @@ def run_convergence(config: Config, settings: ConvergenceSettings,
     with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
         for name in settings.compare:
             progress(f"{name}: {SYSTEMS[name].description}")
-            # the backup system is bpsctl with backup workers; every other runs without
+            # the backup system is bpsctl with backup workers, the stale one with staleness, the
+            # async one asynchronous; every other runs without
             engine = SYSTEMS[name].engine == "bpsctl"       # --trace is bpsctl's timeline only
             system_config = cluster_config.replace(
                 trace_dir=cluster_config.trace_dir if engine else "",
-                backup_workers=settings.backup_workers if name == "backup" else 0)
+                backup_workers=settings.backup_workers if name == "backup" else 0,
+                staleness=settings.staleness if name == "stale" else 0,
+                async_mode=name == "async")
             results.append(_run_workers(system_config, "bpsctl.bench.convergence",
                                         ["--system", name, *args], settings.workers,
                                         settings.servers, output))
@@ -757,6 +764,7 @@ def run_convergence(config: Config, settings: ConvergenceSettings,
         "kind": "convergence", "workers": settings.workers, "servers": settings.servers,
         "nic_mbit": nic, "target_accuracy": settings.target, "max_steps": settings.max_steps,
         "backup_workers": settings.backup_workers if "backup" in settings.compare else 0,
+        "staleness": settings.staleness if "stale" in settings.compare else 0,
         "task": {"name": "teacher-student", "seed": settings.seed, "train": settings.train,
                  "test": settings.test, "batch_size": settings.batch_size, "lr": settings.lr},
         "host": socket.gethostname(), "results": results, **_cluster_keys(config),

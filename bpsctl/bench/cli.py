@@ -9,7 +9,7 @@ from typing import Any
 import typer
 
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
-from bpsctl.config import ConfigError, check_backup_workers, parse_size
+from bpsctl.config import ConfigError, check_backup_workers, check_training_mode, parse_size
 
 from .api import (
     CommSettings,
@@ -65,7 +65,7 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                     credit_bytes: str | None, emulate: bool | None,
                     nic: str | None, config_file: Path | None = None,
                     trace_dir: Path | None = None, straggler: str | None = None,
-                    backup_workers: int | None = None) -> Any:
+                    backup_workers: int | None = None, staleness: int | None = None) -> Any:
     """The Config every benchmark (and tune) shares: data-path knobs, the (emulated) cluster
     flags, and the tuned config file under them."""
     flags = {"partition_bytes": (None if partition_bytes is None
@@ -76,6 +76,7 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
              "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
              "straggler": (straggler, "--straggler"),
              "backup_workers": (backup_workers, "--backup-workers"),
+             "staleness": (staleness, "--staleness"),
              "trace_dir": (None if trace_dir is None else str(trace_dir.resolve()), "--trace")}
     # a figure must not hide a failover: a server lost mid-benchmark fails the run, naming it
     config = build_config(ctx, flags, config_file, read_file=True).replace(server_failover=False)
@@ -231,12 +232,18 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            json_file: Path | None, plot_file: Path | None,
            config_file: Path | None, trace_dir: Path | None = None,
            straggler: str | None = None, compression: str | None = None,
-           backup_workers: int | None = None, cross_barrier: bool = False) -> None:
+           backup_workers: int | None = None, cross_barrier: bool = False,
+           staleness: int | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir, straggler, backup_workers)
+                                 trace_dir, straggler, backup_workers, staleness)
         workers, servers = cluster_size(config, workers, servers)
         check_backup_workers(config.backup_workers, workers)
+        check_training_mode(config, {"staleness": "--staleness",
+                                     "backup_workers": "--backup-workers"})
+        if config.staleness and cross_barrier:
+            raise ConfigError("--staleness with --cross-barrier: the cross barrier applies each "
+                              "layer's average of the same step; choose one")
         settings = TrainSettings(model=model, workers=workers, servers=servers,
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,
@@ -292,6 +299,7 @@ def _train_command(model: str, title: str) -> None:
                 nic: str | None = knob_option("nic", "--nic"),
                 straggler: str | None = knob_option("straggler", "--straggler"),
                 backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
+                staleness: int | None = knob_option("staleness", "--staleness"),
                 partition_bytes: str | None = knob_option("partition_bytes", "--partition-bytes"),
                 credit_bytes: str | None = knob_option("credit_bytes", "--credit-bytes"),
                 json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
@@ -305,7 +313,7 @@ def _train_command(model: str, title: str) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file, trace_dir, straggler, compression,
-               backup_workers, cross_barrier)
+               backup_workers, cross_barrier, staleness)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")
@@ -328,7 +336,8 @@ def convergence(ctx: typer.Context,
                     "sync,backup,ddp", "--compare", metavar="SYSTEM[,SYSTEM]",
                     help="Systems trained one after another on the same cluster: sync (bpsctl, "
                          "every worker every step), backup (bpsctl with --backup-workers, "
-                         "default 1), ddp (torch DDP, gloo). stale and async are planned."),
+                         "default 1), stale (bpsctl with --staleness, default 2), ddp (torch "
+                         "DDP, gloo). async is planned."),
                 target: float = typer.Option(0.85, "--target", min=0.0, max=1.0,
                                              help="Test accuracy each system trains to."),
                 max_steps: int = typer.Option(2000, "--max-steps", min=1,
@@ -346,6 +355,10 @@ def convergence(ctx: typer.Context,
                 seed: int = typer.Option(0, "--seed", help="The teacher's, the data's and the "
                                                            "student's seed."),
                 backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
+                staleness: int | None = typer.Option(
+                    None, "--staleness", min=1, show_default="2",
+                    help="The stale system's staleness: a worker applies the averages of this "
+                         "many steps ago (default: BPSCTL_STALENESS if set, else 2)."),
                 emulate: bool | None = knob_option("emulate", "--emulate"),
                 nic: str | None = knob_option("nic", "--nic"),
                 straggler: str | None = knob_option("straggler", "--straggler"),
@@ -367,7 +380,9 @@ def convergence(ctx: typer.Context,
         settings = ConvergenceSettings(workers=n, servers=k, compare=_names(compare),
                                        target=target, max_steps=max_steps,
                                        eval_every=eval_every, batch_size=batch_size, lr=lr,
-                                       train=train_samples, seed=seed, backup_workers=backup)
+                                       train=train_samples, seed=seed, backup_workers=backup,
+                                       staleness=staleness if staleness is not None else (
+                                           config.staleness or 2))
         report = _run_bench("convergence", config,
                             lambda progress: run_convergence(config, settings,
                                                              progress=progress),
