@@ -703,6 +703,7 @@ class ConvergenceSettings:
     train: int = 4096
     test: int = 1024
     seed: int = 0
+    hidden: int = 64                     # the student's hidden units: its gradient's size
     backup_workers: int = 1              # the `backup` system's
     staleness: int = 2                   # the `stale` system's
     timeout_s: float = 900.0             # per system; a hung worker exits after it
@@ -744,7 +745,7 @@ def run_convergence(config: Config, settings: ConvergenceSettings,
             "--eval-every", str(settings.eval_every), "--batch-size", str(settings.batch_size),
             "--lr", str(settings.lr), "--train", str(settings.train),
             "--test", str(settings.test), "--seed", str(settings.seed),
-            "--timeout", str(settings.timeout_s)]
+            "--hidden", str(settings.hidden), "--timeout", str(settings.timeout_s)]
     results = []
     with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
         for name in settings.compare:
@@ -766,7 +767,8 @@ def run_convergence(config: Config, settings: ConvergenceSettings,
         "backup_workers": settings.backup_workers if "backup" in settings.compare else 0,
         "staleness": settings.staleness if "stale" in settings.compare else 0,
         "task": {"name": "teacher-student", "seed": settings.seed, "train": settings.train,
-                 "test": settings.test, "batch_size": settings.batch_size, "lr": settings.lr},
+                 "test": settings.test, "batch_size": settings.batch_size, "lr": settings.lr,
+                 "hidden": settings.hidden},
         "host": socket.gethostname(), "results": results, **_cluster_keys(config),
         "all_reached": all(row["reached"] for row in results),
     }

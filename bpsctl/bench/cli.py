@@ -354,6 +354,10 @@ def convergence(ctx: typer.Context,
                                                   help="Training set, split over the workers."),
                 seed: int = typer.Option(0, "--seed", help="The teacher's, the data's and the "
                                                            "student's seed."),
+                hidden: int = typer.Option(64, "--hidden", min=1,
+                                           help="The student's hidden units: its gradient is "
+                                                "about 84 bytes per unit, so this sets how much "
+                                                "each step puts on the network."),
                 backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
                 staleness: int | None = typer.Option(
                     None, "--staleness", min=1, show_default="2",
@@ -380,7 +384,8 @@ def convergence(ctx: typer.Context,
         settings = ConvergenceSettings(workers=n, servers=k, compare=_names(compare),
                                        target=target, max_steps=max_steps,
                                        eval_every=eval_every, batch_size=batch_size, lr=lr,
-                                       train=train_samples, seed=seed, backup_workers=backup,
+                                       train=train_samples, seed=seed, hidden=hidden,
+                                       backup_workers=backup,
                                        staleness=staleness if staleness is not None else (
                                            config.staleness or 2))
         report = _run_bench("convergence", config,
