@@ -68,7 +68,8 @@ HELLO = 20          # worker -> server: {job, rank, world_size, hosts, version, 
 PUSH = 21           # worker -> server: header + partition bytes
 ACK = 22            # server -> worker: header (push received; credit may be released)
 RESULT = 23         # server -> worker: header + summed partition bytes; the header's rank
-                    #   field says how many workers' pushes it sums (0: 65536)
+                    #   field says how many workers' pushes it sums (0: 65536); under
+                    #   FLAG_ASYNC the partition's parameters on the server
 ADMIT = 24          # donor -> each server: {rank, rounds: {part id: round}} (count rank's
                     #   pushes from these rounds on: it rejoins at the donor's step boundary)
 STATE = 25          # donor -> a server -> the joiner: header (rank = the joiner, round = its
@@ -115,6 +116,20 @@ FLAG_BACKUP = 8
 #: RESULT flag: the answer to a push that came after its round was complete (backup
 #: workers): the push is not in the sum, and the result is the one everyone else received
 FLAG_LATE = 16
+#: PUSH and RESULT flag: asynchronous training (BPSCTL_ASYNC; docs/design.md §5). The server
+#: holds the partition's parameters and applies each push at once as one SGD step; a PUSH
+#: carries a gradient and a third frame, the optimizer's hyperparameters (:data:`ASYNC_HYPER`),
+#: and its round is the pusher's own sequence number of the partition (a round the server has
+#: applied for that rank already is answered, not applied again). The RESULT holds the
+#: partition's parameters after the update
+FLAG_ASYNC = 32
+#: PUSH flag, with FLAG_ASYNC: a worker's first push of the partition, carrying its parameter
+#: values and no hyperparameters. The first such push of a partition sets the server's
+#: parameters; every one is answered with them
+FLAG_ASYNC_INIT = 64
+#: an async PUSH's third frame: lr, momentum, weight_decay, dampening (float64) and nesterov
+#: (0 or 1), as torch.optim.SGD's param group holds them when the gradient is pushed
+ASYNC_HYPER = struct.Struct("<ddddB")
 
 
 class ProtocolError(ValueError):

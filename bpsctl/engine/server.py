@@ -21,9 +21,16 @@ worker may still be on the wire.
 Large partitions are summed on summation threads (NumPy releases the GIL), each
 partition pinned to one thread so its pushes are summed in order without locks; small
 ones are summed inline, where a thread hop would cost more than the add.
+
+Under asynchronous training (``FLAG_ASYNC`` pushes, ``BPSCTL_ASYNC``) a partition holds the
+model's parameters instead (:class:`AsyncPartition`): there are no rounds across workers;
+each push is one SGD step, applied at once in arrival order (on the same thread a sum would
+use) and answered with the parameters after it.
 """
 from __future__ import annotations
 
+import collections
+import math
 import os
 import queue
 import struct
@@ -63,6 +70,8 @@ from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
 #: partitions at least this large are summed on a summation thread
 THREADED_SUM_BYTES = 256 * 1024
 _PART_ID = struct.Struct("<I")
+#: what servers hold as parameters under asynchronous training
+ASYNC_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 class PartitionState:
@@ -171,6 +180,66 @@ class PartitionState:
         return self.finish(num_workers)
 
 
+class AsyncPartition:
+    """One partition's parameters under asynchronous training (``FLAG_ASYNC``; docs/design.md
+    §5): the first init push sets them; each gradient push is applied at once as one step of
+    ``torch.optim.SGD`` with the hyperparameters it carries (weight decay added to the
+    gradient, a momentum buffer with dampening, Nesterov), in place, and answered with the
+    parameters after it. ``applied`` (rank -> the last round of that worker's pushes taken)
+    belongs to the I/O thread. ``params``, ``momentum`` and ``scratch`` belong to the thread
+    that applies: the I/O thread for a small partition; for a large one its summation thread,
+    under ``lock``, which the I/O thread takes too while it sends the parameters (``answers``:
+    pushes applied there and not yet answered, in order)."""
+
+    __slots__ = ("part", "dtype_code", "dtype", "nbytes", "thread", "applied", "params",
+                 "momentum", "scratch", "lock", "answers")
+
+    def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int):
+        self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
+        self.dtype = P.DTYPES[dtype_code]
+        self.applied: dict[int, int] = {}
+        self.params = np.zeros(nbytes // self.dtype.itemsize, self.dtype)
+        self.momentum: np.ndarray | None = None     # from the first update with momentum on
+        self.scratch: tuple[np.ndarray, np.ndarray] | None = None     # from the first update
+        self.lock = threading.Lock()
+        self.answers: collections.deque[tuple[bytes, int]] = collections.deque()
+
+    def apply(self, payload: Any, hyper: tuple[float, float, float, float, bool] | None) -> None:
+        """One push: with ``hyper`` a gradient (one SGD step), without it the initial
+        parameters; a ``payload`` of None (a push applied already) changes nothing.
+        Preallocated buffers only: nothing is allocated per push."""
+        if payload is None:
+            return
+        values = np.frombuffer(payload, dtype=self.dtype)
+        params = self.params
+        if hyper is None:
+            np.copyto(params, values)
+            return
+        lr, momentum, weight_decay, dampening, nesterov = hyper
+        if self.scratch is None:
+            self.scratch = (np.empty_like(params), np.empty_like(params))
+        step, product = self.scratch
+        grad = values                   # the payload's memory: read, never written
+        if weight_decay:
+            np.multiply(params, weight_decay, out=step)
+            grad = np.add(grad, step, out=step)
+        if momentum:
+            buf = self.momentum
+            if buf is None:             # as torch: the first buffer is the gradient itself
+                self.momentum = buf = grad.copy()
+            else:
+                np.multiply(buf, momentum, out=buf)
+                if dampening:
+                    np.add(buf, np.multiply(grad, 1 - dampening, out=product), out=buf)
+                else:
+                    np.add(buf, grad, out=buf)
+            if nesterov:
+                grad = np.add(grad, np.multiply(buf, momentum, out=product), out=step)
+            else:
+                grad = buf
+        np.subtract(params, np.multiply(grad, lr, out=product), out=params)
+
+
 class Server:
     def __init__(self, config: Config):
         self.config = config
@@ -210,6 +279,7 @@ class Server:
         self.backup_workers = 0                     # the job's BPSCTL_BACKUP_WORKERS
         self.late_pushes = 0                        # the job's pushes that came too late
         self.parts: dict[int, PartitionState] = {}
+        self.async_parts: dict[int, AsyncPartition] = {}   # asynchronous training: parameters
         # the job's timeline, when its workers trace (their HELLO names the directory); the
         # summation threads record into it too
         self.trace: Trace | None = None
@@ -470,6 +540,7 @@ class Server:
         self.peers = {}
         self.incarnations = {}
         self.parts = {}
+        self.async_parts = {}
         # ranks the job may grow into (`bpsctl run --attach`) count as lost until a donor
         # admits them: a new worker joins exactly as a restarted one rejoins
         self.lost_ranks = set(range(num_workers, max_workers))
@@ -498,6 +569,9 @@ class Server:
                                   "the cluster secret)")
         if rid in self.lost_peers:
             return          # sent before it was lost: the rounds already go on without it
+        if flags & P.FLAG_ASYNC:
+            self._async_push(rid, rank, dtype, flags, part, round_, nbytes, frames)
+            return
         if len(frames) != 3 or len(frames[2]) != nbytes:
             raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
                                   f"{len(frames[2]) if len(frames) == 3 else 'no payload'}")
@@ -508,6 +582,11 @@ class Server:
         expected = self.num_hosts if flags & P.FLAG_HOST_REDUCED else self.num_workers
         state = self.parts.get(part)
         if state is None:
+            if part in self.async_parts:
+                raise P.ProtocolError(f"partition {part}: rank {rank} pushed it to be summed, "
+                                      "but it holds parameters of asynchronous training: a "
+                                      "tensor is either summed or trained asynchronously; use "
+                                      "another name")
             rotation = 3 if self.backup_workers else 2
             codec = ServerCodec.open(frames[2].buffer, nbytes, rotation) if compressed else None
             work = nbytes if codec is None else 4 * codec.count
@@ -565,6 +644,94 @@ class Server:
                 self._complete(state)
         else:
             self.queues[state.thread].put((state, frames[2], state.quorum(), rank, traced))
+
+    def _async_push(self, rid: bytes, rank: int, dtype: int, flags: int, part: int, round_: int,
+                    nbytes: int, frames: list[zmq.Frame]) -> None:
+        """A push of asynchronous training: applied to the partition's parameters now (inline,
+        or queued for its summation thread, behind the pushes before it) unless this worker's
+        push of that round was taken already (a re-push: answered, not applied again); then
+        answered with the parameters."""
+        init = bool(flags & P.FLAG_ASYNC_INIT)
+        if flags & ~(P.FLAG_ASYNC | P.FLAG_ASYNC_INIT | P.FLAG_TRACED):
+            raise P.ProtocolError(f"async push of partition {part} with flags {flags:#x}: "
+                                  "asynchronous training is never compressed, host-reduced or "
+                                  "backed up")
+        what = "parameters" if init else "gradient, then its hyperparameters"
+        if len(frames) != (3 if init else 4) or len(frames[2]) != nbytes:
+            raise P.ProtocolError(f"async push of partition {part} announces {nbytes} bytes of "
+                                  f"{what}, but carries {len(frames) - 2} frames "
+                                  f"of {[len(f) for f in frames[2:]]} bytes")
+        if dtype >= len(P.DTYPES) or P.DTYPES[dtype] not in ASYNC_DTYPES or \
+                nbytes % P.DTYPES[dtype].itemsize:
+            raise P.ProtocolError(f"async push of partition {part}: servers hold float32 or "
+                                  f"float64 parameters, got dtype code {dtype} for {nbytes} "
+                                  "bytes")
+        hyper = None if init else self._hyperparameters(frames[3], part)
+        state = self.async_parts.get(part)
+        fresh = state is None
+        if state is None:
+            if part in self.parts:
+                raise P.ProtocolError(f"partition {part}: rank {rank} pushed it for "
+                                      "asynchronous training, but earlier pushes summed it: a "
+                                      "tensor is either summed or trained asynchronously; use "
+                                      "another name")
+            if not init:
+                raise P.ProtocolError(f"partition {part}: rank {rank}'s async push came before "
+                                      "any init push (FLAG_ASYNC_INIT): the server has no "
+                                      "parameters to update")
+            thread = part % len(self.queues) if nbytes >= THREADED_SUM_BYTES else -1
+            state = self.async_parts[part] = AsyncPartition(part, dtype, nbytes, thread)
+        elif state.dtype_code != dtype or state.nbytes != nbytes:
+            raise P.ProtocolError(f"partition {part}: rank {rank} pushed {nbytes} bytes of "
+                                  f"{P.DTYPES[dtype]}, but its parameters are {state.nbytes} "
+                                  f"bytes of {state.dtype}")
+        self.sock.send(rid, zmq.SNDMORE)
+        self.sock.send(P.pack_header(P.ACK, part=part, round=round_))
+        payload = None                  # nothing to apply: answered with the parameters
+        if round_ > state.applied.get(rank, -1):
+            state.applied[rank] = round_
+            if fresh or not init:       # the first init push sets the parameters
+                payload = frames[2]
+        if state.thread < 0:
+            state.apply(payload, hyper)
+            self._send_params(state, rid, round_)
+        else:
+            self.queues[state.thread].put((state, payload, hyper, rid, round_))
+
+    @staticmethod
+    def _hyperparameters(frame: zmq.Frame, part: int) -> tuple[float, float, float, float, bool]:
+        if len(frame) != P.ASYNC_HYPER.size:
+            raise P.ProtocolError(f"async push of partition {part}: hyperparameters of "
+                                  f"{len(frame)} bytes, expected {P.ASYNC_HYPER.size}")
+        lr, momentum, weight_decay, dampening, nesterov = P.ASYNC_HYPER.unpack(frame.buffer)
+        if not all(map(math.isfinite, (lr, momentum, weight_decay, dampening))) or nesterov > 1:
+            raise P.ProtocolError(f"async push of partition {part}: hyperparameters lr={lr}, "
+                                  f"momentum={momentum}, weight_decay={weight_decay}, "
+                                  f"dampening={dampening}, nesterov={nesterov} are not finite "
+                                  "numbers and a flag")
+        return lr, momentum, weight_decay, dampening, bool(nesterov)
+
+    def _send_params(self, state: AsyncPartition, rid: bytes, round_: int) -> None:
+        """Answer a push of asynchronous training with the partition's parameters now. They are
+        copied as they are sent (into libzmq's own message; no Python object): the next push
+        changes them in place, so a zero-copy send could carry a later update, or half of one."""
+        try:
+            self.sock.send(rid, zmq.SNDMORE)
+            self.sock.send(P.pack_header(P.RESULT, dtype=state.dtype_code, flags=P.FLAG_ASYNC,
+                                         rank=1, part=state.part, round=round_,
+                                         nbytes=state.nbytes), zmq.SNDMORE)
+            self.sock.send(state.params.data, copy=True)
+        except zmq.ZMQError:
+            pass        # that worker is gone
+
+    def _answer_applied(self, state: AsyncPartition | None) -> None:
+        """Pushes the summation thread has applied: answered in order, with the parameters
+        held still meanwhile."""
+        if state is None:
+            return
+        with state.lock:
+            while state.answers:
+                self._send_params(state, *state.answers.popleft())
 
     def _late(self, state: PartitionState, rid: bytes, rank: int, round_: int) -> None:
         """A push of the round before the partition's current one, which completed without it
@@ -630,6 +797,13 @@ class Server:
         done.connect(self.done_endpoint)
         try:
             while (item := work.get()) is not None:
+                if isinstance(item[0], AsyncPartition):    # one SGD step, then answered
+                    applying, payload, hyper, rid, round_ = item
+                    with applying.lock:
+                        applying.apply(payload, hyper)
+                        applying.answers.append((rid, round_))
+                    done.send(_PART_ID.pack(applying.part))
+                    continue
                 state, payload, num_workers, rank, traced = item
                 if payload is None:         # fewer pushers now (a worker was lost): done?
                     complete = state.finish(num_workers)
@@ -647,7 +821,9 @@ class Server:
             except zmq.Again:
                 return
             state = self.parts.get(part)
-            if state is not None and state.result is not None:
+            if state is None:
+                self._answer_applied(self.async_parts.get(part))
+            elif state.result is not None:
                 self._complete(state)
 
     def _complete(self, state: PartitionState) -> None:
