@@ -15,6 +15,10 @@ Path of one ``push_pull``:
 4. each partition's sum arrives as soon as every worker has pushed it, and is copied (or
    divided, when averaging) straight into the output; pushes of later partitions go on
    meanwhile, so both directions of the link stay busy.
+
+Under asynchronous training (``async_update``/``async_init``, ``BPSCTL_ASYNC``) the same path
+carries a gradient, with the optimizer's hyperparameters, to servers that hold the
+parameters; each partition's answer is its parameters, copied into the output.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import heapq
 import itertools
 import json
 import logging
+import math
 import os
 import threading
 import time
@@ -35,7 +40,7 @@ import numpy as np
 import zmq
 
 from .. import __version__
-from ..config import Config
+from ..config import Config, check_training_mode
 from . import compression as C
 from . import protocol as P
 from .client import measure_clock
@@ -79,10 +84,12 @@ class _Task:
     """The I/O thread's record of one push_pull."""
 
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
-                 "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec")
+                 "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec",
+                 "hyper")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
-                 divisor: int | None, deadline: float, flags: int = 0):
+                 divisor: int | None, deadline: float, flags: int = 0,
+                 hyper: bytes | None = None):
         self.handle = handle
         self.name = handle.name
         self.src = src.reshape(-1).view(np.uint8)        # bytes to push
@@ -97,6 +104,7 @@ class _Task:
         self.flags = flags
         self.called_ns = self.queued_ns = 0         # traced: when push_pull and the queue saw it
         self.codec: C.WorkerCodec | None = None     # compressed pushes and pulls
+        self.hyper = hyper          # asynchronous training: the third frame of every push
 
 
 _WAKE = b"\0"
@@ -116,6 +124,8 @@ class Worker:
     def __init__(self, config: Config | None = None, *, scheduler: str | None = None,
                  secret: str | None = None):
         self.config = config if config is not None else Config.from_env(role="worker")
+        if self.config.async_mode:
+            check_training_mode(self.config)    # what asynchronous training cannot go with
         self.scheduler_address, self.security = self._locate_cluster(scheduler, secret)
         self.rank = self.config.rank
         self.size = self.config.world_size
@@ -386,13 +396,25 @@ class Worker:
     def push_pull_async(self, array: Any, name: str | None = None, average: bool = True,
                         priority: int = 0, out: np.ndarray | None = None, *,
                         host_reduced: bool = False,
-                        compression: C.Compressor | None = None) -> Handle:
+                        compression: C.Compressor | None = None,
+                        async_update: tuple[float, float, float, float, bool] | None = None,
+                        async_init: bool = False) -> Handle:
         """Start summing ``array`` across all workers; the result lands in ``out``.
 
         ``host_reduced=True`` (the intra-node stage): ``array`` already holds the sum over this
         host's workers, and only one worker per host pushes this name; the sum is over hosts.
         ``compression``: pushes and pulls travel compressed (:mod:`.compression`), unless the
         tensor is smaller than ``min_compress_bytes``.
+
+        Asynchronous training (``BPSCTL_ASYNC``; float32 or float64, uncompressed): the servers
+        hold the tensor as parameters, and ``out`` receives them (``average`` does not apply).
+        ``async_init=True``: ``array`` is this worker's parameter values, the first push of the
+        name; the first worker's to arrive sets the servers' parameters, and every worker gets
+        them back. ``async_update=(lr, momentum, weight_decay, dampening, nesterov)``:
+        ``array`` is a gradient, which each server applies to its parameters at once as one
+        step of ``torch.optim.SGD`` with these hyperparameters, whatever the other workers do;
+        ``out`` gets the parameters after it. A push the servers have already applied (the
+        same push sent again) is answered, not applied twice.
         """
         src = np.asarray(array)
         P.dtype_code(src.dtype)                        # raises TypeError naming supported dtypes
@@ -410,6 +432,14 @@ class Worker:
             raise TypeError(f"average=True needs a floating-point tensor, got {src.dtype} "
                             f"for {name!r}; pass average=False to sum")
         divisor = self.size if average and self.size > 1 else None
+        flags = (P.FLAG_HOST_REDUCED if host_reduced
+                 # averages may go without the backup workers' pushes; sums may not
+                 else P.FLAG_BACKUP if average and self.config.backup_workers else 0)
+        hyper = None
+        if async_update is not None or async_init:
+            flags, hyper = self._async_push(src, name, async_update, async_init, host_reduced,
+                                            compression)
+            divisor = None                  # the answer is the parameters, not a sum
         if name is None:
             name = f"push_pull.noname.{next(self._noname_counter)}"
         handle = Handle(name, out)
@@ -423,10 +453,7 @@ class Worker:
                                  "before starting another with the same name")
             self._in_flight_names.add(name)
         task = _Task(handle, src, out, priority, divisor,
-                     time.monotonic() + self.config.op_timeout_s,
-                     P.FLAG_HOST_REDUCED if host_reduced
-                     # averages may go without the backup workers' pushes; sums may not
-                     else P.FLAG_BACKUP if average and self.config.backup_workers else 0)
+                     time.monotonic() + self.config.op_timeout_s, flags, hyper)
         if compression is not None and src.nbytes >= self.config.min_compress_bytes:
             try:
                 task.codec = self._codec(name, src, compression)
@@ -450,9 +477,52 @@ class Worker:
 
     def push_pull(self, array: Any, name: str | None = None, average: bool = True,
                   priority: int = 0, out: np.ndarray | None = None, *,
-                  compression: C.Compressor | None = None) -> np.ndarray:
+                  compression: C.Compressor | None = None,
+                  async_update: tuple[float, float, float, float, bool] | None = None,
+                  async_init: bool = False) -> np.ndarray:
         return self.synchronize(self.push_pull_async(array, name, average, priority, out,
-                                                     compression=compression))
+                                                     compression=compression,
+                                                     async_update=async_update,
+                                                     async_init=async_init))
+
+    def _async_push(self, src: np.ndarray, name: str | None,
+                    update: tuple[float, float, float, float, bool] | None, init: bool,
+                    host_reduced: bool, compression: C.Compressor | None
+                    ) -> tuple[int, bytes | None]:
+        """The flags and hyperparameter frame of a push of asynchronous training; ValueError
+        or TypeError naming what it cannot be."""
+        what = f"asynchronous training (BPSCTL_ASYNC) of {name!r}"
+        if not self.config.async_mode:
+            raise ValueError(f"{what}: this worker's job is not asynchronous; set BPSCTL_ASYNC=1 "
+                             "(`bpsctl run --async`) for every worker of the job")
+        if update is not None and init:
+            raise ValueError(f"{what}: a push is either the init push of the parameters "
+                             "(async_init) or a gradient (async_update), not both")
+        if compression is not None:
+            raise ValueError(f"{what} with compression {compression}: servers apply each "
+                             "gradient as it comes and send the parameters back whole; push it "
+                             "uncompressed, or train synchronously to compress")
+        if host_reduced:
+            raise ValueError(f"{what}: every worker pushes its own gradient (no intra-node "
+                             "stage)")
+        if src.dtype not in (np.float32, np.float64):
+            raise TypeError(f"{what}: servers hold float32 or float64 parameters, got "
+                            f"{src.dtype}")
+        if update is None:
+            return P.FLAG_ASYNC | P.FLAG_ASYNC_INIT, None
+        if len(update) != 5:
+            raise ValueError(f"{what}: async_update must be (lr, momentum, weight_decay, "
+                             f"dampening, nesterov), got {update!r}")
+        lr, momentum, weight_decay, dampening = map(float, update[:4])
+        nesterov = bool(update[4])
+        if not all(map(math.isfinite, (lr, momentum, weight_decay, dampening))):
+            raise ValueError(f"{what}: async_update must be (lr, momentum, weight_decay, "
+                             f"dampening, nesterov) with finite numbers, got {update!r}")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError(f"{what}: Nesterov momentum needs a momentum and zero dampening "
+                             f"(as torch.optim.SGD), got momentum {momentum:g}, dampening "
+                             f"{dampening:g}")
+        return P.FLAG_ASYNC, P.ASYNC_HYPER.pack(lr, momentum, weight_decay, dampening, nesterov)
 
     def _codec(self, name: str, src: np.ndarray, compression: C.Compressor) -> C.WorkerCodec:
         """The tensor's compression state (its residual lives from one push_pull to the next)."""
@@ -728,7 +798,11 @@ class Worker:
             sock.send(P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[task.dtype], flags=flags,
                                     rank=self.rank, part=part_id, round=round_, nbytes=length),
                       zmq.SNDMORE)
-            sock.send(data, copy=False)
+            if task.hyper is None:
+                sock.send(data, copy=False)
+            else:       # asynchronous training: the hyperparameters go with the gradient
+                sock.send(data, zmq.SNDMORE, copy=False)
+                sock.send(task.hyper)
             self._inflight_bytes += length
             self._unacked[part_id] = length
             self._active[part_id] = (task, part)
@@ -1074,7 +1148,9 @@ class Worker:
         if zmq.EVENT_DISCONNECTED not in events or index in self._server_down:
             return
         cfg = self.config
-        if cfg.server_failover and len(self._servers) - len(self._servers_lost) > 1:
+        # asynchronous training: the lost server's parameters are gone with it (_fail_server)
+        if cfg.server_failover and not cfg.async_mode and \
+                len(self._servers) - len(self._servers_lost) > 1:
             # the scheduler decides whether the server is lost (its heartbeats stop) and, if
             # so, moves its partitions (SERVER_MOVED); wait for that, not much longer
             now = time.monotonic()
@@ -1091,13 +1167,25 @@ class Worker:
 
     def _fail_server(self, index: int) -> None:
         self._fail_all(EngineError(f"worker {self.rank}: " + lost_link(
-            self._server_name(index), self.config.heartbeat_timeout_s)))
+            self._server_name(index), self.config.heartbeat_timeout_s) + self._params_gone()))
+
+    def _params_gone(self) -> str:
+        """Why a lost server ends a job of asynchronous training, whatever the failover."""
+        if not self.config.async_mode:
+            return ""
+        return ("; under asynchronous training (BPSCTL_ASYNC) the servers hold the model's "
+                "parameters, and that server's are gone with it: the job cannot go on (restart "
+                "it from a checkpoint)")
 
     def _server_moved(self, msg: dict[str, Any]) -> None:
         """A lost server's partitions live on other servers now: send what it had not
         answered to them again (same round: the new server starts each partition empty at
         the round it is pushed), and later rounds there too."""
         index = int(msg["index"])
+        if self.config.async_mode:
+            self._fail_all(EngineError(f"worker {self.rank}: {msg['message']}"
+                                       + self._params_gone()))
+            return
         since, _ = self._server_down.pop(index, (time.monotonic(), 0.0))
         self._servers_lost.add(index)
         self._spare_servers -= {index, *(i for i, s in enumerate(self._servers)
