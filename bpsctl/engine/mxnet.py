@@ -58,7 +58,11 @@ __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "
 def init(config: Config | None = None) -> None:
     """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent.
     A restarted worker cannot rejoin a running MXNet job (only the PyTorch plugin hands a
-    rejoining worker the model): it fails here, and the job goes on without it."""
+    rejoining worker the model): it fails here, and the job goes on without it. Nor is
+    asynchronous training (BPSCTL_ASYNC) built for MXNet: it fails here too."""
+    if (config if config is not None else Config.from_env(role="worker")).async_mode:
+        raise EngineError("asynchronous training (BPSCTL_ASYNC) is not built for MXNet, only for "
+                          "PyTorch (bpsctl.engine.torch); train synchronously")
     _engine.init(config)
     if _engine._w().config.staleness:
         _engine.shutdown()

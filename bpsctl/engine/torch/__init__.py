@@ -29,6 +29,13 @@ where to resume. After its first step its parameters equal the others' bit for b
 :mod:`bpsctl.engine.torch.elastic` does the same for Horovod's elastic API. ``CrossBarrier``
 (:mod:`bpsctl.engine.torch.cross_barrier`) updates parameters per layer as their sums arrive,
 on the same gradient hooks.
+
+**Asynchronous training** (``BPSCTL_ASYNC``): the servers hold the parameters.
+``DistributedOptimizer`` then wraps ``torch.optim.SGD`` only: its first ``step()`` pushes each
+bucket's parameter values (the servers keep the first to arrive, and every worker starts from
+them), and from then on the hooks push each bucket's gradient with its param group's
+hyperparameters; the servers apply it at once, and ``step()`` copies the parameters they
+answer with into the model instead of running the optimizer here.
 """
 from __future__ import annotations
 
@@ -196,10 +203,10 @@ class _Plugin:
         w, cfg = self.worker, self.config
         # the intra-node stage (shared memory or a gloo group of the host's workers) cannot
         # lose one, gain one, and waits for its slowest: with BPSCTL_MIN_WORKERS below the
-        # world size, room to grow (BPSCTL_MAX_WORKERS), backup workers or staleness, every
-        # worker pushes on its own
+        # world size, room to grow (BPSCTL_MAX_WORKERS), backup workers, staleness or
+        # asynchronous training, every worker pushes on its own
         elastic = (0 < cfg.min_workers < w.size or cfg.max_workers > cfg.world_size
-                   or cfg.backup_workers > 0 or cfg.staleness > 0)
+                   or cfg.backup_workers > 0 or cfg.staleness > 0 or cfg.async_mode)
         if (w.local_size > 1 and cfg.local_reduce == "auto" and w.size % w.local_size == 0
                 and not elastic):
             if not cfg.master_port:
@@ -601,13 +608,14 @@ class _Bucket:
 
 
 def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
-             prefix: str) -> list[_Bucket]:
+             prefix: str, group_of: dict | None = None) -> list[_Bucket]:
     """Group ``params`` (in registration order) for pushing. Backward produces gradients roughly
     in reverse order, so runs of small gradients adjacent in that order share a bucket of at most
     ``fusion_bytes``; a gradient of ``fusion_bytes`` or more travels alone. Every worker derives
     the same buckets from the same model, so the names agree across workers. Priorities follow
     layer order (the first parameter highest): the next forward pass needs the first layers
-    first, and the engine sends larger priority first."""
+    first, and the engine sends larger priority first. With ``group_of`` (parameter -> its
+    param group) a bucket holds one group's parameters only."""
     index = {p: i for i, p in enumerate(params)}
     buckets: list[_Bucket] = []
     run: list[torch.nn.Parameter] = []
@@ -626,7 +634,8 @@ def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
     for p in reversed(params):
         size = p.numel() * p.element_size()
         fits = (run and p.dtype == run[0].dtype and p.device == run[0].device
-                and run_bytes + size <= fusion_bytes)
+                and run_bytes + size <= fusion_bytes
+                and (group_of is None or group_of[p] == group_of[run[0]]))
         if not fits:
             close_run()
         run.append(p)
@@ -643,7 +652,8 @@ class _GradientSync:
 
     def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], prefix: str,
                  compression: CompressionArg, passes_per_step: int,
-                 before_first_push: Callable[[], None] | None = None):
+                 before_first_push: Callable[[], None] | None = None,
+                 group_of: dict | None = None):
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expected at least 1, "
                              f"got {passes_per_step}")
@@ -654,7 +664,8 @@ class _GradientSync:
         self.prefix = prefix
         self.params = [p for _, p in named_parameters if p.requires_grad]
         full_names = {p: f"{prefix}.{name}" for name, p in named_parameters}
-        self.buckets = _buckets(self.params, full_names, _p().config.fusion_bytes, prefix)
+        self.buckets = _buckets(self.params, full_names, _p().config.fusion_bytes, prefix,
+                                group_of)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.compression = compression
         self.passes_per_step = passes_per_step
@@ -688,31 +699,44 @@ class _GradientSync:
                 self._push(bucket)
 
     def _push(self, bucket: _Bucket) -> None:
+        name = bucket.name
+        if self.stale is not None:
+            # this step's slot: the gradients stay there while s more steps run
+            tensor, name = self.stale.slot_tensor(bucket)
+            grads = self.grads(bucket)
+            if len(grads) == 1:
+                tensor.copy_(grads[0].reshape(-1))
+            else:
+                torch.cat([g.reshape(-1) for g in grads], out=tensor)
+        else:
+            tensor = self.gradient(bucket)
+        self.handles[bucket] = push_pull_async_inplace(tensor, average=True, name=name,
+                                                       priority=bucket.priority,
+                                                       compression=self.compression)
+
+    @staticmethod
+    def grads(bucket: _Bucket) -> list[torch.Tensor]:
+        """The bucket's members' gradients (a missing one becomes zeros)."""
         grads = []
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        name = bucket.name
-        if self.stale is not None:
-            # this step's slot: the gradients stay there while s more steps run
-            tensor, name = self.stale.slot_tensor(bucket)
-            if len(grads) == 1:
-                tensor.copy_(grads[0].reshape(-1))
-            else:
-                torch.cat([g.reshape(-1) for g in grads], out=tensor)
-        elif len(grads) == 1:
-            tensor = grads[0]
-        else:
-            if bucket.flat is None:
-                first = bucket.params[0]
-                bucket.flat = torch.empty(sum(p.numel() for p in bucket.params),
-                                          dtype=first.dtype, device=first.device)
-            torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
-            tensor = bucket.flat
-        self.handles[bucket] = push_pull_async_inplace(tensor, average=True, name=name,
-                                                       priority=bucket.priority,
-                                                       compression=self.compression)
+        return grads
+
+    @classmethod
+    def gradient(cls, bucket: _Bucket) -> torch.Tensor:
+        """The bucket's gradient as one tensor: a lone parameter's own, or its members'
+        packed into the bucket's flat buffer."""
+        grads = cls.grads(bucket)
+        if len(grads) == 1:
+            return grads[0]
+        if bucket.flat is None:
+            first = bucket.params[0]
+            bucket.flat = torch.empty(sum(p.numel() for p in bucket.params),
+                                      dtype=first.dtype, device=first.device)
+        torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
+        return bucket.flat
 
     def synchronize(self, end_of_step: bool = True) -> None:
         """Wait for every bucket's push_pull; ``end_of_step``: the step ends here (no
@@ -873,13 +897,178 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
 
+# --------------------------------------------------------------------------- asynchronous
+
+#: what a push of asynchronous training carries besides the gradient (see Worker.push_pull_async)
+Hyperparameters = tuple[float, float, float, float, bool]
+
+
+def _start_async(source: torch.Tensor, output: torch.Tensor, name: str, priority: int, *,
+                 update: Hyperparameters | None = None, init: bool = False) -> int:
+    """A push of asynchronous training: ``source`` (a gradient with ``update``, the
+    parameter values with ``init``) goes to the servers, and the parameters they answer with
+    land in ``output`` (contiguous, same shape, dtype and device); a handle for
+    :func:`synchronize`. CUDA tensors are staged through pinned host buffers, as push_pulls
+    are."""
+    plugin = _p()
+    op = _Op(name, output, output, None, Compression.none)
+    if source.is_cuda:
+        if plugin.copy_stream is None:
+            plugin.copy_stream = torch.cuda.Stream(device=source.device)
+        stream = plugin.copy_stream
+        host_in = _pinned(plugin, name + "/in", source)
+        host_out = _pinned(plugin, name + "/out", source)
+        stream.wait_stream(torch.cuda.current_stream(source.device))
+        with torch.cuda.stream(stream):
+            host_in.copy_(source, non_blocking=True)
+        stream.synchronize()
+        op.keep, op.device_out, source, op.wire_out = source, output, host_in, host_out
+    handle = plugin.worker.push_pull_async(_as_array(source), name=name, average=False,
+                                           priority=priority, out=_as_array(op.wire_out),
+                                           async_update=update, async_init=init)
+    op.wait = lambda timeout_s: handle.wait(timeout_s)
+    op.done = handle.done
+    op.keep = (op.keep, source)
+    with plugin.lock:
+        number = next(plugin.handles)
+        plugin.ops[number] = op
+    return number
+
+
+class _AsyncSync(_GradientSync):
+    """The gradient hooks under asynchronous training: each bucket (one param group's
+    parameters only) pushes its gradient with the group's hyperparameters, and its push_pull
+    answers with the servers' parameters, into the parameter itself (a lone, contiguous one)
+    or the bucket's parameter buffer (``unpack_params`` copies them out)."""
+
+    def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], prefix: str,
+                 optimizer: torch.optim.Optimizer, passes_per_step: int):
+        group_of = {p: i for i, group in enumerate(optimizer.param_groups)
+                    for p in group["params"]}
+        super().__init__(named_parameters, prefix, Compression.none, passes_per_step,
+                         group_of=group_of)
+        # its groups are looked up at each push: load_state_dict (broadcast_optimizer_state)
+        # replaces them, and LR schedulers change them
+        self.optimizer, self.group_of = optimizer, group_of
+        self.initialised = False        # the buckets' init pushes are done (the first step)
+        self.param_buffers: dict[_Bucket, torch.Tensor] = {}
+
+    def _push(self, bucket: _Bucket) -> None:
+        if self.initialised:        # the first step pushes its gradients after the init pushes
+            self.handles[bucket] = _start_async(self.gradient(bucket), self.params_out(bucket),
+                                                bucket.name, bucket.priority,
+                                                update=self.hyperparameters(bucket))
+
+    def hyperparameters(self, bucket: _Bucket) -> Hyperparameters:
+        """The bucket's param group's SGD hyperparameters now (so LR schedules apply)."""
+        group = self.optimizer.param_groups[self.group_of[bucket.params[0]]]
+        return (float(group["lr"]), float(group["momentum"]), float(group["weight_decay"]),
+                float(group["dampening"]), bool(group["nesterov"]))
+
+    def params_out(self, bucket: _Bucket) -> torch.Tensor:
+        """Where the servers' parameters of ``bucket`` land."""
+        first = bucket.params[0]
+        if len(bucket.params) == 1 and first.is_contiguous():
+            return first.detach()
+        buffer = self.param_buffers.get(bucket)
+        if buffer is None:
+            buffer = self.param_buffers[bucket] = torch.empty(
+                sum(p.numel() for p in bucket.params), dtype=first.dtype, device=first.device)
+        return buffer
+
+    def unpack_params(self, bucket: _Bucket) -> None:
+        buffer = self.param_buffers.get(bucket)
+        if buffer is not None:
+            offset = 0
+            with torch.no_grad():
+                for p in bucket.params:
+                    p.copy_(buffer[offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+
+    def initialise(self) -> None:
+        """Every bucket's init push: its parameter values; the servers answer with the first
+        worker's (in practice equal: broadcast_parameters came first), copied in."""
+        handles = []
+        for bucket in self.buckets:
+            out = self.params_out(bucket)
+            if out.data_ptr() != bucket.params[0].data_ptr():
+                torch.cat([p.detach().reshape(-1) for p in bucket.params], out=out)
+            handles.append((bucket, _start_async(out, out, bucket.name, bucket.priority,
+                                                 init=True)))
+        for bucket, handle in handles:
+            synchronize(handle)
+            self.unpack_params(bucket)
+        self.initialised = True
+
+
+class _AsyncDistributedOptimizer(_DistributedOptimizer):
+    """DistributedOptimizer under asynchronous training (see the module docstring)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step):
+        super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
+        self._sync = _AsyncSync(_named(self, named_parameters), "DistributedOptimizer.grad",
+                                self, backward_passes_per_step)
+        self._should_synchronize = True
+        self._synchronized = False
+        plugin = _p()
+        self._index = len(plugin.optimizers)
+        plugin.optimizers.append(self)
+
+    def synchronize(self) -> None:
+        raise EngineError("optimizer.synchronize() under asynchronous training (BPSCTL_ASYNC): "
+                          "gradients go to the servers as backward computes them, and the "
+                          "servers apply them; nothing can change them between synchronize() "
+                          "and step() (gradient clipping included). Call step() alone")
+
+    def step(self, closure=None):
+        plugin = _p()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sync = self._sync
+        assert isinstance(sync, _AsyncSync)
+        started_ns = now_ns()
+        if not sync.initialised:
+            sync.initialise()
+        for bucket, handle in sync.take_handles():      # pushes what the hooks did not
+            synchronize(handle)
+            sync.unpack_params(bucket)
+        plugin.worker.trace_span("synchronize", sync.prefix, started_ns, now_ns())
+        _end_step(plugin)
+        return loss
+
+
+def _check_async(optimizer: torch.optim.Optimizer, compression: CompressionArg) -> None:
+    """What asynchronous training needs of DistributedOptimizer's arguments."""
+    if type(optimizer) is not torch.optim.SGD:
+        raise ValueError(f"BPSCTL_ASYNC (asynchronous training): DistributedOptimizer got "
+                         f"{type(optimizer).__module__}.{type(optimizer).__qualname__}, but the "
+                         "servers apply updates as torch.optim.SGD does (momentum, weight "
+                         "decay, Nesterov), and only that: wrap a torch.optim.SGD, or train "
+                         "synchronously")
+    if any(group.get("maximize") for group in optimizer.param_groups):
+        raise ValueError("BPSCTL_ASYNC (asynchronous training): torch.optim.SGD with "
+                         "maximize=True is not what the servers run; negate the loss instead")
+    if compression is not Compression.none:
+        raise ValueError(f"BPSCTL_ASYNC (asynchronous training) with compression "
+                         f"{getattr(compression, '__name__', compression)}: gradients and "
+                         "parameters travel uncompressed (servers apply each gradient as it "
+                         "comes); drop the compression, or train synchronously")
+
+
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: CompressionArg = Compression.none,
                          backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so each gradient is averaged across workers from a per-parameter hook
-    the moment it is ready; ``step()`` waits only for what is still outstanding."""
-    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
-               dict(_DistributedOptimizer.__dict__))
+    the moment it is ready; ``step()`` waits only for what is still outstanding. Under
+    ``BPSCTL_ASYNC`` (``optimizer`` a ``torch.optim.SGD``) the servers hold the parameters and
+    apply the gradients: see the module docstring."""
+    methods = dict(_DistributedOptimizer.__dict__)
+    if _p().config.async_mode:
+        _check_async(optimizer, compression)
+        methods.update(_AsyncDistributedOptimizer.__dict__)
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
     return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step)
 
 
@@ -891,6 +1080,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     def __init__(self, module: torch.nn.Module,
                  compression: CompressionArg = Compression.none):
+        if _p().config.async_mode:
+            raise EngineError("DistributedDataParallel under asynchronous training "
+                              "(BPSCTL_ASYNC): the servers apply the updates, and this wrapper "
+                              "has no optimizer to take them from; wrap a torch.optim.SGD in "
+                              "bps.DistributedOptimizer instead")
         super().__init__()
         if _p().config.staleness:
             raise EngineError("BPSCTL_STALENESS (--staleness) applies the averaged gradients of "
