@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import secrets
+import signal
 import sys
 import textwrap
+import time
 import uuid
 
 import numpy as np
 import pytest
 import torch
 import zmq
-from conftest import CHECK_HELPER
+from conftest import CHECK_HELPER, cluster_config, gone, kill_pids, run_job, wait_until
 
 import bpsctl
 from bpsctl.config import Config, ConfigError, check_training_mode
@@ -26,6 +29,7 @@ from bpsctl.engine import EngineError, Worker
 from bpsctl.engine import compression as C
 from bpsctl.engine import protocol as P
 from bpsctl.engine.security import Security
+from bpsctl.launch import api
 from bpsctl.launch.api import run_local
 
 #: one partition summed inline, one on a summation thread, one tensor of two partitions (both
@@ -112,6 +116,38 @@ def test_the_server_steps_as_torch_sgd_does(job, nesterov):
         np.testing.assert_allclose(served[name], tensor.numpy(), rtol=1e-5, atol=1e-6,
                                    err_msg=name)
         assert not np.array_equal(served[name], init[name])
+
+
+def test_a_lost_server_ends_the_job_saying_its_parameters_are_gone():
+    """kill -9 one of two servers mid-run: with failover on (the default), a synchronous job
+    would go on; an asynchronous one fails at once, saying why."""
+    with api.local_cluster(cluster_config(heartbeat_timeout_s=1.0), servers=2) as cluster:
+        pids = [p.pid for p in cluster.processes]
+        victim = next(p for p in cluster.processes if p.role == "server" and p.rank == 1)
+
+        def body(w: Worker):
+            # two tensors of two partitions each: both servers hold some
+            params = [np.zeros(SIZES["two_parts"], np.float32) for _ in range(2)]
+            for i, values in enumerate(params):
+                w.push_pull(values, name=f"p{i}", out=values, async_init=True)
+            os.kill(victim.pid, signal.SIGKILL)
+            started = time.monotonic()
+            with pytest.raises(EngineError) as failed:
+                while time.monotonic() < started + 20:
+                    for i, values in enumerate(params):
+                        w.push_pull(np.ones_like(values), name=f"p{i}", out=values,
+                                    async_update=PLAIN_SGD)
+            return str(failed.value), time.monotonic() - started
+
+        try:
+            [(message, seconds)] = run_job(cluster, 1, 2, body, async_mode=True)
+        finally:
+            kill_pids(pid for pid in pids if not gone(pid))
+            wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster to exit")
+    assert f"server 1 at {victim.host}:{victim.port}" in message, message
+    assert "under asynchronous training (BPSCTL_ASYNC) the servers hold the model's " \
+           "parameters, and that server's are gone with it" in message, message
+    assert seconds < 3, seconds         # at once, not after the failover's wait
 
 
 # --------------------------------------------------------------------------- the wire
@@ -294,6 +330,16 @@ TRAIN_SCRIPT = textwrap.dedent('''
             raise AssertionError("compression was accepted")
 
     @check
+    def cross_barrier_is_refused():
+        from bpsctl.engine.torch.cross_barrier import CrossBarrier
+        try:
+            CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        except bps.EngineError as exc:
+            assert "BPSCTL_ASYNC" in str(exc) and "DistributedOptimizer" in str(exc), exc
+        else:
+            raise AssertionError("CrossBarrier was accepted")
+
+    @check
     def ddp_is_refused():
         try:
             bps.DistributedDataParallel(torch.nn.Linear(2, 2))
@@ -325,7 +371,8 @@ def test_torch_training_with_server_held_parameters(tmp_path):
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     for rank, record in enumerate(records):
         assert record["results"] == {"other_optimizers_are_refused": "ok",
-                                     "compression_is_refused": "ok", "ddp_is_refused": "ok"}, \
+                                     "compression_is_refused": "ok",
+                                     "cross_barrier_is_refused": "ok", "ddp_is_refused": "ok"}, \
             record["results"]
         assert not record["stage"]                      # every worker pushes on its own
         losses = record["losses"]

@@ -94,6 +94,10 @@ class _CrossBarrier(torch.optim.Optimizer):
         # the wrapped optimizer's __init__, whose hyper-parameters all have defaults; the
         # param_groups passed in carry the user's
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
+        if _p().config.async_mode:
+            raise EngineError("CrossBarrier under asynchronous training (BPSCTL_ASYNC): the "
+                              "servers update the parameters, so there is no update here to "
+                              "overlap; use bps.DistributedOptimizer(torch.optim.SGD(...))")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"CrossBarrier: model must be a torch.nn.Module (the forward pre-hooks "
                             f"go on its modules), got {type(model).__name__}")
