@@ -218,6 +218,12 @@ def test_a_push_sent_twice_is_applied_once(engine_cluster, size):
                                   P.ASYNC_HYPER.pack(*PLAIN_SGD)])
         _, error = peer.expect(P.ERROR)
         assert "pushed 8 bytes of float32, but its parameters are" in str(error), error
+        # an update of parameters nobody has set is refused too
+        peer.sock.send_multipart([P.pack_header(P.PUSH, dtype=9, flags=P.FLAG_ASYNC, part=1,
+                                                round=1, nbytes=8), b"\0" * 8,
+                                  P.ASYNC_HYPER.pack(*PLAIN_SGD)])
+        _, error = peer.expect(P.ERROR)
+        assert "partition 1: rank 0's async push came before any init push" in str(error), error
     finally:
         ctx.destroy(linger=0)
 
