@@ -437,8 +437,8 @@ class Worker:
                  else P.FLAG_BACKUP if average and self.config.backup_workers else 0)
         hyper = None
         if async_update is not None or async_init:
-            flags, hyper = self._async_push(src, name, async_update, async_init, host_reduced,
-                                            compression)
+            flags, hyper = self._async_flags(src, name, async_update, async_init, host_reduced,
+                                             compression)
             divisor = None                  # the answer is the parameters, not a sum
         if name is None:
             name = f"push_pull.noname.{next(self._noname_counter)}"
@@ -485,7 +485,7 @@ class Worker:
                                                      async_update=async_update,
                                                      async_init=async_init))
 
-    def _async_push(self, src: np.ndarray, name: str | None,
+    def _async_flags(self, src: np.ndarray, name: str | None,
                     update: tuple[float, float, float, float, bool] | None, init: bool,
                     host_reduced: bool, compression: C.Compressor | None
                     ) -> tuple[int, bytes | None]:
