@@ -136,9 +136,8 @@ def check_backup_workers(backup_workers: int, workers: int,
 def check_training_mode(config: Config, flags: dict[str, str] | None = None,
                         compression: str | None = None) -> None:
     """Refuse the combinations of --staleness, --async and --backup-workers that have no
-    meaning: asynchronous training has no rounds to be stale in or to complete early; nor
-    compression (``compression``: a bench's --compression spec), a restarted or an attached
-    worker (no step boundary to hand the model over at: the servers hold it).
+    meaning: asynchronous training has no rounds to be stale in or to complete early, and
+    sends everything uncompressed (``compression``: a bench's --compression spec).
     ``flags`` names the flag that set each knob, for the message."""
     flags = flags or {}
 
@@ -175,15 +174,6 @@ def check_training_mode(config: Config, flags: dict[str, str] | None = None,
                           f"{flags.get('compression', 'compression')} {compression}: "
                           "asynchronous training sends gradients and parameters uncompressed "
                           "(servers apply each gradient as it comes); choose one")
-    for knob, env, what, joins in (
-            ("max_restarts", "BPSCTL_MAX_RESTARTS", "a restarted", config.max_restarts > 0),
-            ("max_workers", "BPSCTL_MAX_WORKERS", "an attached",
-             config.max_workers > config.world_size)):
-        if config.async_mode and joins:
-            raise ConfigError(f"{name('async_mode', 'BPSCTL_ASYNC')} with {name(knob, env)} "
-                              f"{getattr(config, knob)}: {what} worker joins at a step "
-                              "boundary of synchronous training, and asynchronous training "
-                              "has none (the servers hold the parameters); choose one")
 
 
 def backup_range(workers: int) -> str:

@@ -238,10 +238,12 @@ def test_what_asynchronous_training_cannot_go_with_is_refused_naming_both():
         check_training_mode(config, {"async_mode": "--async", "compression": "--compression"},
                             compression="onebit")
     with pytest.raises(ConfigError, match=r"BPSCTL_ASYNC with BPSCTL_MAX_RESTARTS 2: a "
-                                          r"restarted worker joins at a step boundary"):
+                                          r"worker joins a running job at a step with no "
+                                          r"push_pull in flight, which asynchronous training "
+                                          r"never has"):
         check_training_mode(config.replace(max_restarts=2))
     with pytest.raises(ConfigError, match=r"BPSCTL_ASYNC with --max-workers / "
-                                          r"BPSCTL_MAX_WORKERS 6: an attached worker"):
+                                          r"BPSCTL_MAX_WORKERS 6: a worker joins"):
         check_training_mode(config.replace(max_workers=6), {"max_workers": "--max-workers"})
     check_training_mode(config.replace(max_workers=4))      # the job's own size: no growth
 
