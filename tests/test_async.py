@@ -293,10 +293,12 @@ TRAIN_SCRIPT = textwrap.dedent('''
     inputs = torch.randn(256, 8)
     targets = teacher(inputs).detach()
     torch.manual_seed(100 + R)                  # each rank its own initial model
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    sgd = torch.optim.SGD([{"params": [p for n, p in model.named_parameters() if "bias" in n],
-                            "weight_decay": 0.0},
-                           {"params": [p for n, p in model.named_parameters() if "bias" not in n]}],
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    # with BPSCTL_FUSION_BYTES=512 the buckets are [4.bias, 4.weight, 2.bias] (fused),
+    # [2.weight], and the first layer's two alone: it is another param group
+    sgd = torch.optim.SGD([{"params": list(model[0].parameters()), "weight_decay": 0.0},
+                           {"params": list(model[2].parameters()) + list(model[4].parameters())}],
                           lr=0.05, momentum=0.9, weight_decay=1e-4)
     opt = bps.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -358,6 +360,7 @@ TRAIN_SCRIPT = textwrap.dedent('''
 
     with open(os.path.join(sys.argv[1], f"rank{R}.json"), "w") as f:
         json.dump({"losses": losses, "final": final, "results": RESULTS,
+               "buckets": [len(b.params) for b in opt._sync.buckets],
                    "stage": bps._p().stage is not None}, f)
     bps.shutdown()
 ''')
@@ -371,7 +374,7 @@ def test_torch_training_with_server_held_parameters(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     config = Config(state_dir=tmp_path / "state", heartbeat_interval_s=0.2,
-                    start_timeout_s=30.0, op_timeout_s=30.0, async_mode=True)
+                    start_timeout_s=30.0, op_timeout_s=30.0, async_mode=True, fusion_bytes=512)
     log = io.StringIO()
     result = run_local([sys.executable, str(script), str(out)], 2, config, servers=2,
                        stdout=log, stderr=log)
@@ -383,6 +386,7 @@ def test_torch_training_with_server_held_parameters(tmp_path):
                                      "cross_barrier_is_refused": "ok", "ddp_is_refused": "ok"}, \
             record["results"]
         assert not record["stage"]                      # every worker pushes on its own
+        assert record["buckets"] == [3, 1, 1, 1], record["buckets"]
         losses = record["losses"]
         assert losses[-1] < 0.5 * losses[0], (rank, losses[0], losses[-1])
     assert records[0]["final"] == records[1]["final"]

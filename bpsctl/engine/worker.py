@@ -486,9 +486,9 @@ class Worker:
                                                      async_init=async_init))
 
     def _async_flags(self, src: np.ndarray, name: str | None,
-                    update: tuple[float, float, float, float, bool] | None, init: bool,
-                    host_reduced: bool, compression: C.Compressor | None
-                    ) -> tuple[int, bytes | None]:
+                     update: tuple[float, float, float, float, bool] | None, init: bool,
+                     host_reduced: bool, compression: C.Compressor | None
+                     ) -> tuple[int, bytes | None]:
         """The flags and hyperparameter frame of a push of asynchronous training; ValueError
         or TypeError naming what it cannot be."""
         what = f"asynchronous training (BPSCTL_ASYNC) of {name!r}"
