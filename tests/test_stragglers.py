@@ -237,9 +237,8 @@ def test_a_cpu_straggler_host_runs_its_processes_in_a_throttled_cgroup():
 # --------------------------------------------------------------------------- time to accuracy
 
 @pytest.mark.parametrize("compare, message", [
-    ("async", "--compare: async: asynchronous training (--async) is not built yet"),
     ("sync,horovod", "--compare: 'horovod' is not a system of bench convergence; choose from "
-                     "sync, backup, stale, ddp"),
+                     "sync, backup, stale, async, ddp"),
 ])
 def test_convergence_refuses_systems_it_does_not_have(tmp_path, monkeypatch, compare, message):
     monkeypatch.setenv("BPSCTL_STATE_DIR", str(tmp_path / "state"))
@@ -261,19 +260,21 @@ def test_the_convergence_task_is_the_same_everywhere_and_learnable():
 
 
 def test_every_system_reaches_its_target_accuracy(tmp_path):
-    """`bench convergence --compare sync,backup,stale,ddp` on the embedded cluster, tiny sizes:
-    every system reaches the target, and the report and plot say so."""
+    """`bench convergence --compare sync,backup,stale,async,ddp` on the embedded cluster,
+    tiny sizes: every system reaches the target, and the report and plot say so."""
     settings = ConvergenceSettings(workers=2, servers=1, target=0.75, max_steps=600,
-                                   compare=("sync", "backup", "stale", "ddp"),
+                                   compare=("sync", "backup", "stale", "async", "ddp"),
                                    train=1024, test=256, batch_size=16, timeout_s=240)
     report = run_convergence(Config(start_timeout_s=60), settings, output=io.StringIO())
-    assert [row["system"] for row in report["results"]] == ["sync", "backup", "stale", "ddp"]
+    assert [row["system"] for row in report["results"]] == ["sync", "backup", "stale", "async",
+                                                            "ddp"]
     for row in report["results"]:
         assert row["reached"] and row["final_accuracy"] >= 0.75, row
         assert 0 < row["steps"] <= 600 and row["seconds"] > 0
         assert row["curve"][-1]["accuracy"] == row["final_accuracy"]
     assert "backup workers" in report["results"][1]["version"]
     assert "staleness 2" in report["results"][2]["version"]
+    assert "asynchronous" in report["results"][3]["version"]
     assert report["all_reached"] and report["backup_workers"] == 1 and report["staleness"] == 2
     plot_convergence(report, tmp_path / "curves.png")
     assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"

@@ -65,7 +65,8 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                     credit_bytes: str | None, emulate: bool | None,
                     nic: str | None, config_file: Path | None = None,
                     trace_dir: Path | None = None, straggler: str | None = None,
-                    backup_workers: int | None = None, staleness: int | None = None) -> Any:
+                    backup_workers: int | None = None, staleness: int | None = None,
+                    async_mode: bool | None = None) -> Any:
     """The Config every benchmark (and tune) shares: data-path knobs, the (emulated) cluster
     flags, and the tuned config file under them."""
     flags = {"partition_bytes": (None if partition_bytes is None
@@ -77,6 +78,7 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
              "straggler": (straggler, "--straggler"),
              "backup_workers": (backup_workers, "--backup-workers"),
              "staleness": (staleness, "--staleness"),
+             "async_mode": (async_mode, "--async"),
              "trace_dir": (None if trace_dir is None else str(trace_dir.resolve()), "--trace")}
     # a figure must not hide a failover: a server lost mid-benchmark fails the run, naming it
     config = build_config(ctx, flags, config_file, read_file=True).replace(server_failover=False)
@@ -233,17 +235,19 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            config_file: Path | None, trace_dir: Path | None = None,
            straggler: str | None = None, compression: str | None = None,
            backup_workers: int | None = None, cross_barrier: bool = False,
-           staleness: int | None = None) -> None:
+           staleness: int | None = None, async_mode: bool | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir, straggler, backup_workers, staleness)
+                                 trace_dir, straggler, backup_workers, staleness, async_mode)
         workers, servers = cluster_size(config, workers, servers)
         check_backup_workers(config.backup_workers, workers)
-        check_training_mode(config, {"staleness": "--staleness",
-                                     "backup_workers": "--backup-workers"})
-        if config.staleness and cross_barrier:
-            raise ConfigError("--staleness with --cross-barrier: the cross barrier applies each "
-                              "layer's average of the same step; choose one")
+        check_training_mode(config, {"staleness": "--staleness", "async_mode": "--async",
+                                     "backup_workers": "--backup-workers"},
+                            compression=compression or None)
+        if (config.staleness or config.async_mode) and cross_barrier:
+            raise ConfigError(f"{'--staleness' if config.staleness else '--async'} with "
+                              "--cross-barrier: the cross barrier applies each layer's average "
+                              "of the same step itself; choose one")
         settings = TrainSettings(model=model, workers=workers, servers=servers,
                                  batch_size=batch_size, image_size=image_size,
                                  num_classes=num_classes, warmup=warmup, iters=iters,
@@ -300,6 +304,7 @@ def _train_command(model: str, title: str) -> None:
                 straggler: str | None = knob_option("straggler", "--straggler"),
                 backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
                 staleness: int | None = knob_option("staleness", "--staleness"),
+                async_mode: bool | None = knob_option("async_mode", "--async"),
                 partition_bytes: str | None = knob_option("partition_bytes", "--partition-bytes"),
                 credit_bytes: str | None = knob_option("credit_bytes", "--credit-bytes"),
                 json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
@@ -313,7 +318,7 @@ def _train_command(model: str, title: str) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file, trace_dir, straggler, compression,
-               backup_workers, cross_barrier, staleness)
+               backup_workers, cross_barrier, staleness, async_mode)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")
@@ -336,8 +341,8 @@ def convergence(ctx: typer.Context,
                     "sync,backup,ddp", "--compare", metavar="SYSTEM[,SYSTEM]",
                     help="Systems trained one after another on the same cluster: sync (bpsctl, "
                          "every worker every step), backup (bpsctl with --backup-workers, "
-                         "default 1), stale (bpsctl with --staleness, default 2), ddp (torch "
-                         "DDP, gloo). async is planned."),
+                         "default 1), stale (bpsctl with --staleness, default 2), async (bpsctl "
+                         "asynchronous, servers hold the parameters), ddp (torch DDP, gloo)."),
                 target: float = typer.Option(0.85, "--target", min=0.0, max=1.0,
                                              help="Test accuracy each system trains to."),
                 max_steps: int = typer.Option(2000, "--max-steps", min=1,

@@ -1,6 +1,6 @@
 """The training loop of `bpsctl bench convergence`: time to a target accuracy, per system.
 
-Runs inside each worker process (``python -m bpsctl.bench.convergence --system sync|backup|ddp``),
+Runs inside each worker process (``python -m bpsctl.bench.convergence --system sync|ddp|...``),
 started by the same launcher on the same hosts for every system. The task is a real one that
 needs no download: a fixed *teacher* network (seeded) labels Gaussian inputs with the class of
 its largest output; a smaller *student* learns them with SGD. Every worker builds the same
@@ -8,7 +8,9 @@ data, trains on its own shard of the training set, and measures the student on t
 test set every ``--eval-every`` steps. Models stay identical on every worker (synchronous
 systems; a late worker under backup workers gets the same averaged gradient; under staleness
 every worker applies the same averages, s steps late), so every worker
-reaches the target at the same step and all stop together. Rank 0 prints the result as JSON.
+reaches the target at the same step and all stop together. Asynchronous workers hold the
+parameters they last pulled from the servers: each measures those and stops on its own once
+they reach the target (rank 0's time is the system's). Rank 0 prints the result as JSON.
 """
 from __future__ import annotations
 
@@ -36,12 +38,10 @@ SYSTEMS: dict[str, System] = {s.name: s for s in (
     System("sync", "bpsctl", "bpsctl, every worker in every step"),
     System("backup", "bpsctl", "bpsctl with backup workers (--backup-workers, default 1)"),
     System("stale", "bpsctl", "bpsctl with bounded staleness (--staleness, default 2)"),
+    System("async", "bpsctl", "bpsctl asynchronous: servers apply each worker's gradient as "
+                              "it comes, at --lr divided by the workers"),
     System("ddp", "ddp", "torch DDP over gloo"),
 )}
-#: names fixed for systems not built yet: refused with this reason
-PLANNED: dict[str, str] = {
-    "async": "asynchronous training (--async) is not built yet",
-}
 
 
 def make_task(seed: int, features: int, classes: int, train: int, test: int
@@ -73,11 +73,17 @@ def _setup(system: System, args: argparse.Namespace, model: Any, optimizer: Any
         import bpsctl.engine.torch as bps
         bps.init()
         bps.broadcast_parameters(model.state_dict(), root_rank=0)
-        optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         config = bps._p().config
+        if config.async_mode:
+            # each worker's gradient is one update of its own, where a synchronous step
+            # applies their mean once: the same learning per sample at lr / workers
+            for group in optimizer.param_groups:
+                group["lr"] /= bps.size()
+        optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
         version = f"bpsctl {bpsctl.__version__}" + (
             f", {config.backup_workers} backup workers" if config.backup_workers else
-            f", staleness {config.staleness}" if config.staleness else "")
+            f", staleness {config.staleness}" if config.staleness else
+            ", asynchronous" if config.async_mode else "")
         return model, optimizer, bps.rank(), bps.size(), version, bps.shutdown
     import datetime
 
