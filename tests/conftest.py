@@ -91,6 +91,7 @@ TIERS: dict[str, set[str]] = {
     "test_bench_train.py::test_train_bench_on_emulated_hosts_against_the_baselines":
         {"slow", "root"},
     "test_bench_train.py::test_rounds_rotate_the_order_and_pair_the_ratios": {"slow"},
+    "test_bench_train.py::test_async_training_reports_the_sum_of_each_workers_rate": {"slow"},
     # full training on 4 workers (the module's fixture trains every variant: about 12 s)
     "test_torch_training.py": {"slow"},
     # CrossBarrier on 2 workers (quiet machine / loaded): one job trains every variant, 7-25 s;

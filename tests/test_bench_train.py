@@ -143,3 +143,17 @@ def test_rounds_rotate_the_order_and_pair_the_ratios(tmp_path):
     assert "try --emulate --nic 1gbit or --hosts." in said
     leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not leftovers
+
+
+@pytest.mark.timeout(300)
+def test_async_training_reports_the_sum_of_each_workers_rate(tmp_path):
+    """`bench resnet50 --async`: workers do not move in step, so the job's img/sec is the sum
+    of each worker's own rate (not rank 0's times the workers), and each is reported."""
+    out = tmp_path / "train.json"
+    result = _bpsctl(["bench", "resnet50", "--async", "--workers", "2", "--servers", "1",
+                      "--batch-size", "2", "--image-size", "32", "--warmup", "1", "--iters", "2",
+                      "--json", str(out)], tmp_path / "state", 280)
+    assert result.returncode == 0, result.stderr[-3000:]
+    row = json.loads(out.read_text())["results"][0]
+    assert len(row["img_per_sec_by_rank"]) == 2 and min(row["img_per_sec_by_rank"]) > 0
+    assert row["img_per_sec"] == pytest.approx(sum(row["img_per_sec_by_rank"]))

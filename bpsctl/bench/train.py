@@ -61,6 +61,24 @@ def throughput(img_secs: list[float], workers: int, batch_size: int) -> dict[str
             "step_seconds": batch_size / mean}
 
 
+def _rates_by_rank(args: argparse.Namespace, rank: int, size: int, mine: float
+                   ) -> list[float] | None:
+    """Each worker's img/sec over its timed window, when bpsctl's workers do not move in
+    step (staleness, asynchronous training): a fast worker's rate times the workers would
+    overstate the job. None when every worker goes at the same pace (one sum at the end)."""
+    if args.system != "bpsctl":
+        return None
+    import torch
+
+    import bpsctl.engine.torch as bps
+    config = bps._p().config
+    if not (config.staleness or config.async_mode):
+        return None
+    rates = torch.zeros(size, dtype=torch.float64)
+    rates[rank] = mine
+    return [float(r) for r in bps.push_pull(rates, average=False, name="bench.rates")]
+
+
 def parse_hosts(text: str) -> list[tuple[str, int]]:
     """``addr:slots,addr:slots`` (Horovod's -H) into [(addr, slots)]."""
     hosts = []
@@ -201,17 +219,22 @@ def main(argv: list[str] | None = None) -> None:
     timed(args.warmup)
     phases.update(backward_seconds=0.0, step_seconds=0.0)
     img_secs = []
+    window = 0.0
     for i in range(args.iters):
         seconds = timed(args.batches_per_iter)
+        window += seconds
         img_secs.append(args.batch_size * args.batches_per_iter / seconds)
         if rank == 0:
             print(f"{args.system} iter {i + 1}/{args.iters}: {img_secs[-1]:.2f} img/sec per worker "
                   f"({seconds / args.batches_per_iter:.3f} s/step)", flush=True)
+    timed_batches = args.iters * args.batches_per_iter
+    by_rank = _rates_by_rank(args, rank, size, args.batch_size * timed_batches / window)
     if rank == 0:
-        timed_batches = args.iters * args.batches_per_iter
         print_result({
             "system": args.system, "version": version,
             **throughput(img_secs, size, args.batch_size),
+            # workers not in step (staleness, async): the job's rate is the sum of each one's
+            **({"img_per_sec": sum(by_rank), "img_per_sec_by_rank": by_rank} if by_rank else {}),
             "phase_seconds_per_step": {
                 "forward_backward": phases["backward_seconds"] / timed_batches,
                 "optimizer_step": phases["step_seconds"] / timed_batches}})
