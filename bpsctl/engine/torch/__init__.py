@@ -322,6 +322,25 @@ def _contiguous_output(op: _Op, wire: torch.Tensor, source: torch.Tensor,
     return wire
 
 
+def _stage_through_host(plugin: _Plugin, op: _Op, name: str, tensor: torch.Tensor,
+                        device_out: torch.Tensor) -> torch.Tensor:
+    """Stage a CUDA ``tensor`` through pinned host memory for the engine: the copy runs on a
+    side stream after the work that produced it, and returns once it has landed. Returns the
+    host input; the result lands in a host output (``op.wire_out``) and :func:`synchronize`
+    copies it back into ``device_out``."""
+    if plugin.copy_stream is None:
+        plugin.copy_stream = torch.cuda.Stream(device=tensor.device)
+    stream = plugin.copy_stream
+    host_in = _pinned(plugin, name + "/in", tensor)
+    host_out = _pinned(plugin, name + "/out", tensor)
+    stream.wait_stream(torch.cuda.current_stream(tensor.device))
+    with torch.cuda.stream(stream):
+        host_in.copy_(tensor, non_blocking=True)
+    stream.synchronize()
+    op.keep, op.device_out, op.wire_out = tensor, device_out, host_out
+    return host_in
+
+
 def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
            compression: CompressionArg, inplace: bool) -> int:
     plugin = _p()
@@ -361,18 +380,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
             plugin.ops[number] = op
         return number
     if wire.is_cuda:
-        # stage through pinned host memory; the copy runs on a side stream after the work
-        # that produced the tensor, and the engine starts once it has landed
-        if plugin.copy_stream is None:
-            plugin.copy_stream = torch.cuda.Stream(device=wire.device)
-        stream = plugin.copy_stream
-        host_in = _pinned(plugin, name + "/in", wire)
-        host_out = _pinned(plugin, name + "/out", wire)
-        stream.wait_stream(torch.cuda.current_stream(wire.device))
-        with torch.cuda.stream(stream):
-            host_in.copy_(wire, non_blocking=True)
-        stream.synchronize()
-        op.keep, op.device_out, wire, op.wire_out = wire, wire, host_in, host_out
+        wire = _stage_through_host(plugin, op, name, wire, device_out=wire)
     else:
         wire = _contiguous_output(op, wire, source, inplace)
     if plugin.stage is not None:
@@ -913,16 +921,7 @@ def _start_async(source: torch.Tensor, output: torch.Tensor, name: str, priority
     plugin = _p()
     op = _Op(name, output, output, None, Compression.none)
     if source.is_cuda:
-        if plugin.copy_stream is None:
-            plugin.copy_stream = torch.cuda.Stream(device=source.device)
-        stream = plugin.copy_stream
-        host_in = _pinned(plugin, name + "/in", source)
-        host_out = _pinned(plugin, name + "/out", source)
-        stream.wait_stream(torch.cuda.current_stream(source.device))
-        with torch.cuda.stream(stream):
-            host_in.copy_(source, non_blocking=True)
-        stream.synchronize()
-        op.keep, op.device_out, source, op.wire_out = source, output, host_in, host_out
+        source = _stage_through_host(plugin, op, name, source, device_out=output)
     handle = plugin.worker.push_pull_async(_as_array(source), name=name, average=False,
                                            priority=priority, out=_as_array(op.wire_out),
                                            async_update=update, async_init=init)
