@@ -391,9 +391,3 @@ def test_torch_training_with_server_held_parameters(tmp_path):
         assert losses[-1] < 0.5 * losses[0], (rank, losses[0], losses[-1])
     assert records[0]["final"] == records[1]["final"]
 
-
-def test_mxnet_is_refused_at_init(monkeypatch):
-    mx_plugin = pytest.importorskip("bpsctl.engine.mxnet")
-    with pytest.raises(mx_plugin.EngineError, match=r"asynchronous training \(BPSCTL_ASYNC\) "
-                                                    r"is not built for MXNet"):
-        mx_plugin.init(Config(async_mode=True))

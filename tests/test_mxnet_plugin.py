@@ -392,3 +392,152 @@ def test_a_traced_trainer_marks_its_steps_and_its_wait_for_the_gradients(tmp_pat
         # the first step() starts the count: STEPS - 1 whole steps, each after its wait
         assert len(steps) == STEPS - 1
         assert len(waits) == STEPS and {e["name"] for e in waits} == {"DistributedTrainer.grad"}
+
+
+# --------------------------------------------------------------------------- asynchronous
+
+ASYNC_SCRIPT = '''
+rng = np.random.RandomState(0)
+X = rng.randn(256, 8).astype(np.float32)
+inputs, targets = mx.nd.array(X), mx.nd.array(X @ rng.randn(8, 2).astype(np.float32))
+mx.random.seed(100 + R)             # each rank its own initial parameters: rank 0's are broadcast
+net = mx.gluon.nn.HybridSequential(prefix="async_")
+with net.name_scope():
+    net.add(mx.gluon.nn.Dense(16, activation="tanh", in_units=8),
+            mx.gluon.nn.Dense(2, in_units=16))
+net.initialize(mx.init.Xavier())
+trainer = bps.DistributedTrainer(net.collect_params(), "sgd",
+                                 {"learning_rate": 0.05, "momentum": 0.9})
+l2 = mx.gluon.loss.L2Loss()
+
+def full_loss():
+    return float(l2(net(inputs), targets).mean().asscalar())
+
+def backward(lo):
+    with mx.autograd.record():
+        loss = l2(net(inputs[lo:lo + 16]), targets[lo:lo + 16])
+    loss.backward()
+
+losses = [full_loss()]
+for step in range(40):
+    backward((step * 2 + R) * 16 % 256)
+    if step % 2:
+        trainer.step(16)
+    else:
+        trainer.update(16)          # the allreduce_grads() + update() split, without the first
+    losses.append(full_loss())
+# a sum (synchronous in an async job) waits for both ranks: both have pushed their last gradient
+done = mx.nd.ones((1,))
+bps.byteps_push_pull(done, name="trained", is_average=False)
+trainer.set_learning_rate(0.0)      # a last push that changes nothing: reads the servers' values
+backward(0)
+trainer.step(16)
+RESULTS["losses"] = losses
+RESULTS["sum"] = float(done.asscalar())
+RESULTS["final"] = {name: p.data().asnumpy().tolist()
+                    for name, p in sorted(net.collect_params().items())}
+
+def refused(error, words, build):
+    try:
+        build()
+    except error as exc:
+        assert all(word in str(exc) for word in words), (words, str(exc))
+    else:
+        raise AssertionError(f"no {error.__name__}")
+
+@check
+def adam_is_refused():
+    refused(ValueError, ["BPSCTL_ASYNC", "Adam", "mx.optimizer.SGD"],
+            lambda: bps.DistributedTrainer(net.collect_params(), "adam"))
+
+@check
+def clip_gradient_is_refused():
+    refused(ValueError, ["BPSCTL_ASYNC", "clip_gradient=1"],
+            lambda: bps.DistributedTrainer(net.collect_params(), "sgd", {"clip_gradient": 1.0}))
+
+@check
+def compression_is_refused():
+    refused(ValueError, ["BPSCTL_ASYNC", "compression FP16Compressor"],
+            lambda: bps.DistributedTrainer(net.collect_params(), "sgd",
+                                           compression=bps.Compression.fp16))
+    refused(ValueError, ["BPSCTL_ASYNC", "compression_params {'compressor': 'onebit'}"],
+            lambda: bps.DistributedTrainer(net.collect_params(), "sgd",
+                                           compression_params={"compressor": "onebit"}))
+
+@check
+def allreduce_grads_is_refused():
+    backward(0)
+    refused(bps.EngineError, ["allreduce_grads()", "BPSCTL_ASYNC", "update()"],
+            trainer.allreduce_grads)
+
+@check
+def distributed_optimizer_is_refused():
+    refused(bps.EngineError, ["DistributedOptimizer", "BPSCTL_ASYNC", "DistributedTrainer"],
+            lambda: bps.DistributedOptimizer(mx.optimizer.SGD()))
+
+@check
+def float16_parameters_are_refused():
+    half = mx.gluon.nn.Dense(2, in_units=2, prefix="half_")
+    half.initialize()
+    half.cast("float16")
+    half_trainer = bps.DistributedTrainer(half.collect_params(), "sgd",
+                                          {"multi_precision": True})
+    refused(ValueError, ["BPSCTL_ASYNC", "'half_bias' is float16", "float32"],
+            lambda: half_trainer.update(1))
+'''
+
+ASYNC_CHECKS = ["adam_is_refused", "clip_gradient_is_refused", "compression_is_refused",
+                "allreduce_grads_is_refused", "distributed_optimizer_is_refused",
+                "float16_parameters_are_refused"]
+
+
+@pytest.mark.timeout(150)
+def test_asynchronous_gluon_training_with_server_held_parameters(tmp_path):
+    """Two workers train with DistributedTrainer("sgd", momentum 0.9) under BPSCTL_ASYNC: the
+    loss falls, both end with the servers' parameters, sums still work, and what the servers do
+    not run is refused."""
+    results = run_script(tmp_path, ASYNC_SCRIPT, 2, async_mode=True)
+    for rank, result in enumerate(results):
+        assert {check: result.get(check) for check in ASYNC_CHECKS} == \
+            dict.fromkeys(ASYNC_CHECKS, "ok"), f"rank {rank}"
+        losses = result["losses"]
+        assert losses[-1] < 0.5 * losses[0], (rank, losses[0], losses[-1])
+        assert result["sum"] == 2.0
+    assert results[0]["final"] == results[1]["final"]
+
+
+SOLO = textwrap.dedent('''
+    def solo_train(make_trainer):
+        """6 steps of a Dense layer whose gradients do not depend on its parameters."""
+        mx.random.seed(7)
+        net = mx.gluon.nn.Dense(3, in_units=4, prefix="solo_")
+        net.initialize(mx.init.Xavier())
+        net.collect_params(".*bias").setattr("lr_mult", 0.5)
+        net.collect_params(".*bias").setattr("wd_mult", 0.0)
+        trainer = make_trainer(net.collect_params(), "sgd",
+                               {"learning_rate": 0.1, "momentum": 0.9, "wd": 0.01})
+        rng = np.random.RandomState(3)
+        for _ in range(6):
+            x, c = mx.nd.array(rng.randn(8, 4)), mx.nd.array(rng.randn(8, 3))
+            with mx.autograd.record():
+                loss = (net(x) * c).sum()
+            loss.backward()
+            trainer.step(8)
+        return {name: p.data().asnumpy().tolist() for name, p in net.collect_params().items()}
+''')
+
+
+@pytest.mark.timeout(120)
+def test_asynchronous_sgd_of_one_worker_is_mxnets_own_sgd(tmp_path):
+    """The servers' SGD steps, fed rescaled gradients with the optimizer's learning rate (a
+    parameter's lr_mult included), momentum and weight decay (wd_mult included), end where
+    MXNet's own SGD does."""
+    result, = run_script(tmp_path, SOLO + 'RESULTS["params"] = solo_train(bps.DistributedTrainer)',
+                         1, async_mode=True)
+    scope = {"mx": mx, "np": np}
+    exec(SOLO, scope)
+    reference = scope["solo_train"](lambda *args: mx.gluon.Trainer(*args, kvstore=None))
+    assert result["params"].keys() == reference.keys()
+    for name, ref in reference.items():
+        got = np.array(result["params"][name])
+        np.testing.assert_allclose(got, np.array(ref), rtol=1e-5, atol=1e-7, err_msg=name)

@@ -25,6 +25,14 @@ broadcasts start every push_pull of a step before waiting for any.
 Names are bound to one shape and dtype for the whole job: gradients travel as
 ``DistributedTrainer.grad.<parameter name>`` / ``DistributedOptimizer.grad.<index>``,
 broadcasts as ``Parameter.<name>``; a compressed tensor gets its own name (``...:float16``).
+
+Asynchronous training (``BPSCTL_ASYNC``, ``bpsctl run --async``): ``DistributedTrainer`` with
+MXNet's SGD lets the servers hold the parameters. Its first ``step()``/``update()`` pushes each
+parameter's values (the init push, under the name its gradients take later); from then on it
+pushes each ``rescale_grad * grad`` with the SGD's learning rate, momentum and weight decay,
+and copies the parameters the servers answer with into every context's copy instead of running
+the optimizer. MXNet's ``mom = momentum * mom - lr * g; w += mom`` is torch's ``buf = momentum
+* buf + g; w -= lr * buf`` (what the servers run) for a constant learning rate.
 """
 from __future__ import annotations
 
@@ -58,11 +66,9 @@ __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "
 def init(config: Config | None = None) -> None:
     """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent.
     A restarted worker cannot rejoin a running MXNet job (only the PyTorch plugin hands a
-    rejoining worker the model): it fails here, and the job goes on without it. Nor is
-    asynchronous training (BPSCTL_ASYNC) built for MXNet: it fails here too."""
-    if (config if config is not None else Config.from_env(role="worker")).async_mode:
-        raise EngineError("asynchronous training (BPSCTL_ASYNC) is not built for MXNet, only for "
-                          "PyTorch (bpsctl.engine.torch); train synchronously")
+    rejoining worker the model): it fails here, and the job goes on without it. Under
+    asynchronous training (BPSCTL_ASYNC) ``DistributedTrainer`` trains with SGD on the
+    servers; ``DistributedOptimizer`` is refused."""
     _engine.init(config)
     if _engine._w().config.staleness:
         _engine.shutdown()
@@ -196,7 +202,7 @@ class _Batch:
     started is still waited for (the engine writes into their arrays) before it is raised."""
 
     def __init__(self) -> None:
-        self.ops: list[_Op] = []
+        self.ops: list[_Op | _AsyncOp] = []
 
     def start(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
               zero: bool = False, compression: C.Compressor | None = None) -> None:
@@ -214,6 +220,36 @@ class _Batch:
                 error = error or failure
         if error is not None and exc is None:
             raise error
+
+
+class _AsyncOp:
+    """One push of asynchronous training: ``source`` (a parameter's values with ``init``, its
+    gradient with ``update``) goes to the servers, and the parameters they answer with land in
+    ``target`` (a parameter's data, of the same shape and dtype): start it, then ``wait()``.
+    CPU arrays travel as views of their own memory, as :class:`_Op`'s do."""
+
+    __slots__ = ("source", "target", "staged", "handle")
+
+    def __init__(self, source: mx.nd.NDArray, target: mx.nd.NDArray, name: str, priority: int,
+                 update: tuple[float, float, float, float, bool] | None = None,
+                 init: bool = False):
+        self.source, self.target = source, target   # keep the memory behind the views alive
+        out = _host_view(target, writable=True)
+        self.staged = out is None
+        if out is None:
+            out = target.asnumpy()                      # copy
+        src = out if source is target else _host_view(source, writable=False)
+        if src is None:
+            src = source.asnumpy()                      # copy
+        self.handle: Handle = _engine._w().push_pull_async(src, name=name, average=False,
+                                                           priority=priority, out=out,
+                                                           async_update=update,
+                                                           async_init=init)
+
+    def wait(self) -> None:
+        result = _engine._w().synchronize(self.handle)
+        if self.staged:
+            self.target._sync_copyfrom(result)          # copy back
 
 
 _noname = itertools.count()
@@ -301,6 +337,11 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError("DistributedOptimizer expects an mx.optimizer.Optimizer, got "
                             f"{type(optimizer).__name__}")
+        if _engine._w().config.async_mode:
+            # it would average the gradients in synchronous rounds, which async has none of
+            raise EngineError("DistributedOptimizer under asynchronous training (BPSCTL_ASYNC): "
+                              "the servers run the optimizer, so use DistributedTrainer with "
+                              "an mx.optimizer.SGD, or train synchronously")
         object.__setattr__(self, "_optimizer", optimizer)
 
     def __getattr__(self, item: str) -> Any:
@@ -372,6 +413,17 @@ class DistributedTrainer(mx.gluon.Trainer):
     "seed": int, "partition": "linear"|"natural", "normalize": "max"|"l2"}``: floating-point
     gradients of at least ``BPSCTL_MIN_COMPRESS_BYTES`` travel compressed by the engine, both
     ways (see :mod:`bpsctl.engine.compression`); ``compression=`` (fp16) applies before.
+
+    Under asynchronous training (``BPSCTL_ASYNC``) the optimizer must be ``mx.optimizer.SGD``
+    (``"sgd"``) without ``clip_gradient``, the parameters float32 or float64, and there is no
+    compression: the servers hold the parameters and apply each worker's gradient alone.
+    ``step()`` / ``update()`` push every fresh gradient, rescaled (``rescale_grad``, which
+    holds ``1 / size()``: each worker's share of a synchronous step) and with the optimizer's
+    learning rate (``lr_mult``, ``lr_scheduler``), momentum and weight decay (``wd_mult``) for
+    that parameter, and copy the parameters the servers answer with into every context's copy
+    instead of running the optimizer; the first one pushes the parameters' values first (the
+    init push: the servers keep the first worker's to arrive). ``allreduce_grads()`` is
+    refused: there is no sum of the gradients to change.
     """
 
     _params_to_init: list[Any]     # gluon.Trainer's: parameters it has not initialized yet
@@ -382,11 +434,22 @@ class DistributedTrainer(mx.gluon.Trainer):
         # checked first: a mistake there is the user's, and nothing has started yet
         self._engine_compression = (C.from_params(compression_params)
                                     if compression_params is not None else None)
+        self._async = _engine._w().config.async_mode
+        if self._async and (compression is not Compression.none or
+                            compression_params is not None):
+            raise ValueError(f"BPSCTL_ASYNC (asynchronous training) with compression "
+                             f"{getattr(compression, '__name__', compression)} / "
+                             f"compression_params {compression_params}: gradients and "
+                             "parameters travel uncompressed (the servers apply each gradient "
+                             "as it comes); drop both, or train synchronously")
+        self._async_initialised = False     # the init pushes are done (at the first update)
         if isinstance(optimizer, DistributedOptimizer):
             optimizer = optimizer._optimizer        # the trainer push_pulls the gradients itself
         kwargs.pop("kvstore", None)
         super().__init__(_sorted_params(params), optimizer, optimizer_params=optimizer_params,
                          kvstore=None, **kwargs)
+        if self._async:
+            _check_async(self._optimizer)
         self._compression = compression
         self._scale /= size()
         _check_root(root_rank)
@@ -406,7 +469,17 @@ class DistributedTrainer(mx.gluon.Trainer):
                 arrays[0].copyto(other)
         self._params_to_init = deferred
 
+    def allreduce_grads(self) -> None:
+        if self._async:
+            raise EngineError("trainer.allreduce_grads() under asynchronous training "
+                              "(BPSCTL_ASYNC): there is no sum of the gradients to change (the "
+                              "servers apply each worker's gradient as it comes, gradient "
+                              "clipping included). Call step(), or update() alone")
+        super().allreduce_grads()
+
     def _allreduce_grads(self) -> None:
+        if self._async:
+            return          # step(): the gradients go to the servers in _update
         started_ns = now_ns()
         pending = []
         with _Batch() as batch:
@@ -433,5 +506,93 @@ class DistributedTrainer(mx.gluon.Trainer):
         _engine._w().trace_span("synchronize", "DistributedTrainer.grad", started_ns, now_ns())
 
     def _update(self, ignore_stale_grad: bool = False) -> None:
-        super()._update(ignore_stale_grad)
+        if self._async:
+            self._async_update(ignore_stale_grad)
+        else:
+            super()._update(ignore_stale_grad)
         _engine._w().mark_step()       # the step ends with the update (traces count steps)
+
+    def _async_name(self, param: mx.gluon.Parameter) -> str:
+        return f"DistributedTrainer.grad.{param.name}"
+
+    def _async_initialise(self) -> None:
+        """Every trained parameter's init push: its values, under the name its gradients take;
+        the servers answer with the first worker's to arrive (equal in practice: the trainer
+        broadcast them), copied into every context's copy."""
+        trained = [(index, param) for index, param in enumerate(self._params)
+                   if param.grad_req != "null"]
+        for _, param in trained:
+            dtype = np.dtype(param.list_data()[0].dtype)
+            if dtype not in (np.float32, np.float64):
+                raise ValueError(f"BPSCTL_ASYNC (asynchronous training): parameter "
+                                 f"{param.name!r} is {dtype}, but the servers hold float32 or "
+                                 "float64 parameters (so SGD's multi_precision has nothing to "
+                                 "do); cast the net to float32 (net.cast('float32')), or train "
+                                 "synchronously")
+        with _Batch() as batch:
+            for index, param in trained:
+                data = param.list_data()[0]
+                batch.ops.append(_AsyncOp(data, data, self._async_name(param), -index,
+                                          init=True))
+        for _, param in trained:
+            self._copy_to_contexts(param)
+        self._async_initialised = True
+
+    @staticmethod
+    def _copy_to_contexts(param: mx.gluon.Parameter) -> None:
+        arrays = param.list_data()
+        for other in arrays[1:]:
+            arrays[0].copyto(other)
+
+    def _async_update(self, ignore_stale_grad: bool) -> None:
+        """Push every fresh gradient (summed over contexts, rescaled in place) with SGD's
+        hyperparameters for its parameter; the servers' parameters replace the local ones."""
+        started_ns = now_ns()
+        if not self._async_initialised:
+            self._async_initialise()
+        optimizer = self._optimizer
+        rescale = float(optimizer.rescale_grad)
+        pushed = []
+        with _Batch() as batch:
+            for index, param in enumerate(self._params):
+                if param.grad_req == "null":
+                    continue
+                data = param.list_data()
+                if not all(array._fresh_grad for array in data):
+                    if ignore_stale_grad:
+                        continue
+                    raise UserWarning(f"Gradient of Parameter `{param.name}` has not been "
+                                      "updated by backward since the last step: call step "
+                                      "with ignore_stale_grad=True to skip parameters with "
+                                      "stale gradients")
+                grads = param.list_grad()
+                for other in grads[1:]:
+                    grads[0] += other.as_in_context(grads[0].context)
+                if rescale != 1.0:
+                    grads[0] *= rescale                 # what MXNet's SGD applies
+                optimizer._update_count(index)          # as SGD does: lr_scheduler counts them
+                hyper = (float(optimizer._get_lr(index)), float(optimizer.momentum),
+                         float(optimizer._get_wd(index)), 0.0, False)
+                batch.ops.append(_AsyncOp(grads[0], data[0], self._async_name(param), -index,
+                                          update=hyper))
+                for array in data:
+                    array._fresh_grad = False
+                pushed.append(param)
+        for param in pushed:
+            self._copy_to_contexts(param)
+        _engine._w().trace_span("synchronize", "DistributedTrainer.grad", started_ns, now_ns())
+
+
+def _check_async(optimizer: mx.optimizer.Optimizer) -> None:
+    """What asynchronous training needs of DistributedTrainer's optimizer: what the servers
+    run, torch's SGD, is MXNet's SGD for a constant learning rate (see the module docstring)."""
+    if type(optimizer) is not mx.optimizer.SGD:
+        raise ValueError(f"BPSCTL_ASYNC (asynchronous training): DistributedTrainer got "
+                         f"{type(optimizer).__module__}.{type(optimizer).__qualname__}, but "
+                         "the servers apply updates as SGD does (learning rate, momentum, "
+                         "weight decay), and only that: use mx.optimizer.SGD (\"sgd\"), or "
+                         "train synchronously")
+    if optimizer.clip_gradient is not None and optimizer.clip_gradient > 0:
+        raise ValueError(f"BPSCTL_ASYNC (asynchronous training): SGD with clip_gradient="
+                         f"{optimizer.clip_gradient:g} is not what the servers run (they apply "
+                         "the gradient as pushed); drop clip_gradient, or train synchronously")
