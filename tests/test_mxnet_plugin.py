@@ -2,9 +2,10 @@
 
 Each script runs once as real workers (``run_local`` on a private cluster, 2 servers); every
 rank records each check's outcome or its final parameters, and the tests assert them. MXNet
-takes seconds to import on a busy 2-core machine, so there are four launches in all: the API
-checks on 3 workers, and Gluon training on 2, 3 and 4 workers (each variant against one
-process on the concatenated batch).
+takes seconds to import on a busy 2-core machine, so there are few launches: the API
+checks on 3 workers, Gluon training on 2, 3 and 4 workers (each variant against one
+process on the concatenated batch), a traced run, and asynchronous training (BPSCTL_ASYNC) on 2
+workers and on 1 (against MXNet's own SGD).
 """
 from __future__ import annotations
 
@@ -476,6 +477,28 @@ def distributed_optimizer_is_refused():
             lambda: bps.DistributedOptimizer(mx.optimizer.SGD()))
 
 @check
+def two_contexts_hold_the_servers_parameters():
+    # each worker holds the parameter on two CPU contexts: its gradient is their sum, and both
+    # copies end with the servers' parameters: 1 - lr * sum / size, once per worker
+    param = mx.gluon.Parameter("two_ctx_async_weight", shape=(3,), init=mx.init.Constant(1.0))
+    param.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
+    two = bps.DistributedTrainer([param], "sgd", {"learning_rate": 1.0})
+
+    def step():
+        for i, ctx in enumerate([mx.cpu(0), mx.cpu(1)]):
+            with mx.autograd.record():
+                loss = (param.data(ctx) * (i + 1)).sum()
+            loss.backward()
+        two.step(1)
+
+    step()
+    bps.byteps_push_pull(mx.nd.ones((1,)), name="two_ctx.stepped", is_average=False)
+    two.set_learning_rate(0.0)
+    step()
+    for data in param.list_data():
+        assert np.all(data.asnumpy() == 1.0 - N * 3 / N), data
+
+@check
 def float16_parameters_are_refused():
     half = mx.gluon.nn.Dense(2, in_units=2, prefix="half_")
     half.initialize()
@@ -488,14 +511,14 @@ def float16_parameters_are_refused():
 
 ASYNC_CHECKS = ["adam_is_refused", "clip_gradient_is_refused", "compression_is_refused",
                 "allreduce_grads_is_refused", "distributed_optimizer_is_refused",
-                "float16_parameters_are_refused"]
+                "two_contexts_hold_the_servers_parameters", "float16_parameters_are_refused"]
 
 
 @pytest.mark.timeout(150)
 def test_asynchronous_gluon_training_with_server_held_parameters(tmp_path):
     """Two workers train with DistributedTrainer("sgd", momentum 0.9) under BPSCTL_ASYNC: the
-    loss falls, both end with the servers' parameters, sums still work, and what the servers do
-    not run is refused."""
+    loss falls, both end with the servers' parameters (every context's copy), sums still work,
+    and what the servers do not run is refused."""
     results = run_script(tmp_path, ASYNC_SCRIPT, 2, async_mode=True)
     for rank, result in enumerate(results):
         assert {check: result.get(check) for check in ASYNC_CHECKS} == \
