@@ -458,10 +458,10 @@ def clip_gradient_is_refused():
 
 @check
 def compression_is_refused():
-    refused(ValueError, ["BPSCTL_ASYNC", "compression FP16Compressor"],
+    refused(ValueError, ["BPSCTL_ASYNC", "compression=FP16Compressor"],
             lambda: bps.DistributedTrainer(net.collect_params(), "sgd",
                                            compression=bps.Compression.fp16))
-    refused(ValueError, ["BPSCTL_ASYNC", "compression_params {'compressor': 'onebit'}"],
+    refused(ValueError, ["BPSCTL_ASYNC", "compression_params={'compressor': 'onebit'}"],
             lambda: bps.DistributedTrainer(net.collect_params(), "sgd",
                                            compression_params={"compressor": "onebit"}))
 

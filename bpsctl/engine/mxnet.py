@@ -435,13 +435,14 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._engine_compression = (C.from_params(compression_params)
                                     if compression_params is not None else None)
         self._async = _engine._w().config.async_mode
-        if self._async and (compression is not Compression.none or
-                            compression_params is not None):
-            raise ValueError(f"BPSCTL_ASYNC (asynchronous training) with compression "
-                             f"{getattr(compression, '__name__', compression)} / "
-                             f"compression_params {compression_params}: gradients and "
-                             "parameters travel uncompressed (the servers apply each gradient "
-                             "as it comes); drop both, or train synchronously")
+        given = ([f"compression={getattr(compression, '__name__', compression)}"]
+                 if compression is not Compression.none else []) + \
+                ([f"compression_params={compression_params}"]
+                 if compression_params is not None else [])
+        if self._async and given:
+            raise ValueError(f"BPSCTL_ASYNC (asynchronous training) with {' and '.join(given)}: "
+                             "gradients and parameters travel uncompressed (the servers apply "
+                             "each gradient as it comes); drop it, or train synchronously")
         self._async_initialised = False     # the init pushes are done (at the first update)
         if isinstance(optimizer, DistributedOptimizer):
             optimizer = optimizer._optimizer        # the trainer push_pulls the gradients itself
@@ -473,8 +474,9 @@ class DistributedTrainer(mx.gluon.Trainer):
         if self._async:
             raise EngineError("trainer.allreduce_grads() under asynchronous training "
                               "(BPSCTL_ASYNC): there is no sum of the gradients to change (the "
-                              "servers apply each worker's gradient as it comes, gradient "
-                              "clipping included). Call step(), or update() alone")
+                              "servers apply each worker's gradient as it comes); change a "
+                              "worker's own gradients, if need be, and call update(), which "
+                              "pushes them, or step()")
         super().allreduce_grads()
 
     def _allreduce_grads(self) -> None:
