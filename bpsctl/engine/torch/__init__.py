@@ -375,10 +375,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
                                             ready=ready, compression=engine))
         op.wait, op.done, op.local = local.wait, local.done.is_set, local
         op.keep = wire
-        with plugin.lock:
-            number = next(plugin.handles)
-            plugin.ops[number] = op
-        return number
+        return _track(plugin, op)
     if wire.is_cuda:
         wire = _stage_through_host(plugin, op, name, wire, device_out=wire)
     else:
@@ -389,12 +386,19 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         op.wait, op.done = local.wait, local.done.is_set
         op.keep = (op.keep, wire)
     else:
-        handle = plugin.worker.push_pull_async(_as_array(wire), name=name, average=average,
-                                               priority=priority, out=_as_array(op.wire_out),
-                                               compression=engine)
+        op.keep = (op.keep, wire)
+        return _track(plugin, op, plugin.worker.push_pull_async(
+            _as_array(wire), name=name, average=average, priority=priority,
+            out=_as_array(op.wire_out), compression=engine))
+    return _track(plugin, op)
+
+
+def _track(plugin: _Plugin, op: _Op, handle: Any = None) -> int:
+    """The plugin's handle of ``op``, for :func:`poll` and :func:`synchronize`; ``handle``:
+    the engine's, when the op waits on one push_pull of the engine."""
+    if handle is not None:
         op.wait = lambda timeout_s: handle.wait(timeout_s)
         op.done = handle.done
-        op.keep = (op.keep, wire)
     with plugin.lock:
         number = next(plugin.handles)
         plugin.ops[number] = op
@@ -707,17 +711,11 @@ class _GradientSync:
                 self._push(bucket)
 
     def _push(self, bucket: _Bucket) -> None:
-        name = bucket.name
+        name, into = bucket.name, None
         if self.stale is not None:
             # this step's slot: the gradients stay there while s more steps run
-            tensor, name = self.stale.slot_tensor(bucket)
-            grads = self.grads(bucket)
-            if len(grads) == 1:
-                tensor.copy_(grads[0].reshape(-1))
-            else:
-                torch.cat([g.reshape(-1) for g in grads], out=tensor)
-        else:
-            tensor = self.gradient(bucket)
+            into, name = self.stale.slot_tensor(bucket)
+        tensor = self.gradient(bucket, into)
         self.handles[bucket] = push_pull_async_inplace(tensor, average=True, name=name,
                                                        priority=bucket.priority,
                                                        compression=self.compression)
@@ -733,18 +731,20 @@ class _GradientSync:
         return grads
 
     @classmethod
-    def gradient(cls, bucket: _Bucket) -> torch.Tensor:
+    def gradient(cls, bucket: _Bucket, into: torch.Tensor | None = None) -> torch.Tensor:
         """The bucket's gradient as one tensor: a lone parameter's own, or its members'
-        packed into the bucket's flat buffer."""
+        packed into the bucket's flat buffer; with ``into``, packed there (even a lone one)."""
         grads = cls.grads(bucket)
-        if len(grads) == 1:
-            return grads[0]
-        if bucket.flat is None:
-            first = bucket.params[0]
-            bucket.flat = torch.empty(sum(p.numel() for p in bucket.params),
-                                      dtype=first.dtype, device=first.device)
-        torch.cat([g.reshape(-1) for g in grads], out=bucket.flat)
-        return bucket.flat
+        if into is None:
+            if len(grads) == 1:
+                return grads[0]
+            if bucket.flat is None:
+                first = bucket.params[0]
+                bucket.flat = torch.empty(sum(p.numel() for p in bucket.params),
+                                          dtype=first.dtype, device=first.device)
+            into = bucket.flat
+        torch.cat([g.reshape(-1) for g in grads], out=into)
+        return into
 
     def synchronize(self, end_of_step: bool = True) -> None:
         """Wait for every bucket's push_pull; ``end_of_step``: the step ends here (no
@@ -781,16 +781,17 @@ class _GradientSync:
         return taken
 
     @staticmethod
-    def unpack(bucket: _Bucket) -> None:
+    def unpack(bucket: _Bucket, flat: torch.Tensor | None = None) -> None:
         """After a fused bucket's push_pull: copy the averages back into its gradients (a lone
-        gradient was averaged in place)."""
-        if bucket.flat is not None:
+        gradient was averaged in place); ``flat``: from there instead of the bucket's buffer."""
+        flat = bucket.flat if flat is None else flat
+        if flat is not None:
             offset = 0
             for p in bucket.params:
                 n = p.numel()
-                grad = p.grad
-                assert grad is not None                 # _push gave every one a gradient
-                grad.copy_(bucket.flat[offset:offset + n].view_as(grad))
+                if p.grad is None:          # set to None since the push (zero_grad)
+                    p.grad = torch.empty_like(p)
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
                 offset += n
 
 
@@ -840,13 +841,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         # the class is rebuilt on the wrapped optimizer's class (DistributedOptimizer): this is
         # that optimizer's __init__, whose hyperparameters all have defaults
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
-        self._sync = _GradientSync(_named(self, named_parameters), "DistributedOptimizer.grad",
-                                   compression, backward_passes_per_step)
+        plugin = _p()
+        named, prefix = _named(self, named_parameters), "DistributedOptimizer.grad"
+        self._sync: _GradientSync
+        if plugin.config.async_mode:        # the servers run this optimizer
+            self._sync = _AsyncSync(named, prefix, self, backward_passes_per_step)
+        else:
+            self._sync = _GradientSync(named, prefix, compression, backward_passes_per_step)
+            if plugin.config.staleness:
+                self._sync.stale = StaleGradients(self._sync, plugin.config.staleness)
         self._should_synchronize = True
         self._synchronized = False
-        plugin = _p()
-        if plugin.config.staleness:
-            self._sync.stale = StaleGradients(self._sync, plugin.config.staleness)
         self._update_due = True         # the gradients hold an average to apply
         self._index = len(plugin.optimizers)        # its state's place in a handed-over model
         plugin.optimizers.append(self)
@@ -922,16 +927,10 @@ def _start_async(source: torch.Tensor, output: torch.Tensor, name: str, priority
     op = _Op(name, output, output, None, Compression.none)
     if source.is_cuda:
         source = _stage_through_host(plugin, op, name, source, device_out=output)
-    handle = plugin.worker.push_pull_async(_as_array(source), name=name, average=False,
-                                           priority=priority, out=_as_array(op.wire_out),
-                                           async_update=update, async_init=init)
-    op.wait = lambda timeout_s: handle.wait(timeout_s)
-    op.done = handle.done
     op.keep = (op.keep, source)
-    with plugin.lock:
-        number = next(plugin.handles)
-        plugin.ops[number] = op
-    return number
+    return _track(plugin, op, plugin.worker.push_pull_async(
+        _as_array(source), name=name, average=False, priority=priority,
+        out=_as_array(op.wire_out), async_update=update, async_init=init))
 
 
 class _AsyncSync(_GradientSync):
@@ -1001,17 +1000,8 @@ class _AsyncSync(_GradientSync):
 
 
 class _AsyncDistributedOptimizer(_DistributedOptimizer):
-    """DistributedOptimizer under asynchronous training (see the module docstring)."""
-
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step):
-        super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
-        self._sync = _AsyncSync(_named(self, named_parameters), "DistributedOptimizer.grad",
-                                self, backward_passes_per_step)
-        self._should_synchronize = True
-        self._synchronized = False
-        plugin = _p()
-        self._index = len(plugin.optimizers)
-        plugin.optimizers.append(self)
+    """DistributedOptimizer under asynchronous training (see the module docstring); its
+    ``__init__`` is DistributedOptimizer's, which gives it an :class:`_AsyncSync`."""
 
     def synchronize(self) -> None:
         raise EngineError("optimizer.synchronize() under asynchronous training (BPSCTL_ASYNC): "
@@ -1084,11 +1074,11 @@ class DistributedDataParallel(torch.nn.Module):
                               "(BPSCTL_ASYNC): the servers apply the updates, and this wrapper "
                               "has no optimizer to take them from; wrap a torch.optim.SGD in "
                               "bps.DistributedOptimizer instead")
-        super().__init__()
         if _p().config.staleness:
             raise EngineError("BPSCTL_STALENESS (--staleness) applies the averaged gradients of "
                               "s steps ago in the optimizer step: use DistributedOptimizer, not "
                               "DistributedDataParallel, or set BPSCTL_STALENESS=0")
+        super().__init__()
         self.module = module
         broadcast_parameters(module.state_dict(), root_rank=0)
         # the first push of a backward pass queues the wait for all of them at its end

@@ -71,14 +71,7 @@ class StaleGradients:
         slot, taken = self.pending.popleft()
         for bucket, handle in taken:
             synchronize(handle)
-            flat = self.slots[bucket][slot]
-            offset = 0
-            for p in bucket.params:
-                n = p.numel()
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
-                p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
-                offset += n
+            self.sync.unpack(bucket, self.slots[bucket][slot])
 
     def flush(self, update: Any) -> int:
         """Apply every round still in flight, oldest first, calling ``update()`` (the wrapped
