@@ -280,6 +280,30 @@ def test_a_tensor_under_the_minimum_size_is_sent_as_it_is(job):
         assert len(np.unique(np.abs(got_large))) == 1                # onebit: one magnitude
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16"])
+def test_a_finished_compressed_push_pull_is_complete_even_if_its_name_is_pushed_again(
+        job, dtype):
+    # the waiter decompresses results; one never waited for is decompressed before its name's
+    # next push_pull, so no sum is lost or overwritten by the next
+    x = np.arange(3000).astype(dtype) % 100             # fp16-exact, as are the sums
+
+    def body(worker):
+        scale = worker.rank + 1
+        first = worker.push_pull_async(x * scale, name="g", average=False,
+                                       compression=C.FP16(ef=True))
+        wait_until(first.done, 30, "the first push_pull's sums")
+        second = worker.push_pull_async(x * 10 * scale, name="g", average=True,
+                                        out=np.zeros_like(x), compression=C.FP16(ef=True))
+        averaged = worker.synchronize(second).copy()
+        return first.output.copy(), worker.synchronize(first), averaged
+
+    for unwaited, waited, averaged in job(2, 2, body, partition_bytes=2048,
+                                          min_compress_bytes=0):
+        assert np.array_equal(unwaited, x * 3)
+        assert np.array_equal(waited, x * 3)
+        assert np.array_equal(averaged, x * 15)
+
+
 # --------------------------------------------------------------------------- convergence
 
 def train(comp: C.Compressor | None, steps: int = 400, workers: int = 4) -> float:

@@ -536,8 +536,10 @@ class WorkerCodec:
         self.residual = np.zeros(count, np.float32) if compressor.ef else None
         self.wire: dict[int, np.ndarray] = {}          # part id -> header + body
         self.encoded: dict[int, int] = {}              # part id -> round in its wire buffer
-        self.scratch = np.empty(0, np.float32)
+        self.scratch = np.empty(0, np.float32)          # encode's, grown to a partition
         self.corrected = np.empty(0, np.float32)
+        self.decoded = np.empty(0, np.float32)          # decode's (another thread may encode)
+        self.handle: Any = None        # the tensor's latest push_pull (the worker's Handle)
 
     def wire_bytes(self, length: int) -> int:
         return self.compressor.wire_bytes(length // self.dtype.itemsize)
@@ -582,9 +584,16 @@ class WorkerCodec:
             raise P.ProtocolError(f"a compressed sum of {len(body)} bytes for {len(dst)} "
                                   f"values; {self.compressor} sends "
                                   f"{self.compressor.body_bytes(len(dst))}")
-        _, values = self._scratch(len(dst))
-        self.compressor.decode(body, values, (self.compressor.seed_word(), part_id, round_,
-                                              SERVER_STREAM))
+        key = (self.compressor.seed_word(), part_id, round_, SERVER_STREAM)
+        if dst.dtype == np.float32:         # straight into the output, divided in place
+            self.compressor.decode(body, dst, key)
+            if divisor is not None:
+                np.divide(dst, np.float32(divisor), out=dst)
+            return
+        if len(self.decoded) < len(dst):
+            self.decoded = np.empty(len(dst), np.float32)
+        values = self.decoded[:len(dst)]
+        self.compressor.decode(body, values, key)
         if divisor is None:
             np.copyto(dst, values, casting="unsafe")
         else:

@@ -59,22 +59,79 @@ from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
 
 
 class Handle:
-    """An asynchronous push_pull in progress; pass it to ``poll`` or ``synchronize``."""
+    """An asynchronous push_pull in progress; pass it to ``poll`` or ``synchronize``.
 
-    __slots__ = ("name", "output", "_done", "error")
+    A compressed push_pull's results are decompressed by whoever waits for it, not on the
+    engine's I/O thread (which must keep sending, receiving and heartbeating): the I/O thread
+    queues each partition's compressed sum here as it arrives, and ``wait`` decompresses them
+    one by one while the rest are still on the wire. ``done()`` is True once every sum has
+    arrived; the output is complete once ``wait`` (``synchronize``) returns."""
+
+    __slots__ = ("name", "output", "_done", "error", "_arrived", "_news", "_decoding")
 
     def __init__(self, name: str, output: np.ndarray):
         self.name = name
         self.output = output
         self._done = threading.Event()
         self.error: BaseException | None = None
+        # compressed: (codec, payload, part id, round, destination, divisor) per partition
+        self._arrived: collections.deque[tuple[Any, ...]] | None = None
+        self._news: threading.Event | None = None
+        self._decoding: threading.Lock | None = None
 
     def done(self) -> bool:
         return self._done.is_set()
 
+    def _compressed(self) -> None:
+        """Results will come compressed: ``wait`` decompresses them (see the class doc)."""
+        self._arrived = collections.deque()
+        self._news = threading.Event()
+        self._decoding = threading.Lock()
+
+    def _result_arrived(self, job: tuple[Any, ...]) -> None:
+        """On the I/O thread: one partition's compressed sum, for the waiter to decompress."""
+        assert self._arrived is not None and self._news is not None
+        self._arrived.append(job)
+        self._news.set()
+
+    def _decompress(self) -> None:
+        """Decompress the sums that have arrived (the first failure ends the op)."""
+        assert self._arrived is not None
+        while self._arrived:
+            codec, payload, part_id, round_, dst, divisor = self._arrived.popleft()
+            if self.error is None:
+                try:
+                    codec.decode(payload.buffer, part_id, round_, dst, divisor)
+                except (P.ProtocolError, ValueError) as exc:
+                    self.error = EngineError(f"push_pull of {self.name!r}: the sum of "
+                                             f"partition {part_id} could not be "
+                                             f"decompressed: {exc}")
+
+    def _finish_decompressing(self) -> None:
+        """Decompress whatever is left of a finished op (before its name is pushed again)."""
+        if self._decoding is not None:
+            with self._decoding:
+                self._decompress()
+
     def wait(self, timeout_s: float | None) -> np.ndarray:
-        if not self._done.wait(timeout_s):
-            raise EngineError(f"push_pull of {self.name!r} did not finish within {timeout_s:g} s")
+        if self._decoding is None:
+            if not self._done.wait(timeout_s):
+                raise EngineError(f"push_pull of {self.name!r} did not finish within "
+                                  f"{timeout_s:g} s")
+        else:
+            assert self._news is not None
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            with self._decoding:
+                while True:
+                    self._news.clear()
+                    finished = self._done.is_set()
+                    self._decompress()
+                    if finished:
+                        break
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if (left is not None and left <= 0) or not self._news.wait(left):
+                        raise EngineError(f"push_pull of {self.name!r} did not finish within "
+                                          f"{timeout_s:g} s")
         if self.error is not None:
             raise self.error
         return self.output
@@ -461,6 +518,10 @@ class Worker:
                 with self._lock:
                     self._in_flight_names.discard(name)
                 raise
+            previous, task.codec.handle = task.codec.handle, handle
+            if previous is not None:        # finished, perhaps never waited for: its sums
+                previous._finish_decompressing()    # land before this op's
+            handle._compressed()
             # compressed here, in the caller's thread (NumPy lets go of the GIL), so the I/O
             # thread only sends; the first push of a tensor, not yet declared, is compressed
             # there. Safe: the name's previous push_pull, and so its last round, is finished
@@ -895,8 +956,9 @@ class Worker:
             divisor = task.divisor
             if divisor is not None and not task.flags & P.FLAG_HOST_REDUCED:
                 divisor = count             # fewer than size() if workers were lost
-            if task.codec is not None:
-                task.codec.decode(payload.buffer, part_id, round_, dst, divisor)
+            if task.codec is not None:      # decompressed by the waiter (see Handle)
+                task.handle._result_arrived((task.codec, payload, part_id, round_, dst,
+                                             divisor))
             else:
                 src = np.frombuffer(payload.buffer, dtype=task.dtype)
                 if divisor is None:
