@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import math
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,23 @@ SERVER_STREAM = 0xFFFFFFFF
 MAX_VALUES = 2**28
 
 Key = tuple[int, int, int, int]     # seed, partition id, round, stream
+
+
+_workspace = threading.local()
+
+
+def _work(slot: str, n: int, dtype: Any) -> np.ndarray:
+    """``n`` elements of this thread's buffer ``slot``, reused from call to call.
+
+    Compressors run on the caller's, the I/O and the summation threads, one partition at a
+    time, so each thread keeps one buffer per slot, as large as the largest partition it has
+    compressed: no temporary the size of a partition is allocated (and page-faulted) per call.
+    """
+    buffers = _workspace.__dict__.setdefault("buffers", {})
+    buffer = buffers.get(slot)
+    if buffer is None or len(buffer) < n:
+        buffer = buffers[slot] = np.empty(n, dtype)
+    return buffer[:n]
 
 
 def _rng(*words: int) -> np.random.Generator:
@@ -181,15 +199,19 @@ class OneBit(Compressor):
 
     def encode(self, values: np.ndarray, body: np.ndarray, key: Key) -> None:
         # float32 pairwise summation: about 1e-7 relative, at a fraction of float64's cost
-        scale = float(np.abs(values).sum() / max(1, len(values))) if self.scaling else 1.0
+        n = len(values)
+        scale = 1.0
+        if self.scaling:
+            scale = float(np.abs(values, out=_work("f32", n, np.float32)).sum() / max(1, n))
         body[:4].view(np.float32)[0] = scale
-        body[4:] = np.packbits(values < 0, bitorder="little")
+        body[4:] = np.packbits(np.less(values, 0, out=_work("bool", n, np.bool_)),
+                               bitorder="little")
 
     def decode(self, body: np.ndarray, out: np.ndarray, key: Key, add: bool = False) -> None:
         scale = body[:4].view(np.float32)[0]
         bits = np.unpackbits(body[4:], count=len(out), bitorder="little")
         # scale - 2·scale·bit, in arithmetic: a table lookup per value is several times slower
-        values = out if not add else np.empty(len(out), np.float32)
+        values = out if not add else _work("f32", len(out), np.float32)
         np.multiply(bits, np.float32(-2 * scale), out=values)
         np.add(values, scale, out=values)
         if add:
@@ -302,27 +324,38 @@ def _pack_codes(codes: np.ndarray, bits: int, out: np.ndarray) -> None:
     """``bits``-bit codes, consecutive and little-endian, into ``out`` (ceil(n·bits/8) bytes):
     8 codes make ``bits`` whole bytes, assembled in a uint64 per 8 codes."""
     groups = -(-len(codes) // 8)
-    lanes = np.zeros((groups, 8), np.uint64)
-    lanes.reshape(-1)[:len(codes)] = codes
-    word = lanes[:, 0].copy()
+    lanes = _work("pack.lanes", 8 * groups, np.uint8)
+    lanes[:len(codes)] = codes
+    lanes[len(codes):] = 0
+    lanes = lanes.reshape(groups, 8)
+    word, shifted = _work("pack.word", groups, np.uint64), _work("pack.shifted", groups, np.uint64)
+    np.copyto(word, lanes[:, 0])
     for j in range(1, 8):
-        word |= lanes[:, j] << np.uint64(j * bits)
-    packed = word.view(np.uint8).reshape(groups, 8)[:, :bits].reshape(-1)
-    out[:] = packed[:len(out)]
+        np.left_shift(lanes[:, j], np.uint64(j * bits), out=shifted, dtype=np.uint64)
+        np.bitwise_or(word, shifted, out=word)
+    packed = _work("pack.bytes", groups * bits, np.uint8).reshape(groups, bits)
+    packed[:] = word.view(np.uint8).reshape(groups, 8)[:, :bits]
+    out[:] = packed.reshape(-1)[:len(out)]
 
 
 def _unpack_codes(body: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """The inverse of :func:`_pack_codes`: ``n`` codes of ``bits`` bits."""
+    """The inverse of :func:`_pack_codes`: ``n`` codes of ``bits`` bits (a view of this
+    thread's workspace, valid until its next call)."""
     groups = -(-n // 8)
-    padded = np.zeros(groups * bits, np.uint8)
+    padded = _work("unpack.padded", groups * bits, np.uint8)
     padded[:len(body)] = body
-    raw = np.zeros((groups, 8), np.uint8)
+    padded[len(body):] = 0
+    raw = _work("unpack.raw", 8 * groups, np.uint8).reshape(groups, 8)
     raw[:, :bits] = padded.reshape(groups, bits)
+    raw[:, bits:] = 0
     word = raw.view(np.uint64).reshape(groups)
+    shifted = _work("unpack.shifted", groups, np.uint64)
     mask = np.uint64((1 << bits) - 1)
-    codes = np.empty((groups, 8), np.uint8)
+    codes = _work("unpack.codes", 8 * groups, np.uint8).reshape(groups, 8)
     for j in range(8):
-        codes[:, j] = (word >> np.uint64(j * bits)) & mask
+        np.right_shift(word, np.uint64(j * bits), out=shifted)
+        np.bitwise_and(shifted, mask, out=shifted)
+        np.copyto(codes[:, j], shifted, casting="unsafe")
     return codes.reshape(-1)[:n]
 
 
@@ -382,28 +415,41 @@ class Dithering(Compressor):
 
     def encode(self, values: np.ndarray, body: np.ndarray, key: Key) -> None:
         s, n = self.levels, len(values)
-        magnitude = np.abs(values)
-        norm = float(np.max(magnitude)) if self.norm == "max" and n else \
-            float(np.sqrt(np.dot(values.astype(np.float64), values))) if n else 0.0
+        ratio = np.abs(values, out=_work("f32", n, np.float32))
+        norm = float(np.max(ratio)) if self.norm == "max" and n else \
+            math.sqrt(float(np.einsum("i,i->", values, values, dtype=np.float64))) if n else 0.0
         body[:4].view(np.float32)[0] = norm
-        levels = np.zeros(n, np.uint8)
+        codes = _work("dither.codes", n, np.uint8)      # the level first, then the code
+        chance = _work("bool", n, np.bool_)
         if norm > 0 and math.isfinite(norm):
-            ratio = magnitude / np.float32(norm)
+            np.divide(ratio, np.float32(norm), out=ratio)
             np.clip(ratio, 0, 1, out=ratio)
             mags = self.magnitudes()
             # the level at or below each ratio, then up with probability (r - low) / gap
+            low = _work("dither.low", n, np.int32)
             if self.natural:        # r = m·2^e, m in [0.5, 1): level e - 1 + s, or 0
-                exponent = np.frexp(ratio)[1]
-                low = np.where(ratio > 0, exponent + (s - 1), 0)
+                np.frexp(ratio, out=(_work("f32.b", n, np.float32), low))
+                np.add(low, s - 1, out=low)
+                np.multiply(low, np.greater(ratio, 0, out=chance), out=low)
             else:
-                low = (ratio * s).astype(np.int64)
+                np.copyto(low, np.multiply(ratio, s, out=_work("f32.b", n, np.float32)),
+                          casting="unsafe")         # truncation: the floor of r·s >= 0
             np.clip(low, 0, s, out=low)
             gaps = np.append(np.diff(mags), np.inf).astype(np.float32)
-            up = (ratio - mags[low]) / gaps[low]
-            levels = low.astype(np.uint8)
-            levels += _rng(*key).random(n, dtype=np.float32) < up
-        codes = np.where(values < 0, s - levels.astype(np.int16),
-                         s + levels.astype(np.int16)).astype(np.uint8)
+            below = np.take(mags, low, out=_work("f32.b", n, np.float32))
+            up = np.subtract(ratio, below, out=ratio)
+            np.divide(up, np.take(gaps, low, out=below), out=up)
+            dice = _rng(*key).random(n, dtype=np.float32, out=_work("f32.b", n, np.float32))
+            np.copyto(codes, low, casting="unsafe")
+            np.add(codes, np.less(dice, up, out=chance), out=codes, casting="unsafe")
+        else:
+            codes.fill(0)
+        # the code: s + level for values >= 0, s - level for negative ones
+        negative = _work("dither.negative", n, np.uint8)
+        np.multiply(codes, np.less(values, 0, out=chance), out=negative, casting="unsafe")
+        np.add(codes, s, out=codes, casting="unsafe")
+        np.subtract(codes, negative, out=codes)
+        np.subtract(codes, negative, out=codes)
         _pack_codes(codes, self.bits, body[4:])
 
     def decode(self, body: np.ndarray, out: np.ndarray, key: Key, add: bool = False) -> None:
@@ -413,7 +459,10 @@ class Dithering(Compressor):
         table = (np.concatenate((-mags[:0:-1], mags)) * norm).astype(np.float32)
         codes = _unpack_codes(body[4:], self.bits, n)
         np.minimum(codes, 2 * self.levels, out=codes)       # b bits can say more than 2·levels
-        _put(out, table[codes], add)
+        if add:
+            np.add(out, np.take(table, codes, out=_work("f32", n, np.float32)), out=out)
+        else:
+            np.take(table, codes, out=out)
 
 
 # --------------------------------------------------------------------------- specs
