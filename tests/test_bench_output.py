@@ -113,15 +113,19 @@ def comm_report(workers: int = 2, nic: float | None = None, allreduce: float | N
 def train_report(speedup: dict[str, float], nic: float | None = None,
                  hosts_file: str = "") -> dict:
     versions = {"bpsctl": "bpsctl 0.1.0", "horovod": "horovod 0.28.1 gloo",
-                "ddp": "torch 2.13.0+cpu DDP gloo (bucket 25 MB)"}
+                "ddp": "torch 2.13.0+cpu DDP gloo (bucket 25 MB)",
+                "ddp-powersgd": "torch 2.13.0+cpu DDP gloo (one bucket), PowerSGD rank 4"}
     ours = 123.45
 
     def row(system: str, img_per_sec: float) -> dict:
+        step_s = 32 / (img_per_sec / 2)
+        # a NIC-bound ideal of 0.2 s per step (none for PowerSGD, none without a NIC rate)
+        ideal = 0.2 if nic and system != "ddp-powersgd" else None
         return {"system": system, "version": versions[system], "workers": 2,
                 "img_secs_per_worker": [img_per_sec / 2] * 2,
                 "img_per_sec_per_worker": img_per_sec / 2, "img_per_sec_per_worker_ci95": 1.5,
-                "img_per_sec": img_per_sec, "img_per_sec_ci95": 3.0,
-                "step_seconds": 32 / (img_per_sec / 2)}
+                "img_per_sec": img_per_sec, "img_per_sec_ci95": 3.0, "step_seconds": step_s,
+                "ideal_step_s": ideal, "nic_fraction": ideal and ideal / step_s}
     report = {"kind": "train", "model": "resnet50", "workers": 2, "servers": 2,
               "batch_size": 32, "nic_mbit": nic, "image_size": 224, "num_classes": 1000,
               "warmup": 2, "iters": 5, "batches_per_iter": 1, "rounds": 1,
@@ -156,6 +160,22 @@ def test_train_sentence_on_emulated_nics_and_on_an_ssh_cluster():
     text = render(print_train, train_report({}))
     assert_table_fits_80(text, rows=1)
     assert "add --compare horovod,ddp to see the baselines" in sentence(text)
+
+
+def test_train_table_shows_the_nic_bound_ideal_beside_each_step_when_the_rate_is_known():
+    text = render(print_train, train_report({"horovod": 1.65, "ddp": 1.31, "ddp-powersgd": 2.5},
+                                            nic=1000))
+    assert_table_fits_80(text, rows=4)
+    rows = {line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
+            for line in table_rows(text)}
+    # img/sec, ± 1.96σ, s/step, ideal s/step, NIC frac, speedup
+    assert rows["bpsctl"] == ["123.45", "3.00", "0.518", "0.200", "0.39", ""]
+    assert rows["ddp"][3:] == ["0.200", "0.29", "bpsctl 1.31x"]
+    assert rows["ddp-powersgd"][3:] == ["", "", "bpsctl 2.50x"]        # no ideal for PowerSGD
+    assert "ideal" in text and "NIC" in text
+
+    loopback = render(print_train, train_report({"ddp": 0.61}))
+    assert "ideal" not in loopback and "per worker" in loopback
 
 
 @pytest.mark.parametrize("report, rows", [

@@ -13,8 +13,10 @@ import pytest
 from test_bench_output import assert_table_fits_80, sentence
 
 from bpsctl.bench import horovod as horovod_mod
+from bpsctl.bench.api import GOODPUT_SHARE, host_streams, ideal_step_seconds
 from bpsctl.bench.models import build
 from bpsctl.bench.train import horovod_env
+from bpsctl.config import Config
 
 HOROVOD = horovod_mod.installed_version()
 
@@ -31,6 +33,58 @@ def test_models_have_torchvisions_parameter_shapes(name, parameters, tensors):
     params = list(build(name).parameters())
     assert sum(p.numel() for p in params) == parameters
     assert len(params) == tensors
+
+
+#: a NIC whose TCP goodput is exactly 1e9 bytes/s each way, so that ideal times read as GB
+NIC_1GB_S = 8000 / GOODPUT_SHARE
+GB = 10**9
+
+
+@pytest.mark.parametrize("host_workers, servers, streams, seconds", [
+    ([1, 1, 1, 1], 2, None, 2.0),       # servers' NICs: 4 hosts' G over 2 servers
+    ([1, 1, 1, 1], 4, None, 1.0),       # balanced: every NIC carries G
+    ([1, 1, 1, 1], 8, None, 1.0),       # more servers than hosts: the worker NIC sets it
+    ([2, 2], 1, [1, 1], 2.0),           # intra-node stage: each host pushes G once
+    ([2, 2], 1, [2, 2], 4.0),           # without it each worker does: 4 G into one server
+    ([2, 2], 4, [2, 2], 2.0),           # ... and a host's NIC carries 2 G
+    ([3, 1], 4, [3, 1], 3.0),           # uneven hosts: the busiest host NIC
+])
+def test_ps_ideal_step_is_the_busiest_nics_bytes_over_its_goodput(host_workers, servers,
+                                                                 streams, seconds):
+    assert ideal_step_seconds("bpsctl", GB, host_workers, servers, NIC_1GB_S, streams) == \
+        pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("host_workers, seconds", [
+    ([1, 1], 1.0), ([1, 1, 1, 1], 1.5), ([1] * 8, 1.75),
+    ([4, 4], 1.0),                      # n counts hosts: the least any allreduce sends between them
+])
+def test_ring_ideal_step_is_2_n_minus_1_over_n_of_the_gradient(host_workers, seconds):
+    for system in ("ddp", "horovod"):
+        assert ideal_step_seconds(system, GB, host_workers, 2, NIC_1GB_S) == \
+            pytest.approx(seconds)
+
+
+def test_no_ideal_without_a_nic_rate_or_a_byte_on_the_wire():
+    assert ideal_step_seconds("bpsctl", GB, [1, 1], 2, None) is None
+    assert ideal_step_seconds("ddp", GB, [1, 1], 2, None) is None
+    assert ideal_step_seconds("ddp-powersgd", GB, [1, 1], 2, NIC_1GB_S) is None
+    assert ideal_step_seconds("ddp", GB, [4], 2, NIC_1GB_S) is None          # one host
+    assert ideal_step_seconds("bpsctl", GB, [4], 2, NIC_1GB_S, [0]) is None  # shared memory
+    # a 1 Gbit/s NIC: 125 MB/s less TCP's share
+    assert ideal_step_seconds("bpsctl", 125 * 10**6, [1, 1], 2, 1000) == \
+        pytest.approx(1 / GOODPUT_SHARE)
+
+
+def test_host_streams_follow_the_intra_node_stage():
+    assert host_streams(Config(), [1, 1]) == [1, 1]
+    assert host_streams(Config(), [2, 2]) == [1, 1]            # reduce-scatter first
+    assert host_streams(Config(), [4]) == [0]                  # one host: shared memory only
+    assert host_streams(Config(local_only="off"), [4]) == [1]
+    assert host_streams(Config(local_shm=False), [4]) == [1]   # gloo stage, then the servers
+    assert host_streams(Config(local_reduce="off"), [2, 2]) == [2, 2]
+    assert host_streams(Config(staleness=1), [2, 2]) == [2, 2]  # every worker pushes its own
+    assert host_streams(Config(), [3, 1]) == [3, 1]            # 3 does not divide 4 workers
 
 
 def test_horovod_env_follows_horovodruns_gloo_launcher():
@@ -94,6 +148,15 @@ def test_train_bench_on_emulated_hosts_against_the_baselines(tmp_path):
         assert len(row["img_secs_per_worker"]) == 2
         assert row["version"]
     assert set(report["speedup"]) == set(compare.split(","))
+    # the NIC-bound ideal step: 2 hosts of one worker and 2 servers, so bpsctl's busiest NIC
+    # carries its wire bytes each way and the ring 2(2-1)/2 of the gradient
+    assert report["worker_hosts"] == [1, 1]
+    goodput_bytes_s = 1000e6 / 8 * GOODPUT_SHARE
+    for row in report["results"]:
+        step_bytes = report["wire_bytes_per_step" if row["system"] == "bpsctl"
+                            else "gradient_bytes"]
+        assert row["ideal_step_s"] == pytest.approx(step_bytes / goodput_bytes_s)
+        assert row["nic_fraction"] == pytest.approx(row["ideal_step_s"] / row["step_seconds"])
     ours = report["results"][0]["img_per_sec"]
     for row in report["results"][1:]:
         assert report["speedup"][row["system"]] == pytest.approx(ours / row["img_per_sec"])
@@ -127,6 +190,10 @@ def test_rounds_rotate_the_order_and_pair_the_ratios(tmp_path):
         assert len(row["img_secs_per_worker"]) == 4                # 2 iterations x 2 rounds
         assert len(row["img_per_sec_by_round"]) == 2
         assert row["img_per_sec"] == pytest.approx(2 * sum(row["img_secs_per_worker"]) / 4)
+    # no NIC rate on loopback: the keys are there, without an ideal
+    assert report["worker_hosts"] == [2]
+    assert all(row["ideal_step_s"] is None and row["nic_fraction"] is None
+               for row in report["results"])
     ours, theirs = (row["img_per_sec_by_round"] for row in report["results"])
     ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
     assert report["speedup_by_round"]["ddp"] == pytest.approx(ratios)

@@ -17,7 +17,8 @@ import statistics
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, cast
@@ -77,10 +78,63 @@ def ideal_seconds(system: str, size_bytes: int, workers: int, servers: int,
     """The NIC-bound time of one round (docs/design.md §7): a parameter server moves S out
     and S in through each worker's NIC (and n·S/K through each server's); ring allreduce moves
     2(n-1)/n · S each way."""
-    goodput_bytes_s = nic_mbit * 1e6 / 8 * GOODPUT_SHARE
     if system == "allreduce":
-        return 2 * (workers - 1) / workers * size_bytes / goodput_bytes_s
-    return max(size_bytes, workers * size_bytes / servers) / goodput_bytes_s
+        return 2 * (workers - 1) / workers * size_bytes / goodput_bytes_s(nic_mbit)
+    return max(size_bytes, workers * size_bytes / servers) / goodput_bytes_s(nic_mbit)
+
+
+def goodput_bytes_s(nic_mbit: float) -> float:
+    """What TCP carries through a NIC of ``nic_mbit`` each way, in bytes per second."""
+    return nic_mbit * 1e6 / 8 * GOODPUT_SHARE
+
+
+#: the training baselines whose gradients go through a plain allreduce (gloo); PowerSGD's
+#: low-rank factors have no NIC-bound ideal here
+RING_SYSTEMS = ("horovod", "ddp")
+def ideal_step_seconds(system: str, step_bytes: int, host_workers: Sequence[int], servers: int,
+                       nic_mbit: float | None, streams: Sequence[int] | None = None
+                       ) -> float | None:
+    """The NIC-bound time of one training step (docs/design.md §7), or None when no NIC rate
+    is known or nothing of the system's crosses a NIC.
+
+    ``step_bytes`` is what one worker pushes per step (bpsctl: the compressed wire bytes; the
+    baselines: the gradient bytes); ``host_workers`` the workers on each worker host. bpsctl:
+    each worker host's NIC carries ``step_bytes`` each way ``streams[h]`` times (default once
+    per host: the intra-node stage reduces first; see :func:`host_streams`), each server's NIC
+    its share of all of them, and the busier NIC sets the time. Ring allreduce (DDP, Horovod):
+    ``2(n-1)/n · step_bytes`` per NIC each way, n the worker hosts: the least any allreduce
+    moves between hosts. Full duplex: both directions at once."""
+    hosts = len(host_workers)
+    if nic_mbit is None or hosts == 0:
+        return None
+    if system in RING_SYSTEMS:
+        return ideal_seconds("allreduce", step_bytes, hosts, servers, nic_mbit) \
+            if hosts > 1 else None
+    streams = [1] * hosts if streams is None else list(streams)
+    if system != "bpsctl" or not any(streams):
+        return None
+    busiest_bytes = max(max(streams) * step_bytes, sum(streams) * step_bytes / servers)
+    return busiest_bytes / goodput_bytes_s(nic_mbit)
+
+
+def host_streams(config: Config, host_workers: Sequence[int]) -> list[int]:
+    """How many times each worker host's NIC carries a worker's gradient per step in bpsctl,
+    by the conditions of engine/torch's intra-node stage: once when the host's workers
+    reduce-scatter first, once per worker when they do not (a single worker, BPSCTL_LOCAL_REDUCE
+    off, a host whose workers do not divide the job's, elastic or asynchronous training), and
+    not at all when the stage finishes each step in shared memory (the job's one host)."""
+    workers = sum(host_workers)
+    elastic = (0 < config.min_workers < workers or config.max_workers > workers
+               or config.backup_workers > 0 or config.staleness > 0 or config.async_mode)
+    streams = []
+    for count in host_workers:
+        if count == 1 or config.local_reduce != "auto" or workers % count or elastic:
+            streams.append(count)
+        elif len(host_workers) == 1 and config.local_only != "off" and config.local_shm:
+            streams.append(0)
+        else:
+            streams.append(1)
+    return streams
 
 
 def ssh_cluster(state_dir: Path | str) -> launch.ClusterState | None:
@@ -617,6 +671,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     systems = ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare])
     rounds: list[dict[str, dict[str, Any]]] = []
     with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
+        host_workers = worker_hosts(cluster_config, settings.workers)
         for index in range(settings.rounds):
             # each system goes first in turn, so that a machine that slows down (or speeds
             # up) during the run does not favour whichever always runs first
@@ -629,6 +684,13 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
             rounds.append(rows)
     results = [_pooled(system, [rows[system] for rows in rounds], settings.batch_size)
                for system in systems]
+    streams = host_streams(config, host_workers)
+    for row in results:
+        step_bytes = wire if row["system"] == "bpsctl" else 4 * sum(params)
+        ideal = ideal_step_seconds(row["system"], step_bytes, host_workers, settings.servers, nic,
+                                   streams)
+        row["ideal_step_s"] = ideal
+        row["nic_fraction"] = None if ideal is None else ideal / row["step_seconds"]
     # per round, both sides measured minutes apart at most: the median of those paired ratios
     ratios = {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
                        for rows in rounds] for system in systems[1:]}
@@ -642,11 +704,20 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         "parameters": sum(params), "gradient_tensors": len(params),
         "gradient_bytes": 4 * sum(params), "host": socket.gethostname(),
         "compression": settings.compression or None, "wire_bytes_per_step": wire,
-        "cross_barrier": settings.cross_barrier,
+        "cross_barrier": settings.cross_barrier, "worker_hosts": host_workers,
         "results": results, **_cluster_keys(config),
         "speedup": {system: statistics.median(values) for system, values in ratios.items()},
         **({"speedup_by_round": ratios} if settings.rounds > 1 else {}),
     }
+
+
+def worker_hosts(config: Config, workers: int) -> list[int]:
+    """The workers of a job on each worker host of the cluster named by ``config``, in host
+    order (one host on the embedded default)."""
+    cluster = launch.load_state(config.state_dir)
+    if cluster is None:
+        raise BenchError(f"no cluster recorded in {config.state_dir}")
+    return list(Counter(slot.address for slot in launch.worker_slots(cluster, workers)).values())
 
 
 def wire_bytes_per_step(model: Any, config: Config, spec: str) -> int:

@@ -219,16 +219,25 @@ def train_summary(report: dict[str, Any]) -> str:
 
 
 def print_train(console: Console, report: dict[str, Any]) -> None:
+    # the NIC-bound ideal beside the measured step, where a NIC rate is known (two-line
+    # headers; per worker's img/sec makes room for them: it is img/sec over the title's workers)
+    ideal = any(row.get("ideal_step_s") is not None for row in report["results"])
+    columns = ["system", "img/sec", "± 1.96σ"] \
+        + (["s/step", "ideal\ns/step", "NIC\nfrac"] if ideal else ["per worker", "s/step"]) \
+        + (["speedup"] if report["speedup"] else [])
     table = _table(f"bench {report['model']}: {report['workers']} workers, {report['servers']} "
-                   f"servers, {_network(report)}",
-                   ["system", "img/sec", "± 1.96σ", "per worker", "s/step"]
-                   + (["speedup"] if report["speedup"] else []), ("system",))
+                   f"servers, {_network(report)}", columns, ("system",))
     for row in report["results"]:
         speedup = report["speedup"].get(row["system"])
-        cells = [row["system"], f"{row['img_per_sec']:.2f}", f"{row['img_per_sec_ci95']:.2f}",
-                 f"{row['img_per_sec_per_worker']:.2f}", f"{row['step_seconds']:.3f}",
-                 "" if speedup is None else f"bpsctl {speedup:.2f}x"]
-        table.add_row(*cells[:len(table.columns)])
+        cells = [row["system"], f"{row['img_per_sec']:.2f}", f"{row['img_per_sec_ci95']:.2f}"]
+        if ideal:
+            cells += [f"{row['step_seconds']:.3f}", _fmt(row.get("ideal_step_s"), ".3f"),
+                      _fmt(row.get("nic_fraction"), ".2f")]
+        else:
+            cells += [f"{row['img_per_sec_per_worker']:.2f}", f"{row['step_seconds']:.3f}"]
+        if report["speedup"]:
+            cells.append("" if speedup is None else f"bpsctl {speedup:.2f}x")
+        table.add_row(*cells)
     console.print(table)
     batches = report["batches_per_iter"]
     versions = ", ".join(row["version"] for row in report["results"] if row.get("version"))
