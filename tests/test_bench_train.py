@@ -157,6 +157,15 @@ def test_train_bench_on_emulated_hosts_against_the_baselines(tmp_path):
                             else "gradient_bytes"]
         assert row["ideal_step_s"] == pytest.approx(step_bytes / goodput_bytes_s)
         assert row["nic_fraction"] == pytest.approx(row["ideal_step_s"] / row["step_seconds"])
+    # rank 0's host NIC counted what really went through it: bpsctl pushes its gradient out and
+    # pulls the sums back (plus headers, heartbeats, the ring's share for the baselines)
+    for row in report["results"]:
+        assert row["nic"] == "eth0"
+        step_bytes = report["wire_bytes_per_step" if row["system"] == "bpsctl"
+                            else "gradient_bytes"]
+        for key in ("nic_tx_bytes_per_step", "nic_rx_bytes_per_step"):
+            assert 0.95 * step_bytes < row[key] < 1.3 * step_bytes, (row["system"], key, row[key])
+    assert "MB per step through rank 0's host NIC" in result.stderr
     ours = report["results"][0]["img_per_sec"]
     for row in report["results"][1:]:
         assert report["speedup"][row["system"]] == pytest.approx(ours / row["img_per_sec"])
@@ -194,6 +203,7 @@ def test_rounds_rotate_the_order_and_pair_the_ratios(tmp_path):
     assert report["worker_hosts"] == [2]
     assert all(row["ideal_step_s"] is None and row["nic_fraction"] is None
                for row in report["results"])
+    assert not any("nic_tx_bytes_per_step" in row for row in report["results"])   # lo: all
     ours, theirs = (row["img_per_sec_by_round"] for row in report["results"])
     ratios = [a / b for a, b in zip(ours, theirs, strict=True)]
     assert report["speedup_by_round"]["ddp"] == pytest.approx(ratios)

@@ -756,7 +756,10 @@ def _pooled(system: str, rows: list[dict[str, Any]], batch_size: int) -> dict[st
             "img_per_sec_by_round": [row["img_per_sec"] for row in rows],
             "phase_seconds_per_step": {phase: statistics.fmean(row["phase_seconds_per_step"][phase]
                                                                for row in rows)
-                                       for phase in rows[0]["phase_seconds_per_step"]}}
+                                       for phase in rows[0]["phase_seconds_per_step"]},
+            **{key: statistics.fmean(row[key] for row in rows)
+               for key in ("nic_tx_bytes_per_step", "nic_rx_bytes_per_step")
+               if all(row.get(key) is not None for row in rows)}}
 
 
 @dataclass(frozen=True)

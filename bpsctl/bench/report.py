@@ -246,6 +246,14 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
                   f"batch{'es' if batches > 1 else ''}"
                   + (f", {report['rounds']} rounds" if report.get("rounds", 1) > 1 else "")
                   + f"; {versions}", highlight=False)
+    wire = [f"{row['system']} {row['nic_tx_bytes_per_step'] / 1e6:.1f}/"
+            f"{row['nic_rx_bytes_per_step'] / 1e6:.1f}"
+            for row in report["results"] if row.get("nic_tx_bytes_per_step") is not None]
+    if wire:
+        stated = report.get("wire_bytes_per_step")
+        console.print(f"MB per step through rank 0's host NIC, sent/received: {', '.join(wire)}"
+                      + (f" (bpsctl states {stated / 1e6:.1f} MB each way per worker)"
+                         if stated else ""), highlight=False)
     for system, ratios in report.get("speedup_by_round", {}).items():
         console.print(f"bpsctl over {system}, round by round: "
                       + ", ".join(f"{ratio:.2f}x" for ratio in ratios)

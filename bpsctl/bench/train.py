@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..engine.trace import interface_of, read_nic
+
 SYSTEMS = ("bpsctl", "horovod", "ddp", "ddp-powersgd")
 
 
@@ -77,6 +79,15 @@ def _rates_by_rank(args: argparse.Namespace, rank: int, size: int, mine: float
     rates = torch.zeros(size, dtype=torch.float64)
     rates[rank] = mine
     return [float(r) for r in bps.push_pull(rates, average=False, name="bench.rates")]
+
+
+def _host_nic() -> str | None:
+    """This worker's host NIC (the interface holding its address): its byte counters are what
+    the step really put on the wire. None on loopback, where every process of the machine,
+    servers included, counts on ``lo``."""
+    from ..config import Config
+    name = interface_of(Config.from_env(role="worker").host)
+    return None if name in (None, "lo") else name
 
 
 def parse_hosts(text: str) -> list[tuple[str, int]]:
@@ -218,6 +229,8 @@ def main(argv: list[str] | None = None) -> None:
 
     timed(args.warmup)
     phases.update(backward_seconds=0.0, step_seconds=0.0)
+    nic = _host_nic() if rank == 0 else None
+    nic_before = read_nic(nic) if nic else None
     img_secs = []
     window = 0.0
     for i in range(args.iters):
@@ -228,6 +241,12 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{args.system} iter {i + 1}/{args.iters}: {img_secs[-1]:.2f} img/sec per worker "
                   f"({seconds / args.batches_per_iter:.3f} s/step)", flush=True)
     timed_batches = args.iters * args.batches_per_iter
+    nic_after = read_nic(nic) if nic else None
+    wire: dict[str, Any] = {}
+    if nic_before and nic_after:
+        wire = {"nic": nic,
+                "nic_tx_bytes_per_step": (nic_after[0] - nic_before[0]) / timed_batches,
+                "nic_rx_bytes_per_step": (nic_after[1] - nic_before[1]) / timed_batches}
     by_rank = _rates_by_rank(args, rank, size, args.batch_size * timed_batches / window)
     if rank == 0:
         print_result({
@@ -237,7 +256,9 @@ def main(argv: list[str] | None = None) -> None:
             **({"img_per_sec": sum(by_rank), "img_per_sec_by_rank": by_rank} if by_rank else {}),
             "phase_seconds_per_step": {
                 "forward_backward": phases["backward_seconds"] / timed_batches,
-                "optimizer_step": phases["step_seconds"] / timed_batches}})
+                "optimizer_step": phases["step_seconds"] / timed_batches},
+            # what rank 0's host NIC really carried per timed step (all its processes)
+            **wire})
     shutdown()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()
