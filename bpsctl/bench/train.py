@@ -109,14 +109,7 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
         import bpsctl.engine.torch as bps
         bps.init()
         bps.broadcast_parameters(model.state_dict(), root_rank=0)
-        compression: Any = bps.Compression.none
-        if args.compression in ("fp16", "bf16"):
-            compression = getattr(bps.Compression, args.compression)
-        elif args.compression:
-            from ..engine.compression import parse
-            engine = parse(args.compression)
-            if engine is not None:
-                compression = bps.EngineCompressor(engine)
+        compression = bps.Compression.from_spec(args.compression)
         version = f"bpsctl {bpsctl.__version__}"
         if args.cross_barrier:
             from ..engine.torch.cross_barrier import CrossBarrier

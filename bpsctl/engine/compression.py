@@ -468,14 +468,24 @@ class Dithering(Compressor):
 # --------------------------------------------------------------------------- specs
 
 NAMES = ("onebit", "topk", "randomk", "dithering", "fp16", "bf16")
+#: the kinds that drop information and so keep error feedback (on unless switched off)
+LOSSY = ("onebit", "topk", "randomk", "dithering")
 
 
 def parse(spec: str, ef: bool = True) -> Compressor | None:
     """A compressor from a spec as the CLI takes it: ``onebit``, ``topk:0.01``,
     ``randomk:0.01``, ``dithering:2`` (``:natural``, ``:l2`` may follow), ``fp16``, ``bf16``
-    or ``none`` (None). Raises ValueError naming the part at fault and what is allowed."""
+    or ``none`` (None). The lossy kinds (onebit, topk, randomk, dithering) take a ``:noef``
+    modifier that switches their error feedback off (``onebit:noef``, ``topk:0.01:noef``), as
+    ``ef=False`` does. Raises ValueError naming the part at fault and what is allowed."""
     name, _, rest = spec.strip().partition(":")
     args = rest.split(":") if rest else []
+    if "noef" in args:
+        if name not in LOSSY:
+            raise ValueError(f"compression {spec!r}: noef is for the kinds with error feedback "
+                             f"({', '.join(LOSSY)}); {name} has none to switch off")
+        args.remove("noef")
+        ef = False
     try:
         if name == "none" and not args:
             return None
@@ -495,7 +505,18 @@ def parse(spec: str, ef: bool = True) -> Compressor | None:
         raise ValueError(f"compression {spec!r}: {name} needs a number after the colon, "
                          f"such as {name}:{'2' if name == 'dithering' else '0.01'}") from None
     raise ValueError(f"compression: expected one of onebit, topk:RATIO, randomk:RATIO, "
-                     f"dithering:LEVELS, fp16, bf16 or none, got {spec!r}")
+                     f"dithering:LEVELS (each with :noef for no error feedback), fp16, bf16 "
+                     f"or none, got {spec!r}")
+
+
+def spec_of(compressor: Compressor | None) -> str:
+    """The spec :func:`parse` turns back into ``compressor``: its kind and parameters, with
+    ``:noef`` when a lossy kind runs without error feedback (``none`` for None)."""
+    if compressor is None:
+        return "none"
+    noscale = isinstance(compressor, OneBit) and not compressor.scaling
+    return compressor.spec() + (":noscale" if noscale else "") + \
+        (":noef" if compressor.name in LOSSY and not compressor.ef else "")
 
 
 def from_params(params: dict[str, Any]) -> Compressor:

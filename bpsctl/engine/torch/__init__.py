@@ -155,6 +155,16 @@ class Compression:
         ``natural``) of the max or L2 ``norm``."""
         return EngineCompressor(C.Dithering(levels=levels, ef=ef, natural=natural, norm=norm))
 
+    @staticmethod
+    def from_spec(spec: str) -> CompressionArg:
+        """The compression a CLI spec names (:func:`bpsctl.engine.compression.parse`, such as
+        ``onebit:noef``): fp16 and bf16 as the plugin's casts (half the bytes, summed as they
+        travel), the lossy kinds as the engine's, ``none`` or an empty spec as none."""
+        if spec in ("fp16", "bf16"):
+            return Compression.fp16 if spec == "fp16" else Compression.bf16
+        engine = C.parse(spec) if spec else None
+        return Compression.none if engine is None else EngineCompressor(engine)
+
 
 #: what ``compression=`` takes: a class above (Horovod's interface) or an engine compressor
 CompressionArg = type[Compressor] | Compressor
