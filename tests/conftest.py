@@ -73,6 +73,10 @@ TIERS: dict[str, set[str]] = {
         {"slow", "root"},
     # three systems, each a 2-worker training job to a target accuracy: about 30 s
     "test_stragglers.py::test_every_system_reaches_its_target_accuracy": {"slow"},
+    # three 2-worker training jobs of 200 steps (sync, onebit, onebit:noef): about 10-25 s
+    "test_compression.py::test_bench_convergence_shows_what_error_feedback_is_for": {"slow"},
+    # a 1-worker training job to the target: about 5 s
+    "test_compression.py::test_bench_convergence_without_steps_stops_at_the_target": {"slow"},
     "test_emulate.py::test_create_reach_destroy": {"slow", "root"},
     "test_emulate.py::test_teardown_on_keyboard_interrupt": {"slow", "root"},
     "test_emulate.py::test_leftovers_of_a_crashed_run_are_found_and_removed": {"slow", "root"},

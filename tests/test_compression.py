@@ -2,6 +2,8 @@
 feedback, compression both ways through real servers, the minimum size, and bad input."""
 from __future__ import annotations
 
+import io
+import json
 import math
 import os
 import signal
@@ -12,6 +14,7 @@ import pytest
 from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 from typer.testing import CliRunner
 
+from bpsctl.bench.api import ConvergenceSettings, run_convergence
 from bpsctl.cli import app
 from bpsctl.config import Config, ConfigError
 from bpsctl.engine import compression as C
@@ -351,6 +354,54 @@ def test_compressors_with_error_feedback_train_close_to_uncompressed():
     assert train(C.OneBit(ef=False)) > 10 * train(C.OneBit())
 
 
+def test_bench_convergence_shows_what_error_feedback_is_for(tmp_path, monkeypatch):
+    """`bench convergence --compare sync --compression onebit,onebit:noef --steps 200`: every
+    row trains exactly 200 steps; onebit with error feedback ends within a point of the
+    uncompressed sync row and onebit without it well behind, each sending 189 bytes a step
+    (16 + 4 + 1348/8) where sync sends 5392. At lr 0.01 this holds on every seed 0..7 (sync
+    minus onebit at most 0.006, minus onebit:noef at least 0.069)."""
+    monkeypatch.setenv("BPSCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("BPSCTL_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    report_file = tmp_path / "report.json"
+    result = CliRunner().invoke(app, [
+        "bench", "convergence", "--workers", "2", "--servers", "1", "--compare", "sync",
+        "--compression", "onebit,onebit:noef", "--steps", "200", "--lr", "0.01",
+        "--target", "0.75", "--train-samples", "1024", "--batch-size", "16",
+        "--json", str(report_file)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(report_file.read_text())
+    rows = {row["system"]: row for row in report["results"]}
+    assert list(rows) == ["sync", "sync+onebit", "sync+onebit:noef"]
+    for row in rows.values():
+        assert row["steps"] == 200 and row["curve"][-1]["step"] == 200, row
+        assert row["curve"][-1]["accuracy"] == row["final_accuracy"]
+    sync, ef, noef = (rows[name]["final_accuracy"] for name in rows)
+    assert sync >= 0.8, rows
+    assert abs(ef - sync) <= 0.01, (sync, ef)
+    assert noef <= sync - 0.05, (sync, noef)
+    # sync passes the target early and trains on past it
+    assert rows["sync"]["reached"] and rows["sync"]["target_step"] < 200
+    assert report["steps"] == 200 and report["compression"] == ["onebit", "onebit:noef"]
+    assert report["gradient_bytes_per_step"] == 5392
+    for name in ("sync+onebit", "sync+onebit:noef"):
+        assert rows[name]["wire_bytes_per_step"] == 189
+        assert rows[name]["min_compress_bytes"] == 0
+    assert "(no error feedback)" in rows["sync+onebit:noef"]["version"]
+    table = " ".join(result.output.split())
+    assert "sync+onebit:noef" in table and "189 B (4%)" in table
+
+
+def test_bench_convergence_without_steps_stops_at_the_target(tmp_path):
+    """Without --steps a row stops at its first measurement at the target, as before."""
+    settings = ConvergenceSettings(workers=1, servers=1, compare=("sync",), target=0.6,
+                                   lr=0.05, train=512, test=256, batch_size=16, timeout_s=120)
+    report = run_convergence(Config(start_timeout_s=60), settings, output=io.StringIO())
+    row = report["results"][0]
+    assert row["reached"] and row["steps"] == row["target_step"] < settings.max_steps, row
+    assert row["steps"] % settings.eval_every == 0 and report["steps"] is None
+
+
 # --------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("make, message", [
@@ -364,13 +415,17 @@ def test_compressors_with_error_feedback_train_close_to_uncompressed():
     (lambda: C.parse("topk:0"), "topk ratio: expected a number in (0, 1]"),
     (lambda: C.parse("topk:lots"), "topk needs a number after the colon"),
     (lambda: C.parse("dithering:0"), "dithering levels: expected an integer in 1..127"),
+    (lambda: C.parse("fp16:noef"), "compression 'fp16:noef': noef is for the kinds with error "
+                                   "feedback (onebit, topk, randomk, dithering); fp16 has none"),
+    (lambda: C.parse("topk:noef"), "compression: expected one of onebit, topk:RATIO"),
     (lambda: C.from_params({"compressor": "zip"}), "compression_params compressor: expected"),
     (lambda: C.from_params({"compressor": "onebit", "momentum": "nesterov"}),
      "compression_params: unknown key(s) ['momentum']"),
     (lambda: C.from_params({"compressor": "onebit", "ef": "corrected"}),
      "compression_params ef: expected 'vanilla' or None"),
 ], ids=["topk-0", "topk-1.5", "randomk-neg", "levels-0", "levels-200", "norm", "unknown",
-        "spec-ratio", "spec-nan", "spec-levels", "params-unknown", "params-key", "params-ef"])
+        "spec-ratio", "spec-nan", "spec-levels", "spec-fp16-noef",
+        "spec-noef-no-ratio", "params-unknown", "params-key", "params-ef"])
 def test_bad_compressor_parameters_name_the_parameter_and_the_range(make, message):
     with pytest.raises(ValueError) as info:
         make()
@@ -395,6 +450,56 @@ def test_a_negative_minimum_compress_size_is_refused():
         Config(min_compress_bytes=-1)
     env = {"BYTEPS_MIN_COMPRESS_BYTES": "1024"}
     assert Config.from_env(env).min_compress_bytes == 1024
+
+
+@pytest.mark.parametrize("spec, expected", [
+    ("onebit", C.OneBit()), ("onebit:noef", C.OneBit(ef=False)),
+    ("onebit:noscale:noef", C.OneBit(ef=False, scaling=False)),
+    ("topk:0.010:noef", C.TopK(ratio=0.01, ef=False)),
+    ("randomk:0.5:noef", C.RandomK(ratio=0.5, ef=False)),
+    ("dithering:4:natural:noef", C.Dithering(levels=4, natural=True, ef=False)),
+    ("fp16", C.FP16()), ("none", None)])
+def test_noef_switches_error_feedback_off_and_specs_read_back(spec, expected):
+    got = C.parse(spec)
+    assert got == expected
+    assert C.parse(C.spec_of(got)) == got
+    assert C.spec_of(got) == spec.replace("0.010", "0.01")
+
+
+def test_a_torch_compression_from_a_spec_is_what_the_benches_train_with():
+    """fp16/bf16 as the plugin's casts, the lossy kinds as the engine's, noef kept."""
+    bps = pytest.importorskip("bpsctl.engine.torch")
+    assert bps.Compression.from_spec("") is bps.Compression.none
+    assert bps.Compression.from_spec("none") is bps.Compression.none
+    assert bps.Compression.from_spec("fp16") is bps.Compression.fp16
+    assert bps.Compression.from_spec("bf16") is bps.Compression.bf16
+    assert bps.Compression.from_spec("onebit:noef").engine == C.OneBit(ef=False)
+    with pytest.raises(ValueError, match="compression: expected one of onebit"):
+        bps.Compression.from_spec("zip")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compression", "onebit,zip"], "--compression: compression: expected one of onebit, "
+                                      "topk:RATIO, randomk:RATIO, dithering:LEVELS (each with "
+                                      ":noef for no error feedback), fp16, bf16 or none, got "
+                                      "'zip'"),
+    (["--compression", "topk:2:noef"], "--compression: topk ratio: expected a number in (0, 1], "
+                                       "such as 0.01, got 2.0"),
+    (["--compression", "bf16:noef"], "--compression: compression 'bf16:noef': noef is for the "
+                                     "kinds with error feedback"),
+    (["--compression", "onebit,onebit:noef,onebit"], "--compression: 'onebit' is given twice "
+                                                     "(as onebit); give each compressor once"),
+    (["--compression", "none"], "--compression: none is the uncompressed sync row"),
+    (["--steps", "0"], "Invalid value for '--steps'"),
+], ids=["unknown", "ratio", "fp16-noef", "twice", "none", "steps-0"])
+def test_bad_convergence_compression_or_steps_exit_2_naming_it(tmp_path, monkeypatch, args,
+                                                               message):
+    monkeypatch.setenv("BPSCTL_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.delenv("BPSCTL_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    result = CliRunner().invoke(app, ["bench", "convergence", *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()), result.output
 
 
 def test_an_unknown_compressor_on_the_bench_exits_2(tmp_path, monkeypatch):

@@ -764,13 +764,17 @@ def _pooled(system: str, rows: list[dict[str, Any]], batch_size: int) -> dict[st
 
 @dataclass(frozen=True)
 class ConvergenceSettings:
-    """`bench convergence`: the same task, seed and target for every system."""
+    """`bench convergence`: the same task, seed and target for every system. Each spec of
+    ``compression`` adds a row: the sync system with its gradients compressed so. ``steps``
+    (when not 0) makes every row train exactly that many steps, past the target."""
 
     workers: int = 2
     servers: int = 1
     compare: tuple[str, ...] = ("sync", "backup", "ddp")
     target: float = 0.85
     max_steps: int = 2000
+    steps: int = 0
+    compression: tuple[str, ...] = ()
     eval_every: int = 5
     batch_size: int = 32
     lr: float = 0.05
@@ -802,25 +806,65 @@ class ConvergenceSettings:
         if "stale" in self.compare and self.staleness < 1:
             raise ConfigError(f"--staleness / BPSCTL_STALENESS: the stale system needs 1 or "
                               f"more steps of staleness, got {self.staleness}")
+        if self.steps < 0:
+            raise ConfigError(f"--steps: expected 1 or more steps (or none: train to --target), "
+                              f"got {self.steps}")
+        self.compressions()
+
+    def compressions(self) -> list[str]:
+        """The ``compression`` specs as :func:`~bpsctl.engine.compression.spec_of` writes
+        them (``topk:0.010`` is ``topk:0.01``); ConfigError for a bad, repeated or ``none``
+        one, naming it."""
+        from ..engine.compression import parse, spec_of
+        specs: list[str] = []
+        for text in self.compression:
+            try:
+                spec = spec_of(parse(text))
+            except ValueError as exc:
+                raise ConfigError(f"--compression: {exc}") from None
+            if spec == "none":
+                raise ConfigError("--compression: none is the uncompressed sync row; give "
+                                  "compressors such as onebit,onebit:noef (add sync to "
+                                  "--compare for the uncompressed row)")
+            if spec in specs:
+                raise ConfigError(f"--compression: {text!r} is given twice (as {spec}); give "
+                                  "each compressor once")
+            specs.append(spec)
+        return specs
 
 
 def run_convergence(config: Config, settings: ConvergenceSettings,
                     output: IO[str] | None = None,
                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Each system of ``settings.compare`` trains the teacher-labelled task to the target
-    accuracy on one cluster, one after another; steps, seconds and the accuracy curve each."""
-    from .convergence import SYSTEMS
+    """Each system of ``settings.compare``, then sync with each compressor of
+    ``settings.compression``, trains the teacher-labelled task on one cluster, one after
+    another, to the target accuracy (or for exactly ``settings.steps``); steps, seconds and
+    the accuracy curve each. The compressed rows' workers compress every tensor
+    (BPSCTL_MIN_COMPRESS_BYTES=0: the student's are far below the default minimum) and push
+    on their own (BPSCTL_LOCAL_REDUCE=off), and each row says the bytes one worker pushes per
+    step as the compressor states them."""
+    from .convergence import SYSTEMS, student
     output = output if output is not None else sys.stderr
     progress = progress or (lambda message: None)
+    compressions = settings.compressions()
+    rows = [(name, "") for name in settings.compare] + [("sync", spec) for spec in compressions]
     args = ["--target", str(settings.target), "--max-steps", str(settings.max_steps),
+            "--steps", str(settings.steps),
             "--eval-every", str(settings.eval_every), "--batch-size", str(settings.batch_size),
             "--lr", str(settings.lr), "--train", str(settings.train),
             "--test", str(settings.test), "--seed", str(settings.seed),
             "--hidden", str(settings.hidden), "--timeout", str(settings.timeout_s)]
     results = []
+    # the student as the workers build it (features 16, classes 4: their defaults), for the
+    # bytes each step pushes
+    model = student(16, 4, settings.hidden) if compressions else None
+    gradient_bytes = None
     with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
-        for name in settings.compare:
-            progress(f"{name}: {SYSTEMS[name].description}")
+        if compressions:
+            gradient_bytes = wire_bytes_per_step(model, cluster_config, "")
+        for name, spec in rows:
+            progress(f"{name}+{spec}: {SYSTEMS[name].description}, {spec} compression" if spec
+                     else f"{name}: {SYSTEMS[name].description}")
             # the backup system is bpsctl with backup workers, the stale one with staleness, the
             # async one asynchronous; every other runs without
             engine = SYSTEMS[name].engine == "bpsctl"       # --trace is bpsctl's timeline only
@@ -829,12 +873,23 @@ def run_convergence(config: Config, settings: ConvergenceSettings,
                 backup_workers=settings.backup_workers if name == "backup" else 0,
                 staleness=settings.staleness if name == "stale" else 0,
                 async_mode=name == "async")
-            results.append(_run_workers(system_config, "bpsctl.bench.convergence",
-                                        ["--system", name, *args], settings.workers,
-                                        settings.servers, output))
+            if spec:
+                # every tensor compressed, and every worker's gradient through the compressor:
+                # the intra-node stage would sum a host's workers first at full precision, and
+                # with every worker on one host it skips the servers (and the compression)
+                system_config = system_config.replace(min_compress_bytes=0, local_reduce="off")
+            row = _run_workers(system_config, "bpsctl.bench.convergence",
+                               ["--system", name, "--compression", spec, *args],
+                               settings.workers, settings.servers, output)
+            if spec:
+                row.update(compression=spec, min_compress_bytes=0, local_reduce="off",
+                           wire_bytes_per_step=wire_bytes_per_step(model, system_config, spec))
+            results.append(row)
     return {
         "kind": "convergence", "workers": settings.workers, "servers": settings.servers,
         "nic_mbit": nic, "target_accuracy": settings.target, "max_steps": settings.max_steps,
+        "steps": settings.steps or None, "compression": compressions,
+        "gradient_bytes_per_step": gradient_bytes,
         "backup_workers": settings.backup_workers if "backup" in settings.compare else 0,
         "staleness": settings.staleness if "stale" in settings.compare else 0,
         "task": {"name": "teacher-student", "seed": settings.seed, "train": settings.train,

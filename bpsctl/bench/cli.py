@@ -348,6 +348,17 @@ def convergence(ctx: typer.Context,
                 max_steps: int = typer.Option(2000, "--max-steps", min=1,
                                               help="A system that has not reached the target "
                                                    "by then stops (reported as not reached)."),
+                steps: int | None = typer.Option(
+                    None, "--steps", min=1,
+                    help="Train every system exactly this many steps, past the target (in "
+                         "place of --target/--max-steps as the stop); the table gives the "
+                         "accuracy then and the step the target was first reached."),
+                compression: str | None = typer.Option(
+                    None, "--compression", metavar="SPEC[,SPEC]",
+                    help="Add a row per compressor: the sync system with its gradients "
+                         "compressed (onebit, topk:RATIO, randomk:RATIO, dithering:LEVELS, fp16, "
+                         "bf16; :noef switches error feedback off, e.g. onebit:noef). Every "
+                         "tensor is compressed, however small."),
                 eval_every: int = typer.Option(5, "--eval-every", min=1,
                                                help="Steps between measurements of the test "
                                                     "accuracy."),
@@ -381,13 +392,15 @@ def convergence(ctx: typer.Context,
                 ) -> None:
     """Time to accuracy: each system trains a small real classification task (a seeded
     teacher network labels random inputs; no download) to --target on the same cluster;
-    steps, wall time and final accuracy per system."""
+    steps, wall time and final accuracy per system. --compression adds compressed sync rows;
+    --steps compares accuracy after the same number of steps."""
     with cli_errors():
         config = _cluster_config(ctx, None, None, emulate, nic, config_file, None, straggler)
         n, k = cluster_size(config, workers, servers)
         backup = backup_workers if backup_workers is not None else (config.backup_workers or 1)
         settings = ConvergenceSettings(workers=n, servers=k, compare=_names(compare),
-                                       target=target, max_steps=max_steps,
+                                       target=target, max_steps=max_steps, steps=steps or 0,
+                                       compression=_names(compression),
                                        eval_every=eval_every, batch_size=batch_size, lr=lr,
                                        train=train_samples, seed=seed, hidden=hidden,
                                        backup_workers=backup,
@@ -397,7 +410,7 @@ def convergence(ctx: typer.Context,
                             lambda progress: run_convergence(config, settings,
                                                              progress=progress),
                             print_convergence, json_file, plot_file, plot_convergence)
-        if not report["all_reached"]:
+        if not report["all_reached"] and not steps:
             missed = ", ".join(r["system"] for r in report["results"] if not r["reached"])
             err_console.print(f"[bold red]error:[/] {missed} did not reach {target:g} within "
                               f"{max_steps} steps (raise --max-steps or lower --target)",

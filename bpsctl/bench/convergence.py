@@ -10,7 +10,11 @@ systems; a late worker under backup workers gets the same averaged gradient; und
 every worker applies the same averages, s steps late), so every worker
 reaches the target at the same step and all stop together. Asynchronous workers hold the
 parameters they last pulled from the servers: each measures those and stops on its own once
-they reach the target (rank 0's time is the system's). Rank 0 prints the result as JSON.
+they reach the target (rank 0's time is the system's). With ``--steps N`` every worker trains
+exactly N steps instead, and the result is the accuracy then (and the step at which the target
+was first measured, if it was): how compressors compare at equal work. ``--compression SPEC``
+sends the gradients of a bpsctl system through that compressor. Rank 0 prints the result as
+JSON.
 """
 from __future__ import annotations
 
@@ -66,7 +70,8 @@ def student(features: int, classes: int, hidden: int) -> Any:
 
 def _setup(system: System, args: argparse.Namespace, model: Any, optimizer: Any
            ) -> tuple[Any, Any, int, int, str, Callable[[], None]]:
-    """Initialise ``system``; returns (model, optimizer, rank, size, version, shutdown)."""
+    """Initialise ``system`` (with ``args.compression`` on bpsctl's gradients); returns
+    (model, optimizer, rank, size, version, shutdown)."""
     import torch
     if system.engine == "bpsctl":
         import bpsctl
@@ -79,11 +84,14 @@ def _setup(system: System, args: argparse.Namespace, model: Any, optimizer: Any
             # applies their mean once: the same learning per sample at lr / workers
             for group in optimizer.param_groups:
                 group["lr"] /= bps.size()
-        optimizer = bps.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        optimizer = bps.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(),
+            compression=bps.Compression.from_spec(args.compression))
         version = f"bpsctl {bpsctl.__version__}" + (
             f", {config.backup_workers} backup workers" if config.backup_workers else
             f", staleness {config.staleness}" if config.staleness else
-            ", asynchronous" if config.async_mode else "")
+            ", asynchronous" if config.async_mode else "") + (
+            f", {_compressor(args.compression)} compression" if args.compression else "")
         return model, optimizer, bps.rank(), bps.size(), version, bps.shutdown
     import datetime
 
@@ -95,11 +103,21 @@ def _setup(system: System, args: argparse.Namespace, model: Any, optimizer: Any
             f"torch {torch.__version__} DDP gloo", dist.destroy_process_group)
 
 
+def _compressor(spec: str) -> str:
+    """How the version line names a compression spec: onebit, onebit (no error feedback)."""
+    from ..engine.compression import parse
+    return str(parse(spec))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bpsctl.bench.convergence")
     parser.add_argument("--system", choices=sorted(SYSTEMS), required=True)
     parser.add_argument("--target", type=float, default=0.85)
     parser.add_argument("--max-steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=0,
+                        help="train exactly this many steps, past the target (0: stop at it)")
+    parser.add_argument("--compression", default="",
+                        help="bpsctl's gradient compression, e.g. onebit or onebit:noef")
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
@@ -134,23 +152,30 @@ def main(argv: list[str] | None = None) -> None:
             return float((model(test_x).argmax(dim=1) == test_y).float().mean())
 
     curve = [(0, 0.0, accuracy())]
+    target_step = 0 if curve[0][2] >= args.target else None
+    limit = args.steps or args.max_steps
     start = time.perf_counter()
     steps = 0
-    while curve[-1][2] < args.target and steps < args.max_steps:
+    # without --steps every worker stops at the first measurement at the target (all see the
+    # same accuracy, so all stop together); with it, all train the same N steps
+    while steps < limit and (args.steps or target_step is None):
         batch = torch.randint(0, len(shard_x), (args.batch_size,), generator=order)
         optimizer.zero_grad()
         F.cross_entropy(model(shard_x[batch]), shard_y[batch]).backward()
         optimizer.step()
         steps += 1
-        if steps % args.eval_every == 0 or steps == args.max_steps:
+        if steps % args.eval_every == 0 or steps == limit:
             curve.append((steps, time.perf_counter() - start, accuracy()))
+            if target_step is None and curve[-1][2] >= args.target:
+                target_step = steps
     seconds = time.perf_counter() - start
     if rank == 0:
-        print(f"{args.system}: {curve[-1][2]:.3f} accuracy after {steps} steps, {seconds:.2f} s",
+        name = f"{args.system}+{args.compression}" if args.compression else args.system
+        print(f"{name}: {curve[-1][2]:.3f} accuracy after {steps} steps, {seconds:.2f} s",
               flush=True)
-        print_result({"system": args.system, "version": version, "workers": size,
-                      "reached": curve[-1][2] >= args.target, "steps": steps,
-                      "seconds": seconds, "final_accuracy": curve[-1][2],
+        print_result({"system": name, "version": version, "workers": size,
+                      "reached": target_step is not None, "target_step": target_step,
+                      "steps": steps, "seconds": seconds, "final_accuracy": curve[-1][2],
                       "curve": [{"step": s, "seconds": t, "accuracy": a} for s, t, a in curve]})
     shutdown()
     # the result is out and the system shut down: leave now. Once in a dozen or so DDP runs

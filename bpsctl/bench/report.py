@@ -287,16 +287,37 @@ def plot_train(report: dict[str, Any], path: Path) -> None:
 
 
 def print_convergence(console: Console, report: dict[str, Any]) -> None:
-    table = _table(f"bench convergence: {report['workers']} workers, {report['servers']} "
-                   f"servers, {_network(report)}, target {report['target_accuracy']:g}",
-                   ["system", "reached", "steps", "seconds", "accuracy"], ("system",))
+    """One row per system: whether (with --steps: at which step) it reached the target, its
+    steps, seconds and final accuracy; with --compression, the gradient bytes each worker
+    pushes per step and what share of the uncompressed bytes that is."""
+    fixed = report.get("steps")
+    gradient = report.get("gradient_bytes_per_step")
+    title = (f"bench convergence: {report['workers']} workers, {report['servers']} servers, "
+             f"{_network(report)}, target {report['target_accuracy']:g}"
+             + (f", {fixed} steps each" if fixed else ""))
+    columns = ["system", "target at" if fixed else "reached", "steps", "seconds", "accuracy"]
+    table = _table(title, columns + (["bytes/step"] if gradient else []), ("system",))
     for row in report["results"]:
-        table.add_row(row["system"], "yes" if row["reached"] else "no", str(row["steps"]),
-                      f"{row['seconds']:.2f}", f"{row['final_accuracy']:.3f}")
+        reached = "yes" if row["reached"] else "no"
+        if fixed:
+            reached = f"step {row['target_step']}" if row["reached"] else "no"
+        cells = [row["system"], reached, str(row["steps"]), f"{row['seconds']:.2f}",
+                 f"{row['final_accuracy']:.3f}"]
+        if gradient:
+            wire = row.get("wire_bytes_per_step")
+            cells.append("" if row["version"].startswith("torch") else
+                         format_bytes(gradient) if wire is None else
+                         f"{format_bytes(wire)} ({wire / gradient:.0%})")
+        table.add_row(*cells)
     console.print(table)
     versions = ", ".join(f"{row['system']}: {row['version']}" for row in report["results"])
     console.print(f"task: a seeded teacher network's labels (seed {report['task']['seed']}); "
                   f"{versions}", highlight=False)
+    if gradient:
+        console.print("the compressed rows' workers compress every tensor and each push "
+                      "their own (BPSCTL_MIN_COMPRESS_BYTES=0, BPSCTL_LOCAL_REDUCE=off); "
+                      "bytes/step: what one worker pushes per step (and pulls back), headers "
+                      "included", highlight=False)
 
 
 def plot_convergence(report: dict[str, Any], path: Path) -> None:
