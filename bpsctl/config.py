@@ -300,6 +300,11 @@ class Config:
     partition_bytes: int = knob(2097152, "BPSCTL_PARTITION_BYTES",
                                 "largest piece a tensor is cut into for push/pull", "size",
                                 in_file=True)
+    partition_depth: int = knob(0, "BPSCTL_PARTITION_DEPTH",
+                                "above 0: a large tensor is cut smaller than "
+                                "BPSCTL_PARTITION_BYTES, so that every server gets this many of "
+                                "its partitions (none under 256 KiB) and the first sums come "
+                                "back while the rest is still being pushed", "int", in_file=True)
     credit_bytes: int = knob(67108864, "BPSCTL_CREDIT_BYTES",
                              "most bytes a worker has pushed and not yet seen acknowledged", "size",
                              in_file=True)
@@ -448,6 +453,8 @@ class Config:
             (0 <= self.port < 65536, "BPSCTL_PORT", "0..65535", self.port),
             (self.partition_bytes >= 8, "BPSCTL_PARTITION_BYTES", "at least 8 bytes",
              self.partition_bytes),
+            (0 <= self.partition_depth <= 65536, "BPSCTL_PARTITION_DEPTH", "0..65536 (0: off)",
+             self.partition_depth),
             (self.credit_bytes >= 1, "BPSCTL_CREDIT_BYTES", "at least 1 byte", self.credit_bytes),
             (self.fusion_bytes >= 0, "BPSCTL_FUSION_BYTES", "0 or more bytes", self.fusion_bytes),
             (self.min_compress_bytes >= 0, "BPSCTL_MIN_COMPRESS_BYTES", "0 or more bytes",

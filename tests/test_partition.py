@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from bpsctl.engine.partition import Partition, Placement, split
+from bpsctl.engine.partition import MIN_PIECE_BYTES, Partition, Placement, piece_bytes, split
 
 ITEMSIZES = [1, 2, 4, 8]
 
@@ -128,3 +128,25 @@ def test_a_spare_gets_nothing_until_it_takes_over_all_of_a_lost_servers_partitio
     assert placement.spare == {3}
     assert {p.server for p in placement.place(800, 4, 100)} == {1, 2}   # 2 is a server now
     assert placement.move_off(3, parts) == [] and placement.spare == set()   # a spare lost
+
+
+def test_partition_depth_cuts_a_large_tensor_so_every_server_gets_that_many_pieces():
+    mib = 1 << 20
+    # 64 MiB over 4 servers at depth 16: 1 MiB pieces, 16 on each server
+    placement = Placement(4)
+    parts = placement.place(64 * mib, 4, 2 * mib, depth=16)
+    assert {p.length for p in parts} == {mib}
+    assert [sum(p.server == s for p in parts) for s in range(4)] == [16] * 4
+    # never above partition_bytes (a huge tensor keeps them), never below 256 KiB (a small one)
+    assert piece_bytes(4096 * mib, 4, 2 * mib, 16) == 2 * mib
+    assert piece_bytes(4 * mib, 4, 2 * mib, 16) == MIN_PIECE_BYTES
+    # a partition_bytes already below the floor is kept; depth 0 is off
+    assert piece_bytes(64 * mib, 4, 4096, 16) == 4096
+    assert piece_bytes(64 * mib, 4, 2 * mib, 0) == 2 * mib
+
+
+def test_partition_depth_counts_only_the_servers_that_take_partitions():
+    placement = Placement(4, spare={3})
+    parts = placement.place(48 * (1 << 20), 4, 2 << 20, depth=16)
+    assert {p.length for p in parts} == {1 << 20}           # 48 MiB / (3 servers x 16)
+    assert {p.server for p in parts} == {0, 1, 2}

@@ -666,7 +666,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     from .models import build
     model = build(settings.model, settings.num_classes)
     params = [p.numel() for p in model.parameters()]
-    wire = wire_bytes_per_step(model, config, settings.compression)
+    wire = wire_bytes_per_step(model, config, settings.compression, settings.servers)
     del model
     systems = ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare])
     rounds: list[dict[str, dict[str, Any]]] = []
@@ -720,12 +720,12 @@ def worker_hosts(config: Config, workers: int) -> list[int]:
     return list(Counter(slot.address for slot in launch.worker_slots(cluster, workers)).values())
 
 
-def wire_bytes_per_step(model: Any, config: Config, spec: str) -> int:
+def wire_bytes_per_step(model: Any, config: Config, spec: str, servers: int = 1) -> int:
     """The bytes one bpsctl worker pushes per step (and pulls back) as the compressors state
     them: DistributedOptimizer's buckets, cut into partitions, each compressed unless its
     tensor is under the minimum size."""
     from ..engine.compression import KIND_BF16, KIND_FP16, parse
-    from ..engine.partition import split
+    from ..engine.partition import piece_bytes, split
     from ..engine.torch import _buckets
     compressor = parse(spec) if spec else None
     params = [p for p in model.parameters() if p.requires_grad]
@@ -734,7 +734,8 @@ def wire_bytes_per_step(model: Any, config: Config, spec: str) -> int:
     for bucket in _buckets(params, names, config.fusion_bytes, "grad"):
         nbytes = sum(p.numel() * p.element_size() for p in bucket.params)
         itemsize = bucket.params[0].element_size()
-        for _, length in split(nbytes, itemsize, config.partition_bytes):
+        size = piece_bytes(nbytes, servers, config.partition_bytes, config.partition_depth)
+        for _, length in split(nbytes, itemsize, size):
             if compressor is None or compressor.kind in (KIND_FP16, KIND_BF16) \
                     or nbytes < config.min_compress_bytes:
                 # fp16/bf16 are casts in the plugin: half the bytes, no header

@@ -28,6 +28,27 @@ def split(nbytes: int, itemsize: int, partition_bytes: int) -> list[tuple[int, i
     return [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)]
 
 
+#: the smallest piece ``partition_depth`` cuts a tensor into: below it, per-message costs grow
+MIN_PIECE_BYTES = 256 * 1024
+
+
+def piece_bytes(nbytes: int, servers: int, partition_bytes: int, depth: int) -> int:
+    """The partition size of an ``nbytes`` tensor: at most ``partition_bytes`` and, with
+    ``depth`` > 0, small enough that each of ``servers`` gets ``depth`` pieces of it (but not
+    below :data:`MIN_PIECE_BYTES`).
+
+    Why: a round completes on its server once every worker has pushed that partition, and
+    only then can its sum come back. Each worker's uplink carries its pushes to all servers at
+    once, so the first rounds complete after about ``servers x partition`` bytes of each
+    uplink, and the last sums leave the servers after the last push; the downlink idles for
+    both. Pieces of 1/(servers·depth) of the tensor bound that head and tail to about 1/depth
+    of the transfer each, whatever the partition size a whole model trains best with."""
+    if depth <= 0:
+        return partition_bytes
+    return max(min(partition_bytes, MIN_PIECE_BYTES),
+               min(partition_bytes, -(-nbytes // (max(1, servers) * depth))))
+
+
 @dataclass
 class Placement:
     """Assigns partitions to the least-loaded server by bytes; ties go to the lowest index.
@@ -47,9 +68,14 @@ class Placement:
     lost: set[int] = field(default_factory=set)
     spare: set[int] = field(default_factory=set)
 
-    def place(self, nbytes: int, itemsize: int, partition_bytes: int) -> list[Partition]:
+    def place(self, nbytes: int, itemsize: int, partition_bytes: int,
+              depth: int = 0) -> list[Partition]:
+        """Cut a tensor (:func:`piece_bytes` over the servers that take partitions) and give
+        each piece to the least-loaded server."""
+        serving = self.num_servers - len(self.lost | self.spare)
         parts = []
-        for offset, length in split(nbytes, itemsize, partition_bytes):
+        size = piece_bytes(nbytes, serving, partition_bytes, depth)
+        for offset, length in split(nbytes, itemsize, size):
             server = self.least_loaded()
             self.loads[server] += max(length, 1)
             parts.append(Partition(self.next_part_id, server, offset, length))

@@ -70,6 +70,7 @@ class Job:
     partition_bytes: int
     start_timeout_s: float
     first_seen: float
+    partition_depth: int = 0      # see partition.piece_bytes
     workers: dict[int, Member] = field(default_factory=dict)
     started: bool = False
     servers: list[Member] = field(default_factory=list)
@@ -294,6 +295,7 @@ class Scheduler:
                 return
             job = self.job = Job(id=job_id, world_size=world_size, num_servers=wanted,
                                  partition_bytes=int(msg["partition_bytes"]),
+                                 partition_depth=int(msg.get("partition_depth", 0)),
                                  start_timeout_s=float(msg["start_timeout_s"]),
                                  first_seen=time.monotonic(),
                                  min_workers=int(msg.get("min_workers", 0)),
@@ -543,6 +545,7 @@ class Scheduler:
 
         job = Job(id=str(msg["job"]), world_size=world_size, num_servers=len(book),
                   partition_bytes=int(msg["partition_bytes"]),
+                  partition_depth=int(msg.get("partition_depth", 0)),
                   start_timeout_s=float(msg["start_timeout_s"]), first_seen=time.monotonic(),
                   started=True, min_workers=int(msg.get("min_workers", 0)),
                   max_workers=max_workers)
@@ -678,7 +681,8 @@ class Scheduler:
             known = job.tensors.get(name)
             if known is None:
                 itemsize = np.dtype(dtype).itemsize
-                parts = job.placement.place(nbytes, itemsize, job.partition_bytes)
+                parts = job.placement.place(nbytes, itemsize, job.partition_bytes,
+                                            job.partition_depth)
                 job.next_key += 1
                 known = job.tensors[name] = {
                     "name": name, "key": job.next_key - 1, "dtype": dtype, "shape": shape,
@@ -915,6 +919,7 @@ def _check_worker_registration(msg: dict[str, Any]) -> None:
     P.str_field(msg, "job")
     P.int_field(msg, "num_servers", 0, 1 << 16, default=0)
     P.int_field(msg, "partition_bytes", 8, 1 << 40)
+    P.int_field(msg, "partition_depth", 0, 1 << 16, default=0)
     P.float_field(msg, "start_timeout_s", 0, 1e6)
     P.int_field(msg, "min_workers", 0, world_size, default=0)
     for flag in ("rejoin", "attach"):

@@ -316,7 +316,8 @@ class Worker:
             "role": "worker", "rank": cfg.rank, "world_size": cfg.world_size, "job": cfg.job_id,
             "host": cfg.host, "pid": os.getpid(),
             "version": __version__, "num_servers": cfg.num_servers,
-            "partition_bytes": cfg.partition_bytes, "start_timeout_s": cfg.start_timeout_s,
+            "partition_bytes": cfg.partition_bytes, "partition_depth": cfg.partition_depth,
+            "start_timeout_s": cfg.start_timeout_s,
             "min_workers": cfg.min_workers, "max_workers": cfg.max_workers,
             "rejoin": cfg.rejoin, "attach": cfg.attach}
         # stamped as it leaves: the registration is also a clock exchange (for traces)
@@ -1136,6 +1137,7 @@ class Worker:
             "role": "worker", "rank": self.rank, "world_size": self._job_size,
             "job": cfg.job_id, "host": cfg.host, "pid": os.getpid(), "version": __version__,
             "num_servers": cfg.num_servers, "partition_bytes": cfg.partition_bytes,
+            "partition_depth": cfg.partition_depth,
             "start_timeout_s": cfg.start_timeout_s, "min_workers": cfg.min_workers,
             "max_workers": cfg.max_workers, "clock_ns": now_ns(),
             "reregister": {
