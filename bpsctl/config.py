@@ -345,6 +345,11 @@ class Config:
                           "size of each host's shared-memory arena of the intra-node stage (in "
                           "/dev/shm); one push_pull needs about its tensor's size in it", "size",
                           in_file=True)
+    shm_server: str = knob("auto", "BPSCTL_SHM_SERVER",
+                           "a worker and a server on the same host exchange partitions through "
+                           "shared memory in /dev/shm, the header still over TCP: auto, or 0 "
+                           "(everything over TCP loopback); each process uses at most "
+                           "BPSCTL_SHM_BYTES for it", "str", in_file=True)
     # the standard names, not BPSCTL_*: launchers (bpsctl run, torchrun) set these per job,
     # after the BPSCTL_* variables of their own config
     master_addr: str = knob("127.0.0.1", "MASTER_ADDR",
@@ -465,6 +470,8 @@ class Config:
              self.local_reduce),
             (self.local_only in ("auto", "on", "off"), "BPSCTL_LOCAL_ONLY", "auto, on or off",
              self.local_only),
+            (self.shm_server in ("auto", "0"), "BPSCTL_SHM_SERVER", "auto or 0",
+             self.shm_server),
             (self.shm_bytes >= SHM_MIN_BYTES, "BPSCTL_SHM_BYTES",
              f"at least {SHM_MIN_BYTES} bytes (64KiB)", self.shm_bytes),
             (self.server_malloc in ("auto", "glibc"), "BPSCTL_SERVER_MALLOC", "auto or glibc",

@@ -5,7 +5,8 @@ Every message is a ZeroMQ multipart message ``[header, body]``:
 * ``header`` is a fixed 24-byte struct (:data:`HEADER`): magic, protocol version, message
   type, dtype code, flags, sender rank, partition id, round, payload bytes.
 * ``body`` is the raw partition bytes for data messages (PUSH, RESULT), sent and
-  received without copies, or a small JSON object for control messages.
+  received without copies (or, between a worker and a server on one host, where those bytes
+  are in shared memory: :data:`FLAG_SHM`), or a small JSON object for control messages.
 
 Data messages never touch JSON; control messages (registration, declaration, barrier,
 status, errors) are rare and readable.
@@ -127,6 +128,12 @@ FLAG_ASYNC = 32
 #: values and no hyperparameters. The first such push of a partition sets the server's
 #: parameters; every one is answered with them
 FLAG_ASYNC_INIT = 64
+#: PUSH and RESULT flag: a worker and a server on one host (BPSCTL_SHM_SERVER; engine/shmlink.py).
+#: The body is not the partition's bytes but a reference (``shmlink.REF``: owner, chunk,
+#: offset) to where they are in shared memory: a PUSH names the pusher's slot of the
+#: partition, a RESULT one of the server's sum buffers or the receiver's own slot. nbytes is
+#: the partition's size, as without it
+FLAG_SHM = 128
 #: an async PUSH's third frame: lr, momentum, weight_decay, dampening (float64) and nesterov
 #: (0 or 1), as torch.optim.SGD's param group holds them when the gradient is pushed
 ASYNC_HYPER = struct.Struct("<ddddB")

@@ -43,6 +43,9 @@ class Member:
     # a restarted scheduler's placeholder for a member others named when they registered
     # again, until it registers again itself (or its heartbeat timeout passes: then lost)
     awaited: bool = False
+    # which machine it runs on, as processes there compute it (shm.host_id): a worker and a
+    # server with the same id exchange partitions through shared memory (BPSCTL_SHM_SERVER)
+    host_id: str = ""
 
     def take_over(self, lost_rank: int) -> None:
         """This spare server takes lost server ``lost_rank``'s place: a server like the others
@@ -60,6 +63,13 @@ class Member:
         if self.took_over is not None:
             row["took_over"] = self.took_over
         return row
+
+
+def _address_book(servers: list[Member]) -> list[dict[str, Any]]:
+    """The job's servers as workers get them (REGISTERED): SERVER_MOVED and a spare's
+    take-over name indices into this list, so each server's host id travels once, here."""
+    return [{"rank": s.rank, "host": s.host, "port": s.port, "host_id": s.host_id}
+            for s in servers]
 
 
 @dataclass
@@ -238,7 +248,8 @@ class Scheduler:
         common: dict[str, Any] = dict(rid=rid, role=role, host=P.str_field(msg, "host"),
                                       pid=P.int_field(msg, "pid", 0, 1 << 31, default=0),
                                       last_seen=now,
-                                      clock=(sent_ns, arrived_ns) if sent_ns else None)
+                                      clock=(sent_ns, arrived_ns) if sent_ns else None,
+                                      host_id=P.str_field(msg, "host_id", 64, default=""))
         if role == "server":
             spare = msg.get("spare", False)
             if not isinstance(spare, bool):
@@ -382,7 +393,7 @@ class Scheduler:
         job.workers[rank] = member
         self.members[rid] = member
         placement = job.placement
-        book = [{"rank": s.rank, "host": s.host, "port": s.port} for s in job.servers]
+        book = _address_book(job.servers)
         self._send(rid, P.REGISTERED, {
             "rank": rank, "servers": book, "world_size": job.world_size, "joining": True,
             "incarnation": member.incarnation, "live": job.live(),
@@ -444,6 +455,7 @@ class Scheduler:
         self.members.pop(member.rid, None)
         member.rid, member.host, member.pid = rid, common["host"], common["pid"]
         member.last_seen, member.clock, member.awaited = common["last_seen"], common["clock"], False
+        member.host_id = common["host_id"]
         self.members[rid] = member
 
     def _reregister_server(self, rid: bytes, msg: dict[str, Any], common: dict[str, Any],
@@ -527,7 +539,8 @@ class Scheduler:
         max_workers = int(msg.get("max_workers") or 0) or world_size
         # everything checked before anything changes
         servers = [(P.int_field(entry, "rank", 0, 1 << 16), P.str_field(entry, "host"),
-                    P.int_field(entry, "port", 1, 65535)) for entry in book]
+                    P.int_field(entry, "port", 1, 65535),
+                    P.str_field(entry, "host_id", 64, default="")) for entry in book]
         lost_servers = set(_ints(again, "lost_servers", len(book) - 1))
         spares = set(_ints(again, "spares", len(book) - 1)) - lost_servers
         live = set(_ints(again, "live", max_workers - 1))
@@ -549,11 +562,12 @@ class Scheduler:
                   start_timeout_s=float(msg["start_timeout_s"]), first_seen=time.monotonic(),
                   started=True, min_workers=int(msg.get("min_workers", 0)),
                   max_workers=max_workers)
-        for index, (rank, host, port) in enumerate(servers):
+        for index, (rank, host, port, host_id) in enumerate(servers):
             server = self._server(rank)
             if server is None:
                 server = self._await("server", rank, host, port,
                                      "lost" if index in lost_servers else "running")
+                server.host_id = host_id
                 self.servers.append(server)
                 self.servers.sort(key=lambda s: s.rank)
             server.spare = index in spares      # the job's view, not the server's own flag
@@ -644,7 +658,7 @@ class Scheduler:
         active = len(job.servers)
         job.servers += [s for s in running if s.spare]
         job.placement = Placement(len(job.servers), spare=set(range(active, len(job.servers))))
-        book = [{"rank": s.rank, "host": s.host, "port": s.port} for s in job.servers]
+        book = _address_book(job.servers)
         for rank, worker in job.workers.items():
             self._send(worker.rid, P.REGISTERED, {"rank": rank, "servers": book,
                                                   "world_size": job.world_size,

@@ -46,6 +46,7 @@ import zmq
 from .. import __version__
 from ..config import Config
 from . import protocol as P
+from . import shm, shmlink
 from .client import measure_clock
 from .common import (
     EngineError,
@@ -82,7 +83,7 @@ class PartitionState:
                  "waiting", "summed", "first", "buffers", "result", "thread", "wide",
                  "first_push_ns", "traced", "adopted", "leaving", "widened", "codec", "rotation",
                  "backup", "late_waiting", "pushed_last", "owed", "held", "held_count",
-                 "deferred")
+                 "deferred", "shm_alloc", "shm_refs", "first_ref", "copy_single")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int,
                  rotation: int = 2):
@@ -116,6 +117,15 @@ class PartitionState:
         self.leaving: list[int] = []        # ranks lost after pushing this round: not next
         self.widened = False                # this round's bf16 sum is in ``wide`` (float32)
         self.codec: ServerCodec | None = None   # compressed pushes: decompress, sum, recompress
+        # shared memory with workers on this host (engine/shmlink.py): where the sum buffers
+        # come from (set by a local worker's first push) and their references; the round's
+        # first push, if it came through shared memory (a sum of one push is that push's slot);
+        # whether such a sum is copied into a buffer anyway (backup workers: another worker
+        # may read it after its pusher rewrote the slot)
+        self.shm_alloc: Any = None
+        self.shm_refs: list[bytes] | None = None
+        self.first_ref: tuple[bytes, bytes] | None = None      # (pusher's rid, its REF)
+        self.copy_single = False
 
     def quorum(self) -> int:
         """Pushes that complete this round: every expected one, less the backup workers'."""
@@ -154,6 +164,9 @@ class PartitionState:
             total, scratch = self.wide
             self.result = P.bf16_round(total, scratch.view(np.uint32), self._buffer())
             self.widened = False
+        elif self.first is not None and self.copy_single:
+            self.result = self._buffer()
+            np.copyto(self.result, self.first)
         else:
             self.result = self.first if self.first is not None else self._buffer()
         self.first = None
@@ -163,7 +176,11 @@ class PartitionState:
         """This round's sum: two (three) buffers, used in turn by round, allocated on first use."""
         if self.buffers is None:
             count = self.nbytes // self.dtype.itemsize
-            self.buffers = [np.empty(count, self.dtype) for _ in range(self.rotation)]
+            shared = self.shm_alloc(self) if self.shm_alloc is not None else None
+            if shared is not None:
+                self.buffers, self.shm_refs = shared
+            else:
+                self.buffers = [np.empty(count, self.dtype) for _ in range(self.rotation)]
         return self.buffers[self.round % self.rotation]
 
     def _accumulate_bf16(self, arr: np.ndarray, num_workers: int) -> bool:
@@ -285,6 +302,15 @@ class Server:
         self.trace: Trace | None = None
         self.trace_lock = threading.Lock()
         self.clock: dict[str, int] | None = None    # the scheduler's, from the registration
+        # shared memory with workers on this host (BPSCTL_SHM_SERVER; engine/shmlink.py):
+        # this host's id (empty: off), the job's sum buffers, each local worker's push slots
+        self.host_id = shm.host_id() if config.shm_server == "auto" else ""
+        self.shm_tag = shm.cluster_tag(config.scheduler, config.secret)
+        self.shm_budget = shmlink.Budget(config.shm_bytes)
+        self.shm_sums: shmlink.Segments | None = None
+        self.shm_peers: dict[bytes, shmlink.Mapped] = {}
+        self.shm_pushes = 0                         # the job's pushes through shared memory
+        self.shm_said = False                       # a fallback to TCP, said once per job
 
         # summation threads report completed partitions through an inproc socket
         self.done_endpoint = f"inproc://bps-done-{id(self)}"
@@ -312,7 +338,8 @@ class Server:
         # stamped as it leaves: the registration is also a clock exchange (for traces)
         login = self.security.login(self.sched, lambda: P.control(P.REGISTER, {
             "role": "server", "host": self.config.host, "port": self.port, "pid": os.getpid(),
-            "version": __version__, "spare": self.config.spare, "clock_ns": now_ns()}), where)
+            "version": __version__, "spare": self.config.spare, "clock_ns": now_ns(),
+            "host_id": self.host_id}), where)
         deadline = time.monotonic() + self.config.start_timeout_s
         connected = False
         while time.monotonic() < deadline:
@@ -419,7 +446,8 @@ class Server:
         self.sched_login = self.security.login(self.sched, P.control(P.REGISTER, {
             "role": "server", "host": self.config.host, "port": self.port, "pid": os.getpid(),
             "version": __version__, "reregister": True, "rank": self.rank,
-            "job": self.job_id}), f"the scheduler at {self.scheduler_address}")
+            "job": self.job_id, "host_id": self.host_id}),
+            f"the scheduler at {self.scheduler_address}")
 
     def _still_gone(self, now: float) -> None:
         """Said once, when the scheduler has been gone for BPSCTL_SCHEDULER_TIMEOUT."""
@@ -525,6 +553,13 @@ class Server:
                 self.log.warning(warning)
         self.peers[rid] = rank
         self.incarnations[rid] = incarnation
+        if self.host_id and msg.get("shm") == self.host_id:
+            # a worker on this host: its pushes may name slots of its segments
+            self.shm_peers[rid] = shmlink.Mapped(shmlink.worker_base(
+                self.shm_tag, job, rank, incarnation, self.rank), writable=False, unlink=True)
+            if self.shm_sums is None:
+                self.shm_sums = shmlink.Segments(shmlink.server_base(self.shm_tag, job,
+                                                                     self.rank), self.shm_budget)
         state = self.mailbox.pop((rank, incarnation), None)
         if state is not None:
             self._relay_state(rid, state)
@@ -532,6 +567,16 @@ class Server:
     def _reset(self, job_id: str | None, num_workers: int, num_hosts: int = 0,
                backup_workers: int = 0, max_workers: int = 0) -> None:
         self._write_trace()
+        if self.shm_pushes:
+            self.log.info("job %s: %d pushes came through shared memory", self.job_id,
+                          self.shm_pushes)
+        self.shm_pushes, self.shm_said = 0, False
+        if self.shm_sums is not None:
+            self.shm_sums.close()
+            self.shm_sums = None
+        for mapped in self.shm_peers.values():
+            mapped.close()
+        self.shm_peers = {}
         if self.late_pushes:
             self.log.info("job %s: %d pushes came after their round was complete (backup "
                           "workers): dropped from the sums", self.job_id, self.late_pushes)
@@ -572,9 +617,15 @@ class Server:
         if flags & P.FLAG_ASYNC:
             self._async_push(rid, rank, dtype, flags, part, round_, nbytes, frames)
             return
-        if len(frames) != 3 or len(frames[2]) != nbytes:
+        if len(frames) != 3:
             raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
-                                  f"{len(frames[2]) if len(frames) == 3 else 'no payload'}")
+                                  "no payload")
+        payload: Any = frames[2]
+        if flags & P.FLAG_SHM:
+            payload = self._shm_payload(rid, rank, flags, part, nbytes, frames[2])
+        if len(payload) != nbytes:
+            raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
+                                  f"{len(payload)}")
         compressed = bool(flags & P.FLAG_COMPRESSED)
         if dtype >= len(P.DTYPES) or (not compressed and nbytes % P.DTYPES[dtype].itemsize):
             raise P.ProtocolError(f"push of partition {part} has a bad dtype code {dtype} for "
@@ -636,14 +687,106 @@ class Server:
             return
         state.received += 1
         state.waiting.append(rid)
+        if flags & P.FLAG_SHM:
+            if state.received == 1:
+                state.first_ref = (rid, frames[2].bytes)
+            if state.buffers is None and self.shm_sums is not None:
+                state.shm_alloc = self._shm_buffers
+            state.copy_single = state.copy_single or bool(self.backup_workers)
         traced = bool(flags & P.FLAG_TRACED) and self.trace is not None
         if traced:
             self._trace_arrival(state, rank)
         if state.thread < 0:
-            if self._accumulate(state, frames[2], state.quorum(), rank, traced):
+            if self._accumulate(state, payload, state.quorum(), rank, traced):
                 self._complete(state)
         else:
-            self.queues[state.thread].put((state, frames[2], state.quorum(), rank, traced))
+            self.queues[state.thread].put((state, payload, state.quorum(), rank, traced))
+
+    def _shm_payload(self, rid: bytes, rank: int, flags: int, part: int, nbytes: int,
+                     frame: zmq.Frame) -> np.ndarray:
+        """The bytes of a push through shared memory: a view of the slot its REF names in the
+        pusher's segment, summed from in place (never copied)."""
+        peer = self.shm_peers.get(rid)
+        if peer is None:
+            raise P.ProtocolError(f"rank {rank} pushed partition {part} through shared memory, "
+                                  f"but its HELLO did not say it runs on server {self.rank}'s "
+                                  "host")
+        if flags & P.FLAG_COMPRESSED or len(frame) != shmlink.REF.size:
+            raise P.ProtocolError(f"shared-memory push of partition {part}: expected a "
+                                  f"{shmlink.REF.size}-byte reference to uncompressed bytes, "
+                                  f"got {len(frame)} bytes, flags {flags:#x}")
+        owner, chunk, offset = shmlink.REF.unpack(frame.buffer)
+        if owner != shmlink.PUSHER:
+            raise P.ProtocolError(f"shared-memory push of partition {part} names segment "
+                                  f"owner {owner}, not its pusher's")
+        try:
+            view = peer.view(chunk, offset, nbytes)
+        except ValueError as exc:
+            raise P.ProtocolError(f"shared-memory push of partition {part}: {exc}") from None
+        self.shm_pushes += 1
+        return view
+
+    def _shm_buffers(self, state: PartitionState) -> tuple[list[np.ndarray], list[bytes]] | None:
+        """A partition's sum buffers in the job's shared segments, which local workers map
+        (on the thread that sums it); None, for buffers of the heap and answers over TCP,
+        when BPSCTL_SHM_BYTES has no room left or /dev/shm is full (said once per job)."""
+        sums = self.shm_sums
+        if sums is None:
+            return None
+        buffers, refs = [], []
+        try:
+            for _ in range(state.rotation):
+                got = sums.allocate(state.nbytes)
+                if got is None:
+                    if not self.shm_said:
+                        self.shm_said = True
+                        self.log.info("job %s: sums beyond BPSCTL_SHM_BYTES=%d of shared memory "
+                                      "go to local workers over TCP (from partition %d on)",
+                                      self.job_id, self.config.shm_bytes, state.part)
+                    return None
+                chunk, offset, view = got
+                buffers.append(view.view(state.dtype))
+                refs.append(shmlink.REF.pack(shmlink.SERVER_SUMS, chunk, offset))
+        except EngineError as exc:
+            if not self.shm_said:
+                self.shm_said = True
+                self.log.warning("%s; sums go to local workers over TCP", exc)
+            return None
+        return buffers, refs
+
+    def _shm_ref(self, state: PartitionState, result: Any, round_: int,
+                 rid: bytes) -> bytes | None:
+        """Where a local worker finds ``result`` (round ``round_``'s) in shared memory: one of
+        the partition's shared sum buffers, or its own push slot when the sum is its push
+        alone; None when the result lives elsewhere (it then goes over TCP)."""
+        if rid not in self.shm_peers:
+            return None
+        if state.shm_refs is not None and state.buffers is not None:
+            index = round_ % state.rotation
+            if result is state.buffers[index]:
+                return state.shm_refs[index]
+            if any(result is buffer for buffer in state.buffers):
+                return None
+        first = state.first_ref     # this round's only push, answered to its own pusher
+        if first is not None and first[0] == rid and round_ == state.round and \
+                state.received == 1:
+            return first[1]
+        return None
+
+    def _send_result(self, rid: bytes, header: bytes, result: Any, ref: bytes | None) -> None:
+        """A RESULT: its bytes zero-copy over TCP, or (``ref``) where they are in shared
+        memory."""
+        try:
+            self.sock.send(rid, zmq.SNDMORE)
+            if ref is None:
+                self.sock.send(header, zmq.SNDMORE)
+                self.sock.send(result, copy=False)
+            else:
+                self.sock.send(header[:5] + bytes((header[5] | P.FLAG_SHM,)) + header[6:],
+                               zmq.SNDMORE)
+                self.sock.send(ref)
+        except zmq.ZMQError:
+            pass    # that worker is gone; the scheduler tells the others
 
     def _async_push(self, rid: bytes, rank: int, dtype: int, flags: int, part: int, round_: int,
                     nbytes: int, frames: list[zmq.Frame]) -> None:
@@ -741,12 +884,7 @@ class Server:
                                nbytes=state.nbytes, rank=state.held_count & 0xFFFF,
                                flags=P.FLAG_LATE | (0 if state.codec is None
                                                     else P.FLAG_COMPRESSED))
-        try:
-            self.sock.send(rid, zmq.SNDMORE)
-            self.sock.send(header, zmq.SNDMORE)
-            self.sock.send(state.held, copy=False)
-        except zmq.ZMQError:
-            pass        # that worker is gone; the scheduler tells the others
+        self._send_result(rid, header, state.held, self._shm_ref(state, state.held, round_, rid))
         state.pushed_last.append(rid)
         self._paid(state)
 
@@ -840,12 +978,7 @@ class Server:
         result = state.result
         start = now_ns() if state.traced else 0
         for rid in state.waiting:
-            try:
-                self.sock.send(rid, zmq.SNDMORE)
-                self.sock.send(header, zmq.SNDMORE)
-                self.sock.send(result, copy=False)
-            except zmq.ZMQError:
-                pass    # that worker is gone; the scheduler tells the others
+            self._send_result(rid, header, result, self._shm_ref(state, result, state.round, rid))
         if start and self.trace is not None:
             with self.trace_lock:
                 self.trace.span(STAGE["send_result"], self.trace.name_id(f"part {state.part}"),
@@ -856,12 +989,8 @@ class Server:
                                  rank=state.received & 0xFFFF, flags=P.FLAG_LATE | (
                                      0 if state.codec is None else P.FLAG_COMPRESSED))
             for rid in state.late_waiting:
-                try:
-                    self.sock.send(rid, zmq.SNDMORE)
-                    self.sock.send(late, zmq.SNDMORE)
-                    self.sock.send(result, copy=False)
-                except zmq.ZMQError:
-                    pass
+                self._send_result(rid, late, result,
+                                  self._shm_ref(state, result, state.round, rid))
         if state.backup:
             # held for the live workers that have not pushed this round yet
             state.owed = state.expected - state.received - len(state.late_waiting)
@@ -869,6 +998,7 @@ class Server:
             state.waiting, state.pushed_last = state.pushed_last, state.waiting
             state.pushed_last.extend(state.late_waiting)
         state.late_waiting.clear()
+        state.first_ref = None
         state.traced = False
         state.waiting.clear()
         state.received = 0

@@ -68,9 +68,28 @@ def cluster_tag(scheduler_address: str, secret: str) -> str:
     return f"{port}-{digest}"
 
 
+def job_part(job_id: str) -> str:
+    """A job id as it appears in segment names (a file name's safe characters only)."""
+    return re.sub(r"[^A-Za-z0-9_.]", "_", job_id)[:64]
+
+
 def segment_name(tag: str, job_id: str, host: int) -> str:
-    job = re.sub(r"[^A-Za-z0-9_.]", "_", job_id)[:64]
-    return f"{PREFIX}{tag}-{job}-h{host}"
+    return f"{PREFIX}{tag}-{job_part(job_id)}-h{host}"
+
+
+def host_id() -> str:
+    """Which machine, as shared memory sees it: a hash of the kernel's boot id, this
+    process's network namespace and the device of ``/dev/shm``. Two processes with the same id
+    can map each other's segments; the hosts of an emulated cluster (one network namespace
+    each, on one machine) get different ids, so their traffic keeps crossing the shaped NICs.
+    Empty when it cannot be told (no /proc): then nothing is taken for local."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        netns = os.stat("/proc/self/ns/net").st_ino
+        shm_dev = os.stat(SHM_DIR).st_dev
+    except OSError:
+        return ""
+    return hashlib.sha256(f"{boot}/{netns}/{shm_dev}".encode()).hexdigest()[:16]
 
 
 def leftovers(tag: str, directory: Path = SHM_DIR) -> list[Path]:

@@ -43,6 +43,7 @@ from .. import __version__
 from ..config import Config, check_training_mode
 from . import compression as C
 from . import protocol as P
+from . import shm, shmlink
 from .client import measure_clock
 from .common import (
     EngineError,
@@ -221,6 +222,18 @@ class Worker:
         self._marked_steps = False              # ... unless a plugin marks them (mark_step)
         self._trace_sent: dict[int, int] = {}   # part id -> ns its traced push left
         self._trace_acked: dict[int, int] = {}  # part id -> ns its ACK came
+        # shared memory with the servers on this host (BPSCTL_SHM_SERVER; engine/shmlink.py):
+        # this host's id (empty: off), the indices of those servers, this worker's push slots
+        # ((server index, part id) -> (REF, view), None when BPSCTL_SHM_BYTES had no room)
+        # in segments of its own per server, and the servers' sum buffers it maps
+        self._shm_host = shm.host_id() if self.config.shm_server == "auto" else ""
+        self._shm_tag = shm.cluster_tag(self.scheduler_address, self.security.secret)
+        self._shm_local: set[int] = set()
+        self._shm_budget = shmlink.Budget(self.config.shm_bytes)
+        self._shm_slots: dict[int, shmlink.Segments] = {}
+        self._shm_parts: dict[tuple[int, int], tuple[bytes, np.ndarray] | None] = {}
+        self._shm_sums: dict[int, shmlink.Mapped] = {}
+        self.shm_pushes = self.shm_results = 0      # through shared memory
         try:
             self._register()
         except BaseException:
@@ -403,8 +416,12 @@ class Worker:
             if index in self._lost_at_start:
                 continue                    # its partitions live on other servers now
             sock.connect(f"tcp://{server['host']}:{server['port']}")
+            local = bool(self._shm_host) and server.get("host_id") == self._shm_host
+            if local:       # same machine, network namespace and /dev/shm: shared memory
+                self._shm_local.add(index)
             logins.append(self.security.login(
-                sock, hello, f"server {server['rank']} at {server['host']}:{server['port']}"))
+                sock, P.control(P.HELLO, {**hello_body, "shm": self._shm_host}) if local
+                else hello, f"server {server['rank']} at {server['host']}:{server['port']}"))
         self._await_logins(logins, time.monotonic() + cfg.start_timeout_s)
 
     def _open_trace(self, directory: Path) -> Trace:
@@ -651,9 +668,12 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """Counters of this worker's engine: ``late_pushes`` (pushes that came after their
         round was complete, under backup workers: not in the sums, answered with the round's
-        result), ``membership_changes`` and ``live_ranks``."""
+        result), ``membership_changes``, ``live_ranks``, and ``shm_pushes`` and
+        ``shm_results``: pushes and results that went through shared memory to and from
+        servers on this host (BPSCTL_SHM_SERVER)."""
         return {"late_pushes": self.late_pushes, "membership_changes": self.membership_changes,
-                "live_ranks": list(self.live_ranks)}
+                "live_ranks": list(self.live_ranks), "shm_pushes": self.shm_pushes,
+                "shm_results": self.shm_results}
 
     def mark_step(self) -> None:
         """A training step ended (the plugins' optimizers say so): from now on the traced
@@ -681,6 +701,8 @@ class Worker:
         os.close(self._wake_r)
         os.close(self._wake_w)
         self._ctx.destroy(linger=0)
+        for segments in self._shm_slots.values():
+            segments.close()
         if self._trace is not None:
             warning = self._trace.close()
             if warning:
@@ -848,6 +870,19 @@ class Worker:
             round_, flags = self._rounds.get(part_id, 0), task.flags
             if task.codec is None:
                 data = task.src[offset:offset + length].data
+                # a server on this host: copied once into shared memory, not sent through TCP
+                # (the slot is rewritten only once the partition's previous push was answered)
+                if server in self._shm_local and not flags & P.FLAG_ASYNC and \
+                        part_id not in self._active:
+                    try:
+                        slot = self._shm_slot(server, part_id, length)
+                    except EngineError as exc:
+                        self._finish(task, exc)
+                        continue
+                    if slot is not None:
+                        np.copyto(slot[1], task.src[offset:offset + length])
+                        data, flags = memoryview(slot[0]), flags | P.FLAG_SHM
+                        self.shm_pushes += 1
             else:
                 data = task.codec.encode(task.src, part_id, offset, part[3], round_).data
                 flags |= P.FLAG_COMPRESSED
@@ -889,7 +924,12 @@ class Worker:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 if flags & P.FLAG_LATE:
                     self.late_pushes += 1
-                self._result(part_id, round_, frames[1], count or 1 << 16)
+                payload: Any = frames[1]
+                if flags & P.FLAG_SHM:
+                    payload = self._shm_result(part_id, frames[1].buffer, nbytes)
+                    if payload is None:
+                        return
+                self._result(part_id, round_, payload, count or 1 << 16)
             elif msg_type == P.STATE:
                 self._received_state(frames[1], frames[2])
             elif msg_type == P.ERROR:
@@ -941,9 +981,67 @@ class Worker:
             self._to_scheduler(P.control(P.DECLARE, {"tensors": declares}))
         self._joined.set()
 
-    def _result(self, part_id: int, round_: int, payload: zmq.Frame, count: int) -> None:
-        """A partition's sum of ``count`` workers' pushes: into the output, divided by that
-        count when averaging (all of the job's workers, unless some were lost)."""
+    def _shm_slot(self, server: int, part_id: int,
+                  length: int) -> tuple[bytes, np.ndarray] | None:
+        """This worker's slot for partition ``part_id`` on server ``server`` (placed on its
+        first push there and kept for the job), or None when BPSCTL_SHM_BYTES has no room
+        left: that partition goes through TCP."""
+        key = (server, part_id)
+        if key in self._shm_parts:
+            return self._shm_parts[key]
+        segments = self._shm_slots.get(server)
+        if segments is None:
+            segments = self._shm_slots[server] = shmlink.Segments(shmlink.worker_base(
+                self._shm_tag, self.config.job_id, self.rank, self.incarnation,
+                int(self._servers[server]["rank"])), self._shm_budget)
+        got = segments.allocate(length)
+        slot = None
+        if got is not None:
+            chunk, offset, view = got
+            slot = (shmlink.REF.pack(shmlink.PUSHER, chunk, offset), view)
+        elif not any(value is None for value in self._shm_parts.values()):
+            log.info("worker %d: partitions beyond BPSCTL_SHM_BYTES=%d of shared memory go "
+                     "to servers on this host through TCP (from partition %d on)", self.rank,
+                     self.config.shm_bytes, part_id)
+        self._shm_parts[key] = slot
+        return slot
+
+    def _shm_result(self, part_id: int, ref: memoryview, nbytes: int) -> Any:
+        """A result in shared memory: the view its REF names (this worker's own push slot,
+        or the server's sum buffer, mapped read-only on first use); None if the engine
+        failed on it."""
+        entry = self._active.get(part_id)
+        if entry is None:
+            return memoryview(b"")          # its task already failed: nothing is read
+        server = entry[1][1]
+        try:
+            if ref.nbytes != shmlink.REF.size:
+                raise ValueError(f"a reference of {ref.nbytes} bytes")
+            owner, chunk, offset = shmlink.REF.unpack(ref)
+            if owner == shmlink.PUSHER:
+                slot = self._shm_parts.get((server, part_id))
+                if slot is None or len(slot[1]) != nbytes:
+                    raise ValueError(f"no push slot of partition {part_id} here")
+                view = slot[1]
+            else:
+                sums = self._shm_sums.get(server)
+                if sums is None:
+                    sums = self._shm_sums[server] = shmlink.Mapped(shmlink.server_base(
+                        self._shm_tag, self.config.job_id, int(self._servers[server]["rank"])),
+                        writable=False, unlink=False)
+                view = sums.view(chunk, offset, nbytes)
+        except ValueError as exc:
+            self._fail_all(EngineError(f"worker {self.rank}: {self._server_name(server)} "
+                                       f"answered partition {part_id} through shared memory, "
+                                       f"but: {exc}"))
+            return None
+        self.shm_results += 1
+        return view
+
+    def _result(self, part_id: int, round_: int, payload: Any, count: int) -> None:
+        """A partition's sum of ``count`` workers' pushes (the frame that carried it, or its
+        view in shared memory): into the output, divided by that count when averaging (all of
+        the job's workers, unless some were lost)."""
         entry = self._active.pop(part_id, None)
         if entry is None:
             return                                 # its task already failed
@@ -961,7 +1059,8 @@ class Worker:
                 task.handle._result_arrived((task.codec, payload, part_id, round_, dst,
                                              divisor))
             else:
-                src = np.frombuffer(payload.buffer, dtype=task.dtype)
+                src = np.frombuffer(payload.buffer if isinstance(payload, zmq.Frame)
+                                    else payload, dtype=task.dtype)
                 if divisor is None:
                     np.copyto(dst, src)
                 elif task.dtype == P.BFLOAT16:
@@ -1142,7 +1241,8 @@ class Worker:
             "max_workers": cfg.max_workers, "clock_ns": now_ns(),
             "reregister": {
                 "incarnation": self.incarnation, "joining": self.joining,
-                "servers": [{k: s[k] for k in ("rank", "host", "port")} for s in self._servers],
+                "servers": [{"rank": s["rank"], "host": s["host"], "port": s["port"],
+                             "host_id": s.get("host_id", "")} for s in self._servers],
                 "lost_servers": sorted(self._servers_lost), "live": list(self.live_ranks),
                 "spares": sorted(self._spare_servers),
                 "left": sorted(self._left_ranks),

@@ -1,0 +1,227 @@
+"""Shared memory between a worker and a server on the same host (``BPSCTL_SHM_SERVER``).
+
+On one host every byte between a worker and a server used to cross TCP loopback twice
+(worker -> server -> worker). With this link the PUSH and RESULT headers still travel over
+the worker's ZeroMQ connection (so acknowledgements, heartbeats, failure detection, failover
+and tracing are unchanged), but their bodies are a :data:`REF` naming where the bytes are in a
+segment of ``/dev/shm``:
+
+* a worker's **push slots**: one per partition and server, in segments the worker creates
+  (:class:`Segments`, named ``bpsctl-<cluster tag>-<job>-w<rank>.<incarnation>-s<server
+  rank>-<k>``). The worker copies the partition in and pushes; the server sums straight from
+  the slot. The server removes a segment's name as soon as it has mapped it (it is the only
+  other process that maps it).
+* a server's **sum buffers**: the two (three with backup workers) buffers of each partition
+  that rounds take in turn, in segments the server creates (``bpsctl-<cluster tag>-<job>-
+  s<server rank>-<k>``), which every local worker of the job maps read-only. Their names stay
+  until the job ends (a restarted or attached worker may still need to map them).
+
+Segments are created as the intra-node stage's arena is (mode 0600, ``posix_fallocate`` after
+``statvfs`` says there is room) and grow by chunks: the first one 1 MiB (or the slot's size),
+each next one twice the last, up to 64 MiB, so a small job reserves little and a large one few
+files. Each process's segments together stay within ``BPSCTL_SHM_BYTES``; a partition that
+does not fit takes TCP. When the job ends (``close``), at exit, and by ``bpsctl down`` (the
+names carry the cluster's tag) every name is removed.
+
+When each region may be rewritten is explained in docs/design.md ("Shared memory between a
+worker and a server").
+"""
+from __future__ import annotations
+
+import atexit
+import mmap
+import os
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from ..config import format_bytes
+from . import shm
+from .common import EngineError
+
+#: the body of a PUSH or RESULT carrying FLAG_SHM: whose segment (:data:`SERVER_SUMS` or
+#: :data:`PUSHER`), which chunk of it, and the offset there; the header's nbytes is the size
+REF = struct.Struct("<IIQ")
+#: the server's sum buffers of the job
+SERVER_SUMS = 0
+#: the push slots of the worker that receives (or sent) the message
+PUSHER = 1
+FIRST_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 64 << 20
+
+
+def server_base(tag: str, job_id: str, server_rank: int) -> str:
+    return f"{shm.PREFIX}{tag}-{shm.job_part(job_id)}-s{server_rank}"
+
+
+def worker_base(tag: str, job_id: str, rank: int, incarnation: int, server_rank: int) -> str:
+    return f"{shm.PREFIX}{tag}-{shm.job_part(job_id)}-w{rank}.{incarnation}-s{server_rank}"
+
+
+class Segments:
+    """The segments one process creates for one peer family (a worker's push slots for one
+    server, or a server's sum buffers for one job), handed out by bump allocation. ``budget``
+    is shared by every family of the process: what all of them reserved stays within it.
+    Thread-safe (a server allocates on its summation threads)."""
+
+    def __init__(self, base: str, budget: Budget, directory: Path = shm.SHM_DIR):
+        self.base, self.budget, self.directory = base, budget, directory
+        self.chunks: list[tuple[Path, mmap.mmap, np.ndarray]] = []
+        self.named: list[Path] = []
+        self.used = 0                   # bytes handed out of the last chunk
+        self.lock = threading.Lock()
+        atexit.register(self.unlink)
+
+    def allocate(self, nbytes: int) -> tuple[int, int, np.ndarray] | None:
+        """``(chunk, offset, uint8 view)`` of ``nbytes`` fresh bytes, or None when the budget
+        has no room for them (the caller sends over TCP). EngineError when ``/dev/shm`` has no
+        room: it names the bound and the knob, and leaves nothing behind."""
+        size = shm.align(nbytes)
+        with self.lock:
+            if not self.chunks or self.used + size > len(self.chunks[-1][1]):
+                last = len(self.chunks[-1][1]) if self.chunks else 0
+                chunk_bytes = max(size, min(MAX_CHUNK_BYTES, 2 * last or FIRST_CHUNK_BYTES))
+                chunk_bytes = min(chunk_bytes, max(size, self.budget.left()))
+                if not self.budget.take(chunk_bytes):
+                    return None
+                try:
+                    self._grow(chunk_bytes)
+                except BaseException:
+                    self.budget.give_back(chunk_bytes)
+                    raise
+                self.used = 0
+            index = len(self.chunks) - 1
+            offset = self.used
+            self.used += size
+            return index, offset, self.chunks[index][2][offset:offset + nbytes]
+
+    def _grow(self, size: int) -> None:
+        path = self.directory / f"{self.base}-{len(self.chunks)}"
+        try:
+            stats = os.statvfs(self.directory)
+        except OSError as exc:
+            raise EngineError(f"shared memory between a worker and a server on one host needs "
+                              f"{self.directory}: {exc.strerror}; set BPSCTL_SHM_SERVER=0 to "
+                              "send through TCP loopback instead") from None
+        free = stats.f_bavail * stats.f_frsize
+        if free < size:
+            raise EngineError(
+                f"shared memory between a worker and a server on one host needs "
+                f"{format_bytes(size)} more in {self.directory} (each process uses at most "
+                f"BPSCTL_SHM_BYTES={self.budget.limit} for it) but it has {format_bytes(free)} "
+                f"free; give {self.directory} more room (docker: --shm-size), set "
+                "BPSCTL_SHM_BYTES lower, or set BPSCTL_SHM_SERVER=0 to send through TCP "
+                "loopback instead")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:         # left by a crashed process of this job id and rank
+            path.unlink(missing_ok=True)
+            fd = os.open(path, flags, 0o600)
+        self.named.append(path)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            self._forget(path)
+            raise EngineError(f"cannot reserve {format_bytes(size)} of shared memory in {path} "
+                              f"(BPSCTL_SHM_BYTES={self.budget.limit}): {exc.strerror}; set "
+                              "BPSCTL_SHM_BYTES lower, or BPSCTL_SHM_SERVER=0") from None
+        except BaseException:
+            self._forget(path)
+            raise
+        finally:
+            os.close(fd)
+        self.chunks.append((path, mapping, np.frombuffer(mapping, np.uint8)))
+
+    def _forget(self, path: Path) -> None:
+        path.unlink(missing_ok=True)
+        self.named.remove(path)
+
+    def unlink(self) -> None:
+        """Remove every name still in ``/dev/shm`` (idempotent); mappings stay valid."""
+        while self.named:
+            self.named.pop().unlink(missing_ok=True)
+
+    def close(self) -> None:
+        """Remove the names and give the budget back; the memory goes with the last mapping
+        (views still held elsewhere keep theirs)."""
+        self.unlink()
+        atexit.unregister(self.unlink)
+        with self.lock:
+            for _, mapping, _ in self.chunks:
+                self.budget.give_back(len(mapping))
+            self.chunks.clear()
+
+
+class Budget:
+    """What one process's segments may reserve in all (``BPSCTL_SHM_BYTES``)."""
+
+    def __init__(self, limit: int):
+        self.limit, self.reserved = limit, 0
+        self.lock = threading.Lock()
+
+    def left(self) -> int:
+        return self.limit - self.reserved
+
+    def take(self, nbytes: int) -> bool:
+        with self.lock:
+            if self.reserved + nbytes > self.limit:
+                return False
+            self.reserved += nbytes
+            return True
+
+    def give_back(self, nbytes: int) -> None:
+        with self.lock:
+            self.reserved -= nbytes
+
+
+class Mapped:
+    """The segments of a peer family another process creates, mapped by name on first use.
+    ``unlink``: remove each name once mapped (this process is the only other one to map it)."""
+
+    def __init__(self, base: str, *, writable: bool, unlink: bool,
+                 directory: Path = shm.SHM_DIR):
+        self.base, self.writable, self.unlink, self.directory = base, writable, unlink, directory
+        self.chunks: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+
+    def view(self, chunk: int, offset: int, nbytes: int) -> np.ndarray:
+        """The ``nbytes`` at ``offset`` of chunk ``chunk`` (uint8); ValueError saying what is
+        wrong when there is no such segment or it is too small."""
+        entry = self.chunks.get(chunk)
+        if entry is None:
+            entry = self.chunks[chunk] = self._open(chunk)
+        data = entry[1]
+        if offset + nbytes > len(data):
+            raise ValueError(f"shared-memory reference past the end of {self.base}-{chunk} "
+                             f"({offset} + {nbytes} > {len(data)} bytes)")
+        return data[offset:offset + nbytes]
+
+    def _open(self, chunk: int) -> tuple[mmap.mmap, np.ndarray]:
+        if chunk > 1 << 16:
+            raise ValueError(f"shared-memory reference to chunk {chunk} of {self.base}")
+        path = self.directory / f"{self.base}-{chunk}"
+        try:
+            fd = os.open(path, (os.O_RDWR if self.writable else os.O_RDONLY) | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ValueError(f"shared-memory segment {path}: {exc.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot map the shared-memory segment {path}: {exc}") from None
+        finally:
+            os.close(fd)
+        if self.unlink:
+            path.unlink(missing_ok=True)
+        view = np.frombuffer(mapping, np.uint8)
+        if not self.writable:
+            view.flags.writeable = False
+        return mapping, view
+
+    def close(self) -> None:
+        """Forget the mappings (the memory goes once no view of it is left)."""
+        self.chunks.clear()
