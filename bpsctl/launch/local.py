@@ -312,9 +312,10 @@ def down(cluster: ClusterState) -> DownReport:
 
 def remove_shared_memory(cluster: ClusterState) -> tuple[str, ...]:
     """Remove what crashed jobs of ``cluster`` left in this machine's /dev/shm (an intra-node
-    stage's arena whose workers died before every one of them had attached; see
-    :mod:`bpsctl.engine.shm`), found by the cluster's tag in the names: its scheduler's port
-    and a hash of its secret."""
+    stage's arena whose workers died before every one of them had attached, see
+    :mod:`bpsctl.engine.shm`; a server's sum buffers or a worker's push slots of the
+    worker-server link, see :mod:`bpsctl.engine.shmlink`), found by the cluster's tag in the
+    names: its scheduler's port and a hash of its secret."""
     return shm.remove_leftovers(shm.cluster_tag(cluster.scheduler, cluster.secret))
 
 

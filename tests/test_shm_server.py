@@ -1,0 +1,284 @@
+"""Shared memory between a worker and a server on one host (BPSCTL_SHM_SERVER; engine/shmlink.py):
+exact sums of every dtype through it with 1-4 workers and 1-2 servers, the same sums over TCP
+with the knob at 0, proof that the path is taken (every push and result counted as going
+through shared memory), a bound too low for the job (TCP for what does not fit) and a
+/dev/shm too small (an error naming both knobs), the segments' names and modes, what is left
+when the job ends, and a worker killed mid-step (named within 10 s; nothing left after down).
+
+Workers are threads of this process against real server processes (``run_job``), or real
+processes when one must die.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import cluster_config, gone, kill_pids, run_job, wait_until
+
+from bpsctl.engine import EngineError, Worker, shm, shmlink
+from bpsctl.engine import protocol as P
+from bpsctl.launch import api
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: empty, one element, less than a partition, a 2-D one and one of several partitions (the
+#: tests' partitions are 64 KiB)
+SHAPES = [(0,), (), (1,), (1001,), (37, 129), (70000,)]
+PARTITION_BYTES = 65536
+
+
+def values(rank: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Small integers (exact in every dtype, summed over 4 workers), different per rank."""
+    count = int(np.prod(shape))
+    ints = (np.arange(count) % 7 + rank).reshape(shape)
+    if dtype == P.BFLOAT16:     # the top half of float32: exact for small integers
+        bits = (ints.reshape(-1).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return bits.view(P.BFLOAT16).reshape(shape)
+    return ints.astype(dtype)
+
+
+def expected(workers: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    return values(0, shape, np.dtype(np.int64)) * workers + sum(range(workers))
+
+
+def as_ints(array: np.ndarray) -> np.ndarray:
+    if array.dtype == P.BFLOAT16:
+        wide = array.reshape(-1).view(np.uint16).astype(np.uint32) << 16
+        return wide.view(np.float32).astype(np.int64).reshape(array.shape)
+    return array.astype(np.int64)
+
+
+def sums_of_every_dtype(worker: Worker) -> dict[str, int]:
+    """Push_pull every dtype in every shape twice (the second round reuses the slots and the
+    other sum buffer) and check the sums; averages of the floating types too. Returns how
+    many partitions this worker pushed, and its stats."""
+    parts = 0
+    for dtype in P.DTYPES:
+        for shape in SHAPES:
+            name = f"{dtype.str}.{shape}"
+            for round_ in range(2):
+                got = worker.push_pull(values(worker.rank + round_, shape, dtype), name=name,
+                                       average=False)
+                want = expected(worker.size, shape, dtype) + round_ * worker.size
+                assert got.dtype == dtype and got.shape == shape, (name, got.dtype, got.shape)
+                assert (as_ints(got) == want).all(), (name, round_, got.ravel()[:5])
+                parts += max(1, -(-int(np.prod(shape)) * dtype.itemsize // PARTITION_BYTES))
+    for dtype in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
+        got = worker.push_pull(values(worker.rank, (1001,), dtype) * worker.size,
+                               name=f"avg{dtype}")
+        assert (got == expected(worker.size, (1001,), dtype)).all(), got[:5]
+        parts += 1
+    return {"parts": parts, **worker.stats()}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A scheduler and two servers on this host, for the whole module."""
+    with api.local_cluster(cluster_config(), servers=2) as state:
+        pids = [p.pid for p in state.processes]
+        yield state
+    kill_pids(pid for pid in pids if not gone(pid))
+
+
+def job_names(cluster: api.ClusterState) -> list[str]:
+    """The cluster's segments named in /dev/shm now."""
+    return [p.name for p in shm.leftovers(shm.cluster_tag(cluster.scheduler, cluster.secret))]
+
+
+@pytest.mark.parametrize("workers,servers", [(1, 1), (2, 1), (2, 2), (3, 2), (4, 2)])
+def test_sums_of_every_dtype_are_exact_through_shared_memory(cluster, workers, servers):
+    results = run_job(cluster, workers, servers, sums_of_every_dtype,
+                      partition_bytes=PARTITION_BYTES)
+    for rank, result in enumerate(results):
+        # every push and every result went through shared memory: none over TCP
+        assert result["shm_pushes"] == result["parts"] > 0, (rank, result)
+        assert result["shm_results"] == result["parts"], (rank, result)
+    wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
+
+
+def test_the_knob_at_0_sends_everything_over_tcp_with_the_same_sums(cluster):
+    results = run_job(cluster, 2, 2, sums_of_every_dtype, partition_bytes=PARTITION_BYTES,
+                      shm_server="0")
+    for result in results:
+        assert result["shm_pushes"] == result["shm_results"] == 0, result
+    assert job_names(cluster) == []
+
+
+def test_segments_are_0600_and_named_for_the_cluster_job_and_server(cluster):
+    def body(worker: Worker) -> list[tuple[str, int]]:
+        worker.push_pull(np.ones(5000, np.float32), name="x")
+        worker.barrier()    # both have pushed: the server's sum buffers exist, and are named
+        named = [(p.name, p.stat().st_mode & 0o777)
+                 for p in shm.leftovers(shm.cluster_tag(cluster.scheduler, cluster.secret))]
+        worker.barrier()
+        return named
+    named = run_job(cluster, 2, 1, body)[0]
+    tag = shm.cluster_tag(cluster.scheduler, cluster.secret)
+    assert named, "no segment of the server's sums"
+    for name, mode in named:
+        # the workers' push slots are unnamed once the server mapped them
+        assert re.fullmatch(rf"bpsctl-{tag}-test_[0-9a-f]{{12}}-s0-\d+", name), name
+        assert mode == 0o600, (name, oct(mode))
+    wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
+
+
+def test_partitions_beyond_the_bound_go_over_tcp_exactly_and_leave_nothing(cluster):
+    def body(worker: Worker) -> dict[str, int]:
+        # 8 partitions of 40 KiB: one fits in this worker's 64 KiB, the others do not
+        for step in range(2):
+            handles = [worker.push_pull_async(np.full(10240, worker.rank + i + step, np.float32),
+                                              name=f"b{i}", average=False) for i in range(8)]
+            for i, handle in enumerate(handles):
+                want = sum(r + i + step for r in range(worker.size))
+                assert (worker.synchronize(handle) == want).all(), (i, step)
+        return worker.stats()
+    for stats in run_job(cluster, 2, 1, body, shm_bytes=65536, partition_bytes=PARTITION_BYTES):
+        assert 0 < stats["shm_pushes"] < 16, stats
+    wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
+
+
+def test_segments_grow_within_their_budget_and_leave_no_name(tmp_path):
+    budget = shmlink.Budget(3 << 20)
+    segments = shmlink.Segments("bpsctl-1-abc-job-w0.0-s0", budget, tmp_path)
+    first = segments.allocate(100)
+    assert first is not None and first[:2] == (0, 0) and len(first[2]) == 100
+    second = segments.allocate(1 << 20)              # past the first 1 MiB chunk: a second
+    assert second is not None and second[:2] == (1, 0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpsctl-1-abc-job-w0.0-s0-0",
+                                                          "bpsctl-1-abc-job-w0.0-s0-1"]
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in tmp_path.iterdir())
+    assert segments.allocate(2 << 20) is None       # past BPSCTL_SHM_BYTES: TCP
+    second[2][:] = 7
+    peer = shmlink.Mapped("bpsctl-1-abc-job-w0.0-s0", writable=False, unlink=True,
+                          directory=tmp_path)
+    assert (peer.view(1, 0, 1 << 20) == 7).all()
+    assert not (tmp_path / "bpsctl-1-abc-job-w0.0-s0-1").exists()    # unnamed once mapped
+    with pytest.raises(ValueError, match="past the end"):
+        peer.view(1, 1 << 20, 2 << 20)      # the second chunk is 2 MiB
+    segments.close()
+    assert list(tmp_path.iterdir()) == [] and budget.reserved == 0
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs, as a /dev/shm too small for the job (root: a real mount)."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_dev_shm_too_small_is_an_error_naming_the_bound_and_the_knob(small_tmpfs):
+    segments = shmlink.Segments("bpsctl-1-abc-job-s0", shmlink.Budget(64 << 20), small_tmpfs)
+    with pytest.raises(EngineError) as error:
+        segments.allocate(4 << 20)
+    message = str(error.value)
+    assert "BPSCTL_SHM_BYTES=67108864" in message and "BPSCTL_SHM_SERVER=0" in message, message
+    assert f"{small_tmpfs} more room" in message, message
+    assert list(small_tmpfs.iterdir()) == []
+    assert segments.budget.reserved == 0
+
+
+def test_emulated_hosts_and_the_knob_make_different_host_ids():
+    here = shm.host_id()
+    assert re.fullmatch(r"[0-9a-f]{16}", here)
+    if os.geteuid() != 0:
+        pytest.skip("another network namespace needs root")
+    # a process in another network namespace (an emulated host) is another host
+    other = subprocess.run(
+        ["unshare", "--net", sys.executable, "-c",
+         "from bpsctl.engine import shm; print(shm.host_id())"],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True,
+        check=True).stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{16}", other) and other != here
+
+
+KILL_SCRIPT = textwrap.dedent('''
+    import os, signal, sys, time
+    import numpy as np
+    from bpsctl.engine import EngineError, Worker
+    out = sys.argv[1]
+    worker = Worker()
+    x = np.ones(300000, np.float32)
+    try:
+        for step in range(1000):
+            handles = [worker.push_pull_async(x, average=False, name=f"t{i}") for i in range(4)]
+            if worker.rank == 0 and step == 3:
+                with open(os.path.join(out, "killed"), "w") as f:
+                    f.write(f"{os.getpid()} {time.monotonic()} {worker.stats()['shm_pushes']}")
+                os.kill(os.getpid(), signal.SIGKILL)        # mid-step, pushes in flight
+            for h in handles:
+                assert (worker.synchronize(h) == worker.size).all()
+        print("finished without noticing", flush=True)
+    except EngineError as exc:
+        print(f"ERROR at {time.monotonic()}: {exc}", flush=True)
+        sys.exit(1)
+''')
+
+
+@pytest.mark.timeout(120)
+def test_a_killed_worker_is_named_within_10_s_and_down_leaves_no_segment(tmp_path):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL_SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    config = cluster_config(state_dir=tmp_path / "state", heartbeat_timeout_s=5.0,
+                            op_timeout_s=60.0)
+    processes: list[subprocess.Popen] = []
+    with api.local_cluster(config, servers=2) as cluster:
+        tag = shm.cluster_tag(cluster.scheduler, cluster.secret)
+        plan = api.worker_plan(cluster, config, 2)
+        try:
+            for worker in plan.workers:
+                env = {**os.environ, **worker.to_env(config, plan),
+                       "PYTHONPATH": os.pathsep.join(filter(None, [
+                           str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
+                processes.append(subprocess.Popen(
+                    [sys.executable, str(script), str(out)], env=env, text=True,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+            outputs = [p.communicate(timeout=60)[0] for p in processes]
+        finally:
+            kill_pids(p.pid for p in processes if p.poll() is None)
+            for p in processes:
+                p.wait(timeout=10)
+        assert (out / "killed").exists(), "\n".join(o[-1500:] for o in outputs)
+        killed_pid, killed_at, shm_pushes = (out / "killed").read_text().split()
+        assert int(shm_pushes) > 0, "the killed worker never pushed through shared memory"
+        assert processes[0].returncode == -9
+        output = outputs[1]
+        assert processes[1].returncode == 1, output[-2000:]
+        match = re.search(r"ERROR at ([\d.]+): (.*)", output)
+        assert match, output[-2000:]
+        assert float(match.group(1)) - float(killed_at) < 10, output[-2000:]
+        assert "worker 0" in match.group(2), match.group(2)
+    assert all(gone(p.pid) for p in processes)
+    assert shm.leftovers(tag) == [], "left after down"
+
+
+def test_a_killed_server_leaves_its_sum_buffers_until_down(tmp_path):
+    config = cluster_config(state_dir=tmp_path / "state")
+    with api.local_cluster(config, servers=1) as cluster:
+        server_pid = next(p.pid for p in cluster.processes if p.role == "server")
+        seen: list[list[str]] = []
+
+        def body(worker: Worker) -> None:
+            worker.push_pull(np.ones(5000, np.float32), name="x")
+            worker.barrier()
+            if worker.rank == 0:
+                seen.append(job_names(cluster))
+                kill_pids([server_pid])             # mid-job: nobody removes its segments
+            wait_until(lambda: gone(server_pid), 10, "the server to die")
+            worker.push_pull(np.ones(5000, np.float32), name="x")
+
+        with pytest.raises(AssertionError, match="server 0"):
+            run_job(cluster, 2, 1, body, timeout_s=30)
+        assert seen[0] and job_names(cluster) == seen[0], (seen, job_names(cluster))
+    assert job_names(cluster) == [], "left after down"
