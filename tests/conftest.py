@@ -121,6 +121,15 @@ TIERS: dict[str, set[str]] = {
     "test_shm_local.py::test_tensors_larger_than_the_arena_bound_sum_exactly_in_pieces": {"slow"},
     "test_shm_local.py::test_a_killed_local_worker_is_named_within_10_s_and_its_shared_memory_is_gone":
         {"slow"},
+    # shared memory between a worker and a server: a small tmpfs mounted, another network
+    # namespace; processes killed mid-job (8-10 s each)
+    "test_shm_server.py::test_a_dev_shm_too_small_is_an_error_naming_the_bound_and_the_knob":
+        {"root"},
+    "test_shm_server.py::test_a_process_in_another_network_namespace_is_on_another_host":
+        {"root"},
+    "test_shm_server.py::test_a_killed_worker_is_named_within_10_s_and_down_leaves_no_segment":
+        {"slow"},
+    "test_shm_server.py::test_a_killed_server_leaves_its_sum_buffers_until_down": {"slow"},
     # CUDA; and a fresh interpreter importing torch, then a 2-worker job, for the CPU-only case
     "test_torch_gpu.py::test_cpu_users_touch_no_cuda": {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s

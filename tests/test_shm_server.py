@@ -187,11 +187,9 @@ def test_a_dev_shm_too_small_is_an_error_naming_the_bound_and_the_knob(small_tmp
     assert segments.budget.reserved == 0
 
 
-def test_emulated_hosts_and_the_knob_make_different_host_ids():
+def test_a_process_in_another_network_namespace_is_on_another_host():
     here = shm.host_id()
     assert re.fullmatch(r"[0-9a-f]{16}", here)
-    if os.geteuid() != 0:
-        pytest.skip("another network namespace needs root")
     # a process in another network namespace (an emulated host) is another host
     other = subprocess.run(
         ["unshare", "--net", sys.executable, "-c",
@@ -282,3 +280,10 @@ def test_a_killed_server_leaves_its_sum_buffers_until_down(tmp_path):
             run_job(cluster, 2, 1, body, timeout_s=30)
         assert seen[0] and job_names(cluster) == seen[0], (seen, job_names(cluster))
     assert job_names(cluster) == [], "left after down"
+
+
+def test_a_bad_knob_value_is_refused_naming_it():
+    from bpsctl.config import Config, ConfigError
+    with pytest.raises(ConfigError, match="BPSCTL_SHM_SERVER: expected auto or 0, got 'on'"):
+        Config.from_env({"BPSCTL_SHM_SERVER": "on"})
+    assert Config.from_env({"BPSCTL_SHM_SERVER": "0"}).shm_server == "0"
