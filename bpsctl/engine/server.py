@@ -22,6 +22,12 @@ Large partitions are summed on summation threads (NumPy releases the GIL), each
 partition pinned to one thread so its pushes are summed in order without locks; small
 ones are summed inline, where a thread hop would cost more than the add.
 
+A worker on this server's host (``BPSCTL_SHM_SERVER``; engine/shmlink.py) pushes a reference
+to its partition's slot in shared memory instead of the bytes (``FLAG_SHM``): the server sums
+straight from the slot, keeps the sum buffers of such partitions in shared segments of its own,
+and answers local workers with a reference to the round's buffer (``_shm_payload``,
+``_shm_buffers``, ``_shm_ref``).
+
 Under asynchronous training (``FLAG_ASYNC`` pushes, ``BPSCTL_ASYNC``) a partition holds the
 model's parameters instead (:class:`AsyncPartition`): there are no rounds across workers;
 each push is one SGD step, applied at once in arrival order (on the same thread a sum would

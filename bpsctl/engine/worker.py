@@ -16,6 +16,10 @@ Path of one ``push_pull``:
    divided, when averaging) straight into the output; pushes of later partitions go on
    meanwhile, so both directions of the link stay busy.
 
+To a server on the same host (``BPSCTL_SHM_SERVER``; engine/shmlink.py) step 3 copies each
+partition once into its slot in shared memory and pushes a reference to it (``FLAG_SHM``), and
+step 4 copies the sum out of shared memory (``_shm_slot``, ``_shm_result``).
+
 Under asynchronous training (``async_update``/``async_init``, ``BPSCTL_ASYNC``) the same path
 carries a gradient, with the optimizer's hyperparameters, to servers that hold the
 parameters; each partition's answer is its parameters, copied into the output.
