@@ -338,8 +338,9 @@ def exact_integer_step(worker: Worker, grads: list[Any], step: int,
 
 def run_job(cluster: api.ClusterState, workers: int, servers: int,
             body: Callable[[Worker], Any], timeout_s: float = JOB_TIMEOUT_S,
-            **knobs: Any) -> list[Any]:
-    """Run ``body(worker)`` on ``workers`` worker threads of one job using ``servers`` servers.
+            rank_knobs: dict[int, dict[str, Any]] | None = None, **knobs: Any) -> list[Any]:
+    """Run ``body(worker)`` on ``workers`` worker threads of one job using ``servers`` servers
+    (``knobs`` for every rank, ``rank_knobs[rank]`` on top for that one).
 
     Returns each rank's result. If any rank raises, every worker is shut down (so the others
     stop waiting for it) and the first failure is raised, naming its rank. Workers are always
@@ -355,7 +356,7 @@ def run_job(cluster: api.ClusterState, workers: int, servers: int,
     def run_rank(rank: int) -> None:
         config = Config(rank=rank, world_size=workers, job_id=job_id, num_servers=servers,
                         scheduler=cluster.scheduler, secret=cluster.secret,
-                        **{**WORKER_DEADLINES, **knobs})
+                        **{**WORKER_DEADLINES, **knobs, **(rank_knobs or {}).get(rank, {})})
         try:
             worker = Worker(config)
         except BaseException as exc:        # noqa: BLE001 - reported to the test below

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -287,3 +288,47 @@ def test_a_bad_knob_value_is_refused_naming_it():
     with pytest.raises(ConfigError, match="BPSCTL_SHM_SERVER: expected auto or 0, got 'on'"):
         Config.from_env({"BPSCTL_SHM_SERVER": "on"})
     assert Config.from_env({"BPSCTL_SHM_SERVER": "0"}).shm_server == "0"
+
+
+def test_local_and_tcp_peers_of_one_server_get_the_same_exact_sums(cluster):
+    """Rank 1 sends over TCP (as a worker of another host would), ranks 0 and 2 through
+    shared memory, to the same servers: the sums are the same everywhere, and rank 1's
+    results, read from the servers' shared buffers, come over TCP."""
+    results = run_job(cluster, 3, 2, sums_of_every_dtype, partition_bytes=PARTITION_BYTES,
+                      rank_knobs={1: {"shm_server": "0"}})
+    assert results[1]["shm_pushes"] == results[1]["shm_results"] == 0, results[1]
+    for rank in (0, 2):
+        assert results[rank]["shm_pushes"] == results[rank]["parts"], results[rank]
+        # a partition whose sum buffers were made on rank 1's pushes answers over TCP
+        assert 0 < results[rank]["shm_results"] <= results[rank]["parts"], results[rank]
+    wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
+
+
+def test_a_late_worker_under_backup_workers_reads_the_sum_not_a_rewritten_slot(cluster):
+    """2 workers, 1 backup: each round is rank 0's push alone. Rank 1 pushes each round only
+    after rank 0 has its result and has pushed the next round into the same slot; rank 1's
+    answer (the held result) must still be rank 0's value of that round, not of the next."""
+    steps = 6
+    answered = [threading.Event() for _ in range(steps)]
+
+    def body(worker: Worker) -> list[float]:
+        seen = []
+        grad = np.zeros(20000, np.float32)
+        for step in range(steps):
+            if worker.rank == 1:
+                assert answered[step].wait(30), f"rank 0's result of step {step}"
+            grad[:] = 10 * step + worker.rank + 1
+            handle = worker.push_pull_async(grad, name="g", out=grad)
+            if worker.rank == 0 and step:
+                answered[step - 1].set()        # its push of this round is out: slot rewritten
+            worker.synchronize(handle, 30)
+            assert (grad == grad[0]).all()
+            seen.append(float(grad[0]))
+        if worker.rank == 0:
+            answered[-1].set()
+        return [*seen, worker.stats()["shm_pushes"], worker.stats()["late_pushes"]]
+
+    results = run_job(cluster, 2, 1, body, backup_workers=1)
+    want = [10.0 * step + 1 for step in range(steps)]
+    assert results[0][:steps] == want and results[1][:steps] == want, results
+    assert results[1][-1] == steps and results[0][-2] == results[1][-2] == steps, results
