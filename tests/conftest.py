@@ -130,6 +130,8 @@ TIERS: dict[str, set[str]] = {
     "test_shm_server.py::test_a_killed_worker_is_named_within_10_s_and_down_leaves_no_segment":
         {"slow"},
     "test_shm_server.py::test_a_killed_server_leaves_its_sum_buffers_until_down": {"slow"},
+    "test_shm_server.py::test_emulated_hosts_keep_their_traffic_on_the_shaped_nics":
+        {"slow", "root"},
     # CUDA; and a fresh interpreter importing torch, then a 2-worker job, for the CPU-only case
     "test_torch_gpu.py::test_cpu_users_touch_no_cuda": {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s

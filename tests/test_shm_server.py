@@ -10,6 +10,7 @@ processes when one must die.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -332,3 +333,44 @@ def test_a_late_worker_under_backup_workers_reads_the_sum_not_a_rewritten_slot(c
     want = [10.0 * step + 1 for step in range(steps)]
     assert results[0][:steps] == want and results[1][:steps] == want, results
     assert results[1][-1] == steps and results[0][-2] == results[1][-2] == steps, results
+
+
+STATS_SCRIPT = textwrap.dedent('''
+    import json
+    import numpy as np
+    import bpsctl.engine as bps
+    bps.init()
+    x = np.ones(100000, np.float32)
+    for _ in range(3):
+        assert (bps.push_pull(x, name="x", average=False) == bps.size()).all()
+    print("STATS " + json.dumps(bps._worker.stats()), flush=True)
+    bps.shutdown()
+''')
+
+
+@pytest.mark.timeout(180)
+def test_emulated_hosts_keep_their_traffic_on_the_shaped_nics(tmp_path):
+    """Workers and servers of an emulated cluster are on hosts of their own (one network
+    namespace each): nothing goes through shared memory, so the emulation is not bypassed."""
+    script = tmp_path / "stats.py"
+    script.write_text(STATS_SCRIPT)
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
+                                                       os.environ.get("PYTHONPATH")]))}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    up = cli("up", "--emulate", "--workers", "2", "--servers", "2", "--nic", "1gbit")
+    assert up.returncode == 0, up.stderr
+    try:
+        run = cli("run", "-np", "2", "--", sys.executable, str(script))
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        stats = [json.loads(line.partition("STATS ")[2])
+                 for line in run.stdout.splitlines() if "STATS " in line]
+        assert len(stats) == 2, run.stdout[-2000:]
+        assert all(s["shm_pushes"] == s["shm_results"] == 0 for s in stats), stats
+    finally:
+        down = cli("down")
+        assert down.returncode == 0, down.stderr
