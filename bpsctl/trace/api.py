@@ -338,8 +338,9 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
 def _phases(worker: ProcessTrace, step: Span) -> dict[str, float]:
     """Where one step of one worker went: ``forward_s`` from the step's start to its first
     gradient ready (the forward pass and the first layers' backward), ``backward_s`` to its
-    last gradient, ``wait_s`` in synchronize (the optimizer waiting for averaged gradients),
-    ``optimizer_s`` from there to the step's end (the update). Only what the plugin traced."""
+    last gradient, ``wait_s`` in synchronize after that (the optimizer waiting for averaged
+    gradients), ``optimizer_s`` from there to the step's end (the update): they never
+    overlap, so they add up to the step at most. Only what the plugin traced."""
     def inside(stage: str) -> Span | None:
         return next((s for s in worker.spans.get(stage, [])
                      if step.start_us <= s.start_us < step.end_us), None)
@@ -350,8 +351,12 @@ def _phases(worker: ProcessTrace, step: Span) -> dict[str, float]:
         phases["forward_s"] = (backward.start_us - step.start_us) / 1e6
         phases["backward_s"] = backward.seconds
     if wait is not None:
-        phases["wait_s"] = wait.seconds
-        phases["optimizer_s"] = (step.end_us - wait.end_us) / 1e6
+        # counted from the last gradient on: a wait that began before it (the optimizer
+        # synchronizing a bucket while autograd still ran the last hooks) is not counted twice
+        begin = wait.start_us if backward is None else max(wait.start_us, backward.end_us)
+        end = max(wait.end_us, begin)
+        phases["wait_s"] = (end - begin) / 1e6
+        phases["optimizer_s"] = (step.end_us - end) / 1e6
     return phases
 
 
