@@ -300,10 +300,12 @@ class Config:
     partition_bytes: int = knob(2097152, "BPSCTL_PARTITION_BYTES",
                                 "largest piece a tensor is cut into for push/pull", "size",
                                 in_file=True)
-    partition_depth: int = knob(0, "BPSCTL_PARTITION_DEPTH",
+    # 16: bench comm's 64 MiB over 4 x 4 emulated hosts went from 0.86 to 0.94 of the NIC
+    # limit, and VGG16's step on the same cluster did not get slower (docs/benchmarks.md)
+    partition_depth: int = knob(16, "BPSCTL_PARTITION_DEPTH",
                                 "above 0: a large tensor is cut smaller than "
                                 "BPSCTL_PARTITION_BYTES, so that every server gets this many of "
-                                "its partitions (none under 256 KiB) and the first sums come "
+                                "its partitions (none under 1 MiB) and the first sums come "
                                 "back while the rest is still being pushed", "int", in_file=True)
     credit_bytes: int = knob(67108864, "BPSCTL_CREDIT_BYTES",
                              "most bytes a worker has pushed and not yet seen acknowledged", "size",

@@ -133,17 +133,17 @@ def test_a_100mb_tensor_averaged_over_two_workers(job):
 
 
 def test_partition_depth_gives_every_server_its_share_of_pieces_and_the_same_sum(job):
-    count = 3 * 1024 * 1024 + 5              # 12 MiB and 20 bytes of float32
+    count = 6 * 1024 * 1024 + 5              # 24 MiB and 20 bytes of float32
     base = (np.arange(count, dtype=np.int64) % 4096).astype(np.float32)
 
     def body(w: Worker):
         result = w.push_pull(base * (w.rank + 1), name="deep", average=False)
         return np.array_equal(result, base * 3), w._tensors["deep"]["parts"]
 
-    for ok, parts in job(2, 3, body, partition_depth=4):
+    for ok, parts in job(2, 3, body, partition_depth=8):
         assert ok
-        # 12 MiB over 3 servers x 4: 1 MiB pieces (2 MiB without the depth)
-        assert max(p[3] for p in parts) == 1 << 20 and len(parts) == 13
+        # 24 MiB over 3 servers x 8: 1 MiB pieces (2 MiB without the depth)
+        assert max(p[3] for p in parts) == 1 << 20 and len(parts) == 25
         assert sorted({p[1] for p in parts}) == [0, 1, 2]
 
 

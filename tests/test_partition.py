@@ -137,7 +137,7 @@ def test_partition_depth_cuts_a_large_tensor_so_every_server_gets_that_many_piec
     parts = placement.place(64 * mib, 4, 2 * mib, depth=16)
     assert {p.length for p in parts} == {mib}
     assert [sum(p.server == s for p in parts) for s in range(4)] == [16] * 4
-    # never above partition_bytes (a huge tensor keeps them), never below 256 KiB (a small one)
+    # never above partition_bytes (a huge tensor keeps them), never below 1 MiB (a small one)
     assert piece_bytes(4096 * mib, 4, 2 * mib, 16) == 2 * mib
     assert piece_bytes(4 * mib, 4, 2 * mib, 16) == MIN_PIECE_BYTES
     # a partition_bytes already below the floor is kept; depth 0 is off
@@ -147,6 +147,6 @@ def test_partition_depth_cuts_a_large_tensor_so_every_server_gets_that_many_piec
 
 def test_partition_depth_counts_only_the_servers_that_take_partitions():
     placement = Placement(4, spare={3})
-    parts = placement.place(48 * (1 << 20), 4, 2 << 20, depth=16)
-    assert {p.length for p in parts} == {1 << 20}           # 48 MiB / (3 servers x 16)
+    parts = placement.place(96 * (1 << 20), 4, 4 << 20, depth=16)
+    assert {p.length for p in parts} == {2 << 20}           # 96 MiB / (3 servers x 16)
     assert {p.server for p in parts} == {0, 1, 2}

@@ -29,7 +29,7 @@ def split(nbytes: int, itemsize: int, partition_bytes: int) -> list[tuple[int, i
 
 
 #: the smallest piece ``partition_depth`` cuts a tensor into: below it, per-message costs grow
-MIN_PIECE_BYTES = 256 * 1024
+MIN_PIECE_BYTES = 1024 * 1024
 
 
 def piece_bytes(nbytes: int, servers: int, partition_bytes: int, depth: int) -> int:
