@@ -11,6 +11,7 @@ import functools
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -287,6 +288,31 @@ def kill_pids(pids) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def run_worker_scripts(cluster: api.ClusterState, config: Config, workers: int,
+                       script: Path, *args: str, timeout_s: float = 60
+                       ) -> tuple[list[subprocess.Popen], list[str]]:
+    """Run ``script`` as each of ``workers`` worker processes of ``cluster`` (this checkout's
+    bpsctl first on the path) and wait for all of them, within ``timeout_s``; whatever is
+    still running then is killed. Returns the processes and their combined outputs."""
+    plan = api.worker_plan(cluster, config, workers)
+    processes: list[subprocess.Popen] = []
+    try:
+        for worker in plan.workers:
+            env = {**os.environ, **worker.to_env(config, plan),
+                   "PYTHONPATH": os.pathsep.join(filter(None, [
+                       str(Path(__file__).resolve().parent.parent),
+                       os.environ.get("PYTHONPATH")]))}
+            processes.append(subprocess.Popen(
+                [sys.executable, str(script), *args], env=env, text=True,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [p.communicate(timeout=timeout_s)[0] for p in processes]
+    finally:
+        kill_pids(p.pid for p in processes if p.poll() is None)
+        for p in processes:
+            p.wait(timeout=10)
+    return processes, outputs
 
 
 def cluster_config(**knobs: Any) -> Config:

@@ -20,7 +20,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import cluster_config, gone, kill_pids, wait_until  # noqa: E402
+from conftest import (  # noqa: E402
+    cluster_config,
+    gone,
+    kill_pids,
+    run_worker_scripts,
+    wait_until,
+)
 from test_torch_plugin import run_script  # noqa: E402
 
 from bpsctl.config import Config  # noqa: E402
@@ -225,23 +231,9 @@ def test_a_killed_local_worker_is_named_within_10_s_and_its_shared_memory_is_gon
     config = cluster_config(state_dir=tmp_path / "state", heartbeat_interval_s=0.2,
                             heartbeat_timeout_s=5.0, start_timeout_s=20.0, op_timeout_s=60.0,
                             shm_bytes=ARENA_BYTES, local_only="off")
-    processes: list[subprocess.Popen] = []
     with api.local_cluster(config, servers=1) as cluster:
         tag = shm.cluster_tag(cluster.scheduler, cluster.secret)
-        plan = api.worker_plan(cluster, config, 3)
-        try:
-            for worker in plan.workers:
-                env = {**os.environ, **worker.to_env(config, plan),
-                       "PYTHONPATH": os.pathsep.join(filter(None, [
-                           str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-                processes.append(subprocess.Popen(
-                    [sys.executable, str(script), str(out)], env=env, text=True,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-            outputs = [p.communicate(timeout=60)[0] for p in processes]
-        finally:
-            kill_pids(p.pid for p in processes if p.poll() is None)
-            for p in processes:
-                p.wait(timeout=10)
+        processes, outputs = run_worker_scripts(cluster, config, 3, script, str(out))
         assert (out / "killed").exists(), "\n".join(o[-1500:] for o in outputs)
         killed_pid, killed_at = (out / "killed").read_text().split()
         assert processes[0].returncode == -9

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import cluster_config, gone, kill_pids, run_job, wait_until
+from conftest import cluster_config, gone, kill_pids, run_job, run_worker_scripts, wait_until
 
 from bpsctl.engine import EngineError, Worker, shm, shmlink
 from bpsctl.engine import protocol as P
@@ -232,23 +232,9 @@ def test_a_killed_worker_is_named_within_10_s_and_down_leaves_no_segment(tmp_pat
     out.mkdir()
     config = cluster_config(state_dir=tmp_path / "state", heartbeat_timeout_s=5.0,
                             op_timeout_s=60.0)
-    processes: list[subprocess.Popen] = []
     with api.local_cluster(config, servers=2) as cluster:
         tag = shm.cluster_tag(cluster.scheduler, cluster.secret)
-        plan = api.worker_plan(cluster, config, 2)
-        try:
-            for worker in plan.workers:
-                env = {**os.environ, **worker.to_env(config, plan),
-                       "PYTHONPATH": os.pathsep.join(filter(None, [
-                           str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-                processes.append(subprocess.Popen(
-                    [sys.executable, str(script), str(out)], env=env, text=True,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-            outputs = [p.communicate(timeout=60)[0] for p in processes]
-        finally:
-            kill_pids(p.pid for p in processes if p.poll() is None)
-            for p in processes:
-                p.wait(timeout=10)
+        processes, outputs = run_worker_scripts(cluster, config, 2, script, str(out))
         assert (out / "killed").exists(), "\n".join(o[-1500:] for o in outputs)
         killed_pid, killed_at, shm_pushes = (out / "killed").read_text().split()
         assert int(shm_pushes) > 0, "the killed worker never pushed through shared memory"

@@ -26,6 +26,14 @@ PROTOCOL_VERSION = 1
 #: magic, version, type, dtype code, flags, rank, partition id, round, nbytes
 HEADER = struct.Struct("<2sBBBBHIIQ")
 HEADER_SIZE = HEADER.size
+#: where the flags byte sits in a packed header (after magic, version, type and dtype code)
+FLAGS_OFFSET = 5
+
+
+def with_flag(header: bytes, flag: int) -> bytes:
+    """A packed header with ``flag`` set as well."""
+    return header[:FLAGS_OFFSET] + bytes((header[FLAGS_OFFSET] | flag,)) + \
+        header[FLAGS_OFFSET + 1:]
 
 # --- scheduler plane (JSON bodies)
 REGISTER = 1        # any -> scheduler: {role, rank, world_size, job, host, port, pid, version,

@@ -788,8 +788,7 @@ class Server:
                 self.sock.send(header, zmq.SNDMORE)
                 self.sock.send(result, copy=False)
             else:
-                self.sock.send(header[:5] + bytes((header[5] | P.FLAG_SHM,)) + header[6:],
-                               zmq.SNDMORE)
+                self.sock.send(P.with_flag(header, P.FLAG_SHM), zmq.SNDMORE)
                 self.sock.send(ref)
         except zmq.ZMQError:
             pass    # that worker is gone; the scheduler tells the others

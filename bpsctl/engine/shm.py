@@ -133,6 +133,20 @@ def _alive(pid: int, started_ms: int) -> bool:
         return False
 
 
+
+def free_bytes(directory: Path) -> int:
+    """Bytes free in ``directory``'s file system (a tmpfs such as ``/dev/shm``): checked before
+    reserving, because a tmpfs that fills up later is a SIGBUS mid-step, not an error."""
+    stats = os.statvfs(directory)
+    return stats.f_bavail * stats.f_frsize
+
+
+def map_reserved(fd: int, size: int) -> mmap.mmap:
+    """Reserve all ``size`` bytes of the file behind ``fd`` now (``posix_fallocate``) and map
+    them shared, read-write."""
+    os.posix_fallocate(fd, 0, size)
+    return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+
 class Arena:
     """One host's shared-memory arena (see the module doc): ``create`` on local rank 0,
     ``attach`` on the others. ``control`` is the (local_size, BLOCK_WORDS) int64 array of
@@ -158,12 +172,11 @@ class Arena:
         ``/dev/shm`` has no room for it."""
         directory = path.parent
         try:
-            stats = os.statvfs(directory)
+            free = free_bytes(directory)
         except OSError as exc:
             raise EngineError(f"the intra-node stage needs shared memory in {directory}: "
                               f"{exc.strerror}; set BPSCTL_LOCAL_SHM=0 to use gloo over TCP "
                               "instead") from None
-        free = stats.f_bavail * stats.f_frsize
         if free < size:
             raise EngineError(f"the intra-node stage needs {format_bytes(size)} of shared memory "
                               f"(BPSCTL_SHM_BYTES={size}) but {directory} has "
@@ -175,8 +188,7 @@ class Arena:
                               "ranks")
         fd = cls._open_exclusive(path)
         try:
-            os.posix_fallocate(fd, 0, size)
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = map_reserved(fd, size)
         except OSError as exc:
             path.unlink(missing_ok=True)
             raise EngineError(f"cannot reserve {format_bytes(size)} of shared memory in "

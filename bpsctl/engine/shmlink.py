@@ -100,12 +100,11 @@ class Segments:
     def _grow(self, size: int) -> None:
         path = self.directory / f"{self.base}-{len(self.chunks)}"
         try:
-            stats = os.statvfs(self.directory)
+            free = shm.free_bytes(self.directory)
         except OSError as exc:
             raise EngineError(f"shared memory between a worker and a server on one host needs "
                               f"{self.directory}: {exc.strerror}; set BPSCTL_SHM_SERVER=0 to "
                               "send through TCP loopback instead") from None
-        free = stats.f_bavail * stats.f_frsize
         if free < size:
             raise EngineError(
                 f"shared memory between a worker and a server on one host needs "
@@ -122,8 +121,7 @@ class Segments:
             fd = os.open(path, flags, 0o600)
         self.named.append(path)
         try:
-            os.posix_fallocate(fd, 0, size)
-            mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = shm.map_reserved(fd, size)
         except OSError as exc:
             self._forget(path)
             raise EngineError(f"cannot reserve {format_bytes(size)} of shared memory in {path} "
