@@ -352,6 +352,11 @@ class Config:
                            "shared memory in /dev/shm, the header still over TCP: auto, or 0 "
                            "(everything over TCP loopback); each process uses at most "
                            "BPSCTL_SHM_BYTES for it", "str", in_file=True)
+    reuse_memory: bool = knob(True, "BPSCTL_REUSE_MEMORY",
+                              "a worker using the torch plugin has glibc's malloc keep freed "
+                              "large buffers (gradients, activations) for the next step instead "
+                              "of unmapping them, sparing each step their page faults (0: "
+                              "glibc's defaults)", "bool", in_file=True)
     # the standard names, not BPSCTL_*: launchers (bpsctl run, torchrun) set these per job,
     # after the BPSCTL_* variables of their own config
     master_addr: str = knob("127.0.0.1", "MASTER_ADDR",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import resource
 import sys
 import textwrap
 from pathlib import Path
@@ -339,3 +340,50 @@ def test_intranode_stage_gives_exact_sums(tmp_path, local_reduce):
         assert record["local_size"] == 4
         assert record["stage"] is (local_reduce == "auto"), f"rank {rank}"
         assert record["results"]["exact_sums"] == "ok", f"rank {rank}: {record['results']}"
+
+
+PAGE_FAULT_SCRIPT = '''
+import resource
+
+# one layer with a 64 MiB gradient: beyond anything glibc would keep on its own (its mmap
+# threshold stops adapting at 32 MiB), so by default every backward pass maps it afresh
+model = torch.nn.Linear(4096, 4096, bias=False)
+opt = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters())
+x = torch.randn(2, 4096)
+
+
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+@check
+def backward_faults():
+    # the first steps grow the heap until a freed gradient's memory fits the next one (each is
+    # allocated with a little alignment slack, and other allocations split the holes: with a
+    # model that is one big layer, that can take ten steps)
+    RESULTS["faults"] = 0
+    for step in range(18):
+        opt.zero_grad()
+        loss = model(x).sum()
+        before = faults()
+        loss.backward()
+        if step >= 15:
+            RESULTS["faults"] += faults() - before
+        opt.step()
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reuse", [True, False])
+def test_a_big_gradient_is_not_page_faulted_in_anew_every_step(tmp_path, reuse):
+    """With BPSCTL_REUSE_MEMORY (the default) the plugin's workers reuse a freed gradient's
+    memory; with it off, glibc maps the 64 MiB gradient afresh in every backward pass."""
+    records = run_script(tmp_path, PAGE_FAULT_SCRIPT, np=1, reuse_memory=reuse)
+    results = records[0]["results"]
+    assert results["backward_faults"] == "ok", results
+    pages = 64 * 1024 * 1024 // resource.getpagesize()     # one gradient's
+    if reuse:
+        assert results["faults"] < pages // 4, results          # over three backward passes
+    else:
+        assert results["faults"] >= 3 * pages // 2, results

@@ -107,17 +107,21 @@ def exec_with_jemalloc(module: str, choice: str) -> None:
 
 
 def keep_large_buffers() -> None:
-    """Stop glibc from returning each freed multi-MiB message buffer to the kernel: for servers
-    that run on glibc's malloc (BPSCTL_SERVER_MALLOC=glibc, or jemalloc not installed).
+    """Stop glibc from returning each freed multi-MiB buffer to the kernel: for servers that
+    run on glibc's malloc (BPSCTL_SERVER_MALLOC=glibc, or jemalloc not installed), and for
+    workers that train through the torch plugin (BPSCTL_REUSE_MEMORY).
 
-    ZeroMQ allocates every received message; by default glibc serves big ones with mmap and
-    unmaps them on free, so every partition costs a fresh round of page faults. Keeping them
-    mapped made loopback push_pulls faster when set through glibc's MALLOC_* environment
-    variables; set here in-process, no clear gain stood out of the noise (docs/benchmarks.md).
+    By default glibc serves an allocation above its mmap threshold (at most 32 MiB, however it
+    adapts) with a fresh mapping and unmaps it on free, so the next one of that size is
+    page-faulted in again. A server's ZeroMQ allocates every received message. A torch
+    worker's autograd allocates every gradient anew each step: a 411 MB layer's costs over
+    100,000 page faults in every backward pass, time in which that gradient cannot leave.
+    Kept, the next step reuses the same memory.
 
-    Not in workers any more: with it a worker's RSS can only ratchet up (nothing goes back);
-    with glibc's default (dynamic) thresholds it goes up and down over a long ``bench load``,
-    at a cost per push_pull within the machine's noise.
+    The engine's own worker (without the plugin) keeps glibc's defaults: there, with nothing
+    as large as a model's layer per step, a long ``bench load`` kept RSS flat with them, while
+    keeping buffers made it ratchet up. A quiet process still gives back what it keeps
+    (Config.idle_release_s, :func:`release_free_memory`).
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

@@ -53,7 +53,7 @@ from ... import engine as _engine
 from ...config import Config
 from .. import compression as C
 from .. import protocol as P
-from ..common import EngineError
+from ..common import EngineError, keep_large_buffers
 from ..intranode import LocalOp, LocalStage, _as_array
 from ..trace import now_ns
 from .staleness import StaleGradients
@@ -211,6 +211,10 @@ class _Plugin:
         self.copy_stream: Any = None
         self.pinned: dict[str, torch.Tensor] = {}
         w, cfg = self.worker, self.config
+        if cfg.reuse_memory:
+            # autograd allocates every gradient anew each step; a big one (VGG16's fc6: 411 MB)
+            # would otherwise be a fresh mapping, page-faulted in during backward every step
+            keep_large_buffers()
         # the intra-node stage (shared memory or a gloo group of the host's workers) cannot
         # lose one, gain one, and waits for its slowest: with BPSCTL_MIN_WORKERS below the
         # world size, room to grow (BPSCTL_MAX_WORKERS), backup workers, staleness or
