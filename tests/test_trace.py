@@ -306,3 +306,42 @@ def test_a_slow_host_is_named_and_the_nic_tracks_count_the_bytes_sent(tmp_path):
         assert engine["push"] == 4 * 4 * MiB        # 4 rounds of 4 MiB, all in the window
         assert abs(tx / engine["push"] - 1) < 0.05, (rank, tx, engine)
         assert abs(rx / engine["wait_result"] - 1) < 0.05, (rank, rx, engine)
+
+
+def test_one_big_tensor_of_many_workers_completes_in_the_order_it_is_pushed(engine_cluster,
+                                                                            tmp_path):
+    """The pattern flow control must serve: every worker pushes one large tensor at once. Its
+    rounds complete on a server only when every worker has pushed that partition, so the
+    tensor is cut finely for its servers (BPSCTL_PARTITION_DEPTH), every worker pushes the
+    pieces in the same order, and sums come back in that order: the first pieces' sums are
+    not held back behind the rest of the tensor."""
+    workers, depth, size = 4, 16, 32 * MiB
+
+    def body(worker: Worker) -> None:
+        grad = np.full(size // 4, worker.rank + 1, np.float32)
+        for _ in range(3):
+            out = worker.push_pull(grad, name="big", average=False)
+            assert out[0] == out[-1] == workers * (workers + 1) // 2
+
+    # a credit of a quarter of the tensor: pieces wait in the queue and leave as ACKs come
+    run_job(engine_cluster, workers, 2, body, trace_dir=str(tmp_path), credit_bytes=size // 4,
+            partition_depth=depth)
+    orders = {}
+    for rank in range(workers):
+        spans = _spans(tmp_path / f"worker-{rank}" / "comm.json")
+        last_round = max(s["args"]["round"] for s in spans if s["cat"] == "queued")
+        sent = sorted((s["end"], s["args"]["part"], s["args"]["server"]) for s in spans
+                      if s["cat"] == "queued" and s["args"]["round"] == last_round)
+        arrived = {s["args"]["part"]: s["end"] for s in spans
+                   if s["cat"] == "wait_result" and s["args"]["round"] == last_round}
+        orders[rank] = [part for _, part, _ in sent]
+        for server in (0, 1):
+            order = [part for _, part, to in sent if to == server]
+            assert len(order) >= depth, f"rank {rank}, server {server}: {len(order)} pieces"
+            # a server's sums come back in the order its pieces were pushed: the first
+            # quarter's all arrived before any of the last quarter's (the I/O thread reads
+            # one server's socket at a time, so across servers arrivals interleave)
+            quarter = len(order) // 4
+            assert max(arrived[p] for p in order[:quarter]) < \
+                min(arrived[p] for p in order[-quarter:]), f"rank {rank}, server {server}"
+    assert all(order == orders[0] for order in orders.values()), orders
