@@ -70,6 +70,12 @@ TIERS: dict[str, set[str]] = {
     "test_trace.py::test_a_slow_host_is_named_and_the_nic_tracks_count_the_bytes_sent":
         {"slow", "root"},
     "test_emulated_cluster.py": {"slow", "root"},
+    # two workers per emulated host: a 4-rank torch job through the intra-node stage (about
+    # 9 s); bench comm with --workers-per-host 2 (about 5 s)
+    "test_workers_per_host.py::"
+    "test_two_ranks_per_emulated_host_sum_exactly_through_the_shared_memory_stage":
+        {"slow", "root"},
+    "test_workers_per_host.py::test_bench_comm_runs_n_times_k_workers_judged_per_host": {"root"},
     "test_stragglers.py::test_a_cpu_straggler_host_runs_its_processes_in_a_throttled_cgroup":
         {"slow", "root"},
     # three systems, each a 2-worker training job to a target accuracy: about 30 s

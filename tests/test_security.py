@@ -350,7 +350,7 @@ def test_bench_comm_measures_the_modes_in_interleaved_passes_each_on_its_cluster
     calls = []
 
     @contextlib.contextmanager
-    def fake_cluster(config, workers, servers, own_cluster_for=""):
+    def fake_cluster(config, workers, servers, own_cluster_for="", workers_per_host=1):
         assert own_cluster_for == "--security"
         yield config, None
 
@@ -359,7 +359,8 @@ def test_bench_comm_measures_the_modes_in_interleaved_passes_each_on_its_cluster
         seconds = {"hmac": 1.0, "curve": 4.0, "none": 1.0}[config.security]
         rows = [{"system": "bpsctl", "seconds_all": [seconds] * settings.repeats}]
         rows += [{"system": "allreduce", "seconds": 3.0}] if settings.compare else []
-        return {"workers": 2, "servers": 2, "size_bytes": size, "nic_mbit": None, "tensors": 8,
+        return {"workers": 2, "servers": 2, "worker_hosts": [2], "size_bytes": size,
+                "nic_mbit": None, "tensors": 8,
                 "results": rows, "speedup": {"allreduce": 0.0} if settings.compare else {}}
 
     monkeypatch.setattr(bench, "bench_cluster", fake_cluster)

@@ -54,8 +54,11 @@ class CommSettings:
     # security modes measured side by side, each on a private cluster of its own (empty: the
     # config's mode only)
     security: tuple[str, ...] = field(default=())
+    #: workers on each emulated worker host (``workers`` counts every process: hosts times this)
+    workers_per_host: int = 1
 
     def __post_init__(self) -> None:
+        check_per_host_split(self.workers, self.workers_per_host)
         wrong = [m for m in self.security if m not in SECURITY_MODES]
         if wrong or len(set(self.security)) != len(self.security):
             raise ConfigError(f"--security: expected distinct modes among "
@@ -73,14 +76,19 @@ class CommSettings:
                                   "CPU build; a plain `pip install torch` pulls CUDA)") from None
 
 
-def ideal_seconds(system: str, size_bytes: int, workers: int, servers: int,
+def ideal_seconds(system: str, size_bytes: int, host_workers: Sequence[int], servers: int,
                   nic_mbit: float) -> float:
-    """The NIC-bound time of one round (docs/design.md §7): a parameter server moves S out
-    and S in through each worker's NIC (and n·S/K through each server's); ring allreduce moves
-    2(n-1)/n · S each way."""
+    """The NIC-bound time of one round of `bench comm` (docs/design.md §7), ``host_workers``
+    the workers on each worker host: a parameter server moves S out and S in per worker
+    through its host's NIC (comm's workers push on their own: no intra-node stage), and n·S/K
+    through each server's; ring allreduce moves 2(N-1)/N · S each way through each of the N
+    worker hosts' NICs, the least any allreduce moves between hosts. The busier NIC sets the
+    time."""
+    hosts = len(host_workers)
     if system == "allreduce":
-        return 2 * (workers - 1) / workers * size_bytes / goodput_bytes_s(nic_mbit)
-    return max(size_bytes, workers * size_bytes / servers) / goodput_bytes_s(nic_mbit)
+        return 2 * (hosts - 1) / hosts * size_bytes / goodput_bytes_s(nic_mbit)
+    busiest_bytes = max(max(host_workers) * size_bytes, sum(host_workers) * size_bytes / servers)
+    return busiest_bytes / goodput_bytes_s(nic_mbit)
 
 
 def goodput_bytes_s(nic_mbit: float) -> float:
@@ -108,7 +116,7 @@ def ideal_step_seconds(system: str, step_bytes: int, host_workers: Sequence[int]
     if nic_mbit is None or hosts == 0:
         return None
     if system in RING_SYSTEMS:
-        return ideal_seconds("allreduce", step_bytes, hosts, servers, nic_mbit) \
+        return ideal_seconds("allreduce", step_bytes, host_workers, servers, nic_mbit) \
             if hosts > 1 else None
     streams = [1] * hosts if streams is None else list(streams)
     if system != "bpsctl" or not any(streams):
@@ -163,16 +171,62 @@ def _refuse_live(config: Config, flags: tuple[str, ...]) -> None:
                               f"uses it as it is (drop {flag}), or run `bpsctl down` first")
 
 
+def check_per_host_split(workers: int, workers_per_host: int) -> None:
+    """A ConfigError unless ``workers`` processes split into whole hosts of
+    ``workers_per_host`` (at least 1) each."""
+    if workers_per_host < 1:
+        raise ConfigError(f"--workers-per-host: expected at least 1 worker per host, got "
+                          f"{workers_per_host}")
+    if workers % workers_per_host:
+        raise ConfigError(f"--workers-per-host: {workers} workers do not fill hosts of "
+                          f"{workers_per_host}; give a multiple of {workers_per_host}")
+
+
+def check_workers_per_host(config: Config, workers_per_host: int) -> None:
+    """A ConfigError, saying what to do instead, for ``--workers-per-host`` where bench does
+    not build the worker hosts itself: anything but a private emulated cluster (--emulate)."""
+    if workers_per_host < 1:
+        check_per_host_split(1, workers_per_host)
+    if workers_per_host == 1:
+        return
+    flag = f"--workers-per-host {workers_per_host}"
+    cluster = hosts_cluster(config.state_dir)
+    if cluster is not None:
+        if cluster.kind == "slurm":
+            where, change = "Slurm", ("tasks per node of the allocation (salloc/sbatch "
+                                      "--ntasks-per-node), then `bpsctl up --slurm` again")
+        else:
+            where, change = "SSH", ("slots of each worker host in the hosts file (slots: N), "
+                                    "then `bpsctl up --hosts` again")
+        unit = "task" if cluster.kind == "slurm" else "slot"
+        raise ConfigError(f"{flag}: the {where} cluster up in {config.state_dir} runs one worker "
+                          f"per {unit}; drop {flag} and change the {change}")
+    live = launch.load_state(config.state_dir)
+    if live is not None and live.emulation is not None \
+            and launch.status(config.state_dir)["scheduler_error"] is None:
+        raise ConfigError(f"{flag}: an emulated cluster is already up in {config.state_dir}, "
+                          "and bench spreads --workers over its worker hosts in contiguous "
+                          f"blocks; drop {flag} and give --workers as hosts x {workers_per_host}")
+    if not config.emulate:
+        raise ConfigError(f"{flag}: only with --emulate, which builds the worker hosts; on this "
+                          "machine every worker already shares one host: drop "
+                          f"{flag} and give --workers as the number of worker processes")
+
+
 def cluster_size(config: Config, workers: int | None, servers: int | None,
-                 own_cluster_for: str = "") -> tuple[int, int]:
+                 own_cluster_for: str = "", workers_per_host: int = 1) -> tuple[int, int]:
     """(workers, servers) a benchmark runs with. On an SSH or Slurm cluster: one worker per
     slot of its hosts file or task of its allocation (a different --workers is refused) and
     its servers (--servers may use fewer). Otherwise the flags', by default 2 workers and
-    num_servers of the config or as many servers as workers."""
+    num_servers of the config or as many servers as workers. With --emulate and
+    ``workers_per_host`` K, ``workers`` counts worker hosts (by default 2, and as many servers):
+    the workers returned are hosts x K (:func:`check_workers_per_host` says where K may be
+    more than 1)."""
+    check_workers_per_host(config, workers_per_host)
     cluster = hosts_cluster(config.state_dir)
     if cluster is None:
-        workers = workers or 2
-        return workers, servers or config.num_servers or workers
+        hosts = workers or 2
+        return hosts * workers_per_host, servers or config.num_servers or hosts
     _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for))
     assert cluster.hosts is not None
     slots = cluster.hosts.world_size
@@ -195,13 +249,18 @@ def cluster_size(config: Config, workers: int | None, servers: int | None,
 
 @contextlib.contextmanager
 def bench_cluster(config: Config, workers: int | None, servers: int | None,
-                  own_cluster_for: str = "") -> Iterator[tuple[Config, float | None]]:
+                  own_cluster_for: str = "", workers_per_host: int = 1
+                  ) -> Iterator[tuple[Config, float | None]]:
     """The cluster to measure on: the one `bpsctl up` started (local, emulated, over SSH or in
-    a Slurm allocation), or a private one (emulated with ``config.emulate``). Yields a config
-    whose state dir names it, and the NIC rate (an SSH or Slurm cluster's is unknown:
-    ``--nic`` if given, else None). ``own_cluster_for`` names a flag that needs a private
-    cluster (a live one is an error)."""
-    workers, servers = cluster_size(config, workers, servers, own_cluster_for)
+    a Slurm allocation), or a private one (emulated with ``config.emulate``: ``workers`` /
+    ``workers_per_host`` worker hosts, so that the ``workers`` a job runs on it go
+    ``workers_per_host`` to each host). Yields a config whose state dir names it, and the NIC
+    rate (an SSH or Slurm cluster's is unknown: ``--nic`` if given, else None).
+    ``own_cluster_for`` names a flag that needs a private cluster (a live one is an error)."""
+    if workers is not None:
+        check_per_host_split(workers, workers_per_host)
+        workers //= workers_per_host
+    workers, servers = cluster_size(config, workers, servers, own_cluster_for, workers_per_host)
     fixed = hosts_cluster(config.state_dir)
     if fixed is not None:
         problem = launch.status(config.state_dir)["scheduler_error"]
@@ -217,7 +276,8 @@ def bench_cluster(config: Config, workers: int | None, servers: int | None,
         nic = live.emulation["nic_mbit"] if live.emulation else None
         yield config, nic
         return
-    with launch.local_cluster(config, servers=servers, workers=workers) as cluster:
+    with launch.local_cluster(config, servers=servers,
+                              workers=workers // workers_per_host) as cluster:
         nic = config.nic_mbit if config.emulate else None
         yield config.replace(state_dir=Path(cluster.state_dir)), nic
 
@@ -313,14 +373,15 @@ def _keep_logs(state_dir: Path | str) -> Path | None:
     return kept
 
 
-def _row(system: str, version: str, seconds: list[float], size: int, workers: int,
+def _row(system: str, version: str, seconds: list[float], size: int, host_workers: list[int],
          servers: int, nic_mbit: float | None) -> dict[str, Any]:
     median = statistics.median(seconds)
     algbw = size / median / 1e6
+    workers = sum(host_workers)
     bus_factor = 2 * (workers - 1) / workers if workers > 1 else 1.0     # nccl-tests' allreduce
     fraction = None
     if nic_mbit is not None:
-        fraction = ideal_seconds(system, size, workers, servers, nic_mbit) / median
+        fraction = ideal_seconds(system, size, host_workers, servers, nic_mbit) / median
     return {"system": system, "version": version, "seconds": median, "seconds_all": seconds,
             "algbw_MBps": algbw, "busbw_MBps": algbw * bus_factor, "nic_fraction": fraction}
 
@@ -345,23 +406,25 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
                output: IO[str]) -> dict[str, Any]:
     """One size on the cluster named by ``config``: bpsctl, then each baseline, then raw ZeroMQ."""
     n, k = settings.workers, settings.servers
+    host_workers = worker_hosts(config, n)
     common = ["--size", str(size), "--warmup", str(settings.warmup),
               "--repeats", str(settings.repeats)]
     ours = _run_workers(config, "bpsctl.bench.comm", [*common, "--tensors", str(settings.tensors)],
                         n, k, output)
     size = ours["size_bytes"]
-    row = _row("bpsctl", __version__, ours["seconds"], size, n, k, nic_mbit)
+    row = _row("bpsctl", __version__, ours["seconds"], size, host_workers, k, nic_mbit)
     row["push_pulls_per_s"] = ours["tensors"] / row["seconds"]
     results = [row]
     speedup: dict[str, float] = {}
     if "allreduce" in settings.compare:
         theirs = _run_workers(config.replace(trace_dir=""), "bpsctl.bench.allreduce", common,
                               n, k, output)
-        results.append(_row("allreduce", theirs["version"], theirs["seconds"], size, n, k,
-                            nic_mbit))
+        results.append(_row("allreduce", theirs["version"], theirs["seconds"], size,
+                            host_workers, k, nic_mbit))
         speedup["allreduce"] = results[-1]["seconds"] / row["seconds"]
     report: dict[str, Any] = {
         "kind": "comm", "workers": n, "servers": k, "nic_mbit": nic_mbit, "size_bytes": size,
+        "workers_per_host": settings.workers_per_host, "worker_hosts": host_workers,
         "tensors": ours["tensors"], "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "warmup": settings.warmup,
         "repeats": settings.repeats, "host": socket.gethostname(), "results": results,
@@ -374,7 +437,7 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
                                        repeats=max(5, settings.repeats))
         import zmq
         raw = _row("zmq_raw", f"pyzmq {zmq.__version__}, libzmq {zmq.zmq_version()}",
-                   raw_seconds, size, 2, 1, None)
+                   raw_seconds, size, [1, 1], 1, None)
         raw["busbw_MBps"] = raw["algbw_MBps"]
         raw["what"] = ("one-way PUSH->PULL of the same bytes in partition-sized zero-copy frames, "
                        "between two processes over loopback TCP: this machine's ZeroMQ limit")
@@ -397,7 +460,8 @@ def run_comm(config: Config, settings: CommSettings, output: IO[str] | None = No
     with contextlib.ExitStack() as stack:
         clusters = [stack.enter_context(bench_cluster(
             config.replace(security=mode), settings.workers, settings.servers,
-            "--security" if settings.security else "")) for mode in modes]
+            "--security" if settings.security else "", settings.workers_per_host))
+            for mode in modes]
         reports = []
         for size in settings.sizes:
             points: list[list[dict[str, Any]]] = [[] for _ in modes]
@@ -419,6 +483,7 @@ def run_comm(config: Config, settings: CommSettings, output: IO[str] | None = No
     if len(reports) == 1:
         return reports[0]
     return {"kind": "comm", "workers": settings.workers, "servers": settings.servers,
+            "workers_per_host": settings.workers_per_host,
             "nic_mbit": reports[0]["nic_mbit"], "sizes": reports}
 
 
@@ -428,11 +493,11 @@ def _with_security_modes(points: list[list[dict[str, Any]]], modes: tuple[str, .
     of its last ``per_pass`` rounds of each pass), and each mode's time over the reference's
     (``none`` if measured, else the first mode) as ``security_cost``."""
     report = points[0][0]
-    n, k, size, nic = report["workers"], report["servers"], report["size_bytes"], report["nic_mbit"]
+    k, size, nic = report["servers"], report["size_bytes"], report["nic_mbit"]
     rows = []
     for mode, passes in zip(modes, points, strict=True):
         seconds = [s for point in passes for s in point["results"][0]["seconds_all"][-per_pass:]]
-        row = _row("bpsctl", __version__, seconds, size, n, k, nic)
+        row = _row("bpsctl", __version__, seconds, size, report["worker_hosts"], k, nic)
         row["push_pulls_per_s"] = report["tensors"] / row["seconds"]
         rows.append(dict(row, security=mode))
     report["results"] = [rows[0], *rows[1:], *report["results"][1:]]
@@ -454,13 +519,16 @@ def run_sweep(config: Config, settings: CommSettings, worker_counts: list[int],
               servers: int | None, output: IO[str] | None = None,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """`--sweep workers=2,4,...`: a fresh cluster per worker count (servers = workers unless
-    given), bpsctl against allreduce at each, and the theory 2(n-1)/n beside it."""
+    given; with ``settings.workers_per_host`` K, each count is of worker hosts, K workers
+    each), bpsctl against allreduce at each, and the theory 2(n-1)/n beside it."""
     points = []
     for n in worker_counts:
-        point_settings = CommSettings(workers=n, servers=servers or n, sizes=settings.sizes[:1],
+        point_settings = CommSettings(workers=n * settings.workers_per_host,
+                                      servers=servers or n, sizes=settings.sizes[:1],
                                       tensors=settings.tensors, warmup=settings.warmup,
                                       repeats=settings.repeats, raw=False,
-                                      compare=tuple(sorted({*settings.compare, "allreduce"})))
+                                      compare=tuple(sorted({*settings.compare, "allreduce"})),
+                                      workers_per_host=settings.workers_per_host)
         if progress:
             progress(f"{n} workers")
         points.append(run_comm(config, point_settings, output))
@@ -491,9 +559,12 @@ class TrainSettings:
     timeout_s: float = 900.0             # per system; a hung worker exits after it
     compression: str = ""                # bpsctl's gradients: a spec of engine/compression.py
     cross_barrier: bool = False          # bpsctl updates per layer (engine/torch/cross_barrier.py)
+    #: workers on each emulated worker host (``workers`` counts every process: hosts times this)
+    workers_per_host: int = 1
 
     def __post_init__(self) -> None:
         from ..engine.compression import parse
+        check_per_host_split(self.workers, self.workers_per_host)
         from .models import MODELS
         if self.model not in MODELS:
             raise ConfigError(f"model: expected one of {', '.join(MODELS)}, got {self.model!r}")
@@ -670,7 +741,8 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     del model
     systems = ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare])
     rounds: list[dict[str, dict[str, Any]]] = []
-    with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
+    with bench_cluster(config, settings.workers, settings.servers,
+                       workers_per_host=settings.workers_per_host) as (cluster_config, nic):
         host_workers = worker_hosts(cluster_config, settings.workers)
         for index in range(settings.rounds):
             # each system goes first in turn, so that a machine that slows down (or speeds
@@ -696,7 +768,8 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
                        for rows in rounds] for system in systems[1:]}
     return {
         "kind": "train", "model": settings.model, "workers": settings.workers,
-        "servers": settings.servers, "batch_size": settings.batch_size, "nic_mbit": nic,
+        "workers_per_host": settings.workers_per_host, "servers": settings.servers,
+        "batch_size": settings.batch_size, "nic_mbit": nic,
         "image_size": settings.image_size, "num_classes": settings.num_classes,
         "warmup": settings.warmup, "iters": settings.iters,
         "batches_per_iter": settings.batches_per_iter, "rounds": settings.rounds,

@@ -33,6 +33,9 @@ from .report import (
 
 WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on an SSH cluster: its hosts "
                 "file's worker slots; on a Slurm cluster: the allocation's tasks).")
+WORKERS_PER_HOST_HELP = ("With --emulate: worker processes on each worker host, ranks in "
+                         "contiguous blocks (--workers N runs N x K workers on N hosts; "
+                         "servers default to N).")
 bench_app = typer.Typer(no_args_is_help=True, add_completion=False,
                         help="Benchmarks, measured side by side in one run.")
 
@@ -185,6 +188,8 @@ def comm(ctx: typer.Context,
          nic: str | None = knob_option("nic", "--nic"),
          straggler: str | None = knob_option("straggler", "--straggler"),
          backup_workers: int | None = knob_option("backup_workers", "--backup-workers"),
+         workers_per_host: int = typer.Option(1, "--workers-per-host", metavar="K",
+                                              help=WORKERS_PER_HOST_HELP),
          sweep: str | None = typer.Option(None, "--sweep", metavar="workers=2,4,6,8",
                                           help="A cluster per worker count; speedup over "
                                                "allreduce against the theory 2(n-1)/n."),
@@ -208,13 +213,15 @@ def comm(ctx: typer.Context,
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
                                  trace_dir, straggler, backup_workers)
-        n, k = cluster_size(config, workers, servers, "--sweep" if sweep is not None else "")
+        n, k = cluster_size(config, workers, servers, "--sweep" if sweep is not None else "",
+                            workers_per_host)
         worker_counts = _sweep(sweep)
-        for count in worker_counts or [n]:
+        for count in [c * workers_per_host for c in worker_counts] if worker_counts else [n]:
             check_backup_workers(config.backup_workers, count)
         settings = CommSettings(workers=n, servers=k, sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
-                                compare=_names(compare), security=_names(security))
+                                compare=_names(compare), security=_names(security),
+                                workers_per_host=workers_per_host)
         too_small = [s for s in settings.sizes if s < 4 * tensors]
         if too_small:
             raise ConfigError(f"--size: {too_small[0]} bytes is too small for {tensors} float32 "
@@ -235,11 +242,12 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            config_file: Path | None, trace_dir: Path | None = None,
            straggler: str | None = None, compression: str | None = None,
            backup_workers: int | None = None, cross_barrier: bool = False,
-           staleness: int | None = None, async_mode: bool | None = None) -> None:
+           staleness: int | None = None, async_mode: bool | None = None,
+           workers_per_host: int = 1) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
                                  trace_dir, straggler, backup_workers, staleness, async_mode)
-        workers, servers = cluster_size(config, workers, servers)
+        workers, servers = cluster_size(config, workers, servers, workers_per_host=workers_per_host)
         check_backup_workers(config.backup_workers, workers)
         check_training_mode(config, {"staleness": "--staleness", "async_mode": "--async",
                                      "backup_workers": "--backup-workers"},
@@ -253,7 +261,7 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                                  num_classes=num_classes, warmup=warmup, iters=iters,
                                  batches_per_iter=batches_per_iter, compare=_names(compare),
                                  rounds=rounds, compression=compression or "",
-                                 cross_barrier=cross_barrier)
+                                 cross_barrier=cross_barrier, workers_per_host=workers_per_host)
         _run_bench(model, config, lambda progress: run_train(
             config, settings, progress=lambda message: progress(f"training with {message}")),
             print_train, json_file, plot_file, plot_train)
@@ -263,6 +271,8 @@ def _train_command(model: str, title: str) -> None:
     def command(ctx: typer.Context,
                 workers: int | None = typer.Option(None, "--workers", "-n", min=1,
                                                    show_default="2", help=WORKERS_HELP),
+                workers_per_host: int = typer.Option(1, "--workers-per-host", metavar="K",
+                                                     help=WORKERS_PER_HOST_HELP),
                 servers: int | None = typer.Option(None, "--servers", min=1,
                                                    help="Summation servers (default: "
                                                         "num_servers of the config, else as many "
@@ -318,7 +328,7 @@ def _train_command(model: str, title: str) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file, trace_dir, straggler, compression,
-               backup_workers, cross_barrier, staleness, async_mode)
+               backup_workers, cross_barrier, staleness, async_mode, workers_per_host)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")

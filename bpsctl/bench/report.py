@@ -72,6 +72,14 @@ def _workers(n: int) -> str:
     return f"{n} worker{'s' if n != 1 else ''}"
 
 
+def _worker_shape(report: dict[str, Any]) -> str:
+    """"4 workers (2 per host on 2 hosts)" when `--workers-per-host` put several on each
+    emulated host, else "4 workers"."""
+    n, per_host = report["workers"], report.get("workers_per_host", 1)
+    return f"{n} workers" + (f" ({per_host} per host on {n // per_host} hosts)"
+                             if per_host > 1 else "")
+
+
 def _sentence(text: str, *hints: str) -> str:
     """``text``, then what to try (the hints that are not empty), as one sentence."""
     given = [hint for hint in hints if hint]
@@ -105,7 +113,7 @@ def print_comm(console: Console, report: dict[str, Any]) -> None:
     first = reports[0]
     sweep = report["kind"] == "comm_sweep"
     several = len(reports) > 1 and not sweep
-    shape = "" if sweep else f"{first['workers']} workers x {first['servers']} servers, "
+    shape = "" if sweep else f"{_worker_shape(first)} x {first['servers']} servers, "
     rows = [(r, row) for r in reports for row in r["results"]]
     nic = any(row["nic_fraction"] is not None for _, row in rows)
     # two-line headers: the widest table (a sweep with a NIC) still fits 80 columns
@@ -225,7 +233,7 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
     columns = ["system", "img/sec", "± 1.96σ"] \
         + (["s/step", "ideal\ns/step", "NIC\nfrac"] if ideal else ["per worker", "s/step"]) \
         + (["speedup"] if report["speedup"] else [])
-    table = _table(f"bench {report['model']}: {report['workers']} workers, {report['servers']} "
+    table = _table(f"bench {report['model']}: {_worker_shape(report)}, {report['servers']} "
                    f"servers, {_network(report)}", columns, ("system",))
     for row in report["results"]:
         speedup = report["speedup"].get(row["system"])
