@@ -73,11 +73,15 @@ def _workers(n: int) -> str:
 
 
 def _worker_shape(report: dict[str, Any]) -> str:
-    """"4 workers (2 per host on 2 hosts)" when `--workers-per-host` put several on each
-    emulated host, else "4 workers"."""
-    n, per_host = report["workers"], report.get("workers_per_host", 1)
-    return f"{n} workers" + (f" ({per_host} per host on {n // per_host} hosts)"
-                             if per_host > 1 else "")
+    """"4 workers (2 per host on 2 hosts)" where worker hosts hold several workers each
+    (`--workers-per-host`, or a live cluster's hosts or slots), else "4 workers"."""
+    counts = report.get("worker_hosts") or []
+    shape = _workers(report["workers"])
+    if len(counts) < 2 or max(counts) < 2:
+        return shape
+    if len(set(counts)) == 1:
+        return f"{shape} ({counts[0]} per host on {len(counts)} hosts)"
+    return f"{shape} ({'+'.join(map(str, counts))} on {len(counts)} hosts)"
 
 
 def _sentence(text: str, *hints: str) -> str:
