@@ -79,12 +79,10 @@ def sums_of_every_dtype(worker: Worker) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A scheduler and two servers on this host, for the whole module."""
-    with api.local_cluster(cluster_config(), servers=2) as state:
-        pids = [p.pid for p in state.processes]
-        yield state
-    kill_pids(pid for pid in pids if not gone(pid))
+def cluster(engine_cluster):
+    """The module's scheduler and servers (conftest's engine_cluster: its jobs use one or two
+    of them)."""
+    return engine_cluster
 
 
 def job_names(cluster: api.ClusterState) -> list[str]:

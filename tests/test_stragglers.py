@@ -29,13 +29,10 @@ WAIT_S = 30.0           # every wait on another rank has this deadline
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A private cluster of two servers for the module's jobs."""
-    with api.local_cluster(cluster_config(), servers=2) as state:
-        pids = [p.pid for p in state.processes]
-        yield state
-    kill_pids(pid for pid in pids if not gone(pid))
-    wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster's processes to exit")
+def cluster(engine_cluster):
+    """The module's scheduler and servers (conftest's engine_cluster: its jobs use one or two
+    of them)."""
+    return engine_cluster
 
 
 def _server_logs(cluster) -> str:

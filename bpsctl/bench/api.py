@@ -257,10 +257,11 @@ def bench_cluster(config: Config, workers: int | None, servers: int | None,
     ``workers_per_host`` to each host). Yields a config whose state dir names it, and the NIC
     rate (an SSH or Slurm cluster's is unknown: ``--nic`` if given, else None).
     ``own_cluster_for`` names a flag that needs a private cluster (a live one is an error)."""
+    hosts = None                # cluster_size counts emulated worker hosts, as --workers does
     if workers is not None:
         check_per_host_split(workers, workers_per_host)
-        workers //= workers_per_host
-    workers, servers = cluster_size(config, workers, servers, own_cluster_for, workers_per_host)
+        hosts = workers // workers_per_host
+    workers, servers = cluster_size(config, hosts, servers, own_cluster_for, workers_per_host)
     fixed = hosts_cluster(config.state_dir)
     if fixed is not None:
         problem = launch.status(config.state_dir)["scheduler_error"]
@@ -277,7 +278,7 @@ def bench_cluster(config: Config, workers: int | None, servers: int | None,
         yield config, nic
         return
     with launch.local_cluster(config, servers=servers,
-                              workers=workers // workers_per_host) as cluster:
+                              workers=hosts or workers // workers_per_host) as cluster:
         nic = config.nic_mbit if config.emulate else None
         yield config.replace(state_dir=Path(cluster.state_dir)), nic
 
