@@ -419,7 +419,9 @@ def run_job(cluster: api.ClusterState, workers: int, servers: int,
                     worker.shutdown()       # idempotent; fails what the others wait for
             time.sleep(0.05)
     if errors:
-        rank = min(errors)
+        # the first rank to fail (errors keeps the order they came in): the others may only
+        # have failed because the loop above shut them down after it
+        rank = next(iter(errors))
         raise JobFailed(f"rank {rank} of {workers} (servers {servers}) failed: "
                         f"{errors[rank]!r}") from errors[rank]
     stuck = [t.name for t in threads if t.is_alive()]
