@@ -221,6 +221,7 @@ class Trace:
         self.window_ns: list[int | None] = [now_ns() if self.on else None, None]
         self.capacity = capacity
         self.count = 0                      # spans recorded, including those overwritten
+        self.count_at_opening = 0           # spans recorded before the window opened
         self.stage = np.zeros(capacity, np.uint8)
         self.name = np.zeros(capacity, np.int32)
         self.start = np.zeros(capacity, np.int64)
@@ -280,7 +281,8 @@ class Trace:
         self.step_started_ns = now
         if not self.on and self.step == self.start_step and self.window_ns[1] is None:
             self.on = True
-            self.window_ns[0] = now_ns()
+            self.window_ns[0] = now            # the step's start, however late this hears of it
+            self.count_at_opening = self.count
             if self.nic is not None:
                 self.nic.start()
         elif self.on and self.end_step is not None and self.step >= self.end_step:
@@ -321,7 +323,10 @@ class Trace:
         pid = f"{self.role} {self.rank}"
         events: list[dict[str, Any]] = [
             {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": pid}}]
-        for i in order:
+        opened = self.window_ns[0] or 0
+        for sequence, i in enumerate(order, first):
+            if sequence < self.count_at_opening and self.end[i] < opened:
+                continue                        # a caller's span from before the window
             stage = STAGES[self.stage[i]]
             args: dict[str, Any] = {}
             if self.part[i] >= 0:

@@ -686,10 +686,14 @@ class Worker:
             self._command("step", now_ns())     # the step ends now, not when the I/O thread hears
 
     def trace_span(self, stage: str, name: str, start_ns: int, end_ns: int) -> None:
-        """Record a span of the caller's own (a plugin's) in this worker's trace, if it traces
-        now; ``stage`` is one of :data:`bpsctl.engine.trace.STAGES`."""
+        """Record a span of the caller's own (a plugin's) in this worker's trace while its
+        window is open or still to come; ``stage`` is one of :data:`bpsctl.engine.trace.STAGES`.
+
+        Not only while ``trace.on``: the I/O thread opens the window when it hears of the step
+        mark that opens it, and a short step's spans can come before that; spans that ended
+        before the window are left out when the trace is written."""
         trace = self._trace
-        if trace is not None and trace.on:
+        if trace is not None and trace.window_ns[1] is None:
             trace.span(STAGE[stage], trace.name_id(name), start_ns, end_ns)
 
     def shutdown(self) -> None:
