@@ -362,9 +362,10 @@ def down(ctx: typer.Context, hosts: str | None = _ignored_hosts_option()) -> Non
                           "them; stop them by PID, then run `bpsctl down` again)",
                           highlight=False)
     if report.cluster is None:
-        if not report.removed_leftovers:
-            err_console.print(f"no cluster is up (state dir {config.state_dir}); nothing to stop",
-                              highlight=False)
+        # said even when leftovers of other, crashed clusters were removed above: the cluster
+        # this state dir would record is not up
+        err_console.print(f"no cluster is up (state dir {config.state_dir}); nothing to stop",
+                          highlight=False)
         return
     if report.survivors:
         survivors = escape("; ".join(report.survivors))

@@ -17,6 +17,7 @@ import textwrap
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -260,6 +261,44 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = f"skipped under CI, which should provide what it needs: {reason}"
+
+
+# --------------------------------------------------------------------------- emulated leftovers
+
+NETNS_RUN = Path("/run/netns")      # where `ip netns add` names its namespaces
+
+
+def _abandoned_emulated_clusters() -> list[str]:
+    """Emulated clusters on this machine whose builder has exited and that run nothing: what a
+    crashed run leaves (a fixture's network is held by this live process, so it never counts)."""
+    from bpsctl.launch import emulate
+    names = os.listdir(NETNS_RUN) if NETNS_RUN.is_dir() else []
+    if not any(name.startswith(emulate.NAMESPACE_PREFIX) for name in names):
+        return []
+    return [leftover.cluster_id for leftover in emulate.find_leftovers()
+            if not emulate.owner_alive(leftover.cluster_id)
+            and not any(emulate.namespace_pids(ns) for ns in leftover.namespaces)]
+
+
+@pytest.fixture(autouse=True)
+def _no_abandoned_emulated_clusters(request: pytest.FixtureRequest):
+    """Namespaces are machine-wide: an emulated cluster one test leaves behind is what the next
+    test's `bpsctl down` finds and reports. Name the test that left it (a warning in the
+    summary) and remove it, so that one leak shows up where it happened and nowhere else."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        yield
+        return
+    from bpsctl.launch import emulate
+
+    def sweep(when: str) -> None:
+        for cluster_id in _abandoned_emulated_clusters():
+            emulate.destroy(cluster_id)
+            warnings.warn(f"emulated cluster {cluster_id} was left behind {when} "
+                          f"{request.node.nodeid} (removed)", pytest.PytestWarning, stacklevel=1)
+
+    sweep("before")
+    yield
+    sweep("by")
 
 
 # --------------------------------------------------------------------------- engine clusters

@@ -136,6 +136,7 @@ def test_down_removes_the_network_of_a_crashed_emulated_up(tmp_path):
                             env={**os.environ, "BPSCTL_STATE_DIR": str(state_dir)})
     assert result.returncode == 0, result.stderr
     assert claim in result.stderr and "removed" in result.stderr
+    assert "no cluster is up" in result.stderr        # and the state dir still records none
     assert not _namespaces(claim)
 
 

@@ -51,8 +51,12 @@ def test_a_killed_server_is_replaced_and_every_sum_stays_exact(cluster):
         grads = [np.zeros(64 * KiB, np.float32) for _ in range(4)]     # 256 KiB each
         seconds = []
         for step in range(steps):
-            if step == kill_at and worker.rank == 0:
-                os.kill(victim.pid, signal.SIGKILL)
+            if step == kill_at:
+                # both ranks hold every sum of the step before: a server killed while its
+                # last sum had reached one worker but not the other fails the job by design
+                worker.barrier()
+                if worker.rank == 0:
+                    os.kill(victim.pid, signal.SIGKILL)
             started = time.monotonic()
             exact_integer_step(worker, grads, step)
             seconds.append(time.monotonic() - started)
