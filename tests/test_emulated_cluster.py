@@ -112,6 +112,29 @@ def test_bench_comm_compares_with_allreduce_on_emulated_hosts(tmp_path):
     assert not set(emulate.list_namespaces()) - before      # its hosts are torn down
 
 
+@pytest.mark.timeout(180)
+def test_bench_on_a_live_emulated_cluster_uses_all_its_hosts_by_default(tmp_path):
+    """`bpsctl up --emulate --workers 3 --servers 1`, then `bpsctl bench comm` with no sizes:
+    one worker on each of the 3 worker hosts and the 1 server, at the cluster's NIC rate."""
+    config = Config.from_env({}, state_dir=tmp_path / "state", emulate=True, nic="200mbit",
+                             start_timeout_s=20)
+    cluster = api.up_emulated(config, workers=3, servers=1)
+    try:
+        out = tmp_path / "comm.json"
+        result = subprocess.run(
+            [sys.executable, "-m", "bpsctl.cli", "bench", "comm", "--size", "1MiB",
+             "--tensors", "1", "--warmup", "1", "--repeats", "2", "--json", str(out)],
+            env={**os.environ, "BPSCTL_STATE_DIR": str(config.state_dir)},
+            capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        report = json.loads(out.read_text())
+        assert (report["workers"], report["servers"], report["nic_mbit"]) == (3, 1, 200)
+        assert report["worker_hosts"] == [1, 1, 1]
+    finally:
+        api.down(config.state_dir)
+        _assert_gone(cluster)
+
+
 @pytest.mark.timeout(120)
 def test_down_removes_the_network_of_a_crashed_emulated_up(tmp_path):
     """A launcher killed while building its hosts leaves namespaces and no state file;

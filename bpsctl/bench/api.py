@@ -218,13 +218,21 @@ def cluster_size(config: Config, workers: int | None, servers: int | None,
     """(workers, servers) a benchmark runs with. On an SSH or Slurm cluster: one worker per
     slot of its hosts file or task of its allocation (a different --workers is refused) and
     its servers (--servers may use fewer). Otherwise the flags', by default 2 workers and
-    num_servers of the config or as many servers as workers. With --emulate and
+    num_servers of the config or as many servers as workers (on a live emulated cluster, one
+    worker per worker host and its servers). With --emulate and
     ``workers_per_host`` K, ``workers`` counts worker hosts (by default 2, and as many servers):
     the workers returned are hosts x K (:func:`check_workers_per_host` says where K may be
     more than 1)."""
     check_workers_per_host(config, workers_per_host)
     cluster = hosts_cluster(config.state_dir)
     if cluster is None:
+        live = launch.load_state(config.state_dir)
+        if live is not None and live.emulation and not config.emulate:
+            # a live emulated cluster: by default one worker per worker host it was built with
+            # and every server it runs
+            live_servers = sum(1 for p in live.processes if p.role == "server")
+            hosts = workers or len(live.emulation["workers"])
+            return hosts, servers or min(config.num_servers or live_servers, live_servers)
         hosts = workers or 2
         return hosts * workers_per_host, servers or config.num_servers or hosts
     _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for))
@@ -431,7 +439,11 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
         "repeats": settings.repeats, "host": socket.gethostname(), "results": results,
         "speedup": speedup, **_cluster_keys(config),
     }
-    if n > 1:
+    if n > 1 and (max(host_workers) == 1 or len(host_workers) == 1):
+        # one worker per host: ring allreduce moves 2(n-1)/n·S through every NIC, a parameter
+        # server S (on loopback, what that would be). With several per host on several hosts,
+        # comm's workers push on their own (k·S per host NIC) while a ring of contiguous blocks
+        # crosses each NIC once: no one-number theory then
         report["theory_speedup"] = 2 * (n - 1) / n
     if settings.raw and nic_mbit is None and hosts_cluster(config.state_dir) is None:
         raw_seconds = zmq_pair_seconds(size, min(config.partition_bytes, size),
