@@ -60,14 +60,16 @@ class _Arrivals:
 
 
 def test_a_delayed_worker_is_left_out_counted_and_gets_the_same_average(cluster):
-    """4 workers, 1 backup: every round averages exactly 3 pushes. At step 3 rank 3 pushes
-    only after the other three have their result: that result is their mean, rank 3 gets
-    the same bits, its push is counted late on it and on the server, and the next step is
-    still in step. Every later round's result is the exact mean of some 3 ranks' values
-    (which 3 may differ by partition), the same on every rank, and each round has exactly one
-    push left out."""
-    steps, slow_step, slow_rank = 8, 3, 3
-    others_done = _Arrivals(3)
+    """4 workers, 1 backup: every round averages exactly 3 pushes. At steps 3 and 4 rank 3
+    pushes only after the other three have their result: that result is their mean, rank 3
+    gets the same bits, its push is counted late on it and on the server, and its next push
+    is in step. Every other round's result is the exact mean of some 3 ranks' values (which 3
+    may differ by partition), the same on every rank, and each round has exactly one push
+    left out."""
+    steps, slow_steps, slow_rank = 8, (3, 4), 3
+    # rank 3 waits for each slow step explicitly: otherwise, after its late step 3 it may
+    # push step 4 before a preempted rank of the others does, and be one of step 4's three
+    others_done = {step: _Arrivals(3) for step in slow_steps}
     sizes = (48 * KiB // 4, 1000)           # several partitions, and a small one
 
     def body(worker):
@@ -76,15 +78,15 @@ def test_a_delayed_worker_is_left_out_counted_and_gets_the_same_average(cluster)
         for step in range(steps):
             for grad in grads:
                 grad[:] = float(2 ** worker.rank * (step + 1))     # rank r: 2^r (step + 1)
-            if step == slow_step and worker.rank == slow_rank:
-                _wait(others_done.event, "ranks 0-2 to receive step 3's result")
+            if step in slow_steps and worker.rank == slow_rank:
+                _wait(others_done[step].event, f"ranks 0-2 to receive step {step}'s result")
             handles = [worker.push_pull_async(g, name=f"grad{i}", out=g)
                        for i, g in enumerate(grads)]
             for handle in handles:
                 worker.synchronize(handle, WAIT_S)
             seen.append([grad.copy() for grad in grads])
-            if step == slow_step and worker.rank != slow_rank:
-                others_done.arrive()
+            if step in slow_steps and worker.rank != slow_rank:
+                others_done[step].arrive()
         return seen, worker.stats(), len(worker._parts)
 
     results = run_job(cluster, 4, 2, body, partition_bytes=16 * KiB, backup_workers=1)
@@ -100,7 +102,7 @@ def test_a_delayed_worker_is_left_out_counted_and_gets_the_same_average(cluster)
                  for chosen in itertools.combinations(range(4), 3)}
         for grad in results[0][0][step]:
             assert set(np.unique(grad).tolist()) <= {float(m) for m in means}, step
-    for step in (slow_step, slow_step + 1):     # rank 3 was late for both
+    for step in slow_steps:                     # the mean of ranks 0-2: 1 + 2 + 4
         expected = np.float32(7 * (step + 1)) / three
         assert all(np.all(grad == expected) for grad in results[slow_rank][0][step]), step
     late = [results[rank][1]["late_pushes"] for rank in range(4)]

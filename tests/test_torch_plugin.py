@@ -359,16 +359,16 @@ def faults():
 
 @check
 def backward_faults():
-    # the first steps grow the heap until a freed gradient's memory fits the next one (each is
-    # allocated with a little alignment slack, and other allocations split the holes: with a
-    # model that is one big layer, that can take ten steps)
+    # the first steps grow the heap until a freed gradient's memory fits the next one; small
+    # allocations split the holes, so with a model that is one big layer the heap still grows
+    # by a gradient now and then (rarely after 30 steps, but not never)
     RESULTS["faults"] = 0
-    for step in range(18):
+    for step in range(40):
         opt.zero_grad()
         loss = model(x).sum()
         before = faults()
         loss.backward()
-        if step >= 15:
+        if step >= 30:
             RESULTS["faults"] += faults() - before
         opt.step()
 '''
@@ -383,7 +383,9 @@ def test_a_big_gradient_is_not_page_faulted_in_anew_every_step(tmp_path, reuse):
     results = records[0]["results"]
     assert results["backward_faults"] == "ok", results
     pages = 64 * 1024 * 1024 // resource.getpagesize()     # one gradient's
+    # over ten backward passes: without reuse every one faults its gradient in; with it, a
+    # fresh gradient's worth now and then at most (fewer than half of them)
     if reuse:
-        assert results["faults"] < pages // 4, results          # over three backward passes
+        assert results["faults"] < 5 * pages, results
     else:
-        assert results["faults"] >= 3 * pages // 2, results
+        assert results["faults"] >= 9 * pages, results

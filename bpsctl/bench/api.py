@@ -229,8 +229,10 @@ def cluster_size(config: Config, workers: int | None, servers: int | None,
         live = launch.load_state(config.state_dir)
         if live is not None and live.emulation and not config.emulate:
             # a live emulated cluster: by default one worker per worker host it was built with
-            # and every server it runs
-            live_servers = sum(1 for p in live.processes if p.role == "server")
+            # and every server it runs but its spares (the scheduler says which are spare)
+            rows = launch.status(config.state_dir)["processes"]
+            live_servers = sum(1 for row in rows
+                               if row["role"] == "server" and row["state"] == "running") or 1
             hosts = workers or len(live.emulation["workers"])
             return hosts, servers or min(config.num_servers or live_servers, live_servers)
         hosts = workers or 2
