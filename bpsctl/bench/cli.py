@@ -31,8 +31,9 @@ from .report import (
     print_train,
 )
 
-WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on an SSH cluster: its hosts "
-                "file's worker slots; on a Slurm cluster: the allocation's tasks).")
+WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on a live emulated cluster: "
+                "default one per worker host; on an SSH cluster: its hosts file's worker slots; "
+                "on a Slurm cluster: the allocation's tasks).")
 WORKERS_PER_HOST_HELP = ("With --emulate: worker processes on each worker host, ranks in "
                          "contiguous blocks (--workers N runs N x K workers on N hosts; "
                          "servers default to N).")
