@@ -268,31 +268,23 @@ def pytest_runtest_makereport(item, call):
 NETNS_RUN = Path("/run/netns")      # where `ip netns add` names its namespaces
 
 
-def _abandoned_emulated_clusters() -> list[str]:
-    """Emulated clusters on this machine whose builder has exited and that run nothing: what a
-    crashed run leaves (a fixture's network is held by this live process, so it never counts)."""
-    from bpsctl.launch import emulate
-    names = os.listdir(NETNS_RUN) if NETNS_RUN.is_dir() else []
-    if not any(name.startswith(emulate.NAMESPACE_PREFIX) for name in names):
-        return []
-    return [leftover.cluster_id for leftover in emulate.find_leftovers()
-            if not emulate.owner_alive(leftover.cluster_id)
-            and not any(emulate.namespace_pids(ns) for ns in leftover.namespaces)]
-
-
 @pytest.fixture(autouse=True)
 def _no_abandoned_emulated_clusters(request: pytest.FixtureRequest):
     """Namespaces are machine-wide: an emulated cluster one test leaves behind is what the next
     test's `bpsctl down` finds and reports. Name the test that left it (a warning in the
-    summary) and remove it, so that one leak shows up where it happened and nowhere else."""
+    summary) and remove it, so that one leak shows up where it happened and nowhere else. A
+    fixture's network is held by this live process, so it is never taken."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         yield
         return
-    from bpsctl.launch import emulate
+    from bpsctl.launch import emulate, local
 
     def sweep(when: str) -> None:
-        for cluster_id in _abandoned_emulated_clusters():
-            emulate.destroy(cluster_id)
+        names = os.listdir(NETNS_RUN) if NETNS_RUN.is_dir() else []
+        if not any(name.startswith(emulate.NAMESPACE_PREFIX) for name in names):
+            return                              # the common case, without running `ip`
+        removed, _ = local.remove_abandoned_clusters()
+        for cluster_id in removed:
             warnings.warn(f"emulated cluster {cluster_id} was left behind {when} "
                           f"{request.node.nodeid} (removed)", pytest.PytestWarning, stacklevel=1)
 

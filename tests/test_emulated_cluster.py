@@ -115,8 +115,8 @@ def test_bench_comm_compares_with_allreduce_on_emulated_hosts(tmp_path):
 @pytest.mark.timeout(180)
 def test_bench_on_a_live_emulated_cluster_uses_all_its_hosts_by_default(tmp_path):
     """`bpsctl up --emulate --workers 3 --servers 1 --spare-servers 1`, then `bpsctl bench
-    comm` with no sizes: one worker on each of the 3 worker hosts and the 1 server (the spare
-    is not one of the job's), at the cluster's NIC rate."""
+    comm` without --workers or --servers: one worker on each of the 3 worker hosts and the 1
+    server (the spare is not one of the job's), at the cluster's NIC rate."""
     config = Config.from_env({}, state_dir=tmp_path / "state", emulate=True, nic="200mbit",
                              start_timeout_s=20, spare_servers=1)
     cluster = api.up_emulated(config, workers=3, servers=1)

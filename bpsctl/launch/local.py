@@ -320,18 +320,26 @@ def remove_shared_memory(cluster: ClusterState) -> tuple[str, ...]:
 
 
 def remove_leftovers(state_dir: Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """Emulated clusters left by crashed runs: this state dir's claim, and any other whose
-    namespaces have no process left and whose builder has exited (one with processes, or
-    still being built, may be someone's live cluster). Returns (removed, left alone)."""
+    """Emulated clusters left by crashed runs: this state dir's claim, and every other one
+    :func:`remove_abandoned_clusters` removes. Returns (removed, left alone)."""
     if os.geteuid() != 0 or shutil.which("ip") is None:
         return (), ()
-    removed, busy = [], []
+    removed = []
     claim = state.emulation_claim(state_dir)
     if claim.exists():
         cluster_id = claim.read_text().strip()
         emulate.destroy(cluster_id)
         claim.unlink(missing_ok=True)
         removed.append(cluster_id)
+    abandoned, busy = remove_abandoned_clusters()
+    return (*removed, *abandoned), busy
+
+
+def remove_abandoned_clusters() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Remove every emulated cluster on this machine whose namespaces have no process left and
+    whose builder has exited (one with processes, or still being built, may be someone's live
+    cluster). Root only. Returns (removed, left alone)."""
+    removed, busy = [], []
     for leftover in emulate.find_leftovers():
         running = (any(emulate.namespace_pids(ns) for ns in leftover.namespaces)
                    or emulate.owner_alive(leftover.cluster_id))
