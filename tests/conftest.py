@@ -42,7 +42,7 @@ from bpsctl.launch import api
 #: fixture's cost falls on the module's first test), and the kinds that take minutes.
 TIERS: dict[str, set[str]] = {
     # 8 workers x 4 servers for 1000 steps: about 2 minutes
-    "test_load.py": {"slow"},
+    "test_load.py::test_8_workers_4_servers_1000_steps_exact_sums_and_flat_memory": {"slow"},
     # kill -9 / cut links on emulated clusters (4 runs of each fault): about 70 s
     "test_fault_injection.py": {"slow", "root"},
     # engine faults: processes killed or silent, deadlines running out (2-4 s each, 25 s in all)
@@ -76,7 +76,8 @@ TIERS: dict[str, set[str]] = {
     "test_workers_per_host.py::"
     "test_two_ranks_per_emulated_host_sum_exactly_through_the_shared_memory_stage":
         {"slow", "root"},
-    "test_workers_per_host.py::test_bench_comm_runs_n_times_k_workers_judged_per_host": {"root"},
+    "test_workers_per_host.py::test_bench_comm_runs_n_times_k_workers_judged_per_host":
+        {"slow", "root"},
     "test_stragglers.py::test_a_cpu_straggler_host_runs_its_processes_in_a_throttled_cgroup":
         {"slow", "root"},
     # three systems, each a 2-worker training job to a target accuracy: about 30 s
@@ -142,6 +143,19 @@ TIERS: dict[str, set[str]] = {
         {"slow", "root"},
     # CUDA; and a fresh interpreter importing torch, then a 2-worker job, for the CPU-only case
     "test_torch_gpu.py::test_cpu_users_touch_no_cuda": {"slow"},
+    # 3-7 s each on the idle 2-core machine (more while other tests run beside them): torch
+    # workers in subprocesses, a training job through the CLI, or a killed scheduler's restart
+    "test_sched_restart.py": {"slow"},
+    "test_torch_plugin.py::test_a_big_gradient_is_not_page_faulted_in_anew_every_step": {"slow"},
+    "test_staleness.py::test_updates_are_the_averages_of_s_steps_ago_and_a_fast_worker_leads_by_at_most_s":
+        {"slow"},
+    "test_trace.py::test_the_torch_optimizer_waiting_for_its_gradients_is_on_the_timeline":
+        {"slow"},
+    "test_trace.py::test_bench_trace_writes_bpsctls_timeline_and_not_the_baselines": {"slow"},
+    "test_cli.py::test_up_status_down": {"slow"},
+    "test_async.py::test_torch_training_with_server_held_parameters": {"slow"},
+    "test_tune.py::test_commands_refuse_a_bad_file_with_exit_2_but_down_still_works": {"slow"},
+    "test_tune.py::test_bench_reads_the_file_and_its_flags_win": {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s
     "test_examples.py": {"slow"},
     "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu"},
@@ -231,10 +245,25 @@ def missing(need: str) -> str | None:
     return NEEDS[need]()
 
 
+#: tags of the tests that own something of the whole machine (network namespaces, a mount,
+#: sshd and Slurm daemons, their fixed ports): under pytest-xdist they all run on one worker,
+#: one after another (``MACHINE_GROUP``), while the others run beside them
+MACHINE_TAGS = {"root", "sshd", "slurm"}
+MACHINE_GROUP = "machine"
+
+
+def xdist_group(item_tags: set[str], module: str) -> str:
+    """The pytest-xdist group of a test (``--dist loadgroup`` runs a group on one worker): the
+    machine's for tests of :data:`MACHINE_TAGS`, else its module's, so that a module-scoped
+    cluster is started once."""
+    return MACHINE_GROUP if item_tags & MACHINE_TAGS else module
+
+
 @pytest.hookimpl(tryfirst=True)         # before -m selects by the markers added here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         item_tags = tags(item)
+        item.add_marker(pytest.mark.xdist_group(xdist_group(item_tags, item.path.name)))
         for marker in MARKERS:
             if marker in item_tags:
                 item.add_marker(marker)
@@ -263,9 +292,35 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped under CI, which should provide what it needs: {reason}"
 
 
+# --------------------------------------------------------------------------- slow fast tests
+
+#: a test outside ``slow`` that takes longer than this (setup, call and teardown) is named at
+#: the end of the run: the fast tier stays fast only if such tests move to ``slow`` or get
+#: cheaper (a warning, not a failure: the machine is noisy)
+FAST_LIMIT_S = 5.0
+_fast_test_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "slow" not in report.keywords:
+        _fast_test_seconds[report.nodeid] = \
+            _fast_test_seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    over = sorted(((seconds, nodeid) for nodeid, seconds in _fast_test_seconds.items()
+                   if seconds > FAST_LIMIT_S), reverse=True)
+    if over:
+        terminalreporter.write_sep("=", f"tests outside `slow` over {FAST_LIMIT_S:g} s",
+                                   yellow=True)
+        for seconds, nodeid in over:
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
+        terminalreporter.write_line("mark them slow in tests/conftest.py (TIERS), or make them "
+                                    "cheaper")
+
+
 # --------------------------------------------------------------------------- emulated leftovers
 
-NETNS_RUN = Path("/run/netns")      # where `ip netns add` names its namespaces
 
 
 @pytest.fixture(autouse=True)
@@ -274,13 +329,13 @@ def _no_abandoned_emulated_clusters(request: pytest.FixtureRequest):
     test's `bpsctl down` finds and reports. Name the test that left it (a warning in the
     summary) and remove it, so that one leak shows up where it happened and nowhere else. A
     fixture's network is held by this live process, so it is never taken."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        yield
+    if os.geteuid() != 0 or shutil.which("ip") is None or not tags(request.node) & MACHINE_TAGS:
+        yield                   # only the machine's tests build emulated clusters (one at a time)
         return
     from bpsctl.launch import emulate, local
 
     def sweep(when: str) -> None:
-        names = os.listdir(NETNS_RUN) if NETNS_RUN.is_dir() else []
+        names = os.listdir(emulate.NETNS_RUN) if emulate.NETNS_RUN.is_dir() else []
         if not any(name.startswith(emulate.NAMESPACE_PREFIX) for name in names):
             return                              # the common case, without running `ip`
         removed, _ = local.remove_abandoned_clusters()

@@ -63,7 +63,8 @@ def _ran_on_the_cluster(hosts, report: dict, stderr: str, state: list[str]) -> N
     assert "BPSCTL_RESULT " in (Path(state[1]) / "logs" / "worker-0.log").read_text()
     said = " ".join(stderr.split())
     assert "SSH cluster of hosts.yaml" in said and "loopback" not in stderr
-    assert f"on the SSH cluster of {report['hosts_file']}" in said
+    # the path may be cut over two lines of the terminal's width
+    assert f"ontheSSHclusterof{report['hosts_file']}" in "".join(stderr.split())
 
 
 @pytest.mark.timeout(90)

@@ -187,13 +187,13 @@ def test_an_arena_larger_than_dev_shm_is_refused_at_init_naming_the_knob(tmp_pat
     config = Config(state_dir=tmp_path / "state", heartbeat_interval_s=0.2,
                     start_timeout_s=20.0, op_timeout_s=20.0, shm_bytes=free + 2**40)
     log = io.StringIO()
-    before = set(os.listdir(shm.SHM_DIR))
-    result = api.run_local([sys.executable, str(script)], 2, config, servers=1, stdout=log,
-                           stderr=log)
-    assert result.exit_code != 0
-    assert f"(BPSCTL_SHM_BYTES={free + 2**40})" in log.getvalue(), log.getvalue()[-3000:]
-    assert "/dev/shm has" in log.getvalue()
-    assert set(os.listdir(shm.SHM_DIR)) <= before
+    with api.local_cluster(config, servers=1) as cluster:
+        result = api.run([sys.executable, str(script)], config.replace(
+            state_dir=cluster.state_dir), workers=2, stdout=log, stderr=log)
+        assert result.exit_code != 0
+        assert f"(BPSCTL_SHM_BYTES={free + 2**40})" in log.getvalue(), log.getvalue()[-3000:]
+        assert "/dev/shm has" in log.getvalue()
+        assert shm.leftovers(shm.cluster_tag(cluster.scheduler, cluster.secret)) == []
 
 
 KILL_SCRIPT = '''

@@ -28,3 +28,124 @@ def test_each_key_names_a_module_or_test_that_exists(key):
 @pytest.mark.parametrize("key", sorted(TIERS))
 def test_each_tag_is_a_marker_or_a_need(key):
     assert TIERS[key] <= set(MARKERS) | set(NEEDS), key
+
+
+#: for every module of bpsctl/, a test of the fast tier that runs its code (in the test's
+#: process or in the processes it starts): `python -m pytest -m "not slow"` then exercises all
+#: of bpsctl, and a module whose last fast test moves to `slow` fails the check below
+FAST_TEST_OF = {
+    "__init__.py": "test_cli.py::test_status_without_a_cluster",
+    "bench/allreduce.py":
+        "test_bench_comm.py::test_comm_bench_against_allreduce_shows_a_table_and_what_it_means",
+    "bench/api.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
+    "bench/cli.py": "test_bench_comm.py::test_comm_bench_bad_flags_exit_2_naming_the_flag",
+    "bench/codec.py": "test_small_parts.py::test_the_codec_benchmark_states_each_compressors_bytes",
+    "bench/comm.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
+    "bench/convergence.py":
+        "test_stragglers.py::test_the_convergence_task_is_the_same_everywhere_and_learnable",
+    "bench/grads.py":
+        "test_small_parts.py::test_the_per_tensor_overhead_benchmark_checks_its_sums_and_reports",
+    "bench/horovod.py": "test_bench_train.py::test_patch_raises_the_cxx_standard",
+    "bench/install.py": "test_small_parts.py::test_install_horovod_says_what_it_builds",
+    "bench/load.py":
+        "test_load.py::test_the_gradient_set_is_resnet50s_at_full_scale_and_keeps_its_161_tensors_scaled",
+    "bench/models.py": "test_bench_train.py::test_models_have_torchvisions_parameter_shapes",
+    "bench/report.py":
+        "test_bench_output.py::test_train_table_fits_80_columns_and_says_slower_on_loopback",
+    "bench/train.py": "test_bench_train.py::test_horovod_env_follows_horovodruns_gloo_launcher",
+    "cli.py": "test_cli.py::test_usage_errors_exit_2_and_name_the_flag",
+    "cliutil.py": "test_cli.py::test_bad_environment_is_a_config_error",
+    "config.py": "test_config.py::test_bpsctl_variables_are_parsed_by_kind",
+    "engine/__init__.py":
+        "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
+    "engine/client.py":
+        "test_trace.py::test_a_clock_exchange_needs_the_secret_and_bounds_the_true_offset",
+    "engine/common.py": "test_engine.py::test_sum_is_exact_for_integer_valued_data",
+    "engine/compression.py":
+        "test_compression.py::test_each_compressor_sends_exactly_its_stated_size",
+    "engine/intranode.py": "test_shm_local.py::test_sums_and_averages_are_exact",
+    "engine/mxnet.py":
+        "test_mxnet_plugin.py::test_asynchronous_sgd_of_one_worker_is_mxnets_own_sgd",
+    "engine/partition.py": "test_engine.py::test_sizes_the_partition_size_does_not_divide",
+    "engine/protocol.py": "test_torch_bf16.py::test_round_and_widen_match_torch_conversions",
+    "engine/scheduler.py": "test_engine.py::test_sum_is_exact_for_integer_valued_data",
+    "engine/security.py": "test_security.py::test_a_worker_with_the_wrong_secret_cannot_register",
+    "engine/server.py": "test_engine.py::test_sum_is_exact_for_integer_valued_data",
+    "engine/shm.py":
+        "test_shm_local.py::test_an_arena_is_0600_named_for_its_cluster_and_job_and_gone_once_all_attached",
+    "engine/shmlink.py":
+        "test_shm_server.py::test_segments_are_0600_and_named_for_the_cluster_job_and_server",
+    "engine/supervise.py": "test_launch.py::test_up_status_down_leaves_nothing",
+    "engine/torch/__init__.py": "test_torch_plugin.py::test_api",
+    "engine/torch/cross_barrier.py":
+        "test_small_parts.py::test_cross_barrier_of_one_worker_is_the_wrapped_optimizer",
+    "engine/torch/elastic.py":
+        "test_small_parts.py::test_an_elastic_training_function_commits_and_resumes_from_its_state",
+    "engine/torch/staleness.py":
+        "test_small_parts.py::test_staleness_applies_the_gradient_of_s_steps_ago_and_flush_the_rest",
+    "engine/trace.py":
+        "test_trace.py::test_every_traced_push_has_its_sum_and_result_in_causal_order",
+    "engine/worker.py": "test_engine.py::test_sum_is_exact_for_integer_valued_data",
+    "errors.py":
+        "test_cli.py::test_every_bpsctl_error_exits_with_its_code_and_its_message_verbatim",
+    "launch/__init__.py": "test_launch.py::test_local_cluster_is_private_and_always_stopped",
+    "launch/api.py": "test_launch.py::test_local_cluster_is_private_and_always_stopped",
+    "launch/cgexec.py":
+        "test_small_parts.py::test_cgexec_joins_the_group_then_becomes_the_command_with_the_same_pid",
+    "launch/cluster.py": "test_launch.py::test_run_on_a_private_cluster_streams_prefixed_output",
+    "launch/emulate.py": "test_emulate.py::test_plan_names_addresses_ranks",
+    "launch/hostkeys.py":
+        "test_hostkeys.py::test_a_new_file_is_private_a_known_key_is_kept_and_a_changed_one_refused",
+    "launch/hosts.py": "test_hosts.py::test_bad_hosts_yaml_names_file_line_and_key",
+    "launch/k8s.py": "test_schedulers.py::test_manifests_validate_against_the_kubernetes_schemas",
+    "launch/local.py": "test_launch.py::test_up_status_down_leaves_nothing",
+    "launch/output.py": "test_cli.py::test_run_prefixes_each_ranks_output",
+    "launch/plan.py": "test_plan.py::test_plan_is_pure",
+    "launch/pod.py": "test_schedulers.py::test_a_pod_runs_its_ranks_as_kubernetes_would_start_it",
+    "launch/preflight.py": "test_small_parts.py::test_preflight_knows_each_hosts_ports_and_nic",
+    "launch/processes.py": "test_launch.py::test_first_failure_stops_the_others",
+    "launch/remote.py": "test_ship.py::test_the_agent_check_says_what_the_roles_cannot_import",
+    "launch/report.py":
+        "test_launch.py::test_status_reports_a_dead_server_and_the_workers_of_a_job",
+    "launch/runloop.py": "test_runloop.py::test_all_workers_exit_zero",
+    "launch/ship.py": "test_ship.py::test_the_wheel_requires_only_the_core_dependencies",
+    "launch/slurm.py": "test_schedulers.py::test_per_node_counts_expand_as_slurm_writes_them",
+    "launch/ssh.py":
+        "test_small_parts.py::test_a_recorded_ssh_cluster_plans_a_worker_per_slot_with_its_workdir",
+    "launch/state.py": "test_launch.py::test_up_replaces_a_stale_state_file",
+    "launch/transport.py": "test_ship.py::test_a_host_with_everything_needs_nothing",
+    "launch/types.py":
+        "test_hostkeys.py::test_a_cluster_recorded_before_the_setting_uses_the_state_dirs_file",
+    "trace/api.py": "test_trace.py::test_bpsctl_trace_merges_and_summarises",
+    "trace/cli.py": "test_trace.py::test_bpsctl_trace_refuses_what_is_not_a_trace_naming_the_file",
+    "trace/plot.py": "test_small_parts.py::test_bpsctl_trace_draws_a_step_picture",
+    "tune/api.py": "test_tune.py::test_space_covers_the_knobs_asked_for_and_keeps_the_rest",
+    "tune/cli.py": "test_small_parts.py::test_tune_flag_mistakes_exit_2_naming_the_flag",
+    "tune/model.py": "test_tune.py::test_model_colocated_split_is_bytepss_optimum",
+    "tune/report.py":
+        "test_bench_output.py::test_tune_table_fits_80_columns_when_the_choice_is_the_current_config",
+}
+PACKAGE = TESTS.parent / "bpsctl"
+
+
+def _has_code(path: Path) -> bool:
+    """More than a docstring (empty package markers need no test)."""
+    body = ast.parse(path.read_text()).body
+    return any(not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant))
+               for node in body)
+
+
+def test_every_module_of_bpsctl_has_a_fast_test():
+    modules = {str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py") if _has_code(path)}
+    missing = sorted(modules - set(FAST_TEST_OF))
+    assert not missing, f"name a fast test of each in FAST_TEST_OF: {missing}"
+    assert not set(FAST_TEST_OF) - modules, "FAST_TEST_OF names modules that are gone"
+
+
+@pytest.mark.parametrize("module", sorted(FAST_TEST_OF))
+def test_each_modules_fast_test_exists_and_is_fast(module):
+    key = FAST_TEST_OF[module]
+    test_module, _, name = key.partition("::")
+    assert name in _test_functions(test_module), f"{module}: {key} is not a test"
+    tags = TIERS.get(test_module, set()) | TIERS.get(key, set())
+    assert not tags & {"slow", "gpu"}, f"{module}: {key} is not in the fast tier ({tags})"

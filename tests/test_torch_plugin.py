@@ -212,14 +212,34 @@ def a_bad_root_is_refused():
 
 @check
 def duplicate_names_in_flight_are_refused():
+    # each rank checks a name the other has not pushed yet (so its round cannot be complete):
+    # rank 0 "dup" before the other pushes it after "go.0", rank 1 "dup.1" before rank 0
+    # pushes it after "go.1"
     x = torch.ones(10)
-    h = bps.push_pull_async(x, average=False, name="dup")
-    try:
-        bps.push_pull_async(x, average=False, name="dup")
-        raise AssertionError("no error")
-    except ValueError as exc:
-        assert "already in flight" in str(exc)
+
+    def refused(name):
+        try:
+            bps.push_pull_async(x, average=False, name=name)
+            raise AssertionError("no error")
+        except ValueError as exc:
+            assert "already in flight" in str(exc)
+
+    def go(name):
+        bps.push_pull(torch.zeros(1), average=False, name=name)
+    if R == 0:
+        h = bps.push_pull_async(x, average=False, name="dup")
+        refused("dup")
+        go("go.0")
+        go("go.1")
+        h1 = bps.push_pull_async(x, average=False, name="dup.1")
+    else:
+        go("go.0")
+        h1 = bps.push_pull_async(x, average=False, name="dup.1")
+        refused("dup.1")
+        h = bps.push_pull_async(x, average=False, name="dup")
+        go("go.1")
     assert torch.equal(bps.synchronize(h), torch.full((10,), float(N)))
+    assert torch.equal(bps.synchronize(h1), torch.full((10,), float(N)))
     # once synchronized, the name is free again
     assert torch.equal(bps.push_pull(x, average=False, name="dup"), torch.full((10,), float(N)))
 

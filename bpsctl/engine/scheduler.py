@@ -87,6 +87,9 @@ class Job:
     placement: Placement | None = None
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     barriers: dict[str, set[int]] = field(default_factory=dict)
+    # a restarted scheduler: barriers some worker has already passed (its release reached that
+    # worker before the old scheduler died, maybe not the others), by count
+    barriers_passed: int = 0
     min_workers: int = 0          # go on while this many live (0: every worker)
     max_workers: int = 0          # ranks below this may join while it runs (`run --attach`)
     donors: dict[int, int] = field(default_factory=dict)    # joining rank -> its donor's rank
@@ -529,6 +532,7 @@ class Scheduler:
         self._send(rid, P.REGISTERED, {"rank": rank, "world_size": job.world_size,
                                        "reregistered": True, **_clock(member)})
         self._release_held(job)
+        self._release_barriers(job)         # its count of barriers passed may release some
 
     def _rebuild_job(self, msg: dict[str, Any], again: dict[str, Any]) -> Job:
         book = again.get("servers")
@@ -588,6 +592,8 @@ class Scheduler:
         """Take the tensors (and lost servers) a re-registering worker knows into the job."""
         placement = job.placement
         assert placement is not None
+        job.barriers_passed = max(job.barriers_passed, P.int_field(
+            again, "barriers_passed", 0, 1 << 40, default=0))
         lost_servers = _ints(again, "lost_servers", len(job.servers) - 1)
         specs = again.get("tensors", [])
         checked = _checked_tensors({"tensors": specs}, job.partition_bytes)
@@ -729,13 +735,14 @@ class Scheduler:
         self._release_barriers(job)
 
     def _release_barriers(self, job: Job) -> None:
-        """Barriers every live worker has reached (lost workers are not waited for)."""
+        """Barriers every live worker has reached (lost workers are not waited for), and those
+        a worker had passed before this scheduler restarted (every worker had reached them)."""
         live = set(job.live())
         for name, arrived in list(job.barriers.items()):
-            if live <= arrived:
+            if live <= arrived or _barrier_index(name) < job.barriers_passed:
                 del job.barriers[name]
                 for worker in job.workers.values():
-                    if worker.state == "running":
+                    if worker.state == "running" and (live <= arrived or worker.rank in arrived):
                         self._send(worker.rid, P.BARRIER_DONE, {"name": name})
 
     # ------------------------------------------------------------------ endings
@@ -911,6 +918,12 @@ def _clock(member: Member) -> dict[str, Any]:
     if member.clock is None:
         return {}
     return {"clock": [*member.clock, time.monotonic_ns()]}
+
+
+def _barrier_index(name: str) -> int:
+    """The count of a worker's barrier (``barrier.<k>``: its k-th), -1 for another name."""
+    prefix, _, index = name.rpartition(".")
+    return int(index) if prefix == "barrier" and index.isdigit() else -1
 
 
 def _ints(msg: dict[str, Any], key: str, high: int) -> list[int]:

@@ -276,6 +276,7 @@ class Worker:
         self._parked: list[tuple[int, int, _Task, list[int]]] = []   # pushes for a down one
         self._tasks: set[_Task] = set()
         self._barriers: dict[str, Handle] = {}
+        self._barriers_passed = 0               # told to a restarted scheduler
         self._peer_left = ""                                    # why later ops cannot complete
         self._stop = False
         # a lost scheduler (docs/design.md, "Keeping going", item 4): since when; the
@@ -1131,6 +1132,7 @@ class Worker:
             elif msg_type == P.BARRIER_DONE:
                 handle = self._barriers.pop(msg["name"], None)
                 if handle is not None:
+                    self._barriers_passed += 1      # one at a time: barrier() waits
                     handle._done.set()
             elif msg_type == P.MEMBER_LOST:
                 self._fail_all(EngineError(f"worker {self.rank}: {msg['message']}"))
@@ -1255,7 +1257,8 @@ class Worker:
                 "spares": sorted(self._spare_servers),
                 "left": sorted(self._left_ranks),
                 "incarnations": {str(r): i for r, i in self._incarnations.items()},
-                "donating": [list(join) for join in self.pending_joins], "tensors": tensors}}
+                "donating": [list(join) for join in self.pending_joins], "tensors": tensors,
+                "barriers_passed": self._barriers_passed}}
 
     def _registered_again(self) -> None:
         """The restarted scheduler has this worker: ask again what waited for the lost one."""

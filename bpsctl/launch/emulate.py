@@ -46,6 +46,7 @@ SWITCH_HOST = "sw"
 CGROUP_ROOT = Path("/sys/fs/cgroup")              # cgroup v2, or v1's controllers below it
 CPU_PERIOD_US = 100_000                           # the CPU limit's accounting period
 NETNS_ETC = Path("/etc/netns")                   # `ip netns exec` bind-mounts files from here
+NETNS_RUN = Path("/run/netns")                    # where `ip netns add` names namespaces
 COMMAND_TIMEOUT_S = 10.0
 ACK_SHARE = 0.02                                 # of R, guaranteed to small TCP packets (ACKs)
 GSO_BYTES = 262144                               # TCP segments handed to each NIC (see _set_gso)
@@ -577,8 +578,16 @@ def _remove_cpu_cgroups(cluster_id: str) -> list[str]:
 
 
 def namespace_pids(namespace: str) -> list[int]:
-    """Processes running inside a namespace."""
-    return [int(p) for p in _run(["ip", "netns", "pids", namespace]).split() if p.isdigit()]
+    """Processes running inside a namespace (none once it is gone: another process may remove
+    a cluster while this one looks at it)."""
+    if not (NETNS_RUN / namespace).exists():
+        return []
+    try:
+        return [int(p) for p in _run(["ip", "netns", "pids", namespace]).split() if p.isdigit()]
+    except EmulationError:
+        if (NETNS_RUN / namespace).exists():
+            raise
+        return []                       # removed between the check and `ip netns pids`
 
 
 def _kill_namespace_processes(namespace: str) -> None:

@@ -1,0 +1,231 @@
+"""Parts whose main tests take minutes (SSH clusters, emulated stragglers, restarted workers,
+stale training), tested here on their own in a second or two, so that the fast tier still
+runs every module of bpsctl (see test_tiers.py): the SSH launcher's plan of a recorded
+cluster, the preflight's ports per host, the cgroup runner, the engine's microbenchmarks,
+and bounded staleness and Horovod's elastic API on a job of one worker."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from bpsctl.config import Config
+from bpsctl.launch import ssh
+from bpsctl.launch.hosts import load_hosts
+from bpsctl.launch.preflight import _host_entries
+from bpsctl.launch.types import ClusterState
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+# --------------------------------------------------------------------------- SSH clusters
+
+def _ssh_cluster(tmp_path: Path) -> ClusterState:
+    hosts = load_hosts(EXAMPLES / "hosts.yaml")
+    return ClusterState(name="ssh-test", scheduler="10.0.0.5:9000", secret="s3", kind="ssh",
+                        state_dir=str(tmp_path), processes=(), created=0.0, hosts=hosts,
+                        addresses={entry.host: entry.host for entry in hosts.entries})
+
+
+def test_a_recorded_ssh_cluster_plans_a_worker_per_slot_with_its_workdir(tmp_path):
+    cluster = _ssh_cluster(tmp_path)
+    plan = ssh.worker_plan(cluster, Config(), "job-1")
+    assert [w.rank for w in plan.workers] == list(range(cluster.hosts.world_size))
+    assert {w.host for w in plan.workers} == {e.host for e in cluster.hosts.workers}
+    assert plan.workdir == ssh.remote_dir(cluster.hosts, "ssh-test")
+    env = plan.workers[0].to_env(Config(), plan)
+    assert env["BPSCTL_SCHEDULER"] == "10.0.0.5:9000" and env["BPSCTL_JOB_ID"] == "job-1"
+
+
+def test_preflight_knows_each_hosts_ports_and_nic():
+    hosts = load_hosts(EXAMPLES / "hosts.yaml")
+    entries = _host_entries(hosts)
+    scheduler = hosts.scheduler
+    assert scheduler is not None and scheduler.port in entries[scheduler.host]["ports"]
+    for server in hosts.servers:
+        assert server.port in entries[server.host]["ports"]
+    named = [entry for entry in hosts.workers if entry.interface]
+    assert all(entries[entry.host]["interface"] == entry.interface for entry in named)
+
+
+# --------------------------------------------------------------------------- cgroups
+
+def test_cgexec_joins_the_group_then_becomes_the_command_with_the_same_pid(tmp_path):
+    procs = tmp_path / "cgroup.procs"            # a plain file stands in for the kernel's
+    done = subprocess.run([sys.executable, "-m", "bpsctl.launch.cgexec", str(procs), "--",
+                           sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert procs.read_text() == done.stdout.strip()      # the same process, exec'd
+    usage = subprocess.run([sys.executable, "-m", "bpsctl.launch.cgexec", str(procs)],
+                           capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "usage:" in usage.stderr
+    missing = subprocess.run([sys.executable, "-m", "bpsctl.launch.cgexec",
+                              str(tmp_path / "none" / "procs"), "--", "true"],
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 1 and "cannot join the cgroup" in missing.stderr
+
+
+# --------------------------------------------------------------------------- microbenchmarks
+
+def test_the_codec_benchmark_states_each_compressors_bytes():
+    from bpsctl.bench import codec
+    from bpsctl.engine.compression import parse
+    out = io.StringIO()
+    with redirect_stdout(out):
+        codec.main(["--size", "64KiB", "--repeats", "1", "--workers", "2"])
+    report = json.loads(out.getvalue())
+    assert report["kind"] == "codec" and report["size_bytes"] == 64 * 1024
+    assert {row["compression"] for row in report["results"]} >= {"onebit", "fp16"}
+    for row in report["results"]:
+        n = report["size_bytes"] // 4
+        assert row["wire_bytes"] == parse(row["compression"]).wire_bytes(n), row
+        assert row["compress_ms_per_MiB"] > 0 and row["server_ms_per_MiB"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_the_per_tensor_overhead_benchmark_checks_its_sums_and_reports(tmp_path):
+    out = tmp_path / "grads.json"
+    done = subprocess.run([sys.executable, "-m", "bpsctl.bench.grads", "--workers", "2",
+                           "--servers", "1", "--repeats", "1", "--warmup", "0",
+                           "--json", str(out)], capture_output=True, text=True, timeout=110,
+                          env={**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert (report["kind"], report["tensors"]) == ("grads", 161)
+    assert report["many_tensors_s"] > 0 and report["one_tensor_s"] > 0
+
+
+# --------------------------------------------------------------------------- one worker
+
+@pytest.fixture
+def one_worker(engine_cluster):
+    """The torch plugin in this process, as the one worker of a job on the module's cluster."""
+    import bpsctl.engine.torch as bps
+
+    def start(**knobs):
+        from conftest import WORKER_DEADLINES
+        bps.init(Config(rank=0, world_size=1, job_id=f"one-{os.getpid()}-{len(knobs)}",
+                        scheduler=engine_cluster.scheduler, secret=engine_cluster.secret,
+                        **WORKER_DEADLINES, **knobs))
+        return bps
+    yield start
+    bps.shutdown()
+
+
+def test_staleness_applies_the_gradient_of_s_steps_ago_and_flush_the_rest(one_worker):
+    import torch
+    bps = one_worker(staleness=2)
+    w = torch.nn.Parameter(torch.zeros(4))
+    optimizer = bps.DistributedOptimizer(torch.optim.SGD([w], lr=1.0),
+                                         named_parameters=[("w", w)])
+    seen = []
+    for t in range(5):
+        optimizer.zero_grad()
+        (w * float(t + 1)).sum().backward()          # the gradient of step t is t + 1
+        optimizer.step()
+        seen.append(w[0].item())
+    # nothing for the first s steps, then the gradients of steps 0, 1, 2 one by one
+    assert seen == [0.0, 0.0, -1.0, -3.0, -6.0]
+    assert optimizer.flush() == 2 and w[0].item() == -15.0
+
+
+def test_an_elastic_training_function_commits_and_resumes_from_its_state(one_worker):
+    import torch
+    bps = one_worker()
+    model = torch.nn.Linear(3, 1)
+    optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    state = bps.elastic.TorchState(model=model, optimizer=optimizer, epoch=0)
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(state.epoch)])
+
+    @bps.elastic.run
+    def train(state):
+        while state.epoch < 3:
+            optimizer.zero_grad()
+            model(torch.ones(2, 3)).sum().backward()
+            optimizer.step()
+            state.epoch += 1
+            state.commit()
+        return state.epoch
+
+    assert train(state) == 3 and resets == []
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        model.weight.add_(1.0)              # not committed: restore() brings the commit back
+    state.restore()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+
+
+def test_cross_barrier_of_one_worker_is_the_wrapped_optimizer(one_worker):
+    """CrossBarrier updates each layer as its sum arrives; alone, that is SGD itself."""
+    import torch
+
+    from bpsctl.engine.torch.cross_barrier import CrossBarrier
+    bps = one_worker()
+
+    def model_and_batches():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 1))
+        return model, [torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+                       for i in range(4)]
+
+    model, batches = model_and_batches()
+    optimizer = CrossBarrier(model, torch.optim.SGD(model.parameters(), lr=0.1, foreach=False),
+                             named_parameters=model.named_parameters(), num_steps=len(batches))
+    for x in batches:
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    optimizer.synchronize()
+    plain, batches = model_and_batches()
+    sgd = torch.optim.SGD(plain.parameters(), lr=0.1, foreach=False)
+    for x in batches:
+        sgd.zero_grad()
+        plain(x).pow(2).mean().backward()
+        sgd.step()
+    assert all(torch.equal(a, b)
+               for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+    bps.shutdown()
+
+
+# --------------------------------------------------------------------------- CLI parts
+
+def test_bpsctl_trace_draws_a_step_picture(engine_cluster, tmp_path):
+    from test_trace import _traced_job
+    _traced_job(engine_cluster, tmp_path / "t")
+    png = tmp_path / "step.png"
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "trace", str(tmp_path / "t"),
+                           "--plot", str(png)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("args", "flag"), [(["--trials", "0"], "--trials"),
+                                            (["--model", "alexnet"], "--model")])
+def test_tune_flag_mistakes_exit_2_naming_the_flag(tmp_path, args, flag):
+    from typer.testing import CliRunner
+
+    from bpsctl.cli import app
+    result = CliRunner().invoke(app, ["--state-dir", str(tmp_path), "tune", *args],
+                                env={"XDG_CONFIG_HOME": str(tmp_path / "xdg")})
+    assert result.exit_code == 2, result.output
+    assert flag in result.output
+
+
+def test_install_horovod_says_what_it_builds():
+    from typer.testing import CliRunner
+
+    from bpsctl.cli import app
+    result = CliRunner().invoke(app, ["install", "horovod", "--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.output.split())
+    assert "PyTorch and Gloo" in said and "--force" in said
