@@ -27,11 +27,11 @@ from .. import __version__, launch
 from ..config import SECURITY_MODES, Config, ConfigError
 from ..errors import BpsctlError
 from ..launch.local import host_command
+from ..tune.model import GOODPUT_SHARE as GOODPUT_SHARE  # (where bench and its tests find it)
+from ..tune.model import goodput_bytes_s
 from .comm import RESULT_MARKER, zmq_pair_seconds
 from .train import throughput
 
-#: TCP goodput as a share of an emulated NIC's configured rate (docs/benchmarks.md)
-GOODPUT_SHARE = 0.957
 COMM_BASELINES = ("allreduce",)
 #: interleaved passes over the security modes when `bench comm --security` compares several
 SECURITY_PASSES = 3
@@ -89,11 +89,6 @@ def ideal_seconds(system: str, size_bytes: int, host_workers: Sequence[int], ser
         return 2 * (hosts - 1) / hosts * size_bytes / goodput_bytes_s(nic_mbit)
     busiest_bytes = max(max(host_workers) * size_bytes, sum(host_workers) * size_bytes / servers)
     return busiest_bytes / goodput_bytes_s(nic_mbit)
-
-
-def goodput_bytes_s(nic_mbit: float) -> float:
-    """What TCP carries through a NIC of ``nic_mbit`` each way, in bytes per second."""
-    return nic_mbit * 1e6 / 8 * GOODPUT_SHARE
 
 
 #: the training baselines whose gradients go through a plain allreduce (gloo); PowerSGD's

@@ -333,6 +333,7 @@ class Worker:
             "role": "worker", "rank": cfg.rank, "world_size": cfg.world_size, "job": cfg.job_id,
             "host": cfg.host, "pid": os.getpid(),
             "version": __version__, "num_servers": cfg.num_servers,
+            "cpu_share": cfg.cpu_share_value,
             "partition_bytes": cfg.partition_bytes, "partition_depth": cfg.partition_depth,
             "start_timeout_s": cfg.start_timeout_s,
             "min_workers": cfg.min_workers, "max_workers": cfg.max_workers,
@@ -1250,7 +1251,8 @@ class Worker:
             "reregister": {
                 "incarnation": self.incarnation, "joining": self.joining,
                 "servers": [{"rank": s["rank"], "host": s["host"], "port": s["port"],
-                             "host_id": s.get("host_id", "")} for s in self._servers],
+                             "host_id": s.get("host_id", ""), "share": s.get("share")}
+                            for s in self._servers],
                 "lost_servers": sorted(self._servers_lost), "live": list(self.live_ranks),
                 "spares": sorted(self._spare_servers),
                 "left": sorted(self._left_ranks),
@@ -1360,9 +1362,11 @@ class Worker:
             return
         since, _ = self._server_down.pop(index, (time.monotonic(), 0.0))
         self._servers_lost.add(index)
-        self._spare_servers -= {index, *(i for i, s in enumerate(self._servers)
-                                         if s["rank"] == msg.get("spare"))}
+        taker = [i for i, s in enumerate(self._servers) if s["rank"] == msg.get("spare")]
+        self._spare_servers -= {index, *taker}
         server = self._servers[index]
+        for i in taker:         # it sums the lost one's share now (a restarted scheduler asks)
+            self._servers[i]["share"] = server.get("share")
         try:        # stop reconnecting to it
             self._server_socks[index].disconnect(f"tcp://{server['host']}:{server['port']}")
         except zmq.ZMQError:
