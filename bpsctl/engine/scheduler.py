@@ -19,7 +19,7 @@ import zmq
 
 from .. import __version__
 from ..config import Config
-from ..tune.model import group_shares
+from ..tune.model import job_shares
 from . import protocol as P
 from .client import CLOCK_EXCHANGES
 from .common import bound_router, exit_on_sigterm, setup_process_logging, write_ready_file
@@ -81,19 +81,11 @@ def _address_book(servers: list[Member], shares: list[float]) -> list[dict[str, 
              "share": share} for s, share in zip(servers, shares, strict=True)]
 
 
-def job_shares(servers: list[Member], cpu_share: float | None) -> list[float]:
-    """The share of the bytes each of a job's (non-spare) servers sums: the job's
-    BPSCTL_CPU_SHARE split between the servers on CPU-only hosts and those on worker hosts
-    when it gives one, else what every server registered with (the cluster's layout, planned
-    by its launcher), else evenly."""
-    if cpu_share is not None:
-        return group_shares([s.colocated for s in servers], cpu_share)
-    registered = [s.share for s in servers]
-    if any(share is None for share in registered) or not sum(
-            share for share in registered if share is not None):
-        return [1 / len(servers)] * len(servers)
-    total = sum(share for share in registered if share is not None)
-    return [share / total for share in registered if share is not None]
+def _job_shares(servers: list[Member], cpu_share: float | None) -> list[float]:
+    """The share of the bytes each of a job's (non-spare) servers sums (tune/model.py's
+    job_shares rule: BPSCTL_CPU_SHARE, else the shares the servers registered with, else
+    evenly)."""
+    return job_shares([s.share for s in servers], [s.colocated for s in servers], cpu_share)
 
 
 @dataclass
@@ -692,7 +684,7 @@ class Scheduler:
         active = len(job.servers)
         job.servers += [s for s in running if s.spare]
         # a spare sums nothing until it takes over a lost server's place, and its share
-        shares = job_shares(job.servers[:active], job.cpu_share) + [0.0] * (len(job.servers)
+        shares = _job_shares(job.servers[:active], job.cpu_share) + [0.0] * (len(job.servers)
                                                                              - active)
         job.placement = Placement(len(job.servers), spare=set(range(active, len(job.servers))),
                                   shares=shares)

@@ -238,6 +238,9 @@ class Worker:
         self._shm_parts: dict[tuple[int, int], tuple[bytes, np.ndarray] | None] = {}
         self._shm_sums: dict[int, shmlink.Mapped] = {}
         self.shm_pushes = self.shm_results = 0      # through shared memory
+        # bytes pushed to each server of the job (its index), re-pushes included: what the
+        # layout's shares (BPSCTL_CPU_SHARE, hosts.yaml's share:) come to on the wire
+        self._pushed_bytes: collections.Counter[int] = collections.Counter()
         try:
             self._register()
         except BaseException:
@@ -675,10 +678,15 @@ class Worker:
         round was complete, under backup workers: not in the sums, answered with the round's
         result), ``membership_changes``, ``live_ranks``, and ``shm_pushes`` and
         ``shm_results``: pushes and results that went through shared memory to and from
-        servers on this host (BPSCTL_SHM_SERVER)."""
+        servers on this host (BPSCTL_SHM_SERVER), and ``servers``: the job's servers (``rank``,
+        ``host``, ``share`` of the bytes, ``pushed_bytes``: what this worker pushed to it,
+        uncompressed, re-pushes included)."""
         return {"late_pushes": self.late_pushes, "membership_changes": self.membership_changes,
                 "live_ranks": list(self.live_ranks), "shm_pushes": self.shm_pushes,
-                "shm_results": self.shm_results}
+                "shm_results": self.shm_results,
+                "servers": [{"rank": s["rank"], "host": s["host"], "share": s.get("share"),
+                             "pushed_bytes": self._pushed_bytes[index]}
+                            for index, s in enumerate(self._servers)]}
 
     def mark_step(self) -> None:
         """A training step ended (the plugins' optimizers say so): from now on the traced
@@ -912,6 +920,7 @@ class Worker:
             self._inflight_bytes += length
             self._unacked[part_id] = length
             self._active[part_id] = (task, part)
+            self._pushed_bytes[server] += part[3]
         return False
 
     def _drain_server(self, sock: zmq.Socket) -> None:

@@ -265,6 +265,20 @@ def group_shares(colocated: Sequence[bool], cpu_share: float) -> list[float]:
     return [(1 - cpu_share) / on_workers if c else cpu_share / cpu for c in colocated]
 
 
+def job_shares(registered: Sequence[float | None], colocated: Sequence[bool],
+               cpu_share: float | None) -> list[float]:
+    """The share of the bytes each of a job's servers sums, as the scheduler places them:
+    the job's ``cpu_share`` (BPSCTL_CPU_SHARE) split by :func:`group_shares` when it gives
+    one, else what the servers registered with (the cluster's layout, planned at `up`;
+    rescaled to sum to 1 over the servers the job uses), else evenly."""
+    if cpu_share is not None:
+        return group_shares(colocated, cpu_share)
+    given = [share for share in registered if share is not None]
+    if len(given) < len(registered) or not sum(given):
+        return [1 / len(registered)] * len(registered)
+    return [share / sum(given) for share in given]
+
+
 def plan_layout(worker_hosts: Sequence[str], server_hosts: Sequence[str], *,
                 rates_mbit: Mapping[str, float] | None = None, cpu_share: float | None = None,
                 given: Sequence[float] | None = None) -> Layout:
