@@ -222,9 +222,10 @@ def cluster_size(config: Config, workers: int | None, servers: int | None,
     private cluster runs (:func:`bench_cluster` builds it so)."""
     check_workers_per_host(config, workers_per_host)
     if config.colocated_servers and not config.emulate:
+        if launch.load_state(config.state_dir) is not None:
+            _refuse_live(config, ("--colocated-servers",))
         raise ConfigError("--colocated-servers / BPSCTL_COLOCATED_SERVERS: puts a server on each "
-                          "worker host of the emulated cluster bench builds; add --emulate (a "
-                          "cluster `bpsctl up` started is used as it is)")
+                          "worker host of the emulated cluster bench builds; add --emulate")
     if servers == 0 and not config.colocated_servers:
         raise ConfigError("--servers: expected at least 1 (0 only with --emulate "
                           "--colocated-servers: the worker hosts' own servers)")
@@ -294,7 +295,8 @@ def bench_cluster(config: Config, workers: int | None, servers: int | None,
         return
     live = launch.load_state(config.state_dir)
     if live is not None and launch.status(config.state_dir)["scheduler_error"] is None:
-        _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for))
+        _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for,
+                              "--colocated-servers" if config.colocated_servers else ""))
         nic = live.emulation["nic_mbit"] if live.emulation else None
         yield config, nic
         return
