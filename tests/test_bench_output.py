@@ -217,6 +217,15 @@ def test_tune_table_fits_80_columns_when_the_choice_is_the_current_config():
     text = render(print_tune, report)
     assert_table_fits_80(text, rows=2)
     assert "chosen + current" in text
+    # with the layout searched, a column of the CPU hosts' share
+    point = dict(point, cpu_share=0.6)
+    other = dict(other, cpu_share=0.3)
+    text = render(print_tune, dict(report, knobs=["partition_bytes", "credit", "layout"],
+                                   finalists=[point, other], best=point, baseline=point,
+                                   model_layout={"cpu_share": 0.6, "round_factor": 1.2,
+                                                 "round_seconds": None, "why": "4 worker hosts"}))
+    assert_table_fits_80(text, rows=2)
+    assert "0.6" in text and "traffic model 0.600" in text
 
 
 def test_top_level_help_describes_all_of_bpsctl():

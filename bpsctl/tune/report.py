@@ -117,24 +117,25 @@ def print_tune(console: Console, report: dict[str, Any]) -> None:
     table = Table(title=f"bpsctl tune ({report['mode']}): {report['measurements']} measurements "
                         f"of {report['space_points']} points")
     # two-line headers, so that the table fits 80 columns with a "chosen + current" row
-    layout = "layout" in report["knobs"]
-    for column in ("", "partition", "servers", "credit", *(["CPU\nshare"] if layout else []),
+    # with the layout searched every job uses all the servers: its column instead of theirs
+    layout = "layout" in report.get("knobs", ())
+    for column in ("", "partition", "CPU\nshare" if layout else "servers", "credit",
                    f"{report['score_unit']}\n(median)", "vs\ncurrent"):
         table.add_column(column, justify="left" if not column else "right", no_wrap=True)
     base = report["baseline"]
     for t in report["finalists"]:
         label = " + ".join(name for name, other in (("chosen", report["best"]), ("current", base))
                            if other and _key(t) == _key(other))
-        share = [] if not layout else ["auto" if t["cpu_share"] is None
+        share = [] if not layout else ["auto" if t.get("cpu_share") is None
                                        else f"{t['cpu_share']:.3g}"]
-        table.add_row(label, format_bytes(t["partition_bytes"]), str(t["servers"]),
-                      format_bytes(t["credit"]), *share, f"{t['score']:.1f}",
+        table.add_row(label, format_bytes(t["partition_bytes"]), *(share or [str(t["servers"])]),
+                      format_bytes(t["credit"]), f"{t['score']:.1f}",
                       "" if not base else f"{t['score'] / base['score']:.2f}x")
     console.print(table)
     console.print(f"score: {report['benchmark']}", highlight=False)
     model_layout = report.get("model_layout")
     if model_layout is not None and layout:
-        chosen = report["best"]["cpu_share"]
+        chosen = report["best"].get("cpu_share")
         console.print(f"layout: measured best CPU hosts' share "
                       f"{'auto' if chosen is None else format(chosen, '.3g')}, traffic model "
                       f"{model_layout['cpu_share']:.3f} ({model_layout['why']})", highlight=False)
