@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from bpsctl.cli import app
 from bpsctl.config import Config, ConfigError
 from bpsctl.launch import api
-from bpsctl.launch.hosts import parse_hosts_yaml
+from bpsctl.launch.hosts import load_hosts, parse_hosts_yaml
 from bpsctl.launch.k8s import K8sJob, render_manifests
 from bpsctl.launch.plan import layout, plan
 from bpsctl.launch.slurm import Allocation, allocation_hosts
@@ -170,6 +170,12 @@ def test_a_hosts_file_with_servers_on_worker_and_cpu_hosts_plans_the_optimum():
     knob = plan(parse_hosts_yaml(MIXED, "hosts.yaml"), Config(cpu_share="0.4"), secret="s")
     assert [a.share for a in knob.servers][:6] == pytest.approx([0.2, 0.2, 0.15, 0.15, 0.15,
                                                                  0.15])
+
+
+def test_the_mixed_example_plans_bytepss_split():
+    hosts = load_hosts(REPO_ROOT / "examples" / "hosts-mixed.yaml")
+    assert layout(hosts).shares == pytest.approx([0.3, 0.3, 0.1, 0.1, 0.1, 0.1])
+    assert layout(hosts).round_factor() == pytest.approx(1.2)
 
 
 def test_nic_rates_and_shares_of_the_hosts_file_are_used():

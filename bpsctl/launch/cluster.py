@@ -52,8 +52,8 @@ def up(config: Config, *, servers: int, workers: int | None = None,
         raise ConfigError("--colocated-servers / BPSCTL_COLOCATED_SERVERS: puts a server on each "
                           "emulated worker host (--emulate) or worker node (--slurm); "
                           + ("on SSH hosts list the worker hosts under `servers:` in the hosts "
-                             "file too" if hosts else "on this machine every server already "
-                             "shares the workers' host") + ", and drop it")
+                             "file instead, and drop it" if hosts else "on this machine every "
+                             "server already shares the workers' host: drop it"))
     if use_slurm:
         if config.emulate or hosts:
             raise ConfigError("--slurm places everything on the allocation's nodes; drop "
