@@ -435,26 +435,35 @@ def _cluster_keys(config: Config) -> dict[str, Any]:
     return {}
 
 
-def job_layout(config: Config, workers: int, servers: int, size: int,
-               nic_mbit: float | None) -> dict[str, Any]:
-    """The layout a job of ``workers`` workers and ``servers`` servers uses on the cluster named
-    by ``config``, as the scheduler places it (tune/model.py's job_shares: BPSCTL_CPU_SHARE,
-    else the servers' registered shares, else evenly), with the modelled round of
-    ``size`` bytes per worker at ``nic_mbit`` (docs/design.md §7; null without a rate) for it
-    and for the two pure layouts of the same hosts: servers on the worker hosts only, and on
-    the CPU hosts only (null without CPU hosts). Each worker is a stream of its own (comm's
-    workers push on their own); a server on a worker host is colocated."""
+def _job_servers(config: Config, workers: int, servers: int
+                 ) -> tuple[list[str], list[str], list[bool], list[float]]:
+    """(each worker's host, each of the job's servers' host, whether it sits on a worker host,
+    its share of the bytes) for a job of ``workers`` workers and ``servers`` servers on the
+    cluster named by ``config``, as the scheduler places it (tune/model.py's job_shares:
+    BPSCTL_CPU_SHARE, else the servers' registered shares, else evenly)."""
     cluster = launch.load_state(config.state_dir)
     if cluster is None:
         raise BenchError(f"no cluster recorded in {config.state_dir}")
     streams = [slot.address for slot in launch.worker_slots(cluster, workers)]
-    hosts = list(dict.fromkeys(streams))
     rows = sorted((row for row in launch.status(config.state_dir)["processes"]
                    if row["role"] == "server" and row["state"] == "running"),
                   key=lambda row: row["rank"])[:servers]
     server_hosts = [row["host"] for row in rows]
-    colocated = [host in hosts for host in server_hosts]
+    colocated = [host in streams for host in server_hosts]
     shares = job_shares([row.get("share") for row in rows], colocated, config.cpu_share_value)
+    return streams, server_hosts, colocated, shares
+
+
+def job_layout(config: Config, workers: int, servers: int, size: int,
+               nic_mbit: float | None) -> dict[str, Any]:
+    """The layout a job of ``workers`` workers and ``servers`` servers uses on the cluster named
+    by ``config`` (:func:`_job_servers`), with the modelled round of ``size`` bytes per worker
+    at ``nic_mbit`` (docs/design.md §7; null without a rate) for it and for the two pure layouts
+    of the same hosts: servers on the worker hosts only, and on the CPU hosts only (null
+    without CPU hosts). Each worker is a stream of its own (comm's workers push on their own);
+    a server on a worker host is colocated."""
+    streams, server_hosts, colocated, shares = _job_servers(config, workers, servers)
+    hosts = list(dict.fromkeys(streams))
     cpu_hosts = list(dict.fromkeys(h for h, on_worker in zip(server_hosts, colocated,
                                                              strict=True) if not on_worker))
 
@@ -829,6 +838,8 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     with bench_cluster(config, settings.workers, settings.servers,
                        workers_per_host=settings.workers_per_host) as (cluster_config, nic):
         host_workers = worker_hosts(cluster_config, settings.workers)
+        workers_at, server_hosts, _, shares = _job_servers(cluster_config, settings.workers,
+                                                           settings.servers)
         for index in range(settings.rounds):
             # each system goes first in turn, so that a machine that slows down (or speeds
             # up) during the run does not favour whichever always runs first
@@ -842,10 +853,15 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     results = [_pooled(system, [rows[system] for rows in rounds], settings.batch_size)
                for system in systems]
     streams = host_streams(config, host_workers)
+    # bpsctl's: each worker host's streams to the job's servers by their shares (its layout)
+    stream_hosts = [host for host, count in zip(dict.fromkeys(workers_at), streams, strict=True)
+                    for _ in range(count)]
     for row in results:
         step_bytes = wire if row["system"] == "bpsctl" else 4 * sum(params)
         ideal = ideal_step_seconds(row["system"], step_bytes, host_workers, settings.servers, nic,
                                    streams)
+        if row["system"] == "bpsctl" and ideal is not None and nic is not None:
+            ideal = round_seconds(step_bytes, stream_hosts, server_hosts, nic, shares)
         row["ideal_step_s"] = ideal
         row["nic_fraction"] = None if ideal is None else ideal / row["step_seconds"]
     # per round, both sides measured minutes apart at most: the median of those paired ratios
