@@ -30,7 +30,7 @@ app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                        "rate set by --nic; needs root), and --hosts runs on real hosts over SSH. "
                        "`bpsctl bench` measures push_pull and synthetic training against ring "
                        "allreduce, Horovod and torch DDP; `bpsctl tune` finds the partition size, "
-                       "server count and credit that are fastest on your hosts.")
+                       "server count, credit and layout that are fastest on your hosts.")
 @app.callback()
 def root(ctx: typer.Context,
          state_dir: Path | None = knob_option("state_dir", "--state-dir")) -> None:

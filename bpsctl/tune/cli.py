@@ -75,9 +75,9 @@ def tune(ctx: typer.Context,
                                                    "tuned file, *.trials.csv)."),
          config_file: Path | None = config_file_option(),
          ) -> None:
-    """Find the partition size, server count and credit that make push_pull (or training)
-    fastest on these hosts, and write them to the tuned config file that `up`, `run` and
-    `bench` read.
+    """Find the partition size, server count, credit and layout that make push_pull (or
+    training) fastest on these hosts, and write them to the tuned config file that `up`, `run`
+    and `bench` read.
 
     The flags --partition-bytes, --server-count, --credit and --layout name the knobs to tune
     (none: all of them; the layout where servers sit on worker hosts and CPU hosts at once,

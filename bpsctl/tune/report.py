@@ -140,6 +140,8 @@ def print_tune(console: Console, report: dict[str, Any]) -> None:
                       f"{'auto' if chosen is None else format(chosen, '.3g')}, traffic model "
                       f"{model_layout['cpu_share']:.3f} ({model_layout['why']})", highlight=False)
     guess = report["model_guess"]
+    if layout:
+        return                  # every job used all the servers: no count was chosen
     if guess is not None:
         console.print(f"servers: measured best {report['best']['servers']}, traffic model "
                       f"{guess['servers']} ({guess['why']})", highlight=False)
