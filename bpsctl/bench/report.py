@@ -190,8 +190,8 @@ def print_comm(console: Console, report: dict[str, Any]) -> None:
                           f"ring allreduce {r['speedup']['allreduce']:.2f}x "
                           f"(theory {_theory(r)})", highlight=False)
         layout = r.get("layout") or {}
-        if layout.get("model_seconds") and (layout["cpu_hosts"] < len(layout["shares"])
-                                            or len(reports) == 1):
+        # one size, or servers on worker hosts: the layout is worth a line per report
+        if layout.get("model_seconds") and (len(reports) == 1 or any(layout["colocated"])):
             console.print(layout_line(r), highlight=False)
     console.print(comm_summary(report), highlight=False)
 
