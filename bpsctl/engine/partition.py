@@ -91,9 +91,9 @@ class Placement:
               depth: int = 0) -> list[Partition]:
         """Cut a tensor (:func:`piece_bytes` over the servers that take partitions) and give
         each piece to the server furthest below its share."""
-        weighted = [s for s in self.serving() if self._weights()[s] > 0]
+        weights = self._weights()
         parts = []
-        size = piece_bytes(nbytes, len(weighted), partition_bytes, depth)
+        size = piece_bytes(nbytes, sum(1 for w in weights if w > 0), partition_bytes, depth)
         for offset, length in split(nbytes, itemsize, size):
             server = self.least_loaded(max(length, 1))
             self.loads[server] += max(length, 1)
