@@ -56,7 +56,7 @@ class Placement:
     the lowest index.
 
     ``shares`` weighs the servers (BytePS's layout of servers on the worker hosts and on CPU
-    hosts gives them unequal shares, see :func:`bpsctl.tune.model.optimal_shares`); None or
+    hosts gives them unequal shares, see :func:`bpsctl.tune.model.optimal_shares`); none or
     equal weights is the even split by bytes. Weights need not sum to 1: each server's target
     is its weight over the sum of the serving servers' weights. A server of weight 0 gets
     nothing while another serving server has weight; if none has, the serving ones share
@@ -69,15 +69,13 @@ class Placement:
     next_part_id: int = 0
     lost: set[int] = field(default_factory=set)
     spare: set[int] = field(default_factory=set)
-    shares: list[float] | None = None
+    shares: list[float] = field(default_factory=list)     # empty: equal
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:
             raise ValueError("a job needs at least one server")
         self.loads = [0] * self.num_servers
-        if self.shares is None:
-            self.shares = [1.0] * self.num_servers
-        self.shares = [float(share) for share in self.shares]
+        self.shares = [float(share) for share in self.shares or [1.0] * self.num_servers]
         if len(self.shares) != self.num_servers or not all(
                 math.isfinite(share) and share >= 0 for share in self.shares):
             raise ValueError(f"shares: expected {self.num_servers} finite weights of 0 or more, "
@@ -104,7 +102,6 @@ class Placement:
     def _weights(self) -> list[float]:
         """The shares of the serving servers (the others 0); evenly when none has weight."""
         serving = set(self.serving())
-        assert self.shares is not None
         weights = [share if s in serving else 0.0 for s, share in enumerate(self.shares)]
         if not any(weights):
             weights = [1.0 if s in serving else 0.0 for s in range(self.num_servers)]
@@ -135,7 +132,6 @@ class Placement:
         survivor furthest below its share (largest first, so the survivors end within about
         one partition of their shares of everything); returns ``[part id, new server]`` per
         move."""
-        assert self.shares is not None
         self.lost.add(server)
         self.spare.discard(server)
         if to is not None:

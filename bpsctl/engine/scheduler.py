@@ -412,7 +412,7 @@ class Scheduler:
         job.workers[rank] = member
         self.members[rid] = member
         placement = job.placement
-        book = _address_book(job.servers, placement.shares or [] if placement is not None
+        book = _address_book(job.servers, placement.shares if placement is not None
                              else [1 / len(job.servers)] * len(job.servers))
         self._send(rid, P.REGISTERED, {
             "rank": rank, "servers": book, "world_size": job.world_size, "joining": True,
@@ -564,9 +564,9 @@ class Scheduler:
                     P.int_field(entry, "port", 1, 65535),
                     P.str_field(entry, "host_id", 64, default="")) for entry in book]
         # the shares the job placed by (a spare that took over carries the lost one's); a
-        # worker of an older book has none: even
+        # book without them: even
         shares = [P.share_field(entry, "share") for entry in book]
-        weights = [share or 0.0 for share in shares] if None not in shares else None
+        weights = [share or 0.0 for share in shares] if None not in shares else []
         lost_servers = set(_ints(again, "lost_servers", len(book) - 1))
         spares = set(_ints(again, "spares", len(book) - 1)) - lost_servers
         live = set(_ints(again, "live", max_workers - 1))
