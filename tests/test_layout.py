@@ -251,14 +251,19 @@ def test_slurm_server_nodes_with_colocated_servers_plan_the_mixed_layout():
 def test_k8s_render_puts_a_server_in_every_worker_pod_with_the_models_shares():
     job = K8sJob(workers=4, servers=2, image="img", command=("python3", "train.py"),
                  colocated_servers=True)
-    manifests = {m["metadata"]["name"]: m for m in render_manifests(job, secret="s", job_id="j")}
-    worker_pod = manifests["bpsctl-workers"]["spec"]["template"]["spec"]
+    rendered = render_manifests(job, secret="s", job_id="j")
+    manifests = {(m["kind"], m["metadata"]["name"]): m for m in rendered}
+    worker_pod = manifests[("Job", "bpsctl-workers")]["spec"]["template"]["spec"]
     [sidecar] = worker_pod["initContainers"]
     assert sidecar["restartPolicy"] == "Always" and sidecar["args"] == ["bpsctl.engine.server"]
     env = {e["name"]: e.get("value") for e in sidecar["env"]}
     assert float(env["BPSCTL_SERVER_SHARE"]) == pytest.approx(0.1)
     assert env["BPSCTL_SERVER_COLOCATED"] == "1"
-    server_pod = manifests["bpsctl-servers"]["spec"]["template"]["spec"]["containers"][0]
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for document in rendered:               # the sidecar too, against the schemas offline
+        kubernetes_validate.validate(document, "1.37.0", strict=True)
+    server_pod = manifests[("Deployment", "bpsctl-servers")]["spec"]["template"]["spec"][
+        "containers"][0]
     server_env = {e["name"]: e.get("value") for e in server_pod["env"]}
     assert float(server_env["BPSCTL_SERVER_SHARE"]) == pytest.approx(0.3)
     # no server pods: the worker pods' own servers, evenly
