@@ -18,6 +18,7 @@ from bpsctl import launch
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, check_backup_workers, check_training_mode
 from bpsctl.engine.common import exit_on_sigterm
+from bpsctl.tune.model import Layout
 
 app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                   rich_markup_mode="markdown",              # re-flows docstring paragraphs
@@ -29,7 +30,7 @@ app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                        "rate set by --nic; needs root), and --hosts runs on real hosts over SSH. "
                        "`bpsctl bench` measures push_pull and synthetic training against ring "
                        "allreduce, Horovod and torch DDP; `bpsctl tune` finds the partition size, "
-                       "server count and credit that are fastest on your hosts.")
+                       "server count, credit and layout that are fastest on your hosts.")
 @app.callback()
 def root(ctx: typer.Context,
          state_dir: Path | None = knob_option("state_dir", "--state-dir")) -> None:
@@ -72,8 +73,11 @@ def _ignored_hosts_option() -> Any:
 @app.command()
 def up(ctx: typer.Context,
        servers: int | None = typer.Option(
-           None, "--servers", min=1,
-           help="Summation servers to start (default: num_servers of the config file, else 1)."),
+           None, "--servers", min=0,
+           help="Summation servers to start (default: num_servers of the config file, else 1); "
+                "with --emulate, each on a CPU host of its own (0 with --colocated-servers)."),
+       colocated_servers: bool | None = knob_option("colocated_servers", "--colocated-servers"),
+       cpu_share: str | None = knob_option("cpu_share", "--cpu-share"),
        spare_servers: int | None = knob_option("spare_servers", "--spare-servers"),
        port: int | None = knob_option("port", "--port"),
        start_timeout_s: float | None = knob_option("start_timeout_s", "--start-timeout"),
@@ -110,10 +114,14 @@ def up(ctx: typer.Context,
                                     "emulate": (emulate, "--emulate"), "nic": (nic, "--nic"),
                                     "straggler": (straggler, "--straggler"),
                                     "security": (security, "--security"),
-                                    "spare_servers": (spare_servers, "--spare-servers")},
+                                    "spare_servers": (spare_servers, "--spare-servers"),
+                                    "colocated_servers": (colocated_servers,
+                                                          "--colocated-servers"),
+                                    "cpu_share": (cpu_share, "--cpu-share")},
                               config_file, read_file=True)
         check_backup_workers(config.backup_workers, config.world_size)
-        servers = servers or config.num_servers or 1
+        if servers is None:
+            servers = 0 if config.colocated_servers else config.num_servers or 1
         _check_ssh_extra(hosts)
         if config.security == "none":
             err_console.print("[yellow]warning:[/] --security none: anyone who can reach the "
@@ -123,7 +131,8 @@ def up(ctx: typer.Context,
             doing = "starting job steps on the Slurm allocation"
         elif config.emulate and not hosts:
             doing = (f"building {workers} worker and {servers + config.spare_servers} server "
-                     "host(s)")
+                     "host(s)" + (", a server on each worker host" if config.colocated_servers
+                                  else ""))
         elif hosts:
             doing = "starting over SSH"
         else:
@@ -143,6 +152,8 @@ def up(ctx: typer.Context,
         err_console.print(f"{what} [bold]{escape(cluster.name)}[/] is up, scheduler at "
                           f"{cluster.scheduler}{nic_text}", highlight=False)
         _print_processes(launch.status(config.state_dir)["processes"])
+        if cluster.layout is not None:
+            err_console.print(Layout.from_json(cluster.layout).describe(), highlight=False)
         np_hint = {"emulated": f" -np {workers}", "local": " -np N"}.get(cluster.kind, "")
         where = (" (workers go to the worker hosts; bpsctl down removes everything)"
                  if cluster.kind == "emulated" else "   (bpsctl down stops it)")
@@ -383,7 +394,8 @@ k8s_app = typer.Typer(no_args_is_help=True, help="Kubernetes manifests for a bps
 
 @k8s_app.command(context_settings={"allow_interspersed_args": False})
 def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an Indexed Job)."),
-           servers: int = typer.Option(..., "--servers", help="Summation server pods."),
+           servers: int = typer.Option(..., "--servers", help="Summation server pods (0 with "
+                                                              "--colocated-servers)."),
            image: str = typer.Option(..., "--image",
                                      help="Worker image (dockerfiles/worker.Dockerfile)."),
            cmd: list[str] = typer.Argument(..., metavar="CMD",
@@ -412,6 +424,14 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
                help="Worker processes in each worker pod (a hosts file's slots: one pod per "
                     "machine, one process per GPU); LOCAL_RANK 0..K-1, WORLD_SIZE = workers x "
                     "K."),
+           colocated_servers: bool = typer.Option(
+               False, "--colocated-servers",
+               help="Every worker pod also runs a server beside its workers (a native sidecar), "
+                    "BytePS's mixed layout with the --servers server pods; each server sums its "
+                    "share of the bytes from the traffic model."),
+           cpu_share: float | None = typer.Option(
+               None, "--cpu-share", help="The server pods' share of the bytes, together (0 to "
+                                         "1; default: the traffic model's optimum)."),
            ) -> None:
     """Write the manifests of a job to stdout (YAML, several documents): a Secret, the
     scheduler (Deployment + Service), the servers (Deployment) and the workers (an Indexed Job
@@ -424,7 +444,8 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
                      security=security, worker_cpu=worker_cpu, worker_memory=worker_memory,
                      gpus_per_worker=gpus_per_worker, server_cpu=server_cpu,
                      server_memory=server_memory, worker_nodes=tuple(worker_node),
-                     server_nodes=tuple(server_node), hosts_per_node=hosts_per_node)
+                     server_nodes=tuple(server_node), hosts_per_node=hosts_per_node,
+                     colocated_servers=colocated_servers, cpu_share=cpu_share)
         text = to_yaml(render_manifests(job))
     sys.stdout.write(text)
 

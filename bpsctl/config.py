@@ -7,6 +7,7 @@ from :meth:`Config.from_env`, and launchers hand knobs to child processes with
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -123,6 +124,22 @@ def parse_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
 def parse_cpu_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
     """``"1:cpu=0.5"`` -> {1: 0.5}: worker ranks whose host gets that share of one CPU."""
     return parse_straggler_spec(text, what)[1]
+
+
+def parse_cpu_share(text: str | float, what: str = "BPSCTL_CPU_SHARE") -> float | None:
+    """``auto`` -> None; a number in 0..1 -> itself (the share of the bytes the servers on
+    CPU-only hosts sum together); anything else raises ConfigError naming ``what``."""
+    if isinstance(text, str) and text.strip().lower() in ("auto", ""):
+        return None
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not 0 <= value <= 1:
+        raise ConfigError(f"{what}: expected auto or the share of the bytes the servers on "
+                          f"CPU-only hosts sum together, from 0 (servers on the worker hosts "
+                          f"only) to 1 (the CPU hosts only), got {text!r}")
+    return value
 
 
 def check_backup_workers(backup_workers: int, workers: int,
@@ -283,6 +300,10 @@ class Config:
     # emulated cluster (root): network namespaces with shaped NICs on this machine
     emulate: bool = knob(False, "BPSCTL_EMULATE",
                          "build an emulated cluster: one network namespace per host (root)", "bool")
+    colocated_servers: bool = knob(False, "BPSCTL_COLOCATED_SERVERS",
+                                   "an emulated cluster also runs one server on each worker "
+                                   "host, beside the --servers K on CPU hosts of their own (K "
+                                   "may be 0)", "bool")
     nic: str = knob("", "BPSCTL_NIC",
                     "each emulated host's full-duplex NIC rate, e.g. 500mbit or 1gbit "
                     "(empty: unshaped)", "str")
@@ -321,6 +342,20 @@ class Config:
     num_servers: int = knob(0, "BPSCTL_NUM_SERVERS",
                             "servers a job uses, the first N registered (0: all of them)", "int",
                             in_file=True)
+    cpu_share: str = knob("auto", "BPSCTL_CPU_SHARE",
+                          "the share of the bytes the servers on CPU-only hosts sum together, "
+                          "evenly, the servers on worker hosts the rest: 0 (servers on the "
+                          "worker hosts only) to 1 (the CPU hosts only); auto: the cluster's "
+                          "layout (hosts.yaml's share:, else the traffic model's optimum)",
+                          "str", in_file=True)
+    server_share: float = knob(-1.0, "BPSCTL_SERVER_SHARE",
+                               "set by `bpsctl up` on a server: its share of the bytes in the "
+                               "cluster's layout, 0 to 1 (negative: none, the job's servers "
+                               "share evenly)", "float")
+    server_colocated: bool = knob(False, "BPSCTL_SERVER_COLOCATED",
+                                  "set by `bpsctl up` on a server that shares its host with "
+                                  "workers (BPSCTL_CPU_SHARE tells such servers from those on "
+                                  "CPU-only hosts)", "bool")
     server_threads: int = knob(2, "BPSCTL_SERVER_THREADS", "summation threads per server", "int",
                                 in_file=True)
     server_malloc: str = knob("auto", "BPSCTL_SERVER_MALLOC",
@@ -521,10 +556,19 @@ class Config:
             parse_rate_mbit(self.nic, "BPSCTL_NIC")
         if self.straggler:
             parse_stragglers(self.straggler, "BPSCTL_STRAGGLER")
+        parse_cpu_share(self.cpu_share)
+        if self.server_share > 1:
+            raise ConfigError(f"BPSCTL_SERVER_SHARE: expected a share of the bytes from 0 to 1 "
+                              f"(negative: none), got {self.server_share!r}")
 
     @property
     def nic_mbit(self) -> float | None:
         return parse_rate_mbit(self.nic, "BPSCTL_NIC") if self.nic else None
+
+    @property
+    def cpu_share_value(self) -> float | None:
+        """BPSCTL_CPU_SHARE as a number, None for auto."""
+        return parse_cpu_share(self.cpu_share)
 
     @property
     def stragglers(self) -> dict[int, float]:

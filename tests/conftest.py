@@ -71,6 +71,11 @@ TIERS: dict[str, set[str]] = {
     "test_trace.py::test_a_slow_host_is_named_and_the_nic_tracks_count_the_bytes_sent":
         {"slow", "root"},
     "test_emulated_cluster.py": {"slow", "root"},
+    # the mixed layout on 4 emulated worker hosts and 2 CPU hosts: a job and bench comm (about
+    # 7 s)
+    "test_layout.py::"
+    "test_an_emulated_4_plus_2_cluster_sums_exactly_and_each_server_carries_its_share":
+        {"slow", "root"},
     # two workers per emulated host: a 4-rank torch job through the intra-node stage (about
     # 9 s); bench comm with --workers-per-host 2 (about 5 s)
     "test_workers_per_host.py::"

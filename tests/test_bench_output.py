@@ -217,6 +217,15 @@ def test_tune_table_fits_80_columns_when_the_choice_is_the_current_config():
     text = render(print_tune, report)
     assert_table_fits_80(text, rows=2)
     assert "chosen + current" in text
+    # with the layout searched, a column of the CPU hosts' share
+    point = dict(point, cpu_share=0.6)
+    other = dict(other, cpu_share=0.3)
+    text = render(print_tune, dict(report, knobs=["partition_bytes", "credit", "layout"],
+                                   finalists=[point, other], best=point, baseline=point,
+                                   model_layout={"cpu_share": 0.6, "round_factor": 1.2,
+                                                 "round_seconds": None, "why": "4 worker hosts"}))
+    assert_table_fits_80(text, rows=2)
+    assert "0.6" in text and "traffic model 0.600" in text
 
 
 def test_top_level_help_describes_all_of_bpsctl():
@@ -230,3 +239,20 @@ def test_top_level_help_describes_all_of_bpsctl():
     for words in ("local processes", "--emulate", "--hosts", "over SSH", "Horovod", "DDP",
                   "bpsctl tune"):
         assert words in said, words
+
+
+def test_comm_says_the_layout_it_ran_on_beside_the_pure_layouts():
+    report = comm_report(workers=4, nic=500.0, allreduce=1.3)
+    unit = 1.122
+    report["theory_speedup"] = 1.25
+    report["layout"] = {"worker_hosts": 4, "cpu_hosts": 2, "shares": [0.3, 0.3] + [0.1] * 4,
+                        "server_hosts": ["c0", "c1", "w0", "w1", "w2", "w3"],
+                        "colocated": [False, False, True, True, True, True],
+                        "model_seconds": 1.2 * unit, "colocated_only_seconds": 1.5 * unit,
+                        "cpu_hosts_only_seconds": 2.0 * unit, "measured_over_model": 1.05}
+    text = render(print_comm, report)
+    said = sentence(text)
+    assert "layout: 4 worker host(s) sum 0.100, 2 CPU host(s) sum 0.300 of the bytes each" in said
+    assert "modelled round 1.346 s (servers on the 4 worker hosts only 1.683 s, on the 2 CPU " \
+           "hosts only 2.244 s); measured 1.05x the model" in said
+    assert "theory t_allreduce/t_layout = 1.25×" in said

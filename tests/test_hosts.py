@@ -12,7 +12,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.mark.parametrize("name", ["hosts.yaml", "hosts-full.yaml", "hosts-horovod.yaml",
-                                  "hostfile"])
+                                  "hostfile", "hosts-mixed.yaml"])
 def test_every_example_loads(name):
     hosts = load_hosts(EXAMPLES / name)
     assert hosts.workers and hosts.servers and hosts.scheduler.port == 9000

@@ -94,7 +94,8 @@ def test_space_covers_the_knobs_asked_for_and_keeps_the_rest():
     assert len(only_credit) == 3
     only_partition = Space.build(config, TuneSettings(knobs=("partition_bytes",)), 4)
     assert {p.credit_bytes for p in only_partition} == {16384000}
-    assert full.nearest(4096000, 2, 16384000) == {"partition": 3, "servers": 1, "credit": 0}
+    assert full.nearest(4096000, 2, 16384000) == {"partition": 3, "servers": 1, "credit": 0,
+                                                  "layout": 0}
     assert PARTITION_SIZES == full.partitions
 
 

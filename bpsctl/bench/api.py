@@ -27,11 +27,11 @@ from .. import __version__, launch
 from ..config import SECURITY_MODES, Config, ConfigError
 from ..errors import BpsctlError
 from ..launch.local import host_command
+from ..tune.model import GOODPUT_SHARE as GOODPUT_SHARE  # (where bench and its tests find it)
+from ..tune.model import goodput_bytes_s, job_shares, round_seconds
 from .comm import RESULT_MARKER, zmq_pair_seconds
 from .train import throughput
 
-#: TCP goodput as a share of an emulated NIC's configured rate (docs/benchmarks.md)
-GOODPUT_SHARE = 0.957
 COMM_BASELINES = ("allreduce",)
 #: interleaved passes over the security modes when `bench comm --security` compares several
 SECURITY_PASSES = 3
@@ -89,11 +89,6 @@ def ideal_seconds(system: str, size_bytes: int, host_workers: Sequence[int], ser
         return 2 * (hosts - 1) / hosts * size_bytes / goodput_bytes_s(nic_mbit)
     busiest_bytes = max(max(host_workers) * size_bytes, sum(host_workers) * size_bytes / servers)
     return busiest_bytes / goodput_bytes_s(nic_mbit)
-
-
-def goodput_bytes_s(nic_mbit: float) -> float:
-    """What TCP carries through a NIC of ``nic_mbit`` each way, in bytes per second."""
-    return nic_mbit * 1e6 / 8 * GOODPUT_SHARE
 
 
 #: the training baselines whose gradients go through a plain allreduce (gloo); PowerSGD's
@@ -222,8 +217,18 @@ def cluster_size(config: Config, workers: int | None, servers: int | None,
     worker per worker host and its servers). With --emulate and
     ``workers_per_host`` K, ``workers`` counts worker hosts (by default 2, and as many servers):
     the workers returned are hosts x K (:func:`check_workers_per_host` says where K may be
-    more than 1)."""
+    more than 1). With --emulate --colocated-servers, ``servers`` counts CPU hosts (by
+    default 0) and the servers returned are those and one per worker host: every server the
+    private cluster runs (:func:`bench_cluster` builds it so)."""
     check_workers_per_host(config, workers_per_host)
+    if config.colocated_servers and not config.emulate:
+        if launch.load_state(config.state_dir) is not None:
+            _refuse_live(config, ("--colocated-servers",))
+        raise ConfigError("--colocated-servers / BPSCTL_COLOCATED_SERVERS: puts a server on each "
+                          "worker host of the emulated cluster bench builds; add --emulate")
+    if servers == 0 and not config.colocated_servers:
+        raise ConfigError("--servers: expected at least 1 (0 only with --emulate "
+                          "--colocated-servers: the worker hosts' own servers)")
     cluster = hosts_cluster(config.state_dir)
     if cluster is None:
         live = launch.load_state(config.state_dir)
@@ -236,6 +241,8 @@ def cluster_size(config: Config, workers: int | None, servers: int | None,
             hosts = workers or len(live.emulation["workers"])
             return hosts, servers or min(config.num_servers or live_servers, live_servers)
         hosts = workers or 2
+        if config.colocated_servers:
+            return hosts * workers_per_host, (servers or 0) + hosts
         return hosts * workers_per_host, servers or config.num_servers or hosts
     _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for))
     assert cluster.hosts is not None
@@ -266,12 +273,17 @@ def bench_cluster(config: Config, workers: int | None, servers: int | None,
     ``workers_per_host`` worker hosts, so that the ``workers`` a job runs on it go
     ``workers_per_host`` to each host). Yields a config whose state dir names it, and the NIC
     rate (an SSH or Slurm cluster's is unknown: ``--nic`` if given, else None).
-    ``own_cluster_for`` names a flag that needs a private cluster (a live one is an error)."""
+    ``own_cluster_for`` names a flag that needs a private cluster (a live one is an error).
+    ``servers`` is what the job uses: with --colocated-servers, the worker hosts' own
+    servers and the CPU hosts' (default: none of those)."""
     hosts = None                # cluster_size counts emulated worker hosts, as --workers does
     if workers is not None:
         check_per_host_split(workers, workers_per_host)
         hosts = workers // workers_per_host
-    workers, servers = cluster_size(config, hosts, servers, own_cluster_for, workers_per_host)
+    total = servers
+    workers, servers = cluster_size(config, hosts, None if config.colocated_servers else servers,
+                                    own_cluster_for, workers_per_host)
+    servers = total if config.colocated_servers and total is not None else servers
     fixed = hosts_cluster(config.state_dir)
     if fixed is not None:
         problem = launch.status(config.state_dir)["scheduler_error"]
@@ -283,12 +295,18 @@ def bench_cluster(config: Config, workers: int | None, servers: int | None,
         return
     live = launch.load_state(config.state_dir)
     if live is not None and launch.status(config.state_dir)["scheduler_error"] is None:
-        _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for))
+        _refuse_live(config, ("--emulate" if config.emulate else "", own_cluster_for,
+                              "--colocated-servers" if config.colocated_servers else ""))
         nic = live.emulation["nic_mbit"] if live.emulation else None
         yield config, nic
         return
-    with launch.local_cluster(config, servers=servers,
-                              workers=hosts or workers // workers_per_host) as cluster:
+    hosts = hosts or workers // workers_per_host
+    if config.colocated_servers:
+        servers -= hosts            # the CPU hosts: each worker host runs a server besides
+        if servers < 0:
+            raise ConfigError(f"--servers: {servers + hosts} servers cannot put one on each of "
+                              f"{hosts} worker hosts (--colocated-servers)")
+    with launch.local_cluster(config, servers=servers, workers=hosts) as cluster:
         nic = config.nic_mbit if config.emulate else None
         yield config.replace(state_dir=Path(cluster.state_dir)), nic
 
@@ -385,14 +403,18 @@ def _keep_logs(state_dir: Path | str) -> Path | None:
 
 
 def _row(system: str, version: str, seconds: list[float], size: int, host_workers: list[int],
-         servers: int, nic_mbit: float | None) -> dict[str, Any]:
+         servers: int, nic_mbit: float | None, ideal: float | None = None) -> dict[str, Any]:
+    """A result row; its ``nic_fraction`` is ``ideal`` (default :func:`ideal_seconds`) over
+    the median."""
     median = statistics.median(seconds)
     algbw = size / median / 1e6
     workers = sum(host_workers)
     bus_factor = 2 * (workers - 1) / workers if workers > 1 else 1.0     # nccl-tests' allreduce
     fraction = None
     if nic_mbit is not None:
-        fraction = ideal_seconds(system, size, host_workers, servers, nic_mbit) / median
+        if ideal is None:
+            ideal = ideal_seconds(system, size, host_workers, servers, nic_mbit)
+        fraction = ideal / median
     return {"system": system, "version": version, "seconds": median, "seconds_all": seconds,
             "algbw_MBps": algbw, "busbw_MBps": algbw * bus_factor, "nic_fraction": fraction}
 
@@ -413,9 +435,53 @@ def _cluster_keys(config: Config) -> dict[str, Any]:
     return {}
 
 
+def _job_servers(config: Config, workers: int, servers: int
+                 ) -> tuple[list[str], list[str], list[bool], list[float]]:
+    """(each worker's host, each of the job's servers' host, whether it sits on a worker host,
+    its share of the bytes) for a job of ``workers`` workers and ``servers`` servers on the
+    cluster named by ``config``, as the scheduler places it (tune/model.py's job_shares:
+    BPSCTL_CPU_SHARE, else the servers' registered shares, else evenly)."""
+    cluster = launch.load_state(config.state_dir)
+    if cluster is None:
+        raise BenchError(f"no cluster recorded in {config.state_dir}")
+    streams = [slot.address for slot in launch.worker_slots(cluster, workers)]
+    rows = sorted((row for row in launch.status(config.state_dir)["processes"]
+                   if row["role"] == "server" and row["state"] == "running"),
+                  key=lambda row: row["rank"])[:servers]
+    server_hosts = [row["host"] for row in rows]
+    colocated = [host in streams for host in server_hosts]
+    shares = job_shares([row.get("share") for row in rows], colocated, config.cpu_share_value)
+    return streams, server_hosts, colocated, shares
+
+
+def job_layout(config: Config, workers: int, servers: int, size: int,
+               nic_mbit: float | None) -> dict[str, Any]:
+    """The layout a job of ``workers`` workers and ``servers`` servers uses on the cluster named
+    by ``config`` (:func:`_job_servers`), with the modelled round of ``size`` bytes per worker
+    at ``nic_mbit`` (docs/design.md §7; null without a rate) for it and for the two pure layouts
+    of the same hosts: servers on the worker hosts only, and on the CPU hosts only (null
+    without CPU hosts). Each worker is a stream of its own (comm's workers push on their own);
+    a server on a worker host is colocated."""
+    streams, server_hosts, colocated, shares = _job_servers(config, workers, servers)
+    hosts = list(dict.fromkeys(streams))
+    cpu_hosts = list(dict.fromkeys(h for h, on_worker in zip(server_hosts, colocated,
+                                                             strict=True) if not on_worker))
+
+    def model(on: list[str], weights: list[float] | None = None) -> float | None:
+        if nic_mbit is None or not on:
+            return None
+        return round_seconds(size, streams, on, nic_mbit, weights)
+
+    return {"worker_hosts": len(hosts), "cpu_hosts": len(cpu_hosts), "shares": shares,
+            "server_hosts": server_hosts, "colocated": colocated,
+            "model_seconds": model(server_hosts, shares),
+            "colocated_only_seconds": model(hosts), "cpu_hosts_only_seconds": model(cpu_hosts)}
+
+
 def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: float | None,
                output: IO[str]) -> dict[str, Any]:
-    """One size on the cluster named by ``config``: bpsctl, then each baseline, then raw ZeroMQ."""
+    """One size on the cluster named by ``config``: bpsctl, then each baseline, then raw ZeroMQ.
+    bpsctl's ideal is the modelled round of the layout it ran on (:func:`job_layout`)."""
     n, k = settings.workers, settings.servers
     host_workers = worker_hosts(config, n)
     common = ["--size", str(size), "--warmup", str(settings.warmup),
@@ -423,8 +489,12 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
     ours = _run_workers(config, "bpsctl.bench.comm", [*common, "--tensors", str(settings.tensors)],
                         n, k, output)
     size = ours["size_bytes"]
-    row = _row("bpsctl", __version__, ours["seconds"], size, host_workers, k, nic_mbit)
+    layout = job_layout(config, n, k, size, nic_mbit)
+    row = _row("bpsctl", __version__, ours["seconds"], size, host_workers, k, nic_mbit,
+               layout["model_seconds"])
     row["push_pulls_per_s"] = ours["tensors"] / row["seconds"]
+    if layout["model_seconds"]:
+        layout["measured_over_model"] = row["seconds"] / layout["model_seconds"]
     results = [row]
     speedup: dict[str, float] = {}
     if "allreduce" in settings.compare:
@@ -439,14 +509,18 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
         "tensors": ours["tensors"], "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "warmup": settings.warmup,
         "repeats": settings.repeats, "host": socket.gethostname(), "results": results,
-        "speedup": speedup, **_cluster_keys(config),
+        "speedup": speedup, "layout": layout, **_cluster_keys(config),
     }
     if n > 1 and (max(host_workers) == 1 or len(host_workers) == 1):
-        # one worker per host: ring allreduce moves 2(n-1)/n·S through every NIC, a parameter
-        # server S (on loopback, what that would be). With several per host on several hosts,
-        # comm's workers push on their own (k·S per host NIC) while a ring of contiguous blocks
-        # crosses each NIC once: no one-number theory then
+        # one worker per host: ring allreduce moves 2(n-1)/n·S through every NIC, the layout
+        # what the model says (S with enough dedicated servers; on loopback, what that would
+        # be). With several per host on several hosts, comm's workers push on their own (k·S
+        # per host NIC) while a ring of contiguous blocks crosses each NIC once: no one-number
+        # theory then
         report["theory_speedup"] = 2 * (n - 1) / n
+        if layout["model_seconds"] and len(host_workers) > 1:
+            report["theory_speedup"] = ideal_seconds("allreduce", size, host_workers, k,
+                                                     nic_mbit or 0) / layout["model_seconds"]
     if settings.raw and nic_mbit is None and hosts_cluster(config.state_dir) is None:
         raw_seconds = zmq_pair_seconds(size, min(config.partition_bytes, size),
                                        repeats=max(5, settings.repeats))
@@ -512,11 +586,15 @@ def _with_security_modes(points: list[list[dict[str, Any]]], modes: tuple[str, .
     rows = []
     for mode, passes in zip(modes, points, strict=True):
         seconds = [s for point in passes for s in point["results"][0]["seconds_all"][-per_pass:]]
-        row = _row("bpsctl", __version__, seconds, size, report["worker_hosts"], k, nic)
+        row = _row("bpsctl", __version__, seconds, size, report["worker_hosts"], k, nic,
+                   report["layout"]["model_seconds"])
         row["push_pulls_per_s"] = report["tensors"] / row["seconds"]
         rows.append(dict(row, security=mode))
     report["results"] = [rows[0], *rows[1:], *report["results"][1:]]
     report["repeats"] = len(rows[0]["seconds_all"])
+    if report["layout"]["model_seconds"]:
+        report["layout"]["measured_over_model"] = (rows[0]["seconds"]
+                                                   / report["layout"]["model_seconds"])
     if len(modes) > 1:
         reference = rows[modes.index("none") if "none" in modes else 0]["seconds"]
         report["security_cost"] = {row["security"]: row["seconds"] / reference for row in rows}
@@ -538,8 +616,9 @@ def run_sweep(config: Config, settings: CommSettings, worker_counts: list[int],
     each), bpsctl against allreduce at each, and the theory 2(n-1)/n beside it."""
     points = []
     for n in worker_counts:
+        total = (servers or 0) + n if config.colocated_servers else servers or n
         point_settings = CommSettings(workers=n * settings.workers_per_host,
-                                      servers=servers or n, sizes=settings.sizes[:1],
+                                      servers=total, sizes=settings.sizes[:1],
                                       tensors=settings.tensors, warmup=settings.warmup,
                                       repeats=settings.repeats, raw=False,
                                       compare=tuple(sorted({*settings.compare, "allreduce"})),
@@ -759,6 +838,8 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     with bench_cluster(config, settings.workers, settings.servers,
                        workers_per_host=settings.workers_per_host) as (cluster_config, nic):
         host_workers = worker_hosts(cluster_config, settings.workers)
+        workers_at, server_hosts, _, shares = _job_servers(cluster_config, settings.workers,
+                                                           settings.servers)
         for index in range(settings.rounds):
             # each system goes first in turn, so that a machine that slows down (or speeds
             # up) during the run does not favour whichever always runs first
@@ -772,10 +853,15 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     results = [_pooled(system, [rows[system] for rows in rounds], settings.batch_size)
                for system in systems]
     streams = host_streams(config, host_workers)
+    # bpsctl's: each worker host's streams to the job's servers by their shares (its layout)
+    stream_hosts = [host for host, count in zip(dict.fromkeys(workers_at), streams, strict=True)
+                    for _ in range(count)]
     for row in results:
         step_bytes = wire if row["system"] == "bpsctl" else 4 * sum(params)
         ideal = ideal_step_seconds(row["system"], step_bytes, host_workers, settings.servers, nic,
                                    streams)
+        if row["system"] == "bpsctl" and ideal is not None and nic is not None:
+            ideal = round_seconds(step_bytes, stream_hosts, server_hosts, nic, shares)
         row["ideal_step_s"] = ideal
         row["nic_fraction"] = None if ideal is None else ideal / row["step_seconds"]
     # per round, both sides measured minutes apart at most: the median of those paired ratios

@@ -34,6 +34,9 @@ from .report import (
 WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on a live emulated cluster: "
                 "default one per worker host; on an SSH cluster: its hosts file's worker slots; "
                 "on a Slurm cluster: the allocation's tasks).")
+SERVERS_HELP = ("Summation servers (default: num_servers of the config, else as many as "
+                "workers); with --emulate, each on a CPU host of its own, and with "
+                "--colocated-servers besides one on each worker host (default 0 then).")
 WORKERS_PER_HOST_HELP = ("With --emulate: worker processes on each worker host, ranks in "
                          "contiguous blocks (--workers N runs N x K workers on N hosts; "
                          "servers default to N).")
@@ -70,7 +73,8 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
                     nic: str | None, config_file: Path | None = None,
                     trace_dir: Path | None = None, straggler: str | None = None,
                     backup_workers: int | None = None, staleness: int | None = None,
-                    async_mode: bool | None = None) -> Any:
+                    async_mode: bool | None = None, colocated_servers: bool | None = None,
+                    cpu_share: str | None = None) -> Any:
     """The Config every benchmark (and tune) shares: data-path knobs, the (emulated) cluster
     flags, and the tuned config file under them."""
     flags = {"partition_bytes": (None if partition_bytes is None
@@ -83,6 +87,8 @@ def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
              "backup_workers": (backup_workers, "--backup-workers"),
              "staleness": (staleness, "--staleness"),
              "async_mode": (async_mode, "--async"),
+             "colocated_servers": (colocated_servers, "--colocated-servers"),
+             "cpu_share": (cpu_share, "--cpu-share"),
              "trace_dir": (None if trace_dir is None else str(trace_dir.resolve()), "--trace")}
     # a figure must not hide a failover: a server lost mid-benchmark fails the run, naming it
     config = build_config(ctx, flags, config_file, read_file=True).replace(server_failover=False)
@@ -172,9 +178,10 @@ def _write_json(path: Path | None, report: dict[str, Any]) -> None:
 def comm(ctx: typer.Context,
          workers: int | None = typer.Option(None, "--workers", "-n", min=1, show_default="2",
                                             help=WORKERS_HELP),
-         servers: int | None = typer.Option(None, "--servers", min=1,
-                                            help="Summation servers (default: num_servers of "
-                                                 "the config, else as many as workers)."),
+         servers: int | None = typer.Option(None, "--servers", min=0, help=SERVERS_HELP),
+         colocated_servers: bool | None = knob_option("colocated_servers",
+                                                      "--colocated-servers"),
+         cpu_share: str | None = knob_option("cpu_share", "--cpu-share"),
          size: str = typer.Option("64MiB", "--size", help="Bytes each worker push_pulls per round "
                                   "(64MiB, 4MB, 4096000), or several: 1MiB,16MiB,64MiB,256MiB."),
          tensors: int = typer.Option(8, "--tensors", min=1,
@@ -213,7 +220,8 @@ def comm(ctx: typer.Context,
     """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir, straggler, backup_workers)
+                                 trace_dir, straggler, backup_workers,
+                                 colocated_servers=colocated_servers, cpu_share=cpu_share)
         n, k = cluster_size(config, workers, servers, "--sweep" if sweep is not None else "",
                             workers_per_host)
         worker_counts = _sweep(sweep)
@@ -244,10 +252,12 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            straggler: str | None = None, compression: str | None = None,
            backup_workers: int | None = None, cross_barrier: bool = False,
            staleness: int | None = None, async_mode: bool | None = None,
-           workers_per_host: int = 1) -> None:
+           workers_per_host: int = 1, colocated_servers: bool | None = None,
+           cpu_share: str | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
-                                 trace_dir, straggler, backup_workers, staleness, async_mode)
+                                 trace_dir, straggler, backup_workers, staleness, async_mode,
+                                 colocated_servers, cpu_share)
         workers, servers = cluster_size(config, workers, servers, workers_per_host=workers_per_host)
         check_backup_workers(config.backup_workers, workers)
         check_training_mode(config, {"staleness": "--staleness", "async_mode": "--async",
@@ -274,10 +284,10 @@ def _train_command(model: str, title: str) -> None:
                                                    show_default="2", help=WORKERS_HELP),
                 workers_per_host: int = typer.Option(1, "--workers-per-host", metavar="K",
                                                      help=WORKERS_PER_HOST_HELP),
-                servers: int | None = typer.Option(None, "--servers", min=1,
-                                                   help="Summation servers (default: "
-                                                        "num_servers of the config, else as many "
-                                                        "as workers)."),
+                servers: int | None = typer.Option(None, "--servers", min=0, help=SERVERS_HELP),
+                colocated_servers: bool | None = knob_option("colocated_servers",
+                                                             "--colocated-servers"),
+                cpu_share: str | None = knob_option("cpu_share", "--cpu-share"),
                 batch_size: int = typer.Option(4, "--batch-size", min=1,
                                                help="Images per worker per batch."),
                 image_size: int = typer.Option(32, "--image-size", min=32,
@@ -329,7 +339,8 @@ def _train_command(model: str, title: str) -> None:
         _train(ctx, model, workers, servers, batch_size, image_size, num_classes, warmup, iters,
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file, trace_dir, straggler, compression,
-               backup_workers, cross_barrier, staleness, async_mode, workers_per_host)
+               backup_workers, cross_barrier, staleness, async_mode, workers_per_host,
+               colocated_servers, cpu_share)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")
@@ -344,10 +355,10 @@ _train_command("resnet50", "ResNet50")
 def convergence(ctx: typer.Context,
                 workers: int | None = typer.Option(None, "--workers", "-n", min=1,
                                                    show_default="2", help=WORKERS_HELP),
-                servers: int | None = typer.Option(None, "--servers", min=1,
-                                                   help="Summation servers (default: "
-                                                        "num_servers of the config, else as many "
-                                                        "as workers)."),
+                servers: int | None = typer.Option(None, "--servers", min=0, help=SERVERS_HELP),
+                colocated_servers: bool | None = knob_option("colocated_servers",
+                                                             "--colocated-servers"),
+                cpu_share: str | None = knob_option("cpu_share", "--cpu-share"),
                 compare: str = typer.Option(
                     "sync,backup,ddp", "--compare", metavar="SYSTEM[,SYSTEM]",
                     help="Systems trained one after another on the same cluster: sync (bpsctl, "
@@ -406,7 +417,8 @@ def convergence(ctx: typer.Context,
     steps, wall time and final accuracy per system. --compression adds compressed sync rows;
     --steps compares accuracy after the same number of steps."""
     with cli_errors():
-        config = _cluster_config(ctx, None, None, emulate, nic, config_file, None, straggler)
+        config = _cluster_config(ctx, None, None, emulate, nic, config_file, None, straggler,
+                                 colocated_servers=colocated_servers, cpu_share=cpu_share)
         n, k = cluster_size(config, workers, servers)
         backup = backup_workers if backup_workers is not None else (config.backup_workers or 1)
         settings = ConvergenceSettings(workers=n, servers=k, compare=_names(compare),

@@ -90,6 +90,37 @@ def _sentence(text: str, *hints: str) -> str:
     return text + (" — " + ", or ".join(given) if given else "") + "."
 
 
+def _theory(report: dict[str, Any]) -> str:
+    """How the theory speedup over ring allreduce was found: the layout's model, or (without a
+    NIC rate) 2(n-1)/n."""
+    layout = report.get("layout") or {}
+    how = "t_allreduce/t_layout" if layout.get("model_seconds") else "2(n-1)/n"
+    return f"{how} = {report['theory_speedup']:.2f}×"
+
+
+def layout_line(report: dict[str, Any]) -> str:
+    """The layout a comm report ran on, its modelled round and the pure layouts' beside the
+    measured round."""
+    layout = report["layout"]
+    n, k = layout["worker_hosts"], layout["cpu_hosts"]
+    groups: dict[bool, dict[str, float]] = {True: {}, False: {}}
+    for host, share, colocated in zip(layout["server_hosts"], layout["shares"],
+                                      layout["colocated"], strict=True):
+        groups[colocated][host] = groups[colocated].get(host, 0.0) + share
+    kinds = []
+    for what, hosts in (("worker", groups[True]), ("CPU", groups[False])):
+        if hosts:
+            shares = "/".join(sorted({f"{share:.3f}" for share in hosts.values()}))
+            kinds.append(f"{len(hosts)} {what} host(s) sum {shares}")
+    pure = f"servers on the {n} worker hosts only {layout['colocated_only_seconds']:.3f} s"
+    if layout["cpu_hosts_only_seconds"] is not None:
+        pure += f", on the {k} CPU hosts only {layout['cpu_hosts_only_seconds']:.3f} s"
+    measured = (f"; measured {layout['measured_over_model']:.2f}x the model"
+                if layout.get("measured_over_model") else "")
+    return (f"layout: {', '.join(kinds)} of the bytes each; modelled round "
+            f"{layout['model_seconds']:.3f} s ({pure}){measured}")
+
+
 def comm_summary(report: dict[str, Any]) -> str:
     """One sentence on what a comm result means: the point with the most workers and bytes."""
     r = max(comm_reports(report), key=lambda r: (r["workers"], r["size_bytes"]))
@@ -99,7 +130,7 @@ def comm_summary(report: dict[str, Any]) -> str:
     if speedup is not None:
         verdict = ("faster than" if speedup > 1.05 else "slower than" if speedup < 0.95
                    else "as fast as")
-        theory = f"; theory 2(n-1)/n = {r['theory_speedup']:.2f}×" if "theory_speedup" in r else ""
+        theory = f"; theory {_theory(r)}" if "theory_speedup" in r else ""
         text = f"{what} was {verdict} ring allreduce ({speedup:.2f}×{theory})"
     elif ours["nic_fraction"] is not None:
         text = f"{what} reached {ours['nic_fraction']:.0%} of what the NICs allow"
@@ -157,7 +188,11 @@ def print_comm(console: Console, report: dict[str, Any]) -> None:
         if "allreduce" in r["speedup"] and "theory_speedup" in r and len(reports) > 1:
             console.print(f"{r['workers']} workers, {format_bytes(r['size_bytes'])}: speedup over "
                           f"ring allreduce {r['speedup']['allreduce']:.2f}x "
-                          f"(theory 2(n-1)/n = {r['theory_speedup']:.2f}x)", highlight=False)
+                          f"(theory {_theory(r)})", highlight=False)
+        layout = r.get("layout") or {}
+        # one size, or servers on worker hosts: the layout is worth a line per report
+        if layout.get("model_seconds") and (len(reports) == 1 or any(layout["colocated"])):
+            console.print(layout_line(r), highlight=False)
     console.print(comm_summary(report), highlight=False)
 
 

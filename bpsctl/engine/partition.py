@@ -5,6 +5,7 @@ whatever order it declares its tensors in, and the servers' byte loads stay bala
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -51,57 +52,94 @@ def piece_bytes(nbytes: int, servers: int, partition_bytes: int, depth: int) -> 
 
 @dataclass
 class Placement:
-    """Assigns partitions to the least-loaded server by bytes; ties go to the lowest index.
+    """Assigns each partition to the server furthest below its share of the bytes; ties go to
+    the lowest index.
 
-    Servers in ``spare`` (spare servers, ``bpsctl up --spare-servers``) get nothing until one
-    takes over a lost server's partitions (:meth:`move_off` with ``to``)."""
+    ``shares`` weighs the servers (BytePS's layout of servers on the worker hosts and on CPU
+    hosts gives them unequal shares, see :func:`bpsctl.tune.model.optimal_shares`); none or
+    equal weights is the even split by bytes. Weights need not sum to 1: each server's target
+    is its weight over the sum of the serving servers' weights. A server of weight 0 gets
+    nothing while another serving server has weight; if none has, the serving ones share
+    evenly. Servers in ``spare`` (spare servers, ``bpsctl up --spare-servers``) get nothing
+    until one takes over a lost server's partitions, and its share (:meth:`move_off` with
+    ``to``)."""
 
     num_servers: int
     loads: list[int] = field(default_factory=list)
     next_part_id: int = 0
+    lost: set[int] = field(default_factory=set)
+    spare: set[int] = field(default_factory=set)
+    shares: list[float] = field(default_factory=list)     # empty: equal
 
     def __post_init__(self) -> None:
         if self.num_servers < 1:
             raise ValueError("a job needs at least one server")
         self.loads = [0] * self.num_servers
+        self.shares = [float(share) for share in self.shares or [1.0] * self.num_servers]
+        if len(self.shares) != self.num_servers or not all(
+                math.isfinite(share) and share >= 0 for share in self.shares):
+            raise ValueError(f"shares: expected {self.num_servers} finite weights of 0 or more, "
+                             f"got {self.shares}")
 
-    lost: set[int] = field(default_factory=set)
-    spare: set[int] = field(default_factory=set)
+    def serving(self) -> list[int]:
+        """The servers that take partitions: neither lost nor spare."""
+        return [s for s in range(self.num_servers) if s not in self.lost and s not in self.spare]
 
     def place(self, nbytes: int, itemsize: int, partition_bytes: int,
               depth: int = 0) -> list[Partition]:
         """Cut a tensor (:func:`piece_bytes` over the servers that take partitions) and give
-        each piece to the least-loaded server."""
-        serving = self.num_servers - len(self.lost | self.spare)
+        each piece to the server furthest below its share."""
+        weights = self._weights()
         parts = []
-        size = piece_bytes(nbytes, serving, partition_bytes, depth)
+        size = piece_bytes(nbytes, sum(1 for w in weights if w > 0), partition_bytes, depth)
         for offset, length in split(nbytes, itemsize, size):
-            server = self.least_loaded()
+            server = self.least_loaded(max(length, 1))
             self.loads[server] += max(length, 1)
             parts.append(Partition(self.next_part_id, server, offset, length))
             self.next_part_id += 1
         return parts
 
-    def least_loaded(self) -> int:
-        """The server with the fewest bytes placed on it, of those neither lost nor spare."""
-        alive = [s for s in range(self.num_servers) if s not in self.lost and s not in self.spare]
-        if not alive:
+    def _weights(self) -> list[float]:
+        """The shares of the serving servers (the others 0); evenly when none has weight."""
+        serving = set(self.serving())
+        weights = [share if s in serving else 0.0 for s, share in enumerate(self.shares)]
+        if not any(weights):
+            weights = [1.0 if s in serving else 0.0 for s in range(self.num_servers)]
+        return weights
+
+    def least_loaded(self, nbytes: int = 1) -> int:
+        """The serving server furthest below its share once ``nbytes`` more are placed.
+
+        Its deficit is ``w_s·(T + nbytes)/W − load_s`` (``T`` the bytes placed on serving
+        servers, ``W`` their weights' sum). The deficits sum to ``nbytes``, so the largest is
+        positive and the chosen server ends at most ``nbytes`` above its share: every server
+        stays within about one partition of its share (an even split is the old rule: the
+        fewest bytes). Compared as ``w_s·(T + nbytes) − W·load_s``, exact for equal weights."""
+        serving = self.serving()
+        if not serving:
             raise ValueError("every server of the job is lost")
-        return min(alive, key=lambda s: (self.loads[s], s))
+        weights = self._weights()
+        total_weight = sum(weights)
+        after = sum(self.loads[s] for s in serving) + nbytes
+        return max((s for s in serving if weights[s] > 0),
+                   key=lambda s: (weights[s] * after - total_weight * self.loads[s], -s))
 
     def move_off(self, server: int, parts: list[list[int]],
                  to: int | None = None) -> list[list[int]]:
         """Server ``server`` is lost: move each of ``parts`` (``[part id, server, offset,
         length]`` lists, changed in place) that lives there to spare server ``to``, which is
-        no longer spare from now on, or else each to the least-loaded survivor (largest first,
-        so loads stay balanced); returns ``[part id, new server]`` per move."""
+        no longer spare from now on and takes the lost server's share, or else each to the
+        survivor furthest below its share (largest first, so the survivors end within about
+        one partition of their shares of everything); returns ``[part id, new server]`` per
+        move."""
         self.lost.add(server)
         self.spare.discard(server)
         if to is not None:
             self.spare.discard(to)
+            self.shares[to] = self.shares[server]
         moves = []
         for part in sorted((p for p in parts if p[1] == server), key=lambda p: (-p[3], p[0])):
-            target = self.least_loaded() if to is None else to
+            target = self.least_loaded(max(part[3], 1)) if to is None else to
             self.loads[target] += max(part[3], 1)
             part[1] = target
             moves.append([part[0], target])

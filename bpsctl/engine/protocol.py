@@ -229,6 +229,18 @@ def float_field(msg: dict[str, Any], key: str, low: float, high: float) -> float
     return float(value)
 
 
+def share_field(msg: dict[str, Any], key: str) -> float | None:
+    """``msg[key]``: a share of the bytes, a number in 0..1, or None when absent or null."""
+    value = msg.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not math.isfinite(value) or not 0 <= value <= 1:
+        raise ProtocolError(f"{key}: expected a share of the bytes from 0 to 1, or null, "
+                            f"got {shown(value)}")
+    return float(value)
+
+
 def str_field(msg: dict[str, Any], key: str, max_len: int = 256, default: Any = None) -> str:
     value = msg.get(key, default)
     if not isinstance(value, str) or len(value) > max_len:

@@ -19,6 +19,7 @@ import zmq
 
 from .. import __version__
 from ..config import Config
+from ..tune.model import job_shares
 from . import protocol as P
 from .client import CLOCK_EXCHANGES
 from .common import bound_router, exit_on_sigterm, setup_process_logging, write_ready_file
@@ -46,6 +47,11 @@ class Member:
     # which machine it runs on, as processes there compute it (shm.host_id): a worker and a
     # server with the same id exchange partitions through shared memory (BPSCTL_SHM_SERVER)
     host_id: str = ""
+    # a server's: the share of the bytes its launcher planned for it (None: none given, the
+    # job's servers share evenly) and whether it sits on a worker host (BPSCTL_CPU_SHARE
+    # tells the two groups apart)
+    share: float | None = None
+    colocated: bool = False
 
     def take_over(self, lost_rank: int) -> None:
         """This spare server takes lost server ``lost_rank``'s place: a server like the others
@@ -62,14 +68,24 @@ class Member:
                "pid": self.pid, "state": state, "last_seen_s": round(now - self.last_seen, 3)}
         if self.took_over is not None:
             row["took_over"] = self.took_over
+        if self.role == "server":
+            row["share"], row["colocated"] = self.share, self.colocated
         return row
 
 
-def _address_book(servers: list[Member]) -> list[dict[str, Any]]:
+def _address_book(servers: list[Member], shares: list[float]) -> list[dict[str, Any]]:
     """The job's servers as workers get them (REGISTERED): SERVER_MOVED and a spare's
-    take-over name indices into this list, so each server's host id travels once, here."""
-    return [{"rank": s.rank, "host": s.host, "port": s.port, "host_id": s.host_id}
-            for s in servers]
+    take-over name indices into this list, so each server's host id travels once, here, and
+    so does each one's share of the bytes, which workers hand back to a restarted scheduler."""
+    return [{"rank": s.rank, "host": s.host, "port": s.port, "host_id": s.host_id,
+             "share": share} for s, share in zip(servers, shares, strict=True)]
+
+
+def _job_shares(servers: list[Member], cpu_share: float | None) -> list[float]:
+    """The share of the bytes each of a job's (non-spare) servers sums (tune/model.py's
+    job_shares rule: BPSCTL_CPU_SHARE, else the shares the servers registered with, else
+    evenly)."""
+    return job_shares([s.share for s in servers], [s.colocated for s in servers], cpu_share)
 
 
 @dataclass
@@ -80,6 +96,7 @@ class Job:
     partition_bytes: int
     start_timeout_s: float
     first_seen: float
+    cpu_share: float | None = None  # BPSCTL_CPU_SHARE of its first worker (None: auto)
     partition_depth: int = 0      # see partition.piece_bytes
     workers: dict[int, Member] = field(default_factory=dict)
     started: bool = False
@@ -254,9 +271,10 @@ class Scheduler:
                                       clock=(sent_ns, arrived_ns) if sent_ns else None,
                                       host_id=P.str_field(msg, "host_id", 64, default=""))
         if role == "server":
-            spare = msg.get("spare", False)
-            if not isinstance(spare, bool):
-                raise P.ProtocolError("field 'spare' must be true or false")
+            spare, colocated = msg.get("spare", False), msg.get("colocated", False)
+            if not isinstance(spare, bool) or not isinstance(colocated, bool):
+                raise P.ProtocolError("fields 'spare' and 'colocated' must be true or false")
+            common.update(share=P.share_field(msg, "share"), colocated=colocated)
             port = P.int_field(msg, "port", 1, 65535)
             if msg.get("reregister"):
                 self._reregister_server(rid, msg, common, port, spare)
@@ -308,6 +326,7 @@ class Scheduler:
                                           "W -np N -- CMD`"})
                 return
             job = self.job = Job(id=job_id, world_size=world_size, num_servers=wanted,
+                                 cpu_share=P.share_field(msg, "cpu_share"),
                                  partition_bytes=int(msg["partition_bytes"]),
                                  partition_depth=int(msg.get("partition_depth", 0)),
                                  start_timeout_s=float(msg["start_timeout_s"]),
@@ -396,7 +415,8 @@ class Scheduler:
         job.workers[rank] = member
         self.members[rid] = member
         placement = job.placement
-        book = _address_book(job.servers)
+        book = _address_book(job.servers, placement.shares if placement is not None
+                             else [1 / len(job.servers)] * len(job.servers))
         self._send(rid, P.REGISTERED, {
             "rank": rank, "servers": book, "world_size": job.world_size, "joining": True,
             "incarnation": member.incarnation, "live": job.live(),
@@ -459,6 +479,8 @@ class Scheduler:
         member.rid, member.host, member.pid = rid, common["host"], common["pid"]
         member.last_seen, member.clock, member.awaited = common["last_seen"], common["clock"], False
         member.host_id = common["host_id"]
+        if member.role == "server":
+            member.share, member.colocated = common["share"], common["colocated"]
         self.members[rid] = member
 
     def _reregister_server(self, rid: bytes, msg: dict[str, Any], common: dict[str, Any],
@@ -545,6 +567,10 @@ class Scheduler:
         servers = [(P.int_field(entry, "rank", 0, 1 << 16), P.str_field(entry, "host"),
                     P.int_field(entry, "port", 1, 65535),
                     P.str_field(entry, "host_id", 64, default="")) for entry in book]
+        # the shares the job placed by (a spare that took over carries the lost one's); a
+        # book without them: even
+        shares = [P.share_field(entry, "share") for entry in book]
+        weights = [share or 0.0 for share in shares] if None not in shares else []
         lost_servers = set(_ints(again, "lost_servers", len(book) - 1))
         spares = set(_ints(again, "spares", len(book) - 1)) - lost_servers
         live = set(_ints(again, "live", max_workers - 1))
@@ -576,7 +602,7 @@ class Scheduler:
                 self.servers.sort(key=lambda s: s.rank)
             server.spare = index in spares      # the job's view, not the server's own flag
             job.servers.append(server)
-        job.placement = Placement(len(book), spare=spares)
+        job.placement = Placement(len(book), spare=spares, shares=weights)
         for rank in ranks:
             state = "left" if rank in left else "running" if rank in live else "lost"
             worker = job.workers[rank] = self._await("worker", rank, "", None, state)
@@ -663,15 +689,20 @@ class Scheduler:
         job.servers = [s for s in running if not s.spare][:job.num_servers]
         active = len(job.servers)
         job.servers += [s for s in running if s.spare]
-        job.placement = Placement(len(job.servers), spare=set(range(active, len(job.servers))))
-        book = _address_book(job.servers)
+        # a spare sums nothing until it takes over a lost server's place, and its share
+        shares = _job_shares(job.servers[:active], job.cpu_share) + [0.0] * (len(job.servers)
+                                                                             - active)
+        job.placement = Placement(len(job.servers), spare=set(range(active, len(job.servers))),
+                                  shares=shares)
+        book = _address_book(job.servers, shares)
         for rank, worker in job.workers.items():
             self._send(worker.rid, P.REGISTERED, {"rank": rank, "servers": book,
                                                   "world_size": job.world_size,
                                                   "spares": sorted(job.placement.spare),
                                                   **_clock(worker)})
-        self.log.info("job %s started: %d workers, %d servers (%d spare)", job.id,
-                      job.world_size, len(job.servers), len(job.servers) - active)
+        self.log.info("job %s started: %d workers, %d servers (%d spare), sharing the bytes %s",
+                      job.id, job.world_size, len(job.servers), len(job.servers) - active,
+                      " ".join(f"{share:.3f}" for share in shares[:active]))
 
     def _check_start_deadline(self) -> None:
         job = self.job
@@ -945,6 +976,7 @@ def _check_worker_registration(msg: dict[str, Any]) -> None:
     P.int_field(msg, "rank", -1, max(world_size, max_workers) - 1, default=-1)
     P.str_field(msg, "job")
     P.int_field(msg, "num_servers", 0, 1 << 16, default=0)
+    P.share_field(msg, "cpu_share")
     P.int_field(msg, "partition_bytes", 8, 1 << 40)
     P.int_field(msg, "partition_depth", 0, 1 << 16, default=0)
     P.float_field(msg, "start_timeout_s", 0, 1e6)

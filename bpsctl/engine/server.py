@@ -338,6 +338,13 @@ class Server:
         sock.connect(f"tcp://{self.scheduler_address}")
         return sock, watch
 
+    def _layout(self) -> dict[str, Any]:
+        """REGISTER's fields of the cluster's layout: this server's planned share of the bytes
+        (if its launcher gave one) and whether it shares its host with workers."""
+        share = self.config.server_share
+        return {"colocated": self.config.server_colocated,
+                **({"share": share} if share >= 0 else {})}
+
     def register(self) -> None:
         """Register with the scheduler; raise EngineError by the start deadline."""
         where = f"the scheduler at {self.scheduler_address}"
@@ -345,7 +352,7 @@ class Server:
         login = self.security.login(self.sched, lambda: P.control(P.REGISTER, {
             "role": "server", "host": self.config.host, "port": self.port, "pid": os.getpid(),
             "version": __version__, "spare": self.config.spare, "clock_ns": now_ns(),
-            "host_id": self.host_id}), where)
+            "host_id": self.host_id, **self._layout()}), where)
         deadline = time.monotonic() + self.config.start_timeout_s
         connected = False
         while time.monotonic() < deadline:
@@ -452,7 +459,7 @@ class Server:
         self.sched_login = self.security.login(self.sched, P.control(P.REGISTER, {
             "role": "server", "host": self.config.host, "port": self.port, "pid": os.getpid(),
             "version": __version__, "reregister": True, "rank": self.rank,
-            "job": self.job_id, "host_id": self.host_id}),
+            "job": self.job_id, "host_id": self.host_id, **self._layout()}),
             f"the scheduler at {self.scheduler_address}")
 
     def _still_gone(self, now: float) -> None:

@@ -238,6 +238,9 @@ class Worker:
         self._shm_parts: dict[tuple[int, int], tuple[bytes, np.ndarray] | None] = {}
         self._shm_sums: dict[int, shmlink.Mapped] = {}
         self.shm_pushes = self.shm_results = 0      # through shared memory
+        # bytes pushed to each server of the job (its index), re-pushes included: what the
+        # layout's shares (BPSCTL_CPU_SHARE, hosts.yaml's share:) come to on the wire
+        self._pushed_bytes: collections.Counter[int] = collections.Counter()
         try:
             self._register()
         except BaseException:
@@ -334,6 +337,7 @@ class Worker:
             "role": "worker", "rank": cfg.rank, "world_size": cfg.world_size, "job": cfg.job_id,
             "host": cfg.host, "pid": os.getpid(),
             "version": __version__, "num_servers": cfg.num_servers,
+            "cpu_share": cfg.cpu_share_value,
             "partition_bytes": cfg.partition_bytes, "partition_depth": cfg.partition_depth,
             "start_timeout_s": cfg.start_timeout_s,
             "min_workers": cfg.min_workers, "max_workers": cfg.max_workers,
@@ -675,10 +679,15 @@ class Worker:
         round was complete, under backup workers: not in the sums, answered with the round's
         result), ``membership_changes``, ``live_ranks``, and ``shm_pushes`` and
         ``shm_results``: pushes and results that went through shared memory to and from
-        servers on this host (BPSCTL_SHM_SERVER)."""
+        servers on this host (BPSCTL_SHM_SERVER), and ``servers``: the job's servers (``rank``,
+        ``host``, ``share`` of the bytes, ``pushed_bytes``: what this worker pushed to it,
+        uncompressed, re-pushes included)."""
         return {"late_pushes": self.late_pushes, "membership_changes": self.membership_changes,
                 "live_ranks": list(self.live_ranks), "shm_pushes": self.shm_pushes,
-                "shm_results": self.shm_results}
+                "shm_results": self.shm_results,
+                "servers": [{"rank": s["rank"], "host": s["host"], "share": s.get("share"),
+                             "pushed_bytes": self._pushed_bytes[index]}
+                            for index, s in enumerate(self._servers)]}
 
     def mark_step(self) -> None:
         """A training step ended (the plugins' optimizers say so): from now on the traced
@@ -912,6 +921,7 @@ class Worker:
             self._inflight_bytes += length
             self._unacked[part_id] = length
             self._active[part_id] = (task, part)
+            self._pushed_bytes[server] += part[3]
         return False
 
     def _drain_server(self, sock: zmq.Socket) -> None:
@@ -1252,7 +1262,8 @@ class Worker:
             "reregister": {
                 "incarnation": self.incarnation, "joining": self.joining,
                 "servers": [{"rank": s["rank"], "host": s["host"], "port": s["port"],
-                             "host_id": s.get("host_id", "")} for s in self._servers],
+                             "host_id": s.get("host_id", ""), "share": s.get("share")}
+                            for s in self._servers],
                 "lost_servers": sorted(self._servers_lost), "live": list(self.live_ranks),
                 "spares": sorted(self._spare_servers),
                 "left": sorted(self._left_ranks),
@@ -1363,9 +1374,11 @@ class Worker:
             return
         since, _ = self._server_down.pop(index, (time.monotonic(), 0.0))
         self._servers_lost.add(index)
-        self._spare_servers -= {index, *(i for i, s in enumerate(self._servers)
-                                         if s["rank"] == msg.get("spare"))}
+        taker = [i for i, s in enumerate(self._servers) if s["rank"] == msg.get("spare")]
+        self._spare_servers -= {index, *taker}
         server = self._servers[index]
+        for i in taker:         # it sums the lost one's share now (a restarted scheduler asks)
+            self._servers[i]["share"] = server.get("share")
         try:        # stop reconnecting to it
             self._server_socks[index].disconnect(f"tcp://{server['host']}:{server['port']}")
         except zmq.ZMQError:

@@ -48,12 +48,18 @@ def up(config: Config, *, servers: int, workers: int | None = None,
         raise ConfigError("--spare-servers / BPSCTL_SPARE_SERVERS: on SSH hosts the hosts file "
                           "says where spare servers run: add `spare: true` to a `servers:` entry, "
                           "e.g. {host: 10.0.0.7, spare: true}, and give --spare-servers 0")
+    if config.colocated_servers and not (config.emulate or use_slurm):
+        raise ConfigError("--colocated-servers / BPSCTL_COLOCATED_SERVERS: puts a server on each "
+                          "emulated worker host (--emulate) or worker node (--slurm); "
+                          + ("on SSH hosts list the worker hosts under `servers:` in the hosts "
+                             "file instead, and drop it" if hosts else "on this machine every "
+                             "server already shares the workers' host: drop it"))
     if use_slurm:
         if config.emulate or hosts:
             raise ConfigError("--slurm places everything on the allocation's nodes; drop "
                               + ("--emulate" if config.emulate else "--hosts"))
         return slurm.up(config, servers_per_node=servers_per_node, server_nodes=server_nodes,
-                        progress=progress)
+                        colocated=config.colocated_servers, progress=progress)
     if servers_per_node is not None or server_nodes:
         raise ConfigError("--servers-per-node and --server-nodes place servers on the nodes of "
                           "a Slurm allocation; add --slurm (or use --servers)")

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from bpsctl.config import ConfigError
+from bpsctl.config import ConfigError, parse_rate_mbit
 from bpsctl.launch.types import DEFAULT_MASTER_PORT, HostSpec, HostsSpec, SshOptions
 
 DEFAULT_SCHEDULER_PORT = 9000
@@ -59,6 +59,8 @@ class _ServerModel(_Model):
     address: str | None = None
     ssh: _SshModel | None = None
     spare: bool = False
+    share: float | None = Field(default=None, ge=0, le=1)
+    nic: str | None = None
 
 
 class _WorkerModel(_Model):
@@ -67,6 +69,7 @@ class _WorkerModel(_Model):
     interface: str | None = None
     address: str | None = None
     ssh: _SshModel | None = None
+    nic: str | None = None
 
 
 class _HostsModel(_Model):
@@ -347,9 +350,10 @@ def _build(model: _HostsModel, where: str, lines: dict[tuple, int],
     if not workers_models:
         raise ConfigError(f"{_where(where, lines, ('workers',))}: workers: expected at least one "
                           "worker host")
+    rates = _nic_rates(model, where, lines)
     workers = tuple(HostSpec(role="worker", host=w.host, count=w.slots, ssh=_ssh(w.ssh, base),
                              interface=w.interface, address=w.address,
-                             line=_line_of(lines, ("workers", i)))
+                             line=_line_of(lines, ("workers", i)), nic_mbit=rates.get(w.host))
                     for i, w in enumerate(workers_models))
     sched_model = model.scheduler or _SchedulerModel(host=workers[0].host)
     scheduler = HostSpec(role="scheduler", host=sched_model.host, count=1,
@@ -387,7 +391,10 @@ def _build(model: _HostsModel, where: str, lines: dict[tuple, int],
         next_port[s.host] = first + s.count
         servers.append(HostSpec(role="server", host=s.host, count=s.count, ssh=_ssh(s.ssh, base),
                                 port=first, interface=s.interface, address=s.address,
-                                line=_line_of(lines, ("servers", i)), spare=s.spare))
+                                line=_line_of(lines, ("servers", i)), spare=s.spare,
+                                share=None if s.share is None else float(s.share),
+                                nic_mbit=rates.get(s.host)))
+    _check_shares(server_models, model.servers is not None, where, lines)
     seen_workers: dict[str, int] = {}
     for i, w in enumerate(workers):
         if w.host in seen_workers:
@@ -406,6 +413,63 @@ def _build(model: _HostsModel, where: str, lines: dict[tuple, int],
     return HostsSpec(source=where, python=model.python, workdir=model.workdir,
                      scheduler=scheduler, servers=tuple(servers), workers=workers,
                      master_port=model.master_port, env=tuple(sorted(model.env.items())))
+
+
+def _nic_rates(model: _HostsModel, where: str, lines: dict[tuple, int]) -> dict[str, float]:
+    """Each host's NIC rate in Mbit/s from the entries' ``nic:`` (the layout model's input):
+    none, or one for every worker host and every host of servers, agreeing where a host has
+    several entries."""
+    rates: dict[str, float] = {}
+    given: dict[str, str] = {}
+    entries = [("workers", i, w.host, w.nic) for i, w in enumerate(model.workers or [])]
+    entries += [("servers", i, s.host, s.nic) for i, s in enumerate(model.servers or [])
+                if not s.spare]
+    for kind, i, host, nic in entries:
+        if nic is None:
+            continue
+        path = (kind, i, "nic")
+        rate = parse_rate_mbit(nic, f"{_where(where, lines, path)}: {kind}[{i}].nic")
+        if host in rates and rates[host] != rate:
+            raise ConfigError(f"{_where(where, lines, path)}: {kind}[{i}].nic: {nic} for "
+                              f"{host}, whose NIC {given[host]} already gives "
+                              f"{rates[host]:g} Mbit/s; expected one rate per host")
+        rates[host] = rate
+        given[host] = f"{kind}[{i}].nic"
+    if rates:
+        for kind, i, host, _ in entries:
+            if host not in rates:
+                raise ConfigError(f"{_where(where, lines, (kind, i))}: {kind}[{i}].nic: missing "
+                                  f"for {host}; the layout model needs every worker and server "
+                                  "host's NIC rate once one is given (e.g. nic: 10gbit), or none "
+                                  "(equal rates)")
+    return rates
+
+
+def _check_shares(servers: list[_ServerModel], explicit: bool, where: str,
+                  lines: dict[tuple, int]) -> None:
+    """``share:`` is on every server entry but the spares, or on none, and the shares sum
+    to 1; a spare takes the share of the server it replaces."""
+    if not explicit:
+        return
+    shared = [(i, s) for i, s in enumerate(servers) if not s.spare]
+    for i, s in enumerate(servers):
+        if s.spare and s.share is not None:
+            raise ConfigError(f"{_where(where, lines, ('servers', i, 'share'))}: servers[{i}]."
+                              "share: a spare takes the share of the server it replaces; drop "
+                              "share: from the spare entry")
+    if all(s.share is None for _, s in shared):
+        return
+    for i, s in shared:
+        if s.share is None:
+            raise ConfigError(f"{_where(where, lines, ('servers', i))}: servers[{i}].share: "
+                              "missing; give every server entry but the spares a share: (the "
+                              "entry's servers together sum that share of the bytes), or none "
+                              "for the layout model's")
+    total = sum(float(s.share or 0) for _, s in shared)
+    if abs(total - 1) > 1e-6:
+        raise ConfigError(f"{_where(where, lines, ('servers',))}: servers: the shares sum to "
+                          f"{total:g}; expected 1 (each entry's share: is the part of the bytes "
+                          "its servers sum together)")
 
 
 __all__ = ["HostSpec", "HostsSpec", "SshOptions", "load_hosts", "parse_hostfile",

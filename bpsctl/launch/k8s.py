@@ -8,7 +8,11 @@ What it writes, and how the roles find each other:
   and a Service ``<name>-scheduler``: everyone reaches it at ``<name>-scheduler:<port>``;
 - the servers: a Deployment of ``--servers`` pods (``bpsctl.engine.server``), each binding and
   advertising its pod IP (downward API), so workers connect to them directly once the scheduler
-  has told them where they are;
+  has told them where they are; with ``--colocated-servers`` every worker pod also runs a
+  server beside its workers (a native sidecar: an init container with ``restartPolicy:
+  Always``, which Kubernetes stops once the workers exit), BytePS's mixed layout. Each server
+  gets its share of the bytes (``BPSCTL_SERVER_SHARE``) as :func:`bpsctl.launch.plan.layout`
+  plans it: the traffic model's optimum at equal NIC rates, or ``--cpu-share``;
 - the workers: an Indexed Job of ``--workers`` pods (image ``--image``, the user's command),
   ``RANK`` from the job completion index, ``WORLD_SIZE`` the number of workers, and a headless
   Service ``<name>-workers`` that gives pod 0 the DNS name ``MASTER_ADDR``
@@ -37,6 +41,7 @@ from typing import Any
 
 from bpsctl.config import SECURITY_MODES, ConfigError
 from bpsctl.engine.security import new_secret
+from bpsctl.tune.model import plan_layout
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Kubernetes resource quantities: 500m, 2, 1.5, 4Gi, 512Mi, 1e3 ...
@@ -69,6 +74,8 @@ class K8sJob:
     worker_nodes: tuple[str, ...] = field(default=())    # key=value: node affinity
     server_nodes: tuple[str, ...] = field(default=())
     hosts_per_node: int = 1             # worker processes in each worker pod
+    colocated_servers: bool = False     # a server beside the workers in every worker pod
+    cpu_share: float | None = None      # the server pods' share of the bytes (None: the model's)
 
     @property
     def world_size(self) -> int:
@@ -78,13 +85,19 @@ class K8sJob:
     def check(self) -> None:
         """Every problem with the flags, at once, as one :class:`ConfigError`."""
         problems = []
-        for flag, value, what in (("--workers", self.workers, "the replicas to run"),
-                                  ("--servers", self.servers, "the replicas to run"),
-                                  ("--hosts-per-node", self.hosts_per_node,
-                                   "worker processes in each worker pod")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{flag}: expected a whole number of at least 1 ({what}), "
+        for flag, value, what, least in (
+                ("--workers", self.workers, "the replicas to run", 1),
+                ("--servers", self.servers, "the replicas to run"
+                 + ("; 0: the worker pods' own servers only" if self.colocated_servers else ""),
+                 0 if self.colocated_servers else 1),
+                ("--hosts-per-node", self.hosts_per_node, "worker processes in each worker pod",
+                 1)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                problems.append(f"{flag}: expected a whole number of at least {least} ({what}), "
                                 f"got {value!r}")
+        if self.cpu_share is not None and not 0 <= self.cpu_share <= 1:
+            problems.append(f"--cpu-share: expected the server pods' share of the bytes from 0 "
+                            f"to 1, got {self.cpu_share!r}")
         if not self.image.strip():
             problems.append("--image: expected the worker image (built from "
                             "dockerfiles/worker.Dockerfile), got nothing")
@@ -214,6 +227,10 @@ def render_manifests(job: K8sJob, *, secret: str | None = None,
                "metadata": meta("servers", "server"),
                "spec": {"replicas": job.servers, "selector": {"matchLabels": selector("server")},
                         "template": server_pod}}
+    cpu_share, colocated_share = layout_shares(job)
+    if job.colocated_servers:       # (alone, the server pods share evenly)
+        server_pod["spec"]["containers"][0]["env"].append(
+            {"name": "BPSCTL_SERVER_SHARE", "value": repr(cpu_share)})
     workers_service = {"apiVersion": "v1", "kind": "Service",
                        "metadata": meta("workers", "worker"),
                        "spec": {"clusterIP": "None", "selector": selector("worker"),
@@ -254,11 +271,40 @@ def render_manifests(job: K8sJob, *, secret: str | None = None,
         worker_pod["spec"]["volumes"] = [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
         worker_pod["spec"]["containers"][0]["volumeMounts"] = [{"name": "shm",
                                                                 "mountPath": "/dev/shm"}]
+    if job.colocated_servers:
+        sidecar: dict[str, Any] = {
+            "name": "server", "image": server_image, "args": ["bpsctl.engine.server"],
+            "restartPolicy": "Always",
+            "env": [*common_env,
+                    {"name": "BPSCTL_SCHEDULER", "value": scheduler_address},
+                    {"name": "BPSCTL_PORT", "value": str(job.port + 1)},
+                    {"name": "BPSCTL_SERVER_SHARE", "value": repr(colocated_share)},
+                    {"name": "BPSCTL_SERVER_COLOCATED", "value": "1"}],
+            "ports": [{"name": "server", "containerPort": job.port + 1}]}
+        resources = _resources(job.server_cpu, job.server_memory)
+        if resources:
+            sidecar["resources"] = resources
+        if per_pod > 1:     # the workers' /dev/shm: partitions to it go through shared memory
+            sidecar["volumeMounts"] = [{"name": "shm", "mountPath": "/dev/shm"}]
+        worker_pod["spec"]["initContainers"] = [sidecar]
     workers = {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta("workers", "worker"),
                "spec": {"completionMode": "Indexed", "completions": job.workers,
                         "parallelism": job.workers, "backoffLimit": 0,
                         "template": worker_pod}}
-    return [secret_manifest, scheduler, scheduler_service, servers, workers_service, workers]
+    return [secret_manifest, scheduler, scheduler_service,
+            *([servers] if job.servers else []), workers_service, workers]
+
+
+def layout_shares(job: K8sJob) -> tuple[float, float]:
+    """(share of each server pod, share of each worker pod's server): one server per pod, each
+    pod a host of its own, so the layout rule of launch.plan at equal NIC rates."""
+    workers = [f"worker-{i}" for i in range(job.workers)]
+    cpu = [f"server-{i}" for i in range(job.servers)]
+    layout = plan_layout(workers, cpu + (workers if job.colocated_servers else []),
+                         cpu_share=job.cpu_share)
+    shares = dict(zip(layout.server_hosts, layout.shares, strict=True))
+    return (shares[cpu[0]] if cpu else 0.0,
+            shares[workers[0]] if job.colocated_servers else 0.0)
 
 
 def to_yaml(manifests: Sequence[dict[str, Any]]) -> str:

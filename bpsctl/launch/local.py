@@ -43,6 +43,7 @@ from bpsctl.launch.processes import (
 from bpsctl.launch.report import down_report, local_status
 from bpsctl.launch.runloop import STOP_GRACE_S, WorkerProcess
 from bpsctl.launch.types import ClusterState, DownReport, LaunchError, ProcessRecord
+from bpsctl.tune.model import Layout, plan_layout
 
 STATUS_TIMEOUT_S = 2.0          # how long `status` waits for the scheduler's answer
 _WATCH_INTERVAL_S = 0.2         # how often a run checks that the cluster's processes still run
@@ -160,11 +161,13 @@ def up_local(config: Config, servers: int) -> ClusterState:
 
 def up_emulated(config: Config, workers: int, servers: int) -> ClusterState:
     """Build an emulated cluster on this machine (root): ``workers`` worker hosts and ``servers``
-    server hosts, each a network namespace with a NIC shaped to ``config.nic`` (see
-    :mod:`bpsctl.launch.emulate`), then start the scheduler (beside the first server) and one
-    server per server host; ``config.spare_servers`` more server hosts run the spare servers.
-    Workers of later runs go to the worker hosts. On any failure, everything built or started
-    is removed again.
+    server hosts (CPU hosts), each a network namespace with a NIC shaped to ``config.nic`` (see
+    :mod:`bpsctl.launch.emulate`), then start the scheduler (beside the first server, else the
+    first worker host) and one server per server host, and with
+    ``config.colocated_servers`` one on each worker host too (``servers`` may then be 0); each
+    server sums its share of the bytes in the layout :func:`emulated_layout` plans.
+    ``config.spare_servers`` more server hosts run the spare servers. Workers of later runs go
+    to the worker hosts. On any failure, everything built or started is removed again.
     """
     plan = emulate.plan_network(workers, servers + config.spare_servers,     # checks the flags
                                 config.nic or None,
@@ -195,6 +198,20 @@ def _already_up(existing: ClusterState, state_dir: Path) -> LaunchError:
                        f"running from {state_dir}; run `bpsctl down` first")
 
 
+def emulated_layout(plan: emulate.NetworkPlan, servers: int, config: Config) -> Layout:
+    """The layout of an emulated cluster: its first ``servers`` server hosts and, with
+    ``config.colocated_servers``, every worker host run a server (spares left out); each
+    host's NIC at its rate (a straggler's is slower), shares as launch.plan.layout's rule
+    gives them (BPSCTL_CPU_SHARE, else the traffic model's)."""
+    cpu_hosts = [h.address for h in plan.servers[:servers]]
+    worker_hosts = [h.address for h in plan.workers]
+    rates = ({h.address: h.nic_mbit or plan.nic_mbit for h in plan.hosts}
+             if plan.nic_mbit is not None else {})
+    return plan_layout(worker_hosts,
+                       cpu_hosts + (worker_hosts if config.colocated_servers else []),
+                       rates_mbit=rates, cpu_share=config.cpu_share_value)
+
+
 def _emulation_record(network: emulate.EmulatedNetwork) -> dict[str, Any]:
     def hosts(role: str) -> list[dict[str, Any]]:
         return [{"name": h.name, "namespace": h.namespace, "address": h.address,
@@ -208,8 +225,12 @@ def _emulation_record(network: emulate.EmulatedNetwork) -> dict[str, Any]:
 
 
 def _up(config: Config, servers: int, network: emulate.EmulatedNetwork | None) -> ClusterState:
-    if servers < 1:
-        raise ConfigError(f"--servers: expected at least 1, got {servers}")
+    colocated = network is not None and config.colocated_servers
+    if servers < (0 if colocated else 1):
+        raise ConfigError(f"--servers: expected at least 1, got {servers}"
+                          + ("" if network is None else " (or --colocated-servers, with which "
+                             "each worker host runs a server too)"))
+    the_layout = emulated_layout(network.plan, servers, config) if network is not None else None
     # absolute: children run elsewhere, and the state file must name the same place for everyone
     state_dir = Path(config.state_dir).resolve()
     config = config.replace(state_dir=state_dir)
@@ -241,17 +262,31 @@ def _up(config: Config, servers: int, network: emulate.EmulatedNetwork | None) -
             server_ready: list[dict[str, Any]] = []
             # the spares once the others have registered: the scheduler ranks servers in the
             # order they register, so spares come last
-            for first, count, spare in ((0, servers, False),
-                                        (servers, config.spare_servers, True)):
-                children = []
-                for i in range(first, first + count):
+            # where each server runs (None: this machine), and whether it is a spare
+            placed: list[tuple[emulate.EmulatedHost | None, bool]] = []
+            if network is None:
+                placed += [(None, False)] * servers + [(None, True)] * config.spare_servers
+            else:
+                server_hosts = network.plan.servers
+                hosts = [*server_hosts[:servers], *(network.plan.workers if colocated else ())]
+                placed += [(h, False) for h in hosts]
+                placed += [(h, True)
+                           for h in server_hosts[servers:servers + config.spare_servers]]
+            shares = iter(the_layout.shares if the_layout is not None else ())
+            regular = sum(1 for _, spare in placed if not spare)
+            for batch in (placed[:regular], placed[regular:]):
+                children: list[_Child] = []
+                for server_host, spare in batch:
                     child_config = server_config.replace(spare=spare)
                     prefix: tuple[str, ...] = ()
-                    if network is not None:
-                        host = network.plan.servers[i]
-                        child_config = child_config.replace(host=host.address)
-                        prefix = tuple(network.command(host.name, []))
-                    children.append(_start_child("server", i, child_config, state_dir, prefix))
+                    if network is not None and server_host is not None:
+                        child_config = child_config.replace(
+                            host=server_host.address,
+                            server_colocated=server_host.role == "worker",
+                            server_share=-1.0 if spare else next(shares))
+                        prefix = tuple(network.command(server_host.name, []))
+                    children.append(_start_child("server", len(server_children) + len(children),
+                                                 child_config, state_dir, prefix))
                 started.extend(children)
                 server_children.extend(children)
                 server_ready += [_wait_ready(c, deadline, config.start_timeout_s, stop_signals)
@@ -274,7 +309,8 @@ def _up(config: Config, servers: int, network: emulate.EmulatedNetwork | None) -
                 state_dir=str(state_dir), created=time.time(),
                 processes=(scheduler.record("scheduler", 0, ready),
                            *sorted(server_records, key=lambda r: r.rank)),
-                emulation=_emulation_record(network) if network is not None else None)
+                emulation=_emulation_record(network) if network is not None else None,
+                layout=the_layout.to_json() if the_layout is not None else None)
             state.write_state(cluster)
         except BaseException:
             # until the state file names them, nobody else could ever stop these processes

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from bpsctl.config import Config, ConfigError
 from bpsctl.launch.types import LOCALHOST, ClusterState, HostSpec, HostsSpec, SshOptions
+from bpsctl.tune.model import Layout, plan_layout
 
 
 @dataclass(frozen=True)
@@ -23,7 +24,8 @@ class Assignment:
 
     For a server ``rank`` is its place in the file; the scheduler gives it its real rank when
     it registers (in the order servers arrive). A server of a ``spare: true`` entry starts as a
-    spare server (``BPSCTL_SPARE``).
+    spare server (``BPSCTL_SPARE``). ``share`` is a server's share of the bytes in the
+    cluster's layout (None for a spare) and ``colocated`` says it shares a host with workers.
     """
 
     role: str                   # scheduler | server | worker
@@ -34,6 +36,8 @@ class Assignment:
     local_rank: int
     local_size: int
     entry: HostSpec
+    share: float | None = None
+    colocated: bool = False
 
     @property
     def name(self) -> str:
@@ -60,7 +64,10 @@ class Assignment:
         else:
             process_config = config.replace(role=self.role, rank=-1, world_size=1, local_rank=0,
                                             local_size=1, port=self.port or 0,
-                                            spare=self.entry.spare, **common)
+                                            spare=self.entry.spare,
+                                            server_share=-1.0 if self.share is None
+                                            else self.share, server_colocated=self.colocated,
+                                            **common)
             torch_env = {}
         return {**dict(plan.extra_env), **process_config.to_env(), **torch_env}
 
@@ -81,6 +88,8 @@ class Plan:
     #: the job's world size when this plan starts only some of its workers (the new ranks of
     #: `run --attach`); 0: the plan's workers are the whole job
     job_size: int = 0
+    #: which hosts sum what share of the bytes (:func:`layout`)
+    layout: Layout | None = None
 
     @property
     def scheduler_address(self) -> str:
@@ -112,11 +121,15 @@ def plan(hosts: HostsSpec, config: Config | None = None, *, secret: str = "",
     scheduler = Assignment(role="scheduler", rank=0, host=s.host, address=address_of(s),
                            port=s.port, local_rank=0, local_size=1, entry=s)
     servers: list[Assignment] = []
+    the_layout = layout(hosts, config)
+    shares = iter(the_layout.shares)
     for entry in hosts.servers:
         for index in range(entry.count):
             servers.append(Assignment(role="server", rank=len(servers), host=entry.host,
                                       address=address_of(entry), port=(entry.port or 0) + index,
-                                      local_rank=index, local_size=entry.count, entry=entry))
+                                      local_rank=index, local_size=entry.count, entry=entry,
+                                      share=None if entry.spare else next(shares),
+                                      colocated=entry.host in the_layout.worker_hosts))
     workers: list[Assignment] = []
     for entry in hosts.workers:
         for slot in range(entry.count):
@@ -126,7 +139,26 @@ def plan(hosts: HostsSpec, config: Config | None = None, *, secret: str = "",
     return Plan(scheduler=scheduler, servers=tuple(servers), workers=tuple(workers),
                 secret=secret, job_id=job_id, workdir=hosts.workdir,
                 master_addr=workers[0].address, master_port=hosts.master_port,
-                extra_env=hosts.env)
+                extra_env=hosts.env, layout=the_layout)
+
+
+def layout(hosts: HostsSpec, config: Config | None = None) -> Layout:
+    """The cluster's layout: the share of the bytes each (non-spare) server of ``hosts`` sums,
+    in file order. ``BPSCTL_CPU_SHARE`` if the config gives one, else the entries' ``share:``,
+    else the traffic model's optimum for servers on worker hosts and on CPU-only hosts at the
+    entries' ``nic:`` rates (equal rates without them; :func:`bpsctl.tune.model.plan_layout`).
+    A server is on a worker host when its entry names a host a worker entry names."""
+    config = config or Config()
+    servers = [entry for entry in hosts.servers if not entry.spare]
+    server_hosts = [entry.host for entry in servers for _ in range(entry.count)]
+    rates = {entry.host: entry.nic_mbit for entry in (*hosts.workers, *servers)
+             if entry.nic_mbit is not None}
+    given = None
+    if all(entry.share is not None for entry in servers):
+        given = [float(entry.share or 0) / entry.count for entry in servers
+                 for _ in range(entry.count)]        # hosts.py: they sum to 1
+    return plan_layout([w.host for w in hosts.workers], server_hosts, rates_mbit=rates,
+                       cpu_share=config.cpu_share_value, given=given)
 
 
 def cluster_hosts(cluster: ClusterState, workers: int, master_port: int) -> HostsSpec:
@@ -158,4 +190,4 @@ def cluster_hosts(cluster: ClusterState, workers: int, master_port: int) -> Host
                      master_port=master_port)
 
 
-__all__ = ["Assignment", "Plan", "cluster_hosts", "plan"]
+__all__ = ["Assignment", "Plan", "cluster_hosts", "layout", "plan"]

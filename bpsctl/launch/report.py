@@ -60,7 +60,8 @@ def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | Non
     exited, or unknown; a supervised scheduler's (``supervision``: see
     bpsctl/engine/supervise.py) also restarting, and its row says the scheduler's own pid,
     ``supervisor_pid`` and ``restarts``. A former spare that took over a lost server's place
-    says whose (``took_over``: its rank).
+    says whose (``took_over``: its rank). A server's row also carries its ``share`` of the bytes
+    in the cluster's layout and whether it is ``colocated`` with workers, as it registered.
     """
     seen_servers: dict[tuple[str, int | None], dict[str, Any]] = (
         {(s["host"], int(s["port"])): s for s in view["servers"]} if view else {})
@@ -74,8 +75,8 @@ def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | Non
             state = "spare" if seen["state"] == "spare" else "lost"
         row = {"role": record.role, "rank": record.rank, "host": record.host,
                "port": record.port, "pid": record.pid, "state": state}
-        if seen is not None and "took_over" in seen:
-            row["took_over"] = seen["took_over"]
+        if seen is not None:
+            row.update(_layout_keys(seen))
         if record.role == "scheduler" and supervision is not None:
             row.update(_supervised(record, state, supervision))
         if record.ssh_host:
@@ -95,12 +96,18 @@ def status_report(cluster: ClusterState, running: dict[ProcessRecord, bool | Non
             state = "exited"
         row = {"role": role, "rank": member["rank"], "host": member["host"],
                "port": member["port"], "pid": member["pid"], "state": state}
-        if "took_over" in member:
-            row["took_over"] = member["took_over"]
+        row.update(_layout_keys(member))
         processes.append(row)
     return {"cluster": cluster.name, "kind": cluster.kind, "scheduler": cluster.scheduler,
             "state_dir": cluster.state_dir, "created": cluster.created, "processes": processes,
             "job": view["job"] if view else None, "scheduler_error": scheduler_error}
+
+
+def _layout_keys(member: dict[str, Any]) -> dict[str, Any]:
+    """What a server row adds from the scheduler's view: the lost server it took the place of
+    (``took_over``), its share of the bytes in the cluster's layout (``share``, null: none
+    given) and whether it shares a host with workers (``colocated``)."""
+    return {key: member[key] for key in ("took_over", "share", "colocated") if key in member}
 
 
 def _supervised(record: ProcessRecord, state: str,

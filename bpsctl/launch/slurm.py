@@ -185,12 +185,15 @@ def default_port(job_id: str) -> int:
 
 def allocation_hosts(allocation: Allocation, *, servers_per_node: int | None,
                      server_nodes: int, port: int, addresses: Mapping[str, str],
-                     state_dir: str, interfaces: Mapping[str, str] | None = None) -> HostsSpec:
+                     state_dir: str, interfaces: Mapping[str, str] | None = None,
+                     colocated: bool = False) -> HostsSpec:
     """The allocation as a hosts file would describe it (pure).
 
     Without ``server_nodes`` every node runs ``servers_per_node`` (default 1) servers beside
     its workers (BytePS's colocated layout); with it, the first ``server_nodes`` nodes run only
-    servers and the rest only workers. The scheduler is on the first node; server ports follow
+    servers and the rest workers, and with ``colocated`` also ``servers_per_node`` servers
+    each (BytePS's mixed layout: each server's share of the bytes follows launch.plan.layout,
+    the traffic model's optimum by default). The scheduler is on the first node; server ports follow
     the scheduler's, and torch's ``MASTER_PORT`` is 1000 above it. ``interfaces`` names the
     NIC holding each node's address, as preflight found it: gloo (DDP, Horovod) binds it
     (``GLOO_SOCKET_IFNAME``) rather than whatever the node's hostname resolves to.
@@ -213,7 +216,8 @@ def allocation_hosts(allocation: Allocation, *, servers_per_node: int | None,
                               f"or allocate more (salloc --cpus-per-task / -c)")
         del tasks
     local = SshOptions(user="")         # never used: Slurm reaches the nodes
-    server_hosts = nodes[:server_nodes] if server_nodes else nodes
+    server_hosts = nodes[:server_nodes] + (nodes[server_nodes:] if colocated else ()) \
+        if server_nodes else nodes
     worker_nodes = list(zip(nodes, allocation.tasks_per_node, strict=True))[server_nodes:]
 
     def address(node: str) -> str:
@@ -376,7 +380,7 @@ def hosts_address(hosts: HostsSpec, node: str) -> str:
 # --------------------------------------------------------------------------- up
 
 def up(config: Config, *, servers_per_node: int | None = None, server_nodes: int = 0,
-       environ: Mapping[str, str] | None = None,
+       colocated: bool = False, environ: Mapping[str, str] | None = None,
        progress: Callable[[str], None] | None = None) -> ClusterState:
     """Start the scheduler and servers as job steps of the current allocation, wait until
     every server has registered, and record the cluster (kind ``slurm``).
@@ -397,7 +401,8 @@ def up(config: Config, *, servers_per_node: int | None = None, server_nodes: int
     records = node_info(allocation.nodes)
     addresses = {n: _resolve(r.get("NodeAddr") or n) for n, r in records.items()}
     hosts = allocation_hosts(allocation, servers_per_node=servers_per_node,
-                             server_nodes=server_nodes, port=port, addresses=addresses,
+                             server_nodes=server_nodes, colocated=colocated, port=port,
+                             addresses=addresses,
                              state_dir=str(state_dir))
     with state.state_lock(state_dir), stop_signals_recorded() as stop_signals:
         existing = state.load_state(state_dir)
@@ -413,7 +418,8 @@ def up(config: Config, *, servers_per_node: int | None = None, server_nodes: int
             raise PreflightError(problems)
         addresses.update(checked)
         hosts = allocation_hosts(allocation, servers_per_node=servers_per_node,
-                                 server_nodes=server_nodes, port=port, addresses=addresses,
+                                 server_nodes=server_nodes, colocated=colocated, port=port,
+                             addresses=addresses,
                                  state_dir=str(state_dir), interfaces=interfaces)
         stop_signals.check()
         state.rotate_logs(state_dir)
@@ -436,7 +442,9 @@ def up(config: Config, *, servers_per_node: int | None = None, server_nodes: int
                                    processes=processes, created=time.time(),
                                    slurm={"job_id": allocation.job_id,
                                           "nodes": list(allocation.nodes),
-                                          "tasks_per_node": list(allocation.tasks_per_node)})
+                                          "tasks_per_node": list(allocation.tasks_per_node)},
+                                   layout=cluster_plan.layout.to_json()
+                                   if cluster_plan.layout else None)
             state.write_state(cluster)
         except BaseException:
             _stop(started, allocation.job_id, name)

@@ -140,7 +140,9 @@ def up(hosts: HostsSpec | str | Path, config: Config, *, ship_wheel: bool = Fals
                                        secret=cluster_plan.secret, security=config.security,
                                        state_dir=str(state_dir), hosts=hosts,
                                        addresses=addresses, processes=processes,
-                                       created=time.time())
+                                       created=time.time(),
+                                       layout=cluster_plan.layout.to_json()
+                                       if cluster_plan.layout else None)
                 state.write_state(cluster)
             except BaseException:
                 _stop_processes(session, started, cluster_plan.secret)

@@ -57,6 +57,10 @@ class HostSpec:
     address: str | None = None              # or this address (default: ``host``)
     line: int | None = None                 # where the entry is in its file
     spare: bool = False                     # a server entry of spare servers (``spare: true``)
+    # a server entry's share of the bytes (its servers together, evenly); None: the layout
+    # model's (launch/plan.py)
+    share: float | None = None
+    nic_mbit: float | None = None           # the host's NIC rate (``nic:``), for the layout model
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,9 @@ class ClusterState:
     addresses: dict[str, str] = field(default_factory=dict)   # SSH target -> bound address
     # a Slurm cluster's allocation: {"job_id", "nodes": [...], "tasks_per_node": [...]}
     slurm: dict[str, Any] | None = None
+    # which hosts sum what share of the bytes, as planned at `up` (tune/model.py's
+    # Layout.to_json); None for a cluster recorded before layouts were
+    layout: dict[str, Any] | None = None
 
     @property
     def scheduler_record(self) -> ProcessRecord:

@@ -1,9 +1,16 @@
-"""`bpsctl tune` as functions: search partition size, server count and credit on one cluster.
+"""`bpsctl tune` as functions: search partition size, server count, credit and the layout on
+one cluster.
 
-One cluster serves the whole search: partition size, credit and the number of servers a job
-uses are all chosen per job (the scheduler takes the first worker's ``partition_bytes`` and
-``num_servers``; credit is the workers' own), so each point is a fresh job — new worker
-processes — on the same scheduler and servers, and an emulated cluster is built once.
+One cluster serves the whole search: partition size, credit, the number of servers a job
+uses and the layout's split of the bytes are all chosen per job (the scheduler takes the first
+worker's ``partition_bytes``, ``num_servers`` and ``cpu_share``; credit is the workers' own),
+so each point is a fresh job — new worker processes — on the same scheduler and servers, and
+an emulated cluster is built once. The layout is searched on a cluster whose servers sit on
+worker hosts and on CPU-only hosts at once (`up --emulate --colocated-servers --servers K`,
+or such a hosts file): ``cpu_share``, the part of the bytes the CPU hosts' servers sum, from 0
+(servers on the worker hosts only) to 1 (the CPU hosts only) around the traffic model's
+optimum, which goes first; there the job uses all its servers (which ones are first depends
+on the order they registered in, so a server count would mean no particular hosts).
 
 Each point is scored by the comm benchmark (push_pull algbw of a fixed gradient size, median
 of the timed rounds) or a training benchmark (img/sec). optuna's TPE sampler, seeded, picks the
@@ -32,9 +39,9 @@ from ..bench.api import (
     train_system,
 )
 from ..config import Config, ConfigError, format_bytes
-from .model import ServerGuess, guess_servers
+from .model import ServerGuess, guess_servers, plan_layout
 
-KNOBS = ("partition_bytes", "servers", "credit")
+KNOBS = ("partition_bytes", "servers", "credit", "layout")
 #: 64 KiB .. 64 MiB, ×4 steps
 PARTITION_SIZES = tuple(64 * 1024 * 4**i for i in range(6))
 #: credit as a multiple of the partition size: how many partitions a worker keeps in flight
@@ -78,11 +85,12 @@ class TuneSettings:
                               f"float32 tensors (at least {4 * self.tensors} bytes)")
 
 
-@dataclass(frozen=True, order=True)
+@dataclass(frozen=True)
 class Point:
     partition_bytes: int
     servers: int
     credit_bytes: int
+    cpu_share: float | None = None      # BPSCTL_CPU_SHARE of the job (None: the cluster's)
 
 
 @dataclass(frozen=True)
@@ -93,38 +101,50 @@ class Space:
     servers: tuple[int, ...]
     credit_multiples: tuple[int, ...] | None      # None: credit fixed at ``credit_bytes``
     credit_bytes: int
+    cpu_shares: tuple[float | None, ...] = (None,)   # None: the config's BPSCTL_CPU_SHARE
 
     @classmethod
-    def build(cls, config: Config, settings: TuneSettings, cluster_servers: int) -> Space:
+    def build(cls, config: Config, settings: TuneSettings, cluster_servers: int,
+              layout_choices: tuple[float, ...] = ()) -> Space:
+        """``layout_choices``: the cpu_share values to search (:func:`layout_choices`), none
+        on a cluster without servers of both kinds; when searched, jobs use every server."""
         current_servers = min(config.num_servers or cluster_servers, cluster_servers)
+        layout = "layout" in settings.knobs and bool(layout_choices)
         return cls(
             partitions=(settings.partition_sizes if "partition_bytes" in settings.knobs
                         else (config.partition_bytes,)),
-            servers=(tuple(range(1, cluster_servers + 1)) if "servers" in settings.knobs
+            servers=((cluster_servers,) if layout else
+                     tuple(range(1, cluster_servers + 1)) if "servers" in settings.knobs
                      else (current_servers,)),
             credit_multiples=settings.credit_multiples if "credit" in settings.knobs else None,
-            credit_bytes=config.credit_bytes)
+            credit_bytes=config.credit_bytes,
+            cpu_shares=layout_choices if layout else (config.cpu_share_value,))
 
     @property
     def credits(self) -> tuple[int | None, ...]:
         return self.credit_multiples or (None,)
 
-    def point(self, partition_index: int, servers_index: int, credit_index: int) -> Point:
+    def point(self, partition_index: int, servers_index: int, credit_index: int,
+              layout_index: int = 0) -> Point:
         partition = self.partitions[partition_index]
         multiple = self.credits[credit_index]
         return Point(partition, self.servers[servers_index],
-                     self.credit_bytes if multiple is None else multiple * partition)
+                     self.credit_bytes if multiple is None else multiple * partition,
+                     self.cpu_shares[layout_index])
 
     def __len__(self) -> int:
-        return len(self.partitions) * len(self.servers) * len(self.credits)
+        return (len(self.partitions) * len(self.servers) * len(self.credits)
+                * len(self.cpu_shares))
 
     def __iter__(self) -> Iterator[Point]:
         for p in range(len(self.partitions)):
             for s in range(len(self.servers)):
                 for c in range(len(self.credits)):
-                    yield self.point(p, s, c)
+                    for lay in range(len(self.cpu_shares)):
+                        yield self.point(p, s, c, lay)
 
-    def nearest(self, partition_bytes: int, servers: int, credit_bytes: int) -> dict[str, int]:
+    def nearest(self, partition_bytes: int, servers: int, credit_bytes: int,
+                cpu_share: float | None = None) -> dict[str, int]:
         """Indices of the point closest (on the log scales) to the given values."""
         def closest(values: tuple[Any, ...], target: float) -> int:
             return min(range(len(values)), key=lambda i: (abs(math.log(values[i] / target)), i))
@@ -133,7 +153,19 @@ class Space:
                 "servers": min(range(len(self.servers)),
                                key=lambda i: (abs(self.servers[i] - servers), i)),
                 "credit": 0 if self.credit_multiples is None
-                else closest(self.credit_multiples, credit_ratio)}
+                else closest(self.credit_multiples, credit_ratio),
+                "layout": 0 if cpu_share is None or None in self.cpu_shares
+                else min(range(len(self.cpu_shares)),
+                         key=lambda i: (abs((self.cpu_shares[i] or 0) - cpu_share), i))}
+
+
+def layout_choices(model_share: float) -> tuple[float, ...]:
+    """The cpu_share values tune measures around the model's optimum ``model_share``: the two
+    pure layouts (0: servers on the worker hosts only; 1: the CPU hosts only), the optimum, and
+    half-way to each end (the model leaves out the CPUs' and the workers' own costs, which
+    measurement finds)."""
+    return tuple(sorted({0.0, round(model_share / 2, 4), round(model_share, 4),
+                         round((model_share + 1) / 2, 4), 1.0}))
 
 
 @dataclass
@@ -150,6 +182,9 @@ class Tuning:
     baseline: Point
     guess: ServerGuess | None
     guess_note: str
+    #: the traffic model's layout on a cluster with servers of both kinds: {"cpu_share",
+    #: "round_factor" (units of S/R), "round_seconds" (of the comm size; null without a NIC)}
+    layout_model: dict[str, Any] | None = None
     trials: list[dict[str, Any]] = field(default_factory=list)
     #: the re-measured points (finalists and the current config): median over the passes
     finalists: list[dict[str, Any]] = field(default_factory=list)
@@ -159,7 +194,7 @@ class Tuning:
         base = next((f for f in self.finalists if f["current"]), None)
         return {
             "kind": "tune", "mode": "grid" if self.settings.grid else "tpe",
-            "knobs": list(self.settings.knobs), "score_unit": self.score_unit,
+            "knobs": self.searched(), "score_unit": self.score_unit,
             "benchmark": self.benchmark(), "workers": self.workers,
             "servers": self.cluster_servers, "nic_mbit": self.nic_mbit, "cluster": self.cluster,
             "space_points": len(self.space),
@@ -172,7 +207,15 @@ class Tuning:
                 "servers": self.guess.servers, "round_seconds": self.guess.round_seconds,
                 "why": self.guess.why},
             "model_note": self.guess_note,
+            "model_layout": self.layout_model,
         }
+
+    def searched(self) -> list[str]:
+        """The knobs asked for that this cluster lets tune search: the layout only where
+        servers sit on worker hosts and on CPU-only hosts, and then not the server count."""
+        layout = None not in self.space.cpu_shares
+        return [k for k in self.settings.knobs
+                if (k != "layout" or layout) and (k != "servers" or not layout)]
 
     def benchmark(self) -> str:
         s = self.settings
@@ -189,7 +232,9 @@ def _measure(config: Config, point: Point, settings: TuneSettings, workers: int,
              nic_mbit: float | None, repeats: int, output: Any) -> tuple[float, float]:
     """(score, seconds) of one fresh job at ``point``: higher score is better."""
     job_config = config.replace(partition_bytes=point.partition_bytes,
-                                credit_bytes=point.credit_bytes)
+                                credit_bytes=point.credit_bytes,
+                                cpu_share=config.cpu_share if point.cpu_share is None
+                                else repr(point.cpu_share))
     if settings.model is None:
         comm = CommSettings(workers=workers, servers=point.servers, sizes=(settings.size_bytes,),
                             tensors=settings.tensors, warmup=settings.warmup, repeats=repeats,
@@ -240,7 +285,10 @@ def run_tune(config: Config, settings: TuneSettings, progress: Progress | None =
     # an SSH cluster runs one worker per slot of its hosts file: no default to impose there
     private_workers = settings.workers or (None if ssh_cluster(config.state_dir) else 2)
     try:
-        with bench_cluster(config, private_workers, settings.servers or private_workers) as (
+        servers = settings.servers or private_workers
+        if config.colocated_servers:        # the CPU hosts' (default none) and the workers'
+            servers = (settings.servers or 0) + (private_workers or 0)
+        with bench_cluster(config, private_workers, servers) as (
                 cluster_config, nic):
             return _tune_on(cluster_config, settings, nic, progress, sink)
     finally:
@@ -248,18 +296,54 @@ def run_tune(config: Config, settings: TuneSettings, progress: Progress | None =
             sink.close()
 
 
+def _layout_facts(config: Config, workers: int, size_bytes: int, nic: float | None
+                  ) -> tuple[tuple[float, ...], dict[str, Any] | None]:
+    """(cpu_share values to search, the model's layout) when the job's servers sit on worker
+    hosts and on CPU-only hosts at once; ((), None) otherwise. The model's layout is
+    tune/model.py's optimum at the NIC rates the cluster recorded (equal rates otherwise)."""
+    state = launch.load_state(config.state_dir)
+    if state is None:
+        return (), None
+    hosts = [slot.address for slot in launch.worker_slots(state, workers)]
+    rows = sorted((row for row in launch.status(config.state_dir)["processes"]
+                   if row["role"] == "server" and row["state"] == "running"),
+                  key=lambda row: row["rank"])
+    server_hosts = [row["host"] for row in rows]
+    colocated = [host in hosts for host in server_hosts]
+    if all(colocated) or not any(colocated):
+        return (), None
+    rates = (state.layout or {}).get("rates_mbit") or {}
+    model = plan_layout(hosts, server_hosts, rates_mbit=rates)
+    cpu_share = sum(share for share, on_worker in zip(model.shares, colocated, strict=True)
+                    if not on_worker)
+    why = (f"{len(model.colocated_hosts)} worker host(s) and {len(model.cpu_hosts)} CPU "
+           f"host(s) run servers: the CPU hosts' servers sum {cpu_share:.3f} of the bytes "
+           f"(modelled round {model.round_factor():.2f} S/R)")
+    return layout_choices(cpu_share), {
+        "cpu_share": cpu_share, "round_factor": model.round_factor(),
+        "round_seconds": model.round_seconds(size_bytes, nic) if nic else None, "why": why}
+
+
 def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress: Progress,
              output: Any) -> Tuning:
     workers, server_hosts, worker_hosts, description = _cluster_facts(config, settings, nic)
-    space = Space.build(config, settings, len(server_hosts))
+    choices, layout_model = _layout_facts(config, workers, settings.size_bytes, nic)
+    if settings.knobs == ("layout",) and not choices:
+        raise ConfigError("tune --layout: the job's servers do not sit on worker hosts and on "
+                          "CPU-only hosts at once, so there is no split to choose; tune on "
+                          "`bpsctl up --emulate --colocated-servers --servers K` (or such a "
+                          "hosts file), or tune other knobs")
+    space = Space.build(config, settings, len(server_hosts), choices)
     guess, note = None, "loopback: no NIC to model (the servers' CPUs, not a network, bind)"
     if nic is not None and worker_hosts is not None:
         guess = guess_servers(worker_hosts, server_hosts, nic, settings.size_bytes)
         note = guess.why
     baseline = Point(config.partition_bytes, min(config.num_servers or len(server_hosts),
-                                                 len(server_hosts)), config.credit_bytes)
+                                                 len(server_hosts)), config.credit_bytes,
+                     config.cpu_share_value)
     tuning = Tuning(settings, space, workers, len(server_hosts), nic, description,
-                    "img/sec" if settings.model else "algbw MB/s", baseline, guess, note)
+                    "img/sec" if settings.model else "algbw MB/s", baseline, guess, note,
+                    layout_model)
     search = len(space) if settings.grid else min(settings.trials, len(space))
     total = 1 + search + settings.final_passes * (min(settings.finalists, search) + 1)
     scores: dict[Point, float] = {}
@@ -269,8 +353,8 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
         score, seconds = _measure(config, point, settings, workers, nic, settings.repeats, output)
         tuning.trials.append({"number": len(tuning.trials), "stage": stage,
                               "partition_bytes": point.partition_bytes, "servers": point.servers,
-                              "credit": point.credit_bytes, "score": score,
-                              "seconds": seconds, "repeats": settings.repeats})
+                              "credit": point.credit_bytes, "cpu_share": point.cpu_share,
+                              "score": score, "seconds": seconds, "repeats": settings.repeats})
         return score
 
     measure(baseline, "baseline")
@@ -278,8 +362,9 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
         for point in space:
             scores[point] = measure(point, "grid")
     else:
+        model_share = None if layout_model is None else round(layout_model["cpu_share"], 4)
         _search(space, settings, guess, baseline, scores,
-                lambda point: measure(point, "search"), search)
+                lambda point: measure(point, "search"), search, model_share)
     leaders = sorted(scores, key=lambda p: -scores[p])[:settings.finalists]
     contenders = [*leaders, *([] if baseline in leaders else [baseline])]
     passes: dict[Point, list[float]] = {point: [] for point in contenders}
@@ -288,19 +373,22 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
             passes[point].append(measure(point, "final"))
     final = {point: statistics.median(values) for point, values in passes.items()}
     tuning.finalists = [{"partition_bytes": p.partition_bytes, "servers": p.servers,
-                         "credit": p.credit_bytes, "score": final[p], "passes": passes[p],
-                         "search_score": scores.get(p), "current": p == baseline}
+                         "credit": p.credit_bytes, "cpu_share": p.cpu_share, "score": final[p],
+                         "passes": passes[p], "search_score": scores.get(p),
+                         "current": p == baseline}
                         for p in sorted(contenders, key=lambda p: -final[p])]
     winner = max(leaders, key=lambda p: final[p])
     tuning.best = next(f for f in tuning.finalists
-                       if (f["partition_bytes"], f["servers"], f["credit"]) ==
-                       (winner.partition_bytes, winner.servers, winner.credit_bytes))
+                       if (f["partition_bytes"], f["servers"], f["credit"], f["cpu_share"]) ==
+                       (winner.partition_bytes, winner.servers, winner.credit_bytes,
+                        winner.cpu_share))
     progress(len(tuning.trials), total, "done")
     return tuning
 
 
 def _search(space: Space, settings: TuneSettings, guess: ServerGuess | None, baseline: Point,
-            scores: dict[Point, float], measure: Callable[[Point], float], budget: int) -> None:
+            scores: dict[Point, float], measure: Callable[[Point], float], budget: int,
+            model_share: float | None = None) -> None:
     """optuna TPE over the space's indices (ordered, so neighbours inform each other); a point
     it proposes again is answered from memory, not measured twice."""
     import optuna
@@ -309,13 +397,17 @@ def _search(space: Space, settings: TuneSettings, guess: ServerGuess | None, bas
                                          n_startup_trials=max(3, budget // 3))
     study = optuna.create_study(direction="maximize", sampler=sampler)
     # a space-filling start: the current config's nearest point, then the model's server count
-    # at the smallest, a middle and the largest partition size (TPE alone, from a start near
-    # the current config, can spend the whole budget on one end of the range)
-    start = space.nearest(baseline.partition_bytes, baseline.servers, baseline.credit_bytes)
+    # (and layout) at the smallest, a middle and the largest partition size (TPE alone, from a
+    # start near the current config, can spend the whole budget on one end of the range)
+    start = space.nearest(baseline.partition_bytes, baseline.servers, baseline.credit_bytes,
+                          baseline.cpu_share)
     servers = (space.servers.index(guess.servers) if guess is not None
                and guess.servers in space.servers else start["servers"])
+    layout = (space.cpu_shares.index(model_share) if model_share in space.cpu_shares
+              else start["layout"])
     last = len(space.partitions) - 1
-    seeds = [start] + [{"partition": index, "servers": servers, "credit": len(space.credits) // 2}
+    seeds = [start] + [{"partition": index, "servers": servers,
+                        "credit": len(space.credits) // 2, "layout": layout}
                        for index in sorted({0, last // 2, last})]
     for seed in [dict(t) for t in dict.fromkeys(tuple(sorted(d.items())) for d in seeds)]:
         study.enqueue_trial(seed)
@@ -325,8 +417,9 @@ def _search(space: Space, settings: TuneSettings, guess: ServerGuess | None, bas
         trial = study.ask()
         indices = {name: trial.suggest_int(name, 0, count - 1) for name, count in
                    (("partition", len(space.partitions)), ("servers", len(space.servers)),
-                    ("credit", len(space.credits)))}
-        point = space.point(indices["partition"], indices["servers"], indices["credit"])
+                    ("credit", len(space.credits)), ("layout", len(space.cpu_shares)))}
+        point = space.point(indices["partition"], indices["servers"], indices["credit"],
+                            indices["layout"])
         if point not in scores:
             scores[point] = measure(point)
         study.tell(trial, scores[point])
@@ -334,4 +427,5 @@ def _search(space: Space, settings: TuneSettings, guess: ServerGuess | None, bas
 
 def _describe(point: Point) -> str:
     return (f"partition {format_bytes(point.partition_bytes)}, {point.servers} server(s), "
-            f"credit {format_bytes(point.credit_bytes)}")
+            f"credit {format_bytes(point.credit_bytes)}"
+            + ("" if point.cpu_share is None else f", CPU hosts' share {point.cpu_share:g}"))

@@ -24,6 +24,11 @@ def tune(ctx: typer.Context,
                                            help="Tune how many of the servers a job uses (1..K)."),
          credit: bool = typer.Option(False, "--credit",
                                      help="Tune the credit (2, 8 or 32 partitions in flight)."),
+         layout: bool = typer.Option(False, "--layout",
+                                     help="Tune the layout: the CPU hosts' servers' share of the "
+                                          "bytes, from the traffic model's optimum to the pure "
+                                          "layouts (on servers on worker hosts and CPU hosts at "
+                                          "once)."),
          trials: int = typer.Option(16, "--trials", min=1,
                                     help="Points the search measures (besides the current config "
                                          "and the re-measured leaders)."),
@@ -44,6 +49,8 @@ def tune(ctx: typer.Context,
                                                  "job may use (default: as many as workers)."),
          emulate: bool | None = knob_option("emulate", "--emulate"),
          nic: str | None = knob_option("nic", "--nic"),
+         colocated_servers: bool | None = knob_option("colocated_servers", "--colocated-servers"),
+         cpu_share: str | None = knob_option("cpu_share", "--cpu-share"),
          size: str = typer.Option("32MiB", "--size",
                                   help="Comm score: bytes each worker push_pulls per round."),
          tensors: int = typer.Option(8, "--tensors", min=1,
@@ -68,17 +75,20 @@ def tune(ctx: typer.Context,
                                                    "tuned file, *.trials.csv)."),
          config_file: Path | None = config_file_option(),
          ) -> None:
-    """Find the partition size, server count and credit that make push_pull (or training)
-    fastest on these hosts, and write them to the tuned config file that `up`, `run` and
-    `bench` read.
+    """Find the partition size, server count, credit and layout that make push_pull (or
+    training) fastest on these hosts, and write them to the tuned config file that `up`, `run`
+    and `bench` read.
 
-    The flags --partition-bytes, --server-count and --credit name the knobs to tune (none: all
-    three); the others stay at the current config. Each point is a fresh job on one cluster
-    (the one `up` started, or a private one: --emulate builds emulated hosts).
+    The flags --partition-bytes, --server-count, --credit and --layout name the knobs to tune
+    (none: all of them; the layout where servers sit on worker hosts and CPU hosts at once,
+    and then not the server count); the others stay at the current config. Each point is a
+    fresh job on one cluster (the one `up` started, or a private one: --emulate builds
+    emulated hosts).
     """
     with cli_errors():
-        config = _cluster_config(ctx, None, None, emulate, nic, config_file)
-        flags = (partition_bytes, server_count, credit)
+        config = _cluster_config(ctx, None, None, emulate, nic, config_file,
+                                 colocated_servers=colocated_servers, cpu_share=cpu_share)
+        flags = (partition_bytes, server_count, credit, layout)
         chosen = [k for k, on in zip(KNOBS, flags, strict=True) if on]
         settings = TuneSettings(knobs=tuple(chosen) or KNOBS, trials=trials, grid=grid,
                                 model=model, workers=workers, servers=servers,

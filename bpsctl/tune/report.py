@@ -16,7 +16,8 @@ from ..config import CONFIG_FILE_FORMAT, CONFIG_FILE_VERSION, format_bytes
 
 #: the tuned point's values under the Config knob names the file uses
 _FILE_KNOB = {"partition_bytes": ("partition_bytes", "partition_bytes"),
-              "servers": ("num_servers", "servers"), "credit": ("credit_bytes", "credit")}
+              "servers": ("num_servers", "servers"), "credit": ("credit_bytes", "credit"),
+              "layout": ("cpu_share", "cpu_share")}
 
 
 def _toml_value(value: Any) -> str:
@@ -62,8 +63,8 @@ def write_tuned_file(path: Path, report: dict[str, Any], command: str) -> None:
     tmp.replace(path)                   # never a half-written file where `up` looks
 
 
-CSV_COLUMNS = ("number", "stage", "partition_bytes", "servers", "credit", "score", "seconds",
-               "repeats")
+CSV_COLUMNS = ("number", "stage", "partition_bytes", "servers", "credit", "cpu_share", "score",
+               "seconds", "repeats")
 
 
 def write_csv(path: Path, report: dict[str, Any]) -> None:
@@ -107,8 +108,8 @@ def plot_tune(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def _key(trial: dict[str, Any]) -> tuple[int, int, int]:
-    return trial["partition_bytes"], trial["servers"], trial["credit"]
+def _key(trial: dict[str, Any]) -> tuple[int, int, int, float | None]:
+    return trial["partition_bytes"], trial["servers"], trial["credit"], trial.get("cpu_share")
 
 
 def print_tune(console: Console, report: dict[str, Any]) -> None:
@@ -116,19 +117,31 @@ def print_tune(console: Console, report: dict[str, Any]) -> None:
     table = Table(title=f"bpsctl tune ({report['mode']}): {report['measurements']} measurements "
                         f"of {report['space_points']} points")
     # two-line headers, so that the table fits 80 columns with a "chosen + current" row
-    for column in ("", "partition", "servers", "credit", f"{report['score_unit']}\n(median)",
-                   "vs\ncurrent"):
+    # with the layout searched every job uses all the servers: its column instead of theirs
+    layout = "layout" in report.get("knobs", ())
+    for column in ("", "partition", "CPU\nshare" if layout else "servers", "credit",
+                   f"{report['score_unit']}\n(median)", "vs\ncurrent"):
         table.add_column(column, justify="left" if not column else "right", no_wrap=True)
     base = report["baseline"]
     for t in report["finalists"]:
         label = " + ".join(name for name, other in (("chosen", report["best"]), ("current", base))
                            if other and _key(t) == _key(other))
-        table.add_row(label, format_bytes(t["partition_bytes"]), str(t["servers"]),
+        share = [] if not layout else ["auto" if t.get("cpu_share") is None
+                                       else f"{t['cpu_share']:.3g}"]
+        table.add_row(label, format_bytes(t["partition_bytes"]), *(share or [str(t["servers"])]),
                       format_bytes(t["credit"]), f"{t['score']:.1f}",
                       "" if not base else f"{t['score'] / base['score']:.2f}x")
     console.print(table)
     console.print(f"score: {report['benchmark']}", highlight=False)
+    model_layout = report.get("model_layout")
+    if model_layout is not None and layout:
+        chosen = report["best"].get("cpu_share")
+        console.print(f"layout: measured best CPU hosts' share "
+                      f"{'auto' if chosen is None else format(chosen, '.3g')}, traffic model "
+                      f"{model_layout['cpu_share']:.3f} ({model_layout['why']})", highlight=False)
     guess = report["model_guess"]
+    if layout:
+        return                  # every job used all the servers: no count was chosen
     if guess is not None:
         console.print(f"servers: measured best {report['best']['servers']}, traffic model "
                       f"{guess['servers']} ({guess['why']})", highlight=False)
