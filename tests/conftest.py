@@ -142,10 +142,17 @@ TIERS: dict[str, set[str]] = {
         {"slow", "root"},
     # CUDA; and a fresh interpreter importing torch, then a 2-worker job, for the CPU-only case
     "test_torch_gpu.py::test_cpu_users_touch_no_cuda": {"slow"},
+    # a one-worker torch job forced through the servers (the other case stays fast)
+    "test_paths.py::test_one_torch_worker_trains_as_plain_torch_unless_forced[True]": {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s
     "test_examples.py": {"slow"},
     "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu"},
-    "test_torch_gpu.py::test_cuda_sums_are_exact_with_the_stage_on_and_off": {"gpu", "2 gpus"},
+    "test_torch_gpu.py::test_two_workers_on_one_gpu_stage_through_host_memory_and_say_so":
+        {"gpu"},
+    "test_torch_gpu.py::test_bench_on_a_gpu_reports_the_device_and_a_plain_row": {"gpu"},
+    "test_torch_gpu.py::test_cuda_sums_are_exact_on_every_path": {"gpu", "2 gpus"},
+    "test_torch_gpu.py::test_a_one_host_gpu_job_sends_nothing_to_the_servers_and_trains_as_ddp":
+        {"gpu", "2 gpus"},
     "test_torch_gpu.py::test_distributed_optimizer_on_a_cuda_model_matches_the_cpu":
         {"gpu", "2 gpus"},
 }

@@ -43,6 +43,7 @@ import contextlib
 import io
 import itertools
 import pickle
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,6 +53,7 @@ import torch
 from ... import engine as _engine
 from ...config import Config
 from .. import compression as C
+from .. import paths
 from .. import protocol as P
 from ..common import EngineError, keep_large_buffers
 from ..intranode import LocalOp, LocalStage, _as_array
@@ -199,6 +201,7 @@ class _Plugin:
         self.noname = itertools.count()
         self.lock = threading.Lock()
         self.stage: LocalStage | None = None
+        self.announced = False          # the path of CUDA tensors, said once (rank 0)
         self.membership_seen = 0                # worker.membership_changes already told
         # what a rejoining worker receives (see the module docstring)
         self.steps = 0                          # optimizer steps this model has taken
@@ -236,6 +239,7 @@ class _Plugin:
                 w, cfg.master_addr, cfg.master_port, cfg.op_timeout_s,
                 shm_bytes=cfg.shm_bytes if cfg.local_shm else 0,
                 local_only=cfg.local_only != "off" and cfg.local_shm and one_host,
+                local_only_cuda=cfg.local_only != "off" and one_host,
                 start_timeout_s=cfg.start_timeout_s)
 
     def close(self) -> None:
@@ -377,16 +381,23 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         name = f"{name}:{str(wire.dtype).replace('torch.', '')}"
     elif engine is not None:
         name = f"{name}:{engine.spec()}"        # likewise: servers sum it another way
+    if plugin.worker.solo:
+        return _solo(plugin, name, source, output)
     op = _Op(name, output, wire, ctx, compression)
-    if wire.is_cuda and plugin.stage is not None and plugin.stage.handles_cuda:
+    stage = plugin.stage
+    nccl = wire.is_cuda and stage is not None and stage.cuda_path(wire.device)
+    if wire.is_cuda and not plugin.announced:
+        _announce(plugin, cuda=True)
+    if nccl:
+        assert stage is not None
         # reduce-scatter / all-gather with NCCL on the GPU; only the owned chunk is staged
         # through pinned host memory (intranode); the stage starts after the caller's stream
         # has produced the tensor, and synchronize makes it wait for the result
         wire = _contiguous_output(op, wire, source, inplace)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(wire.device))
-        local = plugin.stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
-                                            ready=ready, compression=engine))
+        local = stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
+                                     ready=ready, compression=engine))
         op.wait, op.done, op.local = local.wait, local.done.is_set, local
         op.keep = wire
         return _track(plugin, op)
@@ -405,6 +416,55 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
             _as_array(wire), name=name, average=average, priority=priority,
             out=_as_array(op.wire_out), compression=engine))
     return _track(plugin, op)
+
+
+def _solo(plugin: _Plugin, name: str, source: torch.Tensor, output: torch.Tensor) -> int:
+    """A push_pull of a job of one worker: the sum and the average are the tensor itself, on
+    its own device; nothing is copied to the host, compressed or sent. The name is still
+    bound to its first dtype and shape, as in any job."""
+    if source.is_cuda and not plugin.announced:
+        _announce(plugin, cuda=True)
+    error = plugin.worker.check_solo_binding(name, str(source.dtype), list(source.shape))
+    if error is None and output.data_ptr() != source.data_ptr():
+        output.detach().copy_(source)
+    op = _Op(name, output, output, None, Compression.none)
+
+    def wait(timeout_s: float) -> None:
+        if error is not None:
+            raise error
+    op.wait, op.done = wait, lambda: True
+    return _track(plugin, op)
+
+
+def gradient_path(cuda: bool) -> str:
+    """How this job's gradients travel (a name of :data:`bpsctl.engine.paths.GRADIENT_PATHS`)
+    for tensors on CUDA (``cuda``) or on the host. For CUDA tensors of a job whose workers
+    share hosts, known once the first one was pushed (before that: as the start-time checks
+    leave it)."""
+    plugin = _p()
+    stage = plugin.stage
+    decision = None if stage is None else stage.cuda_decision
+    return paths.gradient_path(
+        solo=plugin.worker.solo, cuda=cuda, stage=stage is not None,
+        nccl=decision is not None and decision[0],
+        local_only=stage is not None and (stage.local_only_cuda if cuda else stage.local_only))
+
+
+def _announce(plugin: _Plugin, cuda: bool) -> None:
+    """Say once, on rank 0, which way CUDA tensors go and why (the first lines of a GPU
+    job's output)."""
+    plugin.announced = True
+    if plugin.worker.rank != 0:
+        return
+    path = gradient_path(cuda)
+    why = {"none": "BPSCTL_FORCE_DISTRIBUTED=1 sends through the servers anyway"}.get(path, "")
+    stage = plugin.stage
+    if stage is not None and stage.cuda_decision is not None:
+        why = stage.cuda_decision[1]
+    elif stage is None and path == "host-staged":
+        why = "one worker per host: no intra-node stage"
+    print(f"bpsctl: CUDA tensors: {path} ({paths.GRADIENT_PATHS[path]})"
+          + (f"; {why}" if why else ""), file=sys.stderr, flush=True)
 
 
 def _track(plugin: _Plugin, op: _Op, handle: Any = None) -> int:
