@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,6 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 from conftest import CHECK_HELPER  # noqa: E402
 
 from bpsctl.config import Config  # noqa: E402
@@ -221,7 +219,8 @@ def test_two_workers_on_one_gpu_stage_through_host_memory_and_say_so(tmp_path, m
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("local_reduce", "local_only", "path"), [
-    ("auto", "auto", "nccl-local"), ("auto", "off", "nccl+servers"), ("off", "auto", "host-staged")])
+    ("auto", "auto", "nccl-local"), ("auto", "off", "nccl+servers"),
+    ("off", "auto", "host-staged")])
 def test_cuda_sums_are_exact_on_every_path(tmp_path, local_reduce, local_only, path):
     records = run_script(tmp_path, SUMS_SCRIPT, 2, local_reduce=local_reduce,
                          local_only=local_only, partition_bytes=4096)
