@@ -40,18 +40,21 @@ of workers when averaging (rounded as the engine rounds) and step 2 is skipped.
 **Host tensors, gloo** (``BPSCTL_LOCAL_SHM=0``): steps 1 and 3 are torch.distributed's
 reduce-scatter and all-gather over gloo, each with its own process group.
 
-**CUDA tensors** (when every rank of the job has CUDA and torch has NCCL) take the same three
-steps on the GPU, through two NCCL process groups per host (one per thread, as the gloo pair):
+**CUDA tensors** (when every host's ranks are on GPUs of their own, decided job-wide: see
+:meth:`LocalStage.cuda_path` and :mod:`bpsctl.engine.paths`) take the same three steps on the
+GPU, through two NCCL process groups per host (one per thread, as the gloo pair):
 the reduce-scatter thread waits (on its own CUDA stream) for the event the caller recorded
 after producing the tensor, reduce-scatters with NCCL into the owned chunk, copies only that
 chunk into a pinned host buffer on the same side stream and waits for it (an event), then
 push_pulls it host-reduced; the all-gather thread waits for the engine, copies the summed chunk
 back (H2D, on its own side stream), all-gathers with NCCL into the output and divides there for
-averaging, then records an event the caller's stream waits on (``synchronize``). Every local
-rank must push_pull the same tensors on the same kind of device in the same order (as for the
-gloo path), and each local rank must use its own GPU: NCCL refuses two ranks on one device
-(set ``BPSCTL_LOCAL_REDUCE=off`` there). Nothing CUDA is touched until a CUDA tensor arrives,
-except the check (at start) whether NCCL groups can be made at all.
+averaging, then records an event the caller's stream waits on (``synchronize``). With every
+worker on one host (``local_only_cuda``) the three steps are one NCCL all-reduce on the GPUs,
+and nothing goes to the host or the servers. Every local rank must push_pull the same tensors
+on the same kind of device in the same order (as for the gloo path). Where ranks share a GPU
+(NCCL refuses two ranks on one device) CUDA tensors are staged through host memory by the
+plugin and take the host path. Nothing CUDA is touched until a CUDA tensor arrives, except the
+device count of the check at start.
 """
 from __future__ import annotations
 

@@ -9,14 +9,16 @@
     bps.broadcast_optimizer_state(optimizer, root_rank=0)
 
 CPU tensors enter the engine as NumPy views of their storage (no copy); CUDA tensors are
-staged through pinned host buffers, copied on a side stream. When several workers share a
-host (``local_size() > 1``) and ``BPSCTL_LOCAL_REDUCE`` is ``auto``, push_pulls go through
-the intra-node stage (:mod:`bpsctl.engine.intranode`): shared memory for host tensors
-(``BPSCTL_LOCAL_SHM``; gloo without it), and no servers at all when every worker is on one
-host (``BPSCTL_LOCAL_ONLY``); NCCL on the GPU for CUDA tensors where every rank has CUDA and
-NCCL (only each rank's owned chunk is staged through pinned memory), else they are staged
-whole and take the host path. Handles are
-integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed.
+staged through pinned host buffers, copied on a side stream. A job of one worker sends
+nothing: its push_pulls complete at once (``BPSCTL_FORCE_DISTRIBUTED`` sends anyway). When
+several workers share a host (``local_size() > 1``) and ``BPSCTL_LOCAL_REDUCE`` is ``auto``,
+push_pulls go through the intra-node stage (:mod:`bpsctl.engine.intranode`): shared memory
+for host tensors (``BPSCTL_LOCAL_SHM``; gloo without it), and no servers at all when every
+worker is on one host (``BPSCTL_LOCAL_ONLY``); NCCL on the GPU for CUDA tensors where every
+host's ranks are on GPUs of their own (one all-reduce on one host; else only each rank's
+owned chunk is staged through pinned memory), else they are staged whole and take the host
+path. :func:`gradient_path` names the path; rank 0 says it at the first CUDA push_pull.
+Handles are integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed.
 
 **Rejoining** (``bpsctl run --max-restarts``; new ranks of ``bpsctl run --attach`` join the
 same way): a live worker hands a restarted one its state at the end of an optimizer step
