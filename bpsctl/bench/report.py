@@ -275,8 +275,8 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
         console.print(f"DDP over {report.get('baseline_backend')}: "
                       f"{report.get('baseline_backend_why')}", highlight=False)
     if scaling:
-        console.print("scaling: img/sec per " + ("GPU" if cuda else "worker") + " over the "
-                      "plain row's (one worker alone, no communication)", highlight=False)
+        console.print("scaling: img/sec per " + ("GPU" if cuda else "worker") + " over "
+                      "plain's (one worker alone, no communication)", highlight=False)
     batches = report["batches_per_iter"]
     versions = ", ".join(row["version"] for row in report["results"] if row.get("version"))
     console.print(f"batch {report['batch_size']} per worker, {report['image_size']}x"
