@@ -387,6 +387,12 @@ class Config:
                            "shared memory in /dev/shm, the header still over TCP: auto, or 0 "
                            "(everything over TCP loopback); each process uses at most "
                            "BPSCTL_SHM_BYTES for it", "str", in_file=True)
+    force_distributed: bool = knob(False, "BPSCTL_FORCE_DISTRIBUTED",
+                                   "a job of one worker sends its push_pulls through the "
+                                   "servers all the same (by default there is nothing to sum "
+                                   "and they complete at once, as in Horovod and BytePS): to "
+                                   "measure the full path with one worker or GPU", "bool",
+                                   ("BYTEPS_FORCE_DISTRIBUTED",), in_file=True)
     reuse_memory: bool = knob(True, "BPSCTL_REUSE_MEMORY",
                               "a worker using the torch plugin has glibc's malloc keep freed "
                               "large buffers (gradients, activations) for the next step instead "

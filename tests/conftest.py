@@ -161,10 +161,17 @@ TIERS: dict[str, set[str]] = {
     "test_async.py::test_torch_training_with_server_held_parameters": {"slow"},
     "test_tune.py::test_commands_refuse_a_bad_file_with_exit_2_but_down_still_works": {"slow"},
     "test_tune.py::test_bench_reads_the_file_and_its_flags_win": {"slow"},
+    # one-worker torch jobs through `bpsctl run`, alone and forced through the servers
+    "test_paths.py::test_one_torch_worker_trains_as_plain_torch_unless_forced": {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s
     "test_examples.py": {"slow"},
     "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu"},
-    "test_torch_gpu.py::test_cuda_sums_are_exact_with_the_stage_on_and_off": {"gpu", "2 gpus"},
+    "test_torch_gpu.py::test_two_workers_on_one_gpu_stage_through_host_memory_and_say_so":
+        {"gpu"},
+    "test_torch_gpu.py::test_bench_on_a_gpu_reports_the_device_and_a_plain_row": {"gpu"},
+    "test_torch_gpu.py::test_cuda_sums_are_exact_on_every_path": {"gpu", "2 gpus"},
+    "test_torch_gpu.py::test_a_one_host_gpu_job_sends_nothing_to_the_servers_and_trains_as_ddp":
+        {"gpu", "2 gpus"},
     "test_torch_gpu.py::test_distributed_optimizer_on_a_cuda_model_matches_the_cpu":
         {"gpu", "2 gpus"},
 }

@@ -108,7 +108,8 @@ def test_bench_resnet50_compares_on_the_ssh_cluster(emulated_hosts, tmp_path):
     report = json.loads(done.stdout)
     assert (report["kind"], report["model"], report["workers"]) == ("train", "resnet50", 2)
     rows = {row["system"]: row for row in report["results"]}
-    assert sorted(rows) == sorted(["bpsctl", *systems])
+    assert sorted(rows) == sorted(["bpsctl", *systems, "plain"])
+    assert rows.pop("plain")["workers"] == 1             # rank 0 alone on w0
     for row in rows.values():
         assert row["workers"] == 2 and row["img_per_sec"] > 0, row
     assert set(report["speedup"]) == set(systems)

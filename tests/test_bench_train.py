@@ -121,6 +121,14 @@ def test_missing_horovod_says_how_to_install_and_exits_2(tmp_path, monkeypatch):
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
 
 
+@pytest.mark.parametrize("command", ["resnet50", "comm"])
+def test_device_cuda_without_cuda_is_a_usage_error_naming_what_is_missing(tmp_path, command):
+    result = _bpsctl(["bench", command, "--device", "cuda"], tmp_path / "state", 60)
+    assert result.returncode == 2, result.stderr
+    assert "--device cuda:" in result.stderr and "has no CUDA device" in result.stderr
+    assert "CPU build" in result.stderr or "sees no CUDA device" in result.stderr
+
+
 def test_unknown_baseline_is_a_usage_error(tmp_path):
     result = _bpsctl(["bench", "vgg16", "--compare", "allreduce"], tmp_path / "state", 60)
     assert result.returncode == 2
@@ -142,11 +150,17 @@ def test_train_bench_on_emulated_hosts_against_the_baselines(tmp_path):
     assert (report["workers"], report["servers"], report["batch_size"]) == (2, 2, 2)
     assert report["nic_mbit"] == 1000
     systems = [r["system"] for r in report["results"]]
-    assert systems == ["bpsctl", *compare.split(",")]
+    assert systems == ["bpsctl", *compare.split(","), "plain"]
+    assert report["device"] == "cpu" and "gpus" not in report
     for row in report["results"]:
         assert row["img_per_sec"] > 0 and row["img_per_sec_ci95"] >= 0
         assert len(row["img_secs_per_worker"]) == 2
         assert row["version"]
+        assert row["scaling_efficiency"] == pytest.approx(
+            row["img_per_sec_per_worker"] / report["results"][-1]["img_per_sec_per_worker"])
+    plain = report["results"].pop()        # one worker alone: no NIC, no ideal, no speedup
+    assert plain["workers"] == 1 and plain["ideal_step_s"] is None
+    assert report["results"][0]["gradient_path"] == "servers"
     assert set(report["speedup"]) == set(compare.split(","))
     # the NIC-bound ideal step: 2 hosts of one worker and 2 servers, so bpsctl's busiest NIC
     # carries its wire bytes each way and the ring 2(2-1)/2 of the gradient
@@ -192,9 +206,15 @@ def test_rounds_rotate_the_order_and_pair_the_ratios(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     order = [line.split()[1] for line in result.stderr.splitlines()
              if line.startswith("[0] ") and " iter 1/2:" in line]
-    assert order == ["bpsctl", "ddp", "ddp", "bpsctl"]
+    assert order == ["bpsctl", "ddp", "plain", "ddp", "plain", "bpsctl"]
     report = json.loads(out.read_text())
     assert report["rounds"] == 2
+    # --device auto on a machine without CUDA: the CPU, with its defaults
+    assert report["device"] == "cpu" and report["image_size"] == 32
+    assert report["results"][0]["gradient_path"] == "shm-local"     # 2 workers, one host
+    plain = report["results"].pop()
+    assert plain["system"] == "plain" and len(plain["img_secs_per_worker"]) == 4
+    assert plain["scaling_efficiency"] == 1.0 and "plain" not in report["speedup"]
     for row in report["results"]:
         assert len(row["img_secs_per_worker"]) == 4                # 2 iterations x 2 rounds
         assert len(row["img_per_sec_by_round"]) == 2
@@ -212,8 +232,9 @@ def test_rounds_rotate_the_order_and_pair_the_ratios(tmp_path):
     # what the user sees: the records stay between the processes, the table fits 80 columns
     # with the speedup on one line, and a sentence says what it means
     assert "BPSCTL_RESULT" not in result.stdout + result.stderr
-    assert_table_fits_80(result.stderr, rows=2)
+    assert_table_fits_80(result.stderr, rows=3)
     assert re.search(r"│ ddp .*│ bpsctl \d+\.\d\dx │", result.stderr), result.stderr
+    assert "bench resnet50 on CPU:" in result.stderr and "scaling:" in result.stderr
     said = sentence(result.stderr)
     assert re.search(r"bpsctl (was (faster|slower): it )?trained at \d+\.\d\d× DDP's speed on "
                      r"loopback, where there is no network bottleneck", said), said

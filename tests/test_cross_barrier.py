@@ -321,7 +321,8 @@ def test_the_training_bench_runs_bpsctl_with_cross_barrier(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["cross_barrier"] is True
-    (row,) = report["results"]
+    row, plain = report["results"]
+    assert plain["system"] == "plain"
     assert row["system"] == "bpsctl" and row["version"].endswith("CrossBarrier")
     assert row["img_per_sec"] > 0
     assert not {p.pid for p in psutil.Process().children(recursive=True)} - before

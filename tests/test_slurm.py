@@ -264,7 +264,8 @@ def test_bench_resnet50_in_salloc_trains_bpsctl_and_the_baselines_on_the_nodes(s
     report = json.loads((job_dir / "train.json").read_text())
     assert (report["kind"], report["model"], report["workers"]) == ("train", "resnet50", 2)
     assert (report["cluster"], report["nodes"]) == ("slurm", ["w0", "w1"])
-    assert _systems(report) == ["bpsctl", *baselines]
+    assert _systems(report) == ["bpsctl", *baselines, "plain"]
+    assert report["results"].pop()["workers"] == 1      # rank 0 alone, on w0
     for row in report["results"]:
         assert row["workers"] == 2 and row["img_per_sec"] > 0 and row["version"], row
     assert set(report["speedup"]) == set(baselines)

@@ -43,6 +43,7 @@ FAST_TEST_OF = {
     "bench/comm.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "bench/convergence.py":
         "test_stragglers.py::test_the_convergence_task_is_the_same_everywhere_and_learnable",
+    "bench/gpu.py": "test_paths.py::test_the_device_is_cuda_only_where_every_worker_host_has_a_gpu",
     "bench/grads.py":
         "test_small_parts.py::test_the_per_tensor_overhead_benchmark_checks_its_sums_and_reports",
     "bench/horovod.py": "test_bench_train.py::test_patch_raises_the_cxx_standard",
@@ -67,6 +68,8 @@ FAST_TEST_OF = {
     "engine/mxnet.py":
         "test_mxnet_plugin.py::test_asynchronous_sgd_of_one_worker_is_mxnets_own_sgd",
     "engine/partition.py": "test_engine.py::test_sizes_the_partition_size_does_not_divide",
+    "engine/paths.py":
+        "test_paths.py::test_one_worker_sends_nothing_unless_forced_and_gets_the_same_sums",
     "engine/protocol.py": "test_torch_bf16.py::test_round_and_widen_match_torch_conversions",
     "engine/scheduler.py": "test_engine.py::test_sum_is_exact_for_integer_valued_data",
     "engine/security.py": "test_security.py::test_a_worker_with_the_wrong_secret_cannot_register",

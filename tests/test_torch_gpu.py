@@ -2,8 +2,9 @@
 
 The tests marked ``gpu`` need CUDA; the ones through the NCCL intra-node stage need a GPU per
 local rank (two), since NCCL refuses two ranks on one device. Without them they skip, saying
-why. The rest (chunk layout, the GPU division's rounding, the job-wide agreement on NCCL groups,
-no CUDA touched by CPU users) runs everywhere: they test real code, not a stand-in for a GPU.
+why. The rest (chunk layout, the GPU division's rounding, no CUDA touched by CPU users) runs
+everywhere: they test real code, not a stand-in for a GPU. The decisions (which path, NCCL or
+not, agreed job-wide) are tested on CPU in test_paths.py.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import json
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,11 +20,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import torch.distributed as dist  # noqa: E402
 from conftest import CHECK_HELPER  # noqa: E402
 
 from bpsctl.config import Config  # noqa: E402
-from bpsctl.engine.intranode import _all_ranks_agree, chunk_layout, divide_exactly  # noqa: E402
+from bpsctl.engine.intranode import chunk_layout, divide_exactly  # noqa: E402
 from bpsctl.engine.worker import _divide_bf16  # noqa: E402
 from bpsctl.launch.api import run_local  # noqa: E402
 
@@ -51,13 +50,16 @@ PRELUDE = textwrap.dedent('''
         with open(os.path.join(sys.argv[1], f"rank{R}.json"), "w") as f:
             json.dump({"stage": stage is not None,
                        "nccl": stage is not None and stage.handles_cuda,
+                       "path": bps.gradient_path(cuda=DEV is not None),
                        "cuda_initialized": torch.cuda.is_initialized(),
                        "results": RESULTS, "extra": EXTRA}, f)
 ''')
 
 
-def run_script(tmp_path: Path, body: str, np_: int, *args: str, **knobs) -> list[dict]:
-    """Run PRELUDE + body on ``np_`` worker processes of one host; each rank's record."""
+def run_script(tmp_path: Path, body: str, np_: int, *args: str, logs: list[str] | None = None,
+               **knobs) -> list[dict]:
+    """Run PRELUDE + body on ``np_`` worker processes of one host; each rank's record (and
+    the job's output appended to ``logs``)."""
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body) + "\nsave()\nbps.shutdown()\n")
     out_dir = tmp_path / "out"
@@ -68,6 +70,8 @@ def run_script(tmp_path: Path, body: str, np_: int, *args: str, **knobs) -> list
     result = run_local([sys.executable, str(script), str(out_dir), *args], np_, config,
                        servers=2, stdout=log, stderr=log)
     assert result.exit_code == 0, f"workers failed:\n{log.getvalue()[-4000:]}"
+    if logs is not None:
+        logs.append(log.getvalue())
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np_)]
 
 
@@ -187,21 +191,43 @@ def train():
 
 
 @pytest.mark.timeout(180)
-def test_single_rank_cuda_push_pull(tmp_path):
-    """One worker, one GPU: CUDA tensors staged through pinned host memory (no stage)."""
-    records = run_script(tmp_path, SUMS_SCRIPT, 1)
+@pytest.mark.parametrize("force", [False, True])
+def test_single_rank_cuda_push_pull(tmp_path, force):
+    """One worker, one GPU: alone, nothing travels and nothing leaves the GPU; forced through
+    the servers (BPSCTL_FORCE_DISTRIBUTED), CUDA tensors are staged through host memory."""
+    logs: list[str] = []
+    records = run_script(tmp_path, SUMS_SCRIPT, 1, logs=logs, force_distributed=force)
     assert records[0]["stage"] is False
+    assert records[0]["path"] == ("host-staged" if force else "none")
+    assert f"CUDA tensors: {records[0]['path']}" in logs[0]
     assert_all_ok(records)
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("local_reduce", ["auto", "off"])
-def test_cuda_sums_are_exact_with_the_stage_on_and_off(tmp_path, local_reduce):
+def test_two_workers_on_one_gpu_stage_through_host_memory_and_say_so(tmp_path, monkeypatch):
+    """Both on the same device (local_rank % 1): NCCL would refuse them ("Duplicate GPU
+    detected"), so the job agrees on staging through host memory and the host's stage."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")         # one GPU, however many there are
+    logs: list[str] = []
+    records = run_script(tmp_path, SUMS_SCRIPT, 2, logs=logs)
+    for rank, record in enumerate(records):
+        assert record["stage"] and not record["nccl"], f"rank {rank}"
+        assert record["path"] == "host-staged", f"rank {rank}"
+    assert "CUDA tensors: host-staged" in logs[0] and "share" in logs[0]
+    assert_all_ok(records)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("local_reduce", "local_only", "path"), [
+    ("auto", "auto", "nccl-local"), ("auto", "off", "nccl+servers"),
+    ("off", "auto", "host-staged")])
+def test_cuda_sums_are_exact_on_every_path(tmp_path, local_reduce, local_only, path):
     records = run_script(tmp_path, SUMS_SCRIPT, 2, local_reduce=local_reduce,
-                         partition_bytes=4096)
+                         local_only=local_only, partition_bytes=4096)
     for rank, record in enumerate(records):
         assert record["stage"] is (local_reduce == "auto"), f"rank {rank}"
         assert record["nccl"] is (local_reduce == "auto"), f"rank {rank}: NCCL groups"
+        assert record["path"] == path, f"rank {rank}"
     assert_all_ok(records)
 
 
@@ -228,6 +254,68 @@ def test_distributed_optimizer_on_a_cuda_model_matches_the_cpu(tmp_path, local_r
             assert torch.equal(params[name], rank0[name]), f"rank {rank} differs in {name}"
             assert torch.allclose(params[name], ref, rtol=1e-4, atol=1e-5), \
                 f"{name}: max |diff| {(params[name] - ref).abs().max():.2e}"
+
+
+DDP_SCRIPT = TRAIN_COMMON + '''
+import torch.distributed as dist
+STEPS, LOCAL_BATCH = int(sys.argv[2]), int(sys.argv[3])
+
+@check
+def ddp_train():
+    # the reference: torch DDP over NCCL on the same GPUs (bpsctl's stage made the default
+    # group; DDP uses it with the NCCL groups' device)
+    group = dist.new_group(list(range(N)), backend="nccl")
+    model = make_model().to(DEV)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[DEV.index],
+                                                    process_group=group)
+    opt = make_optimizer(ddp)
+    for step in range(STEPS):
+        x, y = global_batch(step, N, LOCAL_BATCH)
+        x, y = x[R * LOCAL_BATCH:(R + 1) * LOCAL_BATCH], y[R * LOCAL_BATCH:(R + 1) * LOCAL_BATCH]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(ddp(x.to(DEV)), y.to(DEV)).backward()
+        opt.step()
+    torch.save({k: v.cpu() for k, v in model.state_dict().items()},
+               os.path.join(sys.argv[1], f"ddp.rank{R}.pt"))
+'''
+
+
+@pytest.mark.timeout(300)
+def test_a_one_host_gpu_job_sends_nothing_to_the_servers_and_trains_as_ddp(tmp_path):
+    """Two GPUs of one host: one NCCL all-reduce per gradient on the GPUs, the servers' traces
+    empty, and the parameters those of torch DDP over NCCL."""
+    from bpsctl.trace.api import load, summarize
+    steps, local_batch = 10, 8
+    traces = tmp_path / "traces"
+    records = run_script(tmp_path, TRAIN_SCRIPT + DDP_SCRIPT, 2, str(steps), str(local_batch),
+                         trace_dir=str(traces))
+    assert_all_ok(records)
+    assert all(record["path"] == "nccl-local" for record in records)
+    assert sum(s["bytes_summed"] for s in summarize(load(traces))["servers"]) == 0
+    for rank in range(2):
+        ours = torch.load(tmp_path / "out" / f"params.rank{rank}.pt")
+        ddp = torch.load(tmp_path / "out" / f"ddp.rank{rank}.pt")
+        for name, value in ddp.items():
+            assert torch.allclose(ours[name], value, rtol=1e-5, atol=1e-6), \
+                f"rank {rank}, {name}: max |diff| {(ours[name] - value).abs().max():.2e}"
+
+
+@pytest.mark.timeout(600)
+def test_bench_on_a_gpu_reports_the_device_and_a_plain_row(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path),
+                           "bench", "resnet50", "--device", "cuda", "--workers", "1",
+                           "--batch-size", "16", "--image-size", "64", "--warmup", "2",
+                           "--iters", "3", "--compare", "ddp", "--json", "-"],
+                          capture_output=True, text=True, timeout=580)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["device"] == "cuda" and report["gpus"][0]["count"] >= 1
+    assert report["cuda_version"] and report["gpus"][0]["name"]
+    systems = [row["system"] for row in report["results"]]
+    assert systems == ["bpsctl", "ddp", "plain"]
+    assert report["results"][0]["gradient_path"] == "none"
+    assert report["baseline_backend"] == "nccl"
+    assert "on 1x " in done.stderr and "plain" in done.stderr
 
 
 # --------------------------------------------------------------------------- everywhere
@@ -269,28 +357,6 @@ def test_the_division_for_averaging_rounds_as_the_engine_does(dtype, divisor):
         want = torch.from_numpy(quotient)
     assert got.dtype == dtype
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
-
-
-def test_ranks_agree_on_nccl_only_when_all_can():
-    def run(flags, store):
-        answers = [None] * len(flags)
-
-        def one(rank):
-            answers[rank] = _all_ranks_agree("k", rank, len(flags), flags[rank], 10.0, store)
-        threads = [threading.Thread(target=one, args=(r,)) for r in range(len(flags))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(15)
-        return answers
-
-    assert run([True, True, True], dist.HashStore()) == [True, True, True]
-    assert run([True, False, True], dist.HashStore()) == [False, False, False]
-    assert run([False, False], dist.HashStore()) == [False, False]
-    # a rank that cannot answers at once, without waiting for the others
-    store = dist.HashStore()
-    assert _all_ranks_agree("k", 1, 4, False, 10.0, store) is False
-    assert store.get("k/1") == b"0"
 
 
 @pytest.mark.skipif(CUDA, reason="checks the CPU-only case; this machine has CUDA")

@@ -1,4 +1,5 @@
-"""The ring-allreduce baseline of `bench comm --compare allreduce`: torch.distributed with gloo.
+"""The ring-allreduce baseline of `bench comm --compare allreduce`: torch.distributed with gloo
+(NCCL on CUDA tensors with `--device cuda`, where every worker has a GPU of its own).
 
 Runs inside each worker process (``python -m bpsctl.bench.allreduce``), started by the same
 launcher on the same hosts as the bpsctl workers, reading the standard RANK, WORLD_SIZE,
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import time
 
 from ..config import parse_size
@@ -24,20 +26,33 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--gpu-by", choices=("local_rank", "rank"), default="local_rank")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     args = parser.parse_args(argv)
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="env://",
+    cuda = args.device == "cuda"
+    if cuda:
+        which = int(os.environ.get("LOCAL_RANK" if args.gpu_by == "local_rank" else "RANK", "0"))
+        torch.cuda.set_device(which % torch.cuda.device_count())
+    else:
+        torch.set_num_threads(1)
+    dist.init_process_group(args.backend, init_method="env://",
                             timeout=datetime.timedelta(seconds=args.timeout))
     rank, size = dist.get_rank(), dist.get_world_size()
     numel = max(1, parse_size(args.size) // 4)
-    buffer = torch.full((numel,), float(rank + 1), dtype=torch.float32)
+    buffer = torch.full((numel,), float(rank + 1), dtype=torch.float32,
+                        device="cuda" if cuda else "cpu")
 
     def one_round() -> float:
         buffer.fill_(float(rank + 1))
+        if cuda:
+            torch.cuda.synchronize()
         dist.barrier()
         start = time.perf_counter()
         dist.all_reduce(buffer)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
     for _ in range(args.warmup):
@@ -48,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"rank {rank}: allreduce gave {float(buffer[0])}, expected {expected}")
     if rank == 0:
         print_result({"seconds": seconds, "size_bytes": numel * 4,
-                      "version": f"torch {torch.__version__} gloo"})
+                      "version": f"torch {torch.__version__} {args.backend}"})
     dist.destroy_process_group()
 
 

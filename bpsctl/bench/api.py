@@ -25,11 +25,13 @@ from typing import IO, Any, cast
 
 from .. import __version__, launch
 from ..config import SECURITY_MODES, Config, ConfigError
+from ..engine.paths import solo_job
 from ..errors import BpsctlError
 from ..launch.local import host_command
 from ..tune.model import GOODPUT_SHARE as GOODPUT_SHARE  # (where bench and its tests find it)
 from ..tune.model import goodput_bytes_s, job_shares, round_seconds
 from .comm import RESULT_MARKER, zmq_pair_seconds
+from .gpu import HostGPUs, gpu_keys, last_json, probe_code, probe_here
 from .train import throughput
 
 COMM_BASELINES = ("allreduce",)
@@ -56,6 +58,11 @@ class CommSettings:
     security: tuple[str, ...] = field(default=())
     #: workers on each emulated worker host (``workers`` counts every process: hosts times this)
     workers_per_host: int = 1
+    device: str = "cpu"                  # cuda: CUDA tensors, copies to and from the GPU timed
+    gpu_by: str = "local_rank"           # as TrainSettings.gpu_by
+    backend: str = "gloo"                # the allreduce baseline's
+    backend_why: str = ""
+    gpus: tuple[Any, ...] = ()           # bench.gpu.HostGPUs of the worker hosts (on CUDA)
 
     def __post_init__(self) -> None:
         check_per_host_split(self.workers, self.workers_per_host)
@@ -125,8 +132,11 @@ def host_streams(config: Config, host_workers: Sequence[int]) -> list[int]:
     by the conditions of engine/torch's intra-node stage: once when the host's workers
     reduce-scatter first, once per worker when they do not (a single worker, BPSCTL_LOCAL_REDUCE
     off, a host whose workers do not divide the job's, elastic or asynchronous training), and
-    not at all when the stage finishes each step in shared memory (the job's one host)."""
+    not at all when the stage finishes each step in shared memory (the job's one host) or
+    the job is one worker's (nothing to sum: engine/paths.py's solo_job)."""
     workers = sum(host_workers)
+    if workers == 1 and solo_job(config, 1, joined_running=False):
+        return [0] * len(host_workers)
     elastic = (0 < config.min_workers < workers or config.max_workers > workers
                or config.backup_workers > 0 or config.staleness > 0 or config.async_mode)
     streams = []
@@ -486,8 +496,11 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
     host_workers = worker_hosts(config, n)
     common = ["--size", str(size), "--warmup", str(settings.warmup),
               "--repeats", str(settings.repeats)]
-    ours = _run_workers(config, "bpsctl.bench.comm", [*common, "--tensors", str(settings.tensors)],
-                        n, k, output)
+    if settings.device == "cuda":
+        common += ["--device", "cuda", "--gpu-by", settings.gpu_by]
+    # the point is to measure the path: one worker pushes through the servers too
+    ours = _run_workers(config.replace(force_distributed=True), "bpsctl.bench.comm",
+                        [*common, "--tensors", str(settings.tensors)], n, k, output)
     size = ours["size_bytes"]
     layout = job_layout(config, n, k, size, nic_mbit)
     row = _row("bpsctl", __version__, ours["seconds"], size, host_workers, k, nic_mbit,
@@ -495,11 +508,13 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
     row["push_pulls_per_s"] = ours["tensors"] / row["seconds"]
     if layout["model_seconds"]:
         layout["measured_over_model"] = row["seconds"] / layout["model_seconds"]
+    if "gradient_path" in ours:
+        row["gradient_path"] = ours["gradient_path"]
     results = [row]
     speedup: dict[str, float] = {}
     if "allreduce" in settings.compare:
-        theirs = _run_workers(config.replace(trace_dir=""), "bpsctl.bench.allreduce", common,
-                              n, k, output)
+        theirs = _run_workers(config.replace(trace_dir=""), "bpsctl.bench.allreduce",
+                              [*common, "--backend", settings.backend], n, k, output)
         results.append(_row("allreduce", theirs["version"], theirs["seconds"], size,
                             host_workers, k, nic_mbit))
         speedup["allreduce"] = results[-1]["seconds"] / row["seconds"]
@@ -509,7 +524,8 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
         "tensors": ours["tensors"], "partition_bytes": config.partition_bytes,
         "credit_bytes": config.credit_bytes, "warmup": settings.warmup,
         "repeats": settings.repeats, "host": socket.gethostname(), "results": results,
-        "speedup": speedup, "layout": layout, **_cluster_keys(config),
+        "speedup": speedup, "layout": layout, **_cluster_keys(config), "device": settings.device,
+        **(gpu_keys(settings.gpus) if settings.device == "cuda" else {}),
     }
     if n > 1 and (max(host_workers) == 1 or len(host_workers) == 1):
         # one worker per host: ring allreduce moves 2(n-1)/n·S through every NIC, the layout
@@ -521,7 +537,8 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
         if layout["model_seconds"] and len(host_workers) > 1:
             report["theory_speedup"] = ideal_seconds("allreduce", size, host_workers, k,
                                                      nic_mbit or 0) / layout["model_seconds"]
-    if settings.raw and nic_mbit is None and hosts_cluster(config.state_dir) is None:
+    if settings.raw and nic_mbit is None and hosts_cluster(config.state_dir) is None \
+            and settings.device == "cpu":
         raw_seconds = zmq_pair_seconds(size, min(config.partition_bytes, size),
                                        repeats=max(5, settings.repeats))
         import zmq
@@ -655,6 +672,13 @@ class TrainSettings:
     cross_barrier: bool = False          # bpsctl updates per layer (engine/torch/cross_barrier.py)
     #: workers on each emulated worker host (``workers`` counts every process: hosts times this)
     workers_per_host: int = 1
+    device: str = "cpu"                  # cuda or cpu (resolved: see bench/gpu.py)
+    #: the GPU of a worker: its local rank's (hosts with GPUs of their own) or its rank's
+    #: (emulated hosts, which share this machine's) modulo the GPUs
+    gpu_by: str = "local_rank"
+    backend: str = "gloo"                # DDP's (and PowerSGD's) torch.distributed backend
+    backend_why: str = ""                # why that backend, for the report
+    gpus: tuple[Any, ...] = ()           # bench.gpu.HostGPUs of the worker hosts (on CUDA)
 
     def __post_init__(self) -> None:
         from ..engine.compression import parse
@@ -794,6 +818,51 @@ def _check_horovod_on_nodes(cluster: launch.ClusterState) -> None:
                           "--compare")
 
 
+def probe_gpus(config: Config, horovod: bool = False) -> list[HostGPUs]:
+    """The GPUs of each worker host, in host order: every worker host of an SSH cluster (over
+    SSH) or a Slurm cluster (one step per node) that `bpsctl up` started; else this machine,
+    whose GPUs the embedded default's workers and every emulated host share (one entry).
+    ``horovod``: also whether Horovod there allreduces CUDA tensors over NCCL."""
+    code = probe_code(horovod)
+    recorded = launch.load_state(config.state_dir)
+    if recorded is not None and recorded.kind in ("ssh", "slurm") and recorded.hosts:
+        hosts = list(dict.fromkeys(entry.host for entry in recorded.hosts.workers))
+        python = recorded.hosts.python
+        if recorded.kind == "slurm" and recorded.slurm:
+            from ..launch import slurm
+            answers, why = slurm.ask_nodes(str(recorded.slurm["job_id"]), hosts,
+                                           [python, "-c", code], "bpsctl-gpu-probe",
+                                           timeout_s=120.0)
+            return [HostGPUs.from_answer(host, answers.get(host, {"error": f"no answer{why}"}))
+                    for host in hosts]
+        from ..launch.transport import run_on_hosts
+        found = run_on_hosts(recorded.hosts, hosts, [python, "-c", code], timeout_s=120)
+        result = []
+        for host in hosts:
+            ok, text = found[host]
+            answer = last_json(text) if ok else None
+            result.append(HostGPUs.from_answer(host, answer or {"error": text or "no answer"}))
+        return result
+    try:
+        import torch
+    except ImportError:
+        return [HostGPUs(host=socket.gethostname(), error="torch is not installed")]
+    if torch.version.cuda is None:          # a CPU build: no need for a fresh interpreter
+        return [HostGPUs(host=socket.gethostname(), torch=torch.__version__)]
+    return [probe_here(socket.gethostname(), code)]
+
+
+def physical_hosts(config: Config, workers: int, gpus: Sequence[HostGPUs]
+                   ) -> tuple[list[int], list[int], str]:
+    """The workers and GPUs of each physical worker host, and which rank picks a worker's GPU
+    (rank %% GPUs): on an SSH or Slurm cluster each host's workers use its own GPUs (by local
+    rank); otherwise every worker runs on this machine (emulated hosts included) and shares
+    its GPUs (by rank)."""
+    if hosts_cluster(config.state_dir) is not None:
+        return worker_hosts(config, workers), [host.count for host in gpus], "local_rank"
+    return [workers], [gpus[0].count if gpus else 0], "rank"
+
+
 def train_system(config: Config, settings: TrainSettings, system: str,
                  output: IO[str]) -> dict[str, Any]:
     """One system's run of the training loop on the cluster named by ``config``."""
@@ -807,6 +876,10 @@ def train_system(config: Config, settings: TrainSettings, system: str,
         args += ["--compression", settings.compression]
     if system == "bpsctl" and settings.cross_barrier:
         args += ["--cross-barrier"]
+    if settings.device == "cuda":
+        args += ["--device", "cuda", "--gpu-by", settings.gpu_by]
+    if system in ("ddp", "ddp-powersgd"):
+        args += ["--backend", settings.backend]
     if system != "bpsctl":
         config = config.replace(trace_dir="")       # --trace is bpsctl's timeline only
     if system != "horovod":
@@ -833,7 +906,8 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     params = [p.numel() for p in model.parameters()]
     wire = wire_bytes_per_step(model, config, settings.compression, settings.servers)
     del model
-    systems = ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare])
+    # plain: one worker training alone, no communication, for the scaling efficiency
+    systems = ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare], "plain")
     rounds: list[dict[str, dict[str, Any]]] = []
     with bench_cluster(config, settings.workers, settings.servers,
                        workers_per_host=settings.workers_per_host) as (cluster_config, nic):
@@ -853,9 +927,12 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     results = [_pooled(system, [rows[system] for rows in rounds], settings.batch_size)
                for system in systems]
     streams = host_streams(config, host_workers)
+    if results[0].get("gradient_path") in ("none", "nccl-local", "shm-local"):
+        streams = [0] * len(host_workers)       # as bpsctl's workers found it: nothing left
     # bpsctl's: each worker host's streams to the job's servers by their shares (its layout)
     stream_hosts = [host for host, count in zip(dict.fromkeys(workers_at), streams, strict=True)
                     for _ in range(count)]
+    plain = results[-1]["img_per_sec_per_worker"]
     for row in results:
         step_bytes = wire if row["system"] == "bpsctl" else 4 * sum(params)
         ideal = ideal_step_seconds(row["system"], step_bytes, host_workers, settings.servers, nic,
@@ -864,10 +941,18 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
             ideal = round_seconds(step_bytes, stream_hosts, server_hosts, nic, shares)
         row["ideal_step_s"] = ideal
         row["nic_fraction"] = None if ideal is None else ideal / row["step_seconds"]
+        # each worker's img/sec against one worker's alone: 1.0 is perfect scaling
+        row["scaling_efficiency"] = row["img_per_sec_per_worker"] / plain
+        if row["system"] in ("ddp", "ddp-powersgd"):
+            row["backend"] = settings.backend
     # per round, both sides measured minutes apart at most: the median of those paired ratios
     ratios = {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
-                       for rows in rounds] for system in systems[1:]}
+                       for rows in rounds] for system in systems[1:-1]}
+    gpus = gpu_keys(settings.gpus) if settings.device == "cuda" else {}
     return {
+        "device": settings.device, **gpus,
+        **({"baseline_backend": settings.backend, "baseline_backend_why": settings.backend_why}
+           if settings.device == "cuda" else {}),
         "kind": "train", "model": settings.model, "workers": settings.workers,
         "workers_per_host": settings.workers_per_host, "servers": settings.servers,
         "batch_size": settings.batch_size, "nic_mbit": nic,
@@ -1051,8 +1136,10 @@ def run_convergence(config: Config, settings: ConvergenceSettings,
             if spec:
                 # every tensor compressed, and every worker's gradient through the compressor:
                 # the intra-node stage would sum a host's workers first at full precision, and
-                # with every worker on one host it skips the servers (and the compression)
-                system_config = system_config.replace(min_compress_bytes=0, local_reduce="off")
+                # with every worker on one host it skips the servers (and the compression);
+                # one worker alone would push nothing at all
+                system_config = system_config.replace(min_compress_bytes=0, local_reduce="off",
+                                                      force_distributed=True)
             row = _run_workers(system_config, "bpsctl.bench.convergence",
                                ["--system", name, "--compression", spec, *args],
                                settings.workers, settings.servers, output)

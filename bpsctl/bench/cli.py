@@ -11,17 +11,21 @@ import typer
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, check_backup_workers, check_training_mode, parse_size
 
+from .. import launch
 from .api import (
     CommSettings,
     ConvergenceSettings,
     TrainSettings,
     cluster_size,
     hosts_cluster,
+    physical_hosts,
+    probe_gpus,
     run_comm,
     run_convergence,
     run_sweep,
     run_train,
 )
+from .gpu import TRAIN_DEFAULTS, baseline_backend, check_horovod_nccl, resolve_device
 from .report import (
     plot_comm,
     plot_convergence,
@@ -210,6 +214,11 @@ def comm(ctx: typer.Context,
          raw: bool = typer.Option(True, "--raw/--no-raw",
                                   help="Also measure raw ZeroMQ for the same bytes (loopback "
                                        "only)."),
+         device: str = typer.Option(
+             "cpu", "--device", metavar="cpu|cuda|auto",
+             help="Where the tensors are: host memory, or CUDA (the copies to and from the GPU "
+                  "included; --compare allreduce then runs over NCCL where every worker has "
+                  "a GPU of its own); auto: cuda where every worker host has a GPU."),
          json_file: Path | None = typer.Option(None, "--json", metavar="FILE",
                                                help="Write the results as JSON (- for stdout)."),
          plot_file: Path | None = typer.Option(None, "--plot", metavar="FILE",
@@ -227,10 +236,16 @@ def comm(ctx: typer.Context,
         worker_counts = _sweep(sweep)
         for count in [c * workers_per_host for c in worker_counts] if worker_counts else [n]:
             check_backup_workers(config.backup_workers, count)
+        gpus = [] if device == "cpu" else probe_gpus(config)
+        device = resolve_device(device, gpus)
+        host_workers, host_gpus, gpu_by = physical_hosts(config, n, gpus)
+        backend, backend_why = baseline_backend(device, host_workers, host_gpus)
         settings = CommSettings(workers=n, servers=k, sizes=_sizes(size),
                                 tensors=tensors, warmup=warmup, repeats=repeats, raw=raw,
                                 compare=_names(compare), security=_names(security),
-                                workers_per_host=workers_per_host)
+                                workers_per_host=workers_per_host, device=device,
+                                gpu_by=gpu_by, backend=backend, backend_why=backend_why,
+                                gpus=tuple(gpus))
         too_small = [s for s in settings.sizes if s < 4 * tensors]
         if too_small:
             raise ConfigError(f"--size: {too_small[0]} bytes is too small for {tensors} float32 "
@@ -243,7 +258,8 @@ def comm(ctx: typer.Context,
 
 
 def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | None,
-           batch_size: int, image_size: int, num_classes: int, warmup: int, iters: int,
+           batch_size: int | None, image_size: int | None, num_classes: int, warmup: int,
+           iters: int,
            batches_per_iter: int,
            compare: str | None, rounds: int, emulate: bool | None, nic: str | None,
            partition_bytes: str | None, credit_bytes: str | None,
@@ -253,12 +269,27 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            backup_workers: int | None = None, cross_barrier: bool = False,
            staleness: int | None = None, async_mode: bool | None = None,
            workers_per_host: int = 1, colocated_servers: bool | None = None,
-           cpu_share: str | None = None) -> None:
+           cpu_share: str | None = None, device: str = "auto") -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
                                  trace_dir, straggler, backup_workers, staleness, async_mode,
                                  colocated_servers, cpu_share)
+        baselines = _names(compare)
+        gpus = [] if device == "cpu" else probe_gpus(config, horovod="horovod" in baselines)
+        device = resolve_device(device, gpus)
+        live = launch.load_state(config.state_dir)
+        if device == "cuda" and workers is None and not config.emulate and \
+                (live is None or (live.kind == "local" and not live.emulation)):
+            workers = gpus[0].count             # one worker per GPU of this machine
         workers, servers = cluster_size(config, workers, servers, workers_per_host=workers_per_host)
+        host_workers, host_gpus, gpu_by = physical_hosts(config, workers, gpus)
+        backend, backend_why = baseline_backend(device, host_workers, host_gpus)
+        if device == "cuda" and "horovod" in baselines:
+            check_horovod_nccl(gpus)
+            if backend != "nccl":
+                raise ConfigError(f"--compare horovod on GPUs: {backend_why}, but Horovod takes "
+                                  "CUDA tensors over NCCL only; run at most one worker per GPU "
+                                  "(--workers), or drop horovod from --compare")
         check_backup_workers(config.backup_workers, workers)
         check_training_mode(config, {"staleness": "--staleness", "async_mode": "--async",
                                      "backup_workers": "--backup-workers"},
@@ -268,11 +299,14 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                               "--cross-barrier: the cross barrier applies each layer's average "
                               "of the same step itself; choose one")
         settings = TrainSettings(model=model, workers=workers, servers=servers,
-                                 batch_size=batch_size, image_size=image_size,
+                                 batch_size=batch_size or TRAIN_DEFAULTS[device]["batch_size"],
+                                 image_size=image_size or TRAIN_DEFAULTS[device]["image_size"],
                                  num_classes=num_classes, warmup=warmup, iters=iters,
-                                 batches_per_iter=batches_per_iter, compare=_names(compare),
+                                 batches_per_iter=batches_per_iter, compare=baselines,
                                  rounds=rounds, compression=compression or "",
-                                 cross_barrier=cross_barrier, workers_per_host=workers_per_host)
+                                 cross_barrier=cross_barrier, workers_per_host=workers_per_host,
+                                 device=device, gpu_by=gpu_by, backend=backend,
+                                 backend_why=backend_why, gpus=tuple(gpus))
         _run_bench(model, config, lambda progress: run_train(
             config, settings, progress=lambda message: progress(f"training with {message}")),
             print_train, json_file, plot_file, plot_train)
@@ -288,11 +322,16 @@ def _train_command(model: str, title: str) -> None:
                 colocated_servers: bool | None = knob_option("colocated_servers",
                                                              "--colocated-servers"),
                 cpu_share: str | None = knob_option("cpu_share", "--cpu-share"),
-                batch_size: int = typer.Option(4, "--batch-size", min=1,
-                                               help="Images per worker per batch."),
-                image_size: int = typer.Option(32, "--image-size", min=32,
-                                               help="Side of the square synthetic images "
-                                                    "(pixels)."),
+                device: str = typer.Option(
+                    "auto", "--device", metavar="auto|cuda|cpu",
+                    help="Train on the GPUs (cuda: one worker per GPU by default, DDP over "
+                         "NCCL) or the CPUs; auto: cuda where every worker host has a GPU."),
+                batch_size: int | None = typer.Option(
+                    None, "--batch-size", min=1, show_default="64 on cuda, 4 on cpu",
+                    help="Images per worker per batch."),
+                image_size: int | None = typer.Option(
+                    None, "--image-size", min=32, show_default="224 on cuda, 32 on cpu",
+                    help="Side of the square synthetic images (pixels)."),
                 num_classes: int = typer.Option(1000, "--num-classes", min=2,
                                                 help="Output classes."),
                 warmup: int = typer.Option(2, "--warmup", min=1,
@@ -303,8 +342,10 @@ def _train_command(model: str, title: str) -> None:
                                                      help="Batches per timed iteration."),
                 compare: str | None = typer.Option(
                     None, "--compare", help="Baselines in the same run: horovod (Horovod with "
-                    "Gloo; `bpsctl install horovod`), ddp (torch DDP, gloo, 25 MB buckets), "
-                    "ddp-powersgd (the same with torch's PowerSGD hook, rank 4)."),
+                    "Gloo, NCCL on GPUs; `bpsctl install horovod`), ddp (torch DDP, 25 MB "
+                    "buckets, gloo or NCCL on GPUs), ddp-powersgd (the same with torch's "
+                    "PowerSGD hook, rank 4). A plain row (one worker alone, no communication) "
+                    "is always measured, for the scaling efficiency."),
                 compression: str | None = typer.Option(
                     None, "--compression", metavar="SPEC",
                     help="bpsctl's gradients between machines: onebit, topk:RATIO, "
@@ -340,7 +381,7 @@ def _train_command(model: str, title: str) -> None:
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file, trace_dir, straggler, compression,
                backup_workers, cross_barrier, staleness, async_mode, workers_per_host,
-               colocated_servers, cpu_share)
+               colocated_servers, cpu_share, device)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")

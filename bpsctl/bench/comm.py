@@ -53,8 +53,13 @@ def worker_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--gpu-by", choices=("local_rank", "rank"), default="local_rank")
     args = parser.parse_args(argv)
 
+    if args.device == "cuda":
+        cuda_main(args)
+        return
     bps.init()
     rank, size = bps.rank(), bps.size()
     counts = tensor_sizes(parse_size(args.size), args.tensors)
@@ -85,6 +90,49 @@ def worker_main(argv: list[str] | None = None) -> None:
     if rank == 0:
         print_result({"seconds": seconds, "tensors": len(arrays),
                       "size_bytes": int(sum(counts) * 4)})
+    bps.shutdown()
+
+
+def cuda_main(args: argparse.Namespace) -> None:
+    """The same rounds on CUDA tensors through the torch plugin: the copies between the GPU
+    and the host (or the intra-node stage's NCCL) are part of each round, which ends once
+    every result is back on the GPU."""
+    import torch
+
+    import bpsctl.engine.torch as bps
+
+    which = int(os.environ.get("LOCAL_RANK" if args.gpu_by == "local_rank" else "RANK", "0"))
+    torch.cuda.set_device(which % torch.cuda.device_count())
+    bps.init()
+    rank, size = bps.rank(), bps.size()
+    counts = tensor_sizes(parse_size(args.size), args.tensors)
+    tensors = [torch.empty(n, dtype=torch.float32, device="cuda") for n in counts]
+    names = [f"bench.t{i}" for i in range(len(tensors))]
+    expected = size * (size + 1) / 2
+
+    def one_round() -> float:
+        for t in tensors:           # in place: each round starts from this worker's values
+            t.fill_(rank + 1)
+        torch.cuda.synchronize()
+        bps._p().worker.barrier()
+        start = time.perf_counter()
+        handles = [bps.push_pull_async_inplace(t, average=False, name=name, priority=-i)
+                   for i, (t, name) in enumerate(zip(tensors, names, strict=True))]
+        for h in handles:
+            bps.synchronize(h)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for _ in range(args.warmup):
+        one_round()
+    seconds = [one_round() for _ in range(args.repeats)]
+    for t in tensors:
+        if t.numel() and not (float(t[0]) == expected and float(t[-1]) == expected):
+            raise SystemExit(f"rank {rank}: wrong sum {float(t[0])} (expected {expected})")
+    if rank == 0:
+        print_result({"seconds": seconds, "tensors": len(tensors),
+                      "size_bytes": int(sum(counts) * 4),
+                      "gradient_path": bps.gradient_path(cuda=True)})
     bps.shutdown()
 
 

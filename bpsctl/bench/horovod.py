@@ -56,6 +56,78 @@ def installed_version(python: str = sys.executable, timeout_s: float = 60.0) -> 
     return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else None
 
 
+def nccl_built(python: str = sys.executable, timeout_s: float = 60.0) -> bool | None:
+    """Whether Horovod in ``python``'s environment takes CUDA tensors over NCCL (None: it does
+    not load)."""
+    try:
+        done = subprocess.run([python, "-c", "import horovod.torch as h; print(h.nccl_built())"],
+                              capture_output=True, text=True, timeout=timeout_s, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        return None
+    return lines[-1].strip() not in ("0", "False")
+
+
+def find_cuda_home(environ: dict[str, str] | None = None) -> str | None:
+    """The CUDA toolkit Horovod's GPU build needs (the directory holding ``bin/nvcc``):
+    ``$CUDA_HOME``, the ``nvcc`` on the PATH, or ``/usr/local/cuda``; None without one."""
+    environ = dict(os.environ) if environ is None else environ
+    candidates = [environ.get("CUDA_HOME", ""), environ.get("CUDA_PATH", "")]
+    nvcc = shutil.which("nvcc", path=environ.get("PATH"))
+    if nvcc:
+        candidates.append(str(Path(nvcc).resolve().parent.parent))
+    candidates.append("/usr/local/cuda")
+    for home in filter(None, candidates):
+        if (Path(home) / "bin" / "nvcc").exists():
+            return home
+    return None
+
+
+def find_nccl_home(environ: dict[str, str] | None = None,
+                   roots: tuple[str, ...] = ("/usr", "/usr/local", "/usr/local/cuda")
+                   ) -> str | None:
+    """Where NCCL's header and library are (``include/nccl.h`` and ``lib/libnccl.so*``):
+    ``$NCCL_HOME``, the ``nvidia-nccl`` wheel torch's CUDA builds install, or a system
+    prefix; None without one."""
+    environ = dict(os.environ) if environ is None else environ
+    candidates = [environ.get("NCCL_HOME", "")]
+    try:
+        import nvidia.nccl  # type: ignore[import-not-found]   # the wheel of torch's CUDA builds
+        candidates += [str(Path(p)) for p in nvidia.nccl.__path__]
+    except ImportError:
+        pass
+    candidates += list(roots)
+    for home in filter(None, candidates):
+        base = Path(home)
+        libs = [*base.glob("lib/libnccl.so*"), *base.glob("lib/x86_64-linux-gnu/libnccl.so*"),
+                *base.glob("lib64/libnccl.so*")]
+        if (base / "include" / "nccl.h").exists() and libs:
+            return home
+    return None
+
+
+def build_env(cuda_home: str | None, nccl_home: str | None) -> dict[str, str]:
+    """The environment of Horovod's build: PyTorch and Gloo always; NCCL for CUDA tensors
+    where a CUDA toolkit and NCCL are both found (a GPU machine), so that the GPU baseline
+    allreduces on the GPUs as Horovod's users run it."""
+    env = dict(BUILD_ENV)
+    if cuda_home and nccl_home:
+        env.update(HOROVOD_GPU_OPERATIONS="NCCL", HOROVOD_CUDA_HOME=cuda_home,
+                   HOROVOD_NCCL_HOME=nccl_home)
+    return env
+
+
+def rebuild_for_gpus_message() -> str:
+    return (f"--compare horovod on GPUs: this Horovod was built without NCCL, so it cannot "
+            f"allreduce CUDA tensors as its GPU users do. Rebuild it on a machine with a CUDA "
+            f"toolkit (nvcc) and NCCL: `{INSTALL_COMMAND} --force` builds with "
+            "HOROVOD_GPU_OPERATIONS=NCCL when it finds both (set CUDA_HOME and NCCL_HOME if "
+            "they are not in the usual places); or drop horovod from --compare, or use "
+            "--device cpu")
+
+
 def missing_message() -> str:
     return (f"--compare horovod: Horovod is not installed (or does not load with torch here). "
             f"Build it with `{INSTALL_COMMAND}` (Horovod {HOROVOD_VERSION} with PyTorch and Gloo, "
@@ -91,8 +163,13 @@ def install(version: str = HOROVOD_VERSION, output: IO[str] | None = None,
     TensorFlow or MXNet) into ``python``'s environment; returns the installed version."""
     output = output if output is not None else sys.stderr
     current = installed_version(python)
+    env = build_env(find_cuda_home(), find_nccl_home())
+    gpu = "HOROVOD_GPU_OPERATIONS" in env
     if current == version and not force:
         output.write(f"horovod {current} is already installed and loads with torch\n")
+        if gpu and nccl_built(python) is False:
+            output.write("it was built without NCCL, and this machine has a CUDA toolkit and "
+                         f"NCCL: `{INSTALL_COMMAND} --force` rebuilds it for CUDA tensors\n")
         return current
     for tool in ("cmake", "g++"):
         if shutil.which(tool) is None:
@@ -110,8 +187,11 @@ def install(version: str = HOROVOD_VERSION, output: IO[str] | None = None,
         source = work / f"horovod-{version}"
         changed = patch_cxx_standard(source)
         output.write(f"patched CMAKE_CXX_STANDARD 14 -> 17 in {len(changed)} file(s)\n")
+        output.write("building with NCCL for CUDA tensors (CUDA "
+                     f"{env['HOROVOD_CUDA_HOME']}, NCCL {env['HOROVOD_NCCL_HOME']})\n" if gpu else
+                     "building for CPU tensors (no CUDA toolkit with NCCL found)\n")
         _run([python, "-m", "pip", "install", "--no-build-isolation", str(source)], output,
-             env={**os.environ, **BUILD_ENV})
+             env={**os.environ, **env})
     current = installed_version(python)
     if current is None:
         raise HorovodError("Horovod was built but `import horovod.torch` fails; "

@@ -10,7 +10,7 @@ import typer
 
 from bpsctl.cliutil import cli_errors, err_console
 
-from .horovod import HOROVOD_VERSION, install
+from .horovod import HOROVOD_VERSION, install, nccl_built
 
 install_app = typer.Typer(no_args_is_help=True, add_completion=False,
                           help="Build the baselines that `bpsctl bench --compare` runs.")
@@ -22,8 +22,10 @@ def horovod(version: str = typer.Option(HOROVOD_VERSION, "--version",
             force: bool = typer.Option(False, "--force",
                                        help="Rebuild even if this version already loads."),
             ) -> None:
-    """Horovod with PyTorch and Gloo (no MPI, TensorFlow or MXNet), built from its sdist with
-    CMAKE_CXX_STANDARD raised to 17 for torch 2.13's headers (about 150 s)."""
+    """Horovod with PyTorch and Gloo (no MPI, TensorFlow or MXNet), and NCCL for CUDA tensors
+    where a CUDA toolkit and NCCL are found, built from its sdist with CMAKE_CXX_STANDARD raised
+    to 17 for torch 2.13's headers (about 150 s)."""
     with cli_errors():
         installed = install(version, output=sys.stderr, force=force)
-        err_console.print(f"horovod {installed} is installed (PyTorch + Gloo)", highlight=False)
+        ops = "PyTorch + Gloo + NCCL" if nccl_built() else "PyTorch + Gloo"
+        err_console.print(f"horovod {installed} is installed ({ops})", highlight=False)

@@ -243,6 +243,15 @@ def plot_comm(report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _device(report: dict[str, Any]) -> str:
+    """What the figures were trained on: "CPU", or the GPUs ("1x NVIDIA H200")."""
+    if report.get("device") != "cuda":
+        return "CPU"
+    kinds = sorted({f"{gpu['count']}x {gpu['name']}" for gpu in report.get("gpus", [])})
+    hosts = len(report.get("gpus", []))
+    return (", ".join(kinds) or "CUDA") + (f" per host ({hosts} hosts)" if hosts > 1 else "")
+
+
 def train_summary(report: dict[str, Any]) -> str:
     """One sentence on what a training result means, e.g. "bpsctl was slower: it trained at
     0.61× DDP's speed on loopback, where there is no network bottleneck — try ..."."""
@@ -269,11 +278,14 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
     # the NIC-bound ideal beside the measured step, where a NIC rate is known (two-line
     # headers; per worker's img/sec makes room for them: it is img/sec over the title's workers)
     ideal = any(row.get("ideal_step_s") is not None for row in report["results"])
+    cuda = report.get("device") == "cuda"
+    scaling = any(row.get("scaling_efficiency") is not None for row in report["results"])
     columns = ["system", "img/sec", "± 1.96σ"] \
-        + (["s/step", "ideal\ns/step", "NIC\nfrac"] if ideal else ["per worker", "s/step"]) \
-        + (["speedup"] if report["speedup"] else [])
-    table = _table(f"bench {report['model']}: {_worker_shape(report)}, {report['servers']} "
-                   f"servers, {_network(report)}", columns, ("system",))
+        + (["s/step", "ideal\ns/step", "NIC\nfrac"] if ideal
+           else ["per GPU" if cuda else "per worker", "s/step"]) \
+        + (["scaling"] if scaling else []) + (["speedup"] if report["speedup"] else [])
+    table = _table(f"bench {report['model']} on {_device(report)}: {_worker_shape(report)}, "
+                   f"{report['servers']} servers, {_network(report)}", columns, ("system",))
     for row in report["results"]:
         speedup = report["speedup"].get(row["system"])
         cells = [row["system"], f"{row['img_per_sec']:.2f}", f"{row['img_per_sec_ci95']:.2f}"]
@@ -282,10 +294,24 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
                       _fmt(row.get("nic_fraction"), ".2f")]
         else:
             cells += [f"{row['img_per_sec_per_worker']:.2f}", f"{row['step_seconds']:.3f}"]
+        if scaling:
+            cells.append(_fmt(row.get("scaling_efficiency"), ".2f"))
         if report["speedup"]:
             cells.append("" if speedup is None else f"bpsctl {speedup:.2f}x")
         table.add_row(*cells)
     console.print(table)
+    ours = report["results"][0]
+    if ours.get("gradient_path"):
+        from ..engine.paths import GRADIENT_PATHS
+        path = ours["gradient_path"]
+        console.print(f"bpsctl's gradients: {path} ({GRADIENT_PATHS.get(path, '')})",
+                      highlight=False)
+    if cuda and any(row["system"].startswith("ddp") for row in report["results"]):
+        console.print(f"DDP over {report.get('baseline_backend')}: "
+                      f"{report.get('baseline_backend_why')}", highlight=False)
+    if scaling:
+        console.print("scaling: img/sec per " + ("GPU" if cuda else "worker") + " over "
+                      "plain's (one worker alone, no communication)", highlight=False)
     batches = report["batches_per_iter"]
     versions = ", ".join(row["version"] for row in report["results"] if row.get("version"))
     console.print(f"batch {report['batch_size']} per worker, {report['image_size']}x"
@@ -316,7 +342,8 @@ def plot_train(report: dict[str, Any], path: Path) -> None:
     values = [row["img_per_sec"] for row in report["results"]]
     errors = [row["img_per_sec_ci95"] for row in report["results"]]
     bars = ax.bar(systems, values, yerr=errors, capsize=6,
-                  color=["tab:blue", "tab:orange", "tab:green", "tab:gray"][:len(systems)])
+                  color=["tab:blue", "tab:orange", "tab:green", "tab:gray",
+                         "tab:olive"][:len(systems)])
     for bar, system in zip(bars, systems, strict=True):
         speedup = report["speedup"].get(system)
         if speedup is not None:

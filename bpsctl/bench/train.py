@@ -23,7 +23,7 @@ from typing import Any
 
 from ..engine.trace import interface_of, read_nic
 
-SYSTEMS = ("bpsctl", "horovod", "ddp", "ddp-powersgd")
+SYSTEMS = ("bpsctl", "horovod", "ddp", "ddp-powersgd", "plain")
 
 
 def horovod_env(rank: int, hosts: list[tuple[str, int]], rendezvous_addr: str,
@@ -81,6 +81,15 @@ def _rates_by_rank(args: argparse.Namespace, rank: int, size: int, mine: float
     return [float(r) for r in bps.push_pull(rates, average=False, name="bench.rates")]
 
 
+def _gradient_path(args: argparse.Namespace, cuda: bool) -> str | None:
+    """bpsctl's path for the gradients (:data:`bpsctl.engine.paths.GRADIENT_PATHS`), known
+    after the warm-up pushed them; None for the other systems."""
+    if args.system != "bpsctl":
+        return None
+    import bpsctl.engine.torch as bps
+    return bps.gradient_path(cuda)
+
+
 def _host_nic() -> str | None:
     """This worker's host NIC (the interface holding its address): its byte counters are what
     the step really put on the wire. None on loopback, where every process of the machine,
@@ -121,17 +130,23 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
             optimizer = bps.DistributedOptimizer(
                 optimizer, named_parameters=model.named_parameters(), compression=compression)
         return model, optimizer, bps.rank(), bps.size(), version, bps.shutdown
+    if system == "plain":
+        return model, optimizer, 0, 1, f"torch {torch.__version__}, no communication", \
+            lambda: None
     if system in ("ddp", "ddp-powersgd"):
         import torch.distributed as dist
-        dist.init_process_group("gloo", init_method="env://",
+        backend = args.backend
+        dist.init_process_group(backend, init_method="env://",
                                 timeout=datetime.timedelta(seconds=args.timeout))
         # PowerSGD chains its collectives from completion callbacks; over gloo, with several
         # buckets in flight, ranks then issue them in different orders and gloo aborts on a
         # size mismatch. One bucket keeps every rank's order the same (and gives up overlap)
-        bucket_mb = args.bucket_mb if system == "ddp" else 1e6
-        model = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
-        version = (f"torch {torch.__version__} DDP gloo (bucket {args.bucket_mb:g} MB)"
-                   if system == "ddp" else f"torch {torch.__version__} DDP gloo (one bucket)")
+        bucket_mb = args.bucket_mb if system == "ddp" or backend == "nccl" else 1e6
+        device_ids = [torch.cuda.current_device()] if args.device == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=device_ids,
+                                                          bucket_cap_mb=bucket_mb)
+        version = (f"torch {torch.__version__} DDP {backend} (bucket {bucket_mb:g} MB)"
+                   if bucket_mb < 1e6 else f"torch {torch.__version__} DDP {backend} (one bucket)")
         if system == "ddp-powersgd":
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
             # rank 4 with error feedback; PowerSGD allreduces whole gradients for its first
@@ -153,7 +168,9 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
         hvd.init()
         hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
-        return (model, optimizer, hvd.rank(), hvd.size(), f"horovod {horovod.__version__} gloo",
+        # CUDA tensors go over NCCL where Horovod was built with it (bench checks first)
+        ops = "NCCL" if args.device == "cuda" else "gloo"
+        return (model, optimizer, hvd.rank(), hvd.size(), f"horovod {horovod.__version__} {ops}",
                 hvd.shutdown)
     raise ValueError(f"unknown system {system!r}")
 
@@ -178,8 +195,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--horovod-hosts", default="")
     parser.add_argument("--rendezvous-addr", default="")
     parser.add_argument("--rendezvous-port", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--gpu-by", choices=("local_rank", "rank"), default="local_rank",
+                        help="which rank picks the GPU (rank %% GPUs): local_rank where each "
+                             "host has GPUs of its own, rank where emulated hosts share one "
+                             "machine's")
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="DDP's torch.distributed backend")
     args = parser.parse_args(argv)
 
+    if args.system == "plain" and int(os.environ.get("RANK", "0")) != 0:
+        return          # the plain row is one worker's (rank 0's) training alone
     # a hang (a peer gone, a rendezvous never answered) ends in a traceback and exit, not forever
     faulthandler.dump_traceback_later(args.timeout, exit=True)
     import torch
@@ -188,40 +214,69 @@ def main(argv: list[str] | None = None) -> None:
     from .comm import print_result
     from .models import build
 
-    # several workers share this machine's cores (Horovod's and DDP's runs alike)
-    torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    if cuda:
+        # before anything initialises (NCCL, the plugin, DDP): each worker on its own GPU
+        # where there are enough, as Horovod's and BytePS's examples do
+        which = int(os.environ.get("LOCAL_RANK" if args.gpu_by == "local_rank" else "RANK", "0"))
+        torch.cuda.set_device(which % torch.cuda.device_count())
+    else:
+        # several workers share this machine's cores (Horovod's and DDP's runs alike)
+        torch.set_num_threads(1)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = build(args.model, args.num_classes)
+    model = build(args.model, args.num_classes).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     model, optimizer, rank, size, version, shutdown = _setup(args.system, args, model, optimizer)
 
-    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size)
-    target = torch.randint(0, args.num_classes, (args.batch_size,))
+    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    target = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
 
     # where a step's time goes (the profile behind a shortfall): forward + backward (DDP's
     # allreduce runs inside backward; with --cross-barrier the forward pass waits for each
     # layer's update), then optimizer.step() (bpsctl and Horovod wait there for the gradients
-    # still in flight)
+    # still in flight). On CUDA the host runs ahead of the GPU: the phases are read from CUDA
+    # events after each timed iteration's synchronize, and no step waits for them
     phases = {"backward_seconds": 0.0, "step_seconds": 0.0}
+    marks: list[tuple[Any, Any, Any]] = []
 
     def step() -> None:
         start = time.perf_counter()
+        if cuda:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True),
+                      torch.cuda.Event(enable_timing=True))
+            events[0].record()
         optimizer.zero_grad()
         loss = F.cross_entropy(model(data), target)
         loss.backward()
         middle = time.perf_counter()
+        if cuda:
+            events[1].record()
         optimizer.step()
-        phases["backward_seconds"] += middle - start
-        phases["step_seconds"] += time.perf_counter() - middle
+        if cuda:
+            events[2].record()
+            marks.append(events)
+        else:
+            phases["backward_seconds"] += middle - start
+            phases["step_seconds"] += time.perf_counter() - middle
 
     def timed(batches: int) -> float:
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(batches):
             step()
+        if cuda:
+            torch.cuda.synchronize()        # the GPU's work is the step's, not the launch's
+            for begin, middle, end in marks:
+                phases["backward_seconds"] += begin.elapsed_time(middle) / 1e3
+                phases["step_seconds"] += middle.elapsed_time(end) / 1e3
+            marks.clear()
         return time.perf_counter() - start
 
     timed(args.warmup)
     phases.update(backward_seconds=0.0, step_seconds=0.0)
+    path = _gradient_path(args, cuda)
     nic = _host_nic() if rank == 0 else None
     nic_before = read_nic(nic) if nic else None
     img_secs = []
@@ -251,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
                 "forward_backward": phases["backward_seconds"] / timed_batches,
                 "optimizer_step": phases["step_seconds"] / timed_batches},
             # what rank 0's host NIC really carried per timed step (all its processes)
-            **wire})
+            **wire, **({"gradient_path": path} if path else {})})
     shutdown()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()

@@ -40,18 +40,21 @@ of workers when averaging (rounded as the engine rounds) and step 2 is skipped.
 **Host tensors, gloo** (``BPSCTL_LOCAL_SHM=0``): steps 1 and 3 are torch.distributed's
 reduce-scatter and all-gather over gloo, each with its own process group.
 
-**CUDA tensors** (when every rank of the job has CUDA and torch has NCCL) take the same three
-steps on the GPU, through two NCCL process groups per host (one per thread, as the gloo pair):
+**CUDA tensors** (when every host's ranks are on GPUs of their own, decided job-wide: see
+:meth:`LocalStage.cuda_path` and :mod:`bpsctl.engine.paths`) take the same three steps on the
+GPU, through two NCCL process groups per host (one per thread, as the gloo pair):
 the reduce-scatter thread waits (on its own CUDA stream) for the event the caller recorded
 after producing the tensor, reduce-scatters with NCCL into the owned chunk, copies only that
 chunk into a pinned host buffer on the same side stream and waits for it (an event), then
 push_pulls it host-reduced; the all-gather thread waits for the engine, copies the summed chunk
 back (H2D, on its own side stream), all-gathers with NCCL into the output and divides there for
-averaging, then records an event the caller's stream waits on (``synchronize``). Every local
-rank must push_pull the same tensors on the same kind of device in the same order (as for the
-gloo path), and each local rank must use its own GPU: NCCL refuses two ranks on one device
-(set ``BPSCTL_LOCAL_REDUCE=off`` there). Nothing CUDA is touched until a CUDA tensor arrives,
-except the check (at start) whether NCCL groups can be made at all.
+averaging, then records an event the caller's stream waits on (``synchronize``). With every
+worker on one host (``local_only_cuda``) the three steps are one NCCL all-reduce on the GPUs,
+and nothing goes to the host or the servers. Every local rank must push_pull the same tensors
+on the same kind of device in the same order (as for the gloo path). Where ranks share a GPU
+(NCCL refuses two ranks on one device) CUDA tensors are staged through host memory by the
+plugin and take the host path. Nothing CUDA is touched until a CUDA tensor arrives, except the
+device count of the check at start.
 """
 from __future__ import annotations
 
@@ -73,6 +76,7 @@ import torch.distributed as dist
 from . import protocol as P
 from . import shm
 from .common import EngineError
+from .paths import nccl_veto, nccl_within_hosts
 from .worker import Worker
 
 # the newer name, where there is one (the old one warns of its deprecation on every call)
@@ -117,10 +121,14 @@ class LocalStage:
 
     def __init__(self, worker: Worker, master_addr: str, master_port: int, timeout_s: float,
                  *, shm_bytes: int = 0, local_only: bool = False,
-                 start_timeout_s: float = 30.0):
+                 local_only_cuda: bool = False, start_timeout_s: float = 30.0):
         """``shm_bytes``: the size of this host's shared-memory arena for host tensors (0:
         gloo); ``local_only``: every worker is on this host, and host tensors never go to the
-        servers (needs ``shm_bytes``)."""
+        servers (needs ``shm_bytes``); ``local_only_cuda``: likewise for CUDA tensors summed
+        with NCCL (one all-reduce on the GPUs)."""
+        if local_only_cuda and worker.local_size != worker.size:
+            raise EngineError("local_only_cuda needs every worker of the job on one host, got "
+                              f"{worker.local_size} local of {worker.size} workers")
         self.worker = worker
         self.local_size = worker.local_size
         self.local_rank = worker.rank % self.local_size
@@ -152,18 +160,21 @@ class LocalStage:
             if h == host:
                 self.scatter_group, self.gather_group = scatter_group, gather_group
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        # CUDA tensors: two NCCL groups of this host's ranks, made only where every rank of the
-        # job can (new_group is collective over the whole job, and must be called alike)
+        # CUDA tensors: two NCCL groups of this host's ranks, made at the first CUDA push_pull
+        # where every host's ranks turn out to be on distinct GPUs (engine/paths.py), unless a
+        # rank's host rules it out now (new_group is collective over the whole job: every rank
+        # must decide alike)
         self.nccl_scatter_group = self.nccl_gather_group = None
-        if _all_ranks_agree(f"bpsctl/intranode/{next(_stage_counter)}/nccl", worker.rank,
-                            worker.size, _nccl_usable(), timeout_s):
-            timeout = datetime.timedelta(seconds=timeout_s)
-            for h in range(worker.size // self.local_size):
-                ranks = list(range(h * self.local_size, (h + 1) * self.local_size))
-                scatter_group = dist.new_group(ranks, timeout=timeout, backend="nccl")
-                gather_group = dist.new_group(ranks, timeout=timeout, backend="nccl")
-                if h == host:
-                    self.nccl_scatter_group, self.nccl_gather_group = scatter_group, gather_group
+        self._stage_key = f"bpsctl/intranode/{next(_stage_counter)}"
+        self._cuda_lock = threading.Lock()
+        self.cuda_decision: tuple[bool, str] | None = None   # (NCCL groups made, why)
+        veto = _job_veto(f"{self._stage_key}/veto", worker.rank, worker.size,
+                         nccl_veto(dist.is_nccl_available(), torch.cuda.is_available(),
+                                   torch.cuda.device_count(), self.local_size), timeout_s)
+        if veto is not None:
+            self.cuda_decision = (False, veto)
+        #: CUDA tensors of a one-host job: one NCCL all-reduce on the GPUs, no servers
+        self.local_only_cuda = local_only_cuda
         self._cuda_buffers: dict[str, _CudaBuffers] = {}
         self._streams: dict[tuple[int, str], Any] = {}      # (device, thread) -> side stream
         self._scatter_q: queue.SimpleQueue = queue.SimpleQueue()
@@ -231,6 +242,44 @@ class LocalStage:
     def handles_cuda(self) -> bool:
         """True when CUDA tensors go through NCCL here (else: staged to the host first)."""
         return self.nccl_scatter_group is not None
+
+    def cuda_path(self, device: torch.device) -> bool:
+        """Whether CUDA tensors take NCCL here (else they are staged through host memory),
+        decided job-wide at the first CUDA push_pull, from ``device`` (where that tensor is)
+        and every other rank's: each publishes its GPU's UUID, and NCCL groups are made only
+        where every host's ranks are on distinct GPUs (:func:`~bpsctl.engine.paths.
+        nccl_within_hosts`). Every rank calls this at its first CUDA push_pull (the ranks push
+        the same tensors in the same order)."""
+        if self.cuda_decision is None:
+            with self._cuda_lock:
+                if self.cuda_decision is None:
+                    self.cuda_decision = self._decide_cuda(device)
+        return self.cuda_decision[0]
+
+    def _decide_cuda(self, device: torch.device) -> tuple[bool, str]:
+        worker = self.worker
+        store = dist.distributed_c10d._get_default_store()
+        key = f"{self._stage_key}/device"
+        store.set(f"{key}/{worker.rank}", str(torch.cuda.get_device_properties(device).uuid))
+        keys = [f"{key}/{r}" for r in range(worker.size)]
+        try:
+            store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
+        except Exception as exc:            # noqa: BLE001 - a deadline, named
+            raise EngineError(f"the intra-node stage: not every worker pushed a CUDA tensor "
+                              f"within {self.timeout_s:g} s (BPSCTL_OP_TIMEOUT) to agree on "
+                              f"NCCL: {exc}") from None
+        devices = [store.get(k).decode() for k in keys]
+        distinct, why = nccl_within_hosts(devices, self.local_size)
+        if distinct:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            host = worker.rank // self.local_size
+            for h in range(worker.size // self.local_size):
+                ranks = list(range(h * self.local_size, (h + 1) * self.local_size))
+                scatter_group = dist.new_group(ranks, timeout=timeout, backend="nccl")
+                gather_group = dist.new_group(ranks, timeout=timeout, backend="nccl")
+                if h == host:
+                    self.nccl_scatter_group, self.nccl_gather_group = scatter_group, gather_group
+        return distinct, why
 
     # ------------------------------------------------------------------ threads
 
@@ -540,8 +589,14 @@ class LocalStage:
             n = op.src.numel()
             if n == 0:
                 return                              # nothing to sum: no collective, no push
+            if op.average and not op.src.dtype.is_floating_point:
+                raise TypeError(f"average=True needs a floating-point tensor, got {op.src.dtype} "
+                                f"for {op.name!r}; pass average=False to sum")
             device = op.src.device
             stream = self._stream(device, "rs")
+            if self.local_only_cuda:
+                self._all_reduce_cuda(op, stream)
+                return
             with torch.cuda.device(device), torch.cuda.stream(stream):
                 if op.ready is not None:
                     stream.wait_event(op.ready)     # the caller's work that produced src
@@ -561,9 +616,6 @@ class LocalStage:
                 copied = torch.cuda.Event(blocking=True)    # the wait below sleeps, not spins
                 copied.record(stream)
             copied.synchronize()                    # the chunk is on the host
-            if op.average and not op.src.dtype.is_floating_point:
-                raise TypeError(f"average=True needs a floating-point tensor, got {op.src.dtype} "
-                                f"for {op.name!r}; pass average=False to sum")
             piece = _as_array(host)
             # the engine sums only; the division for averaging runs on the GPU after the gather
             op.engine_handle = self.worker.push_pull_async(
@@ -572,6 +624,24 @@ class LocalStage:
                 compression=op.compression)
         except BaseException as exc:     # noqa: BLE001 - handed to the caller
             op.error = exc
+
+    def _all_reduce_cuda(self, op: LocalOp, stream: Any) -> None:
+        """A one-host job's CUDA tensor: one NCCL all-reduce into ``op.dst`` on the GPUs after
+        the caller's work that produced it, the division for averaging there too, and
+        ``op.finished`` recorded after it (no host copy, no push; the all-gather thread has
+        nothing left to do)."""
+        with torch.cuda.device(op.src.device), torch.cuda.stream(stream):
+            if op.ready is not None:
+                stream.wait_event(op.ready)
+            dst = op.dst.reshape(-1)                # contiguous: a view
+            if dst.data_ptr() != op.src.data_ptr():
+                dst.copy_(op.src.reshape(-1))
+            dist.all_reduce(dst, group=self.nccl_scatter_group)
+            if op.average and self.worker.size > 1:
+                divide_exactly(dst, self.worker.size)
+            finished = torch.cuda.Event()
+            finished.record(stream)
+            op.finished = finished
 
     def _gather_cuda(self, op: LocalOp) -> None:
         """Step 3 on the GPU: the summed chunk back (H2D), all-gather into ``op.dst``, divide;
@@ -669,26 +739,26 @@ def divide_exactly(tensor: torch.Tensor, divisor: int) -> None:
 _stage_counter = itertools.count()
 
 
-def _nccl_usable() -> bool:
-    """NCCL is in this torch and a GPU is visible (a device count; no CUDA context is made)."""
-    return dist.is_nccl_available() and torch.cuda.is_available()
-
-
-def _all_ranks_agree(key: str, rank: int, size: int, mine: bool, timeout_s: float,
-                     store: Any = None) -> bool:
-    """True when ``mine`` is true on every rank, through the default group's store: each rank
-    publishes its own; a rank whose own is false knows the answer at once and does not wait."""
+def _job_veto(key: str, rank: int, size: int, mine: str | None, timeout_s: float,
+              store: Any = None) -> str | None:
+    """None when no rank of the job has a veto, else one (``rank r: why``), through the
+    default group's store: each rank publishes its own (``mine``); a rank that has one knows
+    the answer at once and does not wait for the others."""
     if store is None:
         try:
             store = dist.distributed_c10d._get_default_store()
         except Exception:                # noqa: BLE001 - no store: the same on every rank
-            return False
-    store.set(f"{key}/{rank}", "1" if mine else "0")
-    if not mine:
-        return False
+            return "no torch.distributed store to agree through"
+    store.set(f"{key}/{rank}", mine or "")
+    if mine:
+        return f"rank {rank}: {mine}"
     keys = [f"{key}/{r}" for r in range(size)]
     store.wait(keys, datetime.timedelta(seconds=timeout_s))
-    return all(store.get(k) == b"1" for k in keys)
+    for r, k in enumerate(keys):
+        why = store.get(k).decode()
+        if why:
+            return f"rank {r}: {why}"
+    return None
 
 
 def _as_array(tensor: torch.Tensor):

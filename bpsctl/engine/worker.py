@@ -59,6 +59,7 @@ from .common import (
     release_free_memory,
     watch_link,
 )
+from .paths import solo_job
 from .security import Login, Security, handshake_failed, refused_handshake
 from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
 
@@ -256,6 +257,7 @@ class Worker:
         self._in_flight_names: set[str] = set()
         self._broken: EngineError | None = None
         self._codecs: dict[str, C.WorkerCodec] = {}         # name -> its compression
+        self._solo_bindings: dict[str, tuple[str, list[int]]] = {}  # name -> (dtype, shape)
         self._noname_counter = itertools.count()
         self._barrier_counter = itertools.count()
         self._closed = False
@@ -406,6 +408,7 @@ class Worker:
                               f"within {cfg.start_timeout_s:g} s (BPSCTL_START_TIMEOUT)")
         # pushes of a host-reduced partition per round: one per host (see push_pull_async)
         self.hosts = self.size // self.local_size if self.size % self.local_size == 0 else self.size
+        self.solo = solo_job(cfg, self.size, self.joined_running)
         hello_body: dict[str, Any] = {"job": cfg.job_id, "rank": self.rank,
                                       "world_size": self.size, "hosts": self.hosts,
                                       "version": __version__, "incarnation": self.incarnation,
@@ -532,6 +535,14 @@ class Worker:
                 raise self._broken
             if self._closed:
                 raise EngineError("the engine is shut down; call init() again")
+        if self.solo:
+            # one worker: the sum is the tensor itself, and nothing travels
+            handle.error = self.check_solo_binding(name, str(src.dtype), list(src.shape))
+            if handle.error is None and not np.shares_memory(src, out):
+                np.copyto(out, src)
+            handle._done.set()
+            return handle
+        with self._lock:
             if name in self._in_flight_names:
                 raise ValueError(f"a push_pull of {name!r} is already in flight; synchronize it "
                                  "before starting another with the same name")
@@ -625,6 +636,19 @@ class Worker:
                              f"{codec.compressor}, now with {compression}; use another name "
                              "for another compression")
         return codec
+
+    def check_solo_binding(self, name: str, dtype: str, shape: list[int]) -> ValueError | None:
+        """A job of one worker (:attr:`solo`) declares nothing, yet a name stays bound to the
+        dtype and shape of its first push_pull as in any job: the error a push_pull of
+        ``name`` as ``dtype`` ``shape`` gets if that differs, else None (and the first one
+        binds it)."""
+        with self._lock:
+            bound = self._solo_bindings.setdefault(name, (dtype, shape))
+        if bound == (dtype, shape):
+            return None
+        return ValueError(f"tensor {name!r} was declared as {bound[0]}{tuple(bound[1])} but "
+                          f"push_pull got {dtype}{tuple(shape)}; use another name for another "
+                          "tensor")
 
     def poll(self, handle: Handle) -> bool:
         return handle.done()

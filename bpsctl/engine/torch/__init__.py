@@ -9,14 +9,16 @@
     bps.broadcast_optimizer_state(optimizer, root_rank=0)
 
 CPU tensors enter the engine as NumPy views of their storage (no copy); CUDA tensors are
-staged through pinned host buffers, copied on a side stream. When several workers share a
-host (``local_size() > 1``) and ``BPSCTL_LOCAL_REDUCE`` is ``auto``, push_pulls go through
-the intra-node stage (:mod:`bpsctl.engine.intranode`): shared memory for host tensors
-(``BPSCTL_LOCAL_SHM``; gloo without it), and no servers at all when every worker is on one
-host (``BPSCTL_LOCAL_ONLY``); NCCL on the GPU for CUDA tensors where every rank has CUDA and
-NCCL (only each rank's owned chunk is staged through pinned memory), else they are staged
-whole and take the host path. Handles are
-integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed.
+staged through pinned host buffers, copied on a side stream. A job of one worker sends
+nothing: its push_pulls complete at once (``BPSCTL_FORCE_DISTRIBUTED`` sends anyway). When
+several workers share a host (``local_size() > 1``) and ``BPSCTL_LOCAL_REDUCE`` is ``auto``,
+push_pulls go through the intra-node stage (:mod:`bpsctl.engine.intranode`): shared memory
+for host tensors (``BPSCTL_LOCAL_SHM``; gloo without it), and no servers at all when every
+worker is on one host (``BPSCTL_LOCAL_ONLY``); NCCL on the GPU for CUDA tensors where every
+host's ranks are on GPUs of their own (one all-reduce on one host; else only each rank's
+owned chunk is staged through pinned memory), else they are staged whole and take the host
+path. :func:`gradient_path` names the path; rank 0 says it at the first CUDA push_pull.
+Handles are integers, as in Horovod. Nothing here touches CUDA until a CUDA tensor is pushed.
 
 **Rejoining** (``bpsctl run --max-restarts``; new ranks of ``bpsctl run --attach`` join the
 same way): a live worker hands a restarted one its state at the end of an optimizer step
@@ -43,6 +45,7 @@ import contextlib
 import io
 import itertools
 import pickle
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -52,6 +55,7 @@ import torch
 from ... import engine as _engine
 from ...config import Config
 from .. import compression as C
+from .. import paths
 from .. import protocol as P
 from ..common import EngineError, keep_large_buffers
 from ..intranode import LocalOp, LocalStage, _as_array
@@ -199,6 +203,7 @@ class _Plugin:
         self.noname = itertools.count()
         self.lock = threading.Lock()
         self.stage: LocalStage | None = None
+        self.announced = False          # the path of CUDA tensors, said once (rank 0)
         self.membership_seen = 0                # worker.membership_changes already told
         # what a rejoining worker receives (see the module docstring)
         self.steps = 0                          # optimizer steps this model has taken
@@ -236,6 +241,7 @@ class _Plugin:
                 w, cfg.master_addr, cfg.master_port, cfg.op_timeout_s,
                 shm_bytes=cfg.shm_bytes if cfg.local_shm else 0,
                 local_only=cfg.local_only != "off" and cfg.local_shm and one_host,
+                local_only_cuda=cfg.local_only != "off" and one_host,
                 start_timeout_s=cfg.start_timeout_s)
 
     def close(self) -> None:
@@ -377,16 +383,23 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         name = f"{name}:{str(wire.dtype).replace('torch.', '')}"
     elif engine is not None:
         name = f"{name}:{engine.spec()}"        # likewise: servers sum it another way
+    if plugin.worker.solo:
+        return _solo(plugin, name, source, output)
     op = _Op(name, output, wire, ctx, compression)
-    if wire.is_cuda and plugin.stage is not None and plugin.stage.handles_cuda:
+    stage = plugin.stage
+    nccl = wire.is_cuda and stage is not None and stage.cuda_path(wire.device)
+    if wire.is_cuda and not plugin.announced:
+        _announce(plugin, cuda=True)
+    if nccl:
+        assert stage is not None
         # reduce-scatter / all-gather with NCCL on the GPU; only the owned chunk is staged
         # through pinned host memory (intranode); the stage starts after the caller's stream
         # has produced the tensor, and synchronize makes it wait for the result
         wire = _contiguous_output(op, wire, source, inplace)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(wire.device))
-        local = plugin.stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
-                                            ready=ready, compression=engine))
+        local = stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
+                                     ready=ready, compression=engine))
         op.wait, op.done, op.local = local.wait, local.done.is_set, local
         op.keep = wire
         return _track(plugin, op)
@@ -405,6 +418,55 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
             _as_array(wire), name=name, average=average, priority=priority,
             out=_as_array(op.wire_out), compression=engine))
     return _track(plugin, op)
+
+
+def _solo(plugin: _Plugin, name: str, source: torch.Tensor, output: torch.Tensor) -> int:
+    """A push_pull of a job of one worker: the sum and the average are the tensor itself, on
+    its own device; nothing is copied to the host, compressed or sent. The name is still
+    bound to its first dtype and shape, as in any job."""
+    if source.is_cuda and not plugin.announced:
+        _announce(plugin, cuda=True)
+    error = plugin.worker.check_solo_binding(name, str(source.dtype), list(source.shape))
+    if error is None and output.data_ptr() != source.data_ptr():
+        output.detach().copy_(source)
+    op = _Op(name, output, output, None, Compression.none)
+
+    def wait(timeout_s: float) -> None:
+        if error is not None:
+            raise error
+    op.wait, op.done = wait, lambda: True
+    return _track(plugin, op)
+
+
+def gradient_path(cuda: bool) -> str:
+    """How this job's gradients travel (a name of :data:`bpsctl.engine.paths.GRADIENT_PATHS`)
+    for tensors on CUDA (``cuda``) or on the host. For CUDA tensors of a job whose workers
+    share hosts, known once the first one was pushed (before that: as the start-time checks
+    leave it)."""
+    plugin = _p()
+    stage = plugin.stage
+    decision = None if stage is None else stage.cuda_decision
+    return paths.gradient_path(
+        solo=plugin.worker.solo, cuda=cuda, stage=stage is not None,
+        nccl=decision is not None and decision[0],
+        local_only=stage is not None and (stage.local_only_cuda if cuda else stage.local_only))
+
+
+def _announce(plugin: _Plugin, cuda: bool) -> None:
+    """Say once, on rank 0, which way CUDA tensors go and why (the first lines of a GPU
+    job's output)."""
+    plugin.announced = True
+    if plugin.worker.rank != 0:
+        return
+    path = gradient_path(cuda)
+    why = {"none": "BPSCTL_FORCE_DISTRIBUTED=1 sends through the servers anyway"}.get(path, "")
+    stage = plugin.stage
+    if stage is not None and stage.cuda_decision is not None:
+        why = stage.cuda_decision[1]
+    elif stage is None and path == "host-staged":
+        why = "one worker per host: no intra-node stage"
+    print(f"bpsctl: CUDA tensors: {path} ({paths.GRADIENT_PATHS[path]})"
+          + (f"; {why}" if why else ""), file=sys.stderr, flush=True)
 
 
 def _track(plugin: _Plugin, op: _Op, handle: Any = None) -> int:

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The GPU checks CI cannot run, in one pass of a few minutes on a machine with CUDA: the tests
+# marked gpu, then the GPU benchmarks whose figures docs/benchmarks.md records. Runs bpsctl from
+# this checkout (no install needed: torch with CUDA, numpy, pyzmq, rich, typer, psutil, pytest
+# and pytest-timeout must be importable). Writes its JSON reports and traces under $OUT (default
+# ./gpu-check), and prints each figure's command before it.
+#
+#   tools/gpu-check.sh            # everything (about 5 minutes on one GPU)
+#   tools/gpu-check.sh tests      # only the tests
+#   tools/gpu-check.sh bench      # only the benchmarks
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT=${OUT:-gpu-check}
+mkdir -p "$OUT"
+what=${1:-all}
+python=${PYTHON:-python3}
+bpsctl=("$python" -m bpsctl.cli --state-dir "$OUT/state")
+status=0
+
+step() {            # step NAME COMMAND...: run it, say how long it took and how it ended
+    local name=$1; shift
+    echo "=== $name: $*"
+    local start=$SECONDS
+    "$@"; local code=$?
+    echo "=== $name: exit $code after $((SECONDS - start)) s"
+    [[ $code -eq 0 ]] || status=1
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || true
+"$python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, \
+'GPUs', torch.cuda.device_count(), 'NCCL', torch.cuda.nccl.version())"
+
+if [[ $what == all || $what == tests ]]; then
+    step tests "$python" -m pytest -q -n 0 -p no:cacheprovider tests/test_torch_gpu.py \
+        tests/test_paths.py -x
+fi
+
+if [[ $what == all || $what == bench ]]; then
+    for model in resnet50 vgg16; do
+        # one GPU: bpsctl has nothing to sum and should match the plain row
+        step "$model-1gpu" "${bpsctl[@]}" bench "$model" --device cuda --workers 1 \
+            --compare ddp --json "$OUT/$model-1gpu.json"
+        # the staged path through one server, with a trace: where its time goes
+        step "$model-forced" env BPSCTL_FORCE_DISTRIBUTED=1 "${bpsctl[@]}" bench "$model" \
+            --device cuda --workers 1 --servers 1 --trace "$OUT/trace-$model" \
+            --json "$OUT/$model-forced.json"
+        step "$model-trace" "${bpsctl[@]}" trace "$OUT/trace-$model" --json "$OUT/trace-$model.json"
+    done
+    step comm-cuda "${bpsctl[@]}" bench comm --device cuda --workers 1 --servers 1 \
+        --size 256MiB --repeats 5 --compare allreduce --json "$OUT/comm-cuda.json"
+    step comm-tcp env BPSCTL_SHM_SERVER=0 "${bpsctl[@]}" bench comm --workers 1 --servers 2 \
+        --size 64MiB --json "$OUT/comm-tcp.json"
+fi
+exit $status
