@@ -241,7 +241,9 @@ def test_two_way_compression_through_real_servers(job, workers, servers):
         parts = {name: [list(p) for p in worker._tensors[name]["parts"]] for name in got}
         return got, parts
 
-    results = job(workers, servers, body, partition_bytes=4096, min_compress_bytes=0)
+    # one worker too goes through the servers (BPSCTL_FORCE_DISTRIBUTED): they compress
+    results = job(workers, servers, body, partition_bytes=4096, min_compress_bytes=0,
+                  force_distributed=True)
     for comp in COMPRESSORS:
         name = f"grad.{comp.spec()}"
         parts = results[0][1][name]

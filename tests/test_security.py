@@ -360,7 +360,7 @@ def test_bench_comm_measures_the_modes_in_interleaved_passes_each_on_its_cluster
         rows = [{"system": "bpsctl", "seconds_all": [seconds] * settings.repeats}]
         rows += [{"system": "allreduce", "seconds": 3.0}] if settings.compare else []
         return {"workers": 2, "servers": 2, "worker_hosts": [2], "size_bytes": size,
-                "nic_mbit": None, "tensors": 8,
+                "nic_mbit": None, "tensors": 8, "layout": {"model_seconds": None},
                 "results": rows, "speedup": {"allreduce": 0.0} if settings.compare else {}}
 
     monkeypatch.setattr(bench, "bench_cluster", fake_cluster)

@@ -257,7 +257,8 @@ class Worker:
         self._in_flight_names: set[str] = set()
         self._broken: EngineError | None = None
         self._codecs: dict[str, C.WorkerCodec] = {}         # name -> its compression
-        self._solo_bindings: dict[str, tuple[str, list[int]]] = {}  # name -> (dtype, shape)
+        # name -> (dtype, shape, compressor) of a solo job's push_pulls
+        self._solo_bindings: dict[str, tuple[str, list[int], Any]] = {}
         self._noname_counter = itertools.count()
         self._barrier_counter = itertools.count()
         self._closed = False
@@ -537,7 +538,9 @@ class Worker:
                 raise EngineError("the engine is shut down; call init() again")
         if self.solo:
             # one worker: the sum is the tensor itself, and nothing travels
-            handle.error = self.check_solo_binding(name, str(src.dtype), list(src.shape))
+            handle.error = self.check_solo_binding(
+                name, src.dtype, list(src.shape),
+                compression if src.nbytes >= self.config.min_compress_bytes else None)
             if handle.error is None and not np.shares_memory(src, out):
                 np.copyto(out, src)
             handle._done.set()
@@ -637,18 +640,27 @@ class Worker:
                              "for another compression")
         return codec
 
-    def check_solo_binding(self, name: str, dtype: str, shape: list[int]) -> ValueError | None:
-        """A job of one worker (:attr:`solo`) declares nothing, yet a name stays bound to the
-        dtype and shape of its first push_pull as in any job: the error a push_pull of
-        ``name`` as ``dtype`` ``shape`` gets if that differs, else None (and the first one
-        binds it)."""
+    def check_solo_binding(self, name: str, dtype: Any, shape: list[int],
+                           compression: C.Compressor | None = None) -> ValueError | None:
+        """A job of one worker (:attr:`solo`) declares nothing and compresses nothing, yet a
+        name stays bound to the dtype, shape and compressor of its first push_pull as in any
+        job: the error a push_pull of ``name`` gets if one of those differs (or the compressor
+        cannot take the dtype), else None; the first one binds the name."""
+        if compression is not None:
+            try:
+                C.check_tensor(compression, np.dtype(dtype), name)
+            except (TypeError, ValueError) as exc:
+                return ValueError(str(exc))
         with self._lock:
-            bound = self._solo_bindings.setdefault(name, (dtype, shape))
-        if bound == (dtype, shape):
-            return None
-        return ValueError(f"tensor {name!r} was declared as {bound[0]}{tuple(bound[1])} but "
-                          f"push_pull got {dtype}{tuple(shape)}; use another name for another "
-                          "tensor")
+            bound = self._solo_bindings.setdefault(name, (str(dtype), shape, compression))
+        if bound[:2] != (str(dtype), shape):
+            return ValueError(f"tensor {name!r} was declared as {bound[0]}{tuple(bound[1])} but "
+                              f"push_pull got {dtype}{tuple(shape)}; use another name for "
+                              "another tensor")
+        if bound[2] != compression:
+            return ValueError(f"compression: tensor {name!r} was pushed with {bound[2]}, now "
+                              f"with {compression}; use another name for another compression")
+        return None
 
     def poll(self, handle: Handle) -> bool:
         return handle.done()
