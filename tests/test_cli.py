@@ -125,9 +125,11 @@ def test_run_exits_with_the_first_failure_and_stops_the_others(state_dir, tmp_pa
 def test_ctrl_c_stops_every_worker(state_dir, tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
+    # each pid file appears whole (written aside, then renamed)
     worker = ("import os, time\n"
-              f"open(os.path.join({str(pid_dir)!r}, os.environ['RANK']), 'w')"
-              ".write(str(os.getpid()))\n"
+              f"path = os.path.join({str(pid_dir)!r}, os.environ['RANK'])\n"
+              "open(path + '.tmp', 'w').write(str(os.getpid()))\n"
+              "os.replace(path + '.tmp', path)\n"
               "time.sleep(60)\n")
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     launcher = subprocess.Popen([sys.executable, "-m", "bpsctl.cli", "run", "-np", "2", "--",
@@ -135,9 +137,11 @@ def test_ctrl_c_stops_every_worker(state_dir, tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 20
-        while len(list(pid_dir.iterdir())) < 2 and time.monotonic() < deadline:
+        def pid_files():
+            return [p for p in pid_dir.iterdir() if not p.name.endswith(".tmp")]
+        while len(pid_files()) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        pids = [int(p.read_text()) for p in pid_dir.iterdir()]
+        pids = [int(p.read_text()) for p in pid_files()]
         assert len(pids) == 2
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=15) == 128 + signal.SIGINT

@@ -105,9 +105,10 @@ class Cluster:
 
 def cli_env(state_dir: Path) -> dict[str, str]:
     # wide lines: rich wraps at 80 columns when not on a terminal. Fail-fast is what these runs
-    # check: with failover (the default) a lost server's job goes on (test_resilience.py)
+    # check: with failover (the default) a lost server's job goes on (test_resilience.py). A
+    # job of one worker (w0-alone) pushes through the servers too: its link to them is cut
     return {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "200",
-            "BPSCTL_SERVER_FAILOVER": "0"}
+            "BPSCTL_SERVER_FAILOVER": "0", "BPSCTL_FORCE_DISTRIBUTED": "1"}
 
 
 @pytest.fixture

@@ -97,7 +97,7 @@ def test_sbatch_up_run_status_down_across_two_nodes(slurm, job_dir):
                           str(job_dir / "out.txt"), str(script), check=False, timeout_s=150)
     output = (job_dir / "out.txt").read_text()
     assert result.returncode == 0, output
-    lines = [line for line in output.splitlines() if " sum " in line]
+    lines = [line for line in output.splitlines() if line.startswith("[") and " sum " in line]
     assert len(lines) == 4, output
     assert all(line.endswith("sum 10 ok True") for line in lines), output
     # one worker per task: two on each node, local ranks 0 and 1

@@ -1019,7 +1019,8 @@ def _pooled(system: str, rows: list[dict[str, Any]], batch_size: int) -> dict[st
                                        for phase in rows[0]["phase_seconds_per_step"]},
             **{key: statistics.fmean(row[key] for row in rows)
                for key in ("nic_tx_bytes_per_step", "nic_rx_bytes_per_step")
-               if all(row.get(key) is not None for row in rows)}}
+               if all(row.get(key) is not None for row in rows)},
+            **{key: rows[0][key] for key in ("gradient_path", "nic") if key in rows[0]}}
 
 
 @dataclass(frozen=True)

@@ -279,7 +279,9 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
     # headers; per worker's img/sec makes room for them: it is img/sec over the title's workers)
     ideal = any(row.get("ideal_step_s") is not None for row in report["results"])
     cuda = report.get("device") == "cuda"
-    scaling = any(row.get("scaling_efficiency") is not None for row in report["results"])
+    # (beside the ideal's two columns there is no room for it at 80 columns: the JSON has it)
+    scaling = not ideal and any(row.get("scaling_efficiency") is not None
+                                for row in report["results"])
     columns = ["system", "img/sec", "± 1.96σ"] \
         + (["s/step", "ideal\ns/step", "NIC\nfrac"] if ideal
            else ["per GPU" if cuda else "per worker", "s/step"]) \

@@ -505,7 +505,7 @@ class Worker:
         same push sent again) is answered, not applied twice.
         """
         src = np.asarray(array)
-        P.dtype_code(src.dtype)                        # raises TypeError naming supported dtypes
+        self.check_push(src.dtype, average, name)
         if not src.flags.c_contiguous:
             src = np.ascontiguousarray(src)
         if out is None:
@@ -516,9 +516,6 @@ class Worker:
         elif not out.flags.writeable:
             # caught here, not when the I/O thread writes the result (that would break the engine)
             raise ValueError(f"out must be writable, got a read-only array for {name!r}")
-        if average and src.dtype.kind != "f" and src.dtype != P.BFLOAT16:
-            raise TypeError(f"average=True needs a floating-point tensor, got {src.dtype} "
-                            f"for {name!r}; pass average=False to sum")
         divisor = self.size if average and self.size > 1 else None
         flags = (P.FLAG_HOST_REDUCED if host_reduced
                  # averages may go without the backup workers' pushes; sums may not
@@ -639,6 +636,15 @@ class Worker:
                              f"{codec.compressor}, now with {compression}; use another name "
                              "for another compression")
         return codec
+
+    @staticmethod
+    def check_push(dtype: Any, average: bool, name: str | None) -> None:
+        """TypeError for a push_pull no job can do: a dtype the wire does not carry (naming
+        those it does), or an average of integers."""
+        P.dtype_code(np.dtype(dtype))
+        if average and np.dtype(dtype).kind != "f" and np.dtype(dtype) != P.BFLOAT16:
+            raise TypeError(f"average=True needs a floating-point tensor, got {np.dtype(dtype)} "
+                            f"for {name!r}; pass average=False to sum")
 
     def check_solo_binding(self, name: str, dtype: Any, shape: list[int],
                            compression: C.Compressor | None = None) -> ValueError | None:

@@ -307,14 +307,18 @@ def step_count() -> int:
     return _p().steps
 
 
+def _wire_dtype(dtype: torch.dtype) -> Any:
+    """The NumPy dtype a tensor of ``dtype`` enters the engine as (bfloat16: the engine's)."""
+    return P.BFLOAT16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+
+
 def declare(name: str, shape: Iterable[int] | None = None,
             dtype: torch.dtype | None = None) -> None:
     """Declare a tensor ahead of its first push_pull. BytePS's ``declare(name)`` (no shape) is
     accepted and does nothing: bpsctl needs no declaration order."""
     plugin = _p()
     if shape is not None and dtype is not None and plugin.stage is None:
-        wire = P.BFLOAT16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
-        plugin.worker.declare(name, tuple(shape), wire)
+        plugin.worker.declare(name, tuple(shape), _wire_dtype(dtype))
 
 
 # --------------------------------------------------------------------------- push_pull
@@ -384,6 +388,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
     elif engine is not None:
         name = f"{name}:{engine.spec()}"        # likewise: servers sum it another way
     if plugin.worker.solo:
+        plugin.worker.check_push(_wire_dtype(source.dtype), average, name)
         return _solo(plugin, name, source, output)
     op = _Op(name, output, wire, ctx, compression)
     stage = plugin.stage
