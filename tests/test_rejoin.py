@@ -112,7 +112,8 @@ optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01
 resets = []
 
 def on_reset():
-    resets.append(hvd.size())
+    # at which commit (each rank's view of the job's size may lag the others' by a message)
+    resets.append(state.epoch * batches + state.batch)
 
 state = hvd.elastic.TorchState(model, optimizer, epoch=0, batch=0)
 state.register_reset_callbacks([on_reset])
