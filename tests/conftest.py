@@ -166,6 +166,7 @@ TIERS: dict[str, set[str]] = {
     # the README's hello world: a 2-worker training job through the CLI, about 8 s
     "test_examples.py": {"slow"},
     "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu"},
+    "test_torch_gpu.py::test_cupy_arrays_through_the_engine_sum_as_numpy_ones": {"gpu"},
     "test_torch_gpu.py::test_two_workers_on_one_gpu_stage_through_host_memory_and_say_so":
         {"gpu"},
     "test_torch_gpu.py::test_bench_on_a_gpu_reports_the_device_and_a_plain_row": {"gpu"},

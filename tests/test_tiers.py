@@ -84,6 +84,8 @@ FAST_TEST_OF = {
         "test_small_parts.py::test_cross_barrier_of_one_worker_is_the_wrapped_optimizer",
     "engine/torch/elastic.py":
         "test_small_parts.py::test_an_elastic_training_function_commits_and_resumes_from_its_state",
+    "engine/torch/staging.py":
+        "test_staging.py::test_pushes_start_in_the_order_of_the_calls_and_come_back_as_they_finish",
     "engine/torch/staleness.py":
         "test_small_parts.py::test_staleness_applies_the_gradient_of_s_steps_ago_and_flush_the_rest",
     "engine/trace.py":

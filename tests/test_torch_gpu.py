@@ -318,6 +318,54 @@ def test_bench_on_a_gpu_reports_the_device_and_a_plain_row(tmp_path):
     assert "on 1x " in done.stderr and "plain" in done.stderr
 
 
+CUPY_SCRIPT = textwrap.dedent('''
+    import json, os, sys
+    import cupy, numpy as np, torch
+    import bpsctl.engine as bps
+    bps.init()
+    R, N = bps.rank(), bps.size()
+    device = bps.local_rank() % cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(device).use()
+    results = {}
+    for dtype in (cupy.float32, cupy.float16, cupy.int32):
+        x = (cupy.arange(1001) % 7 + R).astype(dtype)
+        got = bps.push_pull(x, name=f"c.{dtype.__name__}", average=False)
+        want = bps.push_pull(cupy.asnumpy(x), name=f"n.{dtype.__name__}", average=False)
+        results[dtype.__name__] = (isinstance(got, cupy.ndarray) and got.device.id == device
+                                   and np.array_equal(cupy.asnumpy(got), want)
+                                   and np.array_equal(cupy.asnumpy(x), cupy.asnumpy(
+                                       (cupy.arange(1001) % 7 + R).astype(dtype))))
+    avg = bps.push_pull(cupy.full(33, float(R), cupy.float32), name="avg")
+    results["average"] = bool((avg == (N - 1) / 2).all())
+    # the DLPack hand-off the MXNet plugin uses for GPU NDArrays: the result lands in the
+    # memory of the tensor that handed itself over
+    t = torch.full((257,), float(R + 1), device=f"cuda:{device}")
+    d = cupy.from_dlpack(torch.utils.dlpack.to_dlpack(t))
+    bps.push_pull(d, name="dlpack", average=False, out=d)
+    cupy.cuda.get_current_stream().synchronize()
+    results["dlpack"] = torch.equal(t.cpu(), torch.full((257,), float(N * (N + 1) // 2)))
+    with open(os.path.join(sys.argv[1], f"cupy{R}.json"), "w") as f:
+        json.dump(results, f)
+    bps.shutdown()
+''')
+
+
+@pytest.mark.timeout(240)
+def test_cupy_arrays_through_the_engine_sum_as_numpy_ones(tmp_path):
+    pytest.importorskip("cupy", reason="CuPy is not installed (pip install cupy-cuda12x)")
+    script = tmp_path / "cupy_job.py"
+    script.write_text(CUPY_SCRIPT)
+    config = Config(state_dir=tmp_path / "state", heartbeat_interval_s=0.2, start_timeout_s=60.0,
+                    op_timeout_s=60.0)
+    log = io.StringIO()
+    result = run_local([sys.executable, str(script), str(tmp_path)], 2, config, servers=2,
+                       stdout=log, stderr=log)
+    assert result.exit_code == 0, log.getvalue()[-4000:]
+    for rank in range(2):
+        outcome = json.loads((tmp_path / f"cupy{rank}.json").read_text())
+        assert all(outcome.values()), (rank, outcome)
+
+
 # --------------------------------------------------------------------------- everywhere
 
 @pytest.mark.parametrize("local_size", [1, 2, 3, 4, 8])

@@ -8,15 +8,16 @@
     bps.shutdown()
 
 Larger ``priority`` goes first. ``average=True`` divides the sum by the number of workers.
+CUDA arrays (CuPy's) are staged through pinned host memory and come back on their device
+(:mod:`bpsctl.engine.cuda`).
 """
 from __future__ import annotations
 
 import atexit
 from typing import Any
 
-import numpy as np
-
 from ..config import Config
+from . import cuda
 from .common import EngineError
 from .worker import Handle, Worker
 
@@ -25,6 +26,7 @@ __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "
            "Worker", "Handle", "EngineError", "Config"]
 
 _worker: Worker | None = None
+_staging = cuda.CudaStaging()
 
 
 def init(config: Config | None = None) -> None:
@@ -71,20 +73,25 @@ def local_size() -> int:
 
 
 def push_pull_async(array: Any, name: str | None = None, average: bool = True,
-                    priority: int = 0, out: np.ndarray | None = None) -> Handle:
+                    priority: int = 0, out: Any = None) -> Handle | cuda.CudaHandle:
+    if cuda.is_cuda_array(array):
+        return cuda.push_pull_async(_w(), _staging, array, name, average, priority, out)
     return _w().push_pull_async(array, name, average, priority, out)
 
 
 def push_pull(array: Any, name: str | None = None, average: bool = True, priority: int = 0,
-              out: np.ndarray | None = None) -> np.ndarray:
-    return _w().push_pull(array, name, average, priority, out)
+              out: Any = None) -> Any:
+    return synchronize(push_pull_async(array, name, average, priority, out))
 
 
-def poll(handle: Handle) -> bool:
+def poll(handle: Handle | cuda.CudaHandle) -> bool:
     return handle.done()
 
 
-def synchronize(handle: Handle, timeout_s: float | None = None) -> np.ndarray:
+def synchronize(handle: Handle | cuda.CudaHandle, timeout_s: float | None = None) -> Any:
+    """The result: a NumPy array, or for a CUDA array one on its device."""
+    if isinstance(handle, cuda.CudaHandle):
+        return handle.wait(_w(), timeout_s)
     return _w().synchronize(handle, timeout_s)
 
 

@@ -14,8 +14,10 @@
 Where the bytes are copied: a CPU NDArray in the default (dense) storage enters the engine as
 a NumPy view of its own memory (``MXNDArrayGetData``), once MXNet's engine has finished every
 pending read and write of it (``MXNDArrayWaitToWrite``), and the result is written back into
-that memory: no copy. Other dense NDArrays (GPU, empty) are copied out with ``asnumpy()`` and
-back with ``_sync_copyfrom`` (two copies); sparse ones are refused. fp16 compression adds a
+that memory: no copy. GPU NDArrays go to the engine by DLPack as CuPy arrays, staged through
+pinned host buffers (:mod:`bpsctl.engine.cuda`), the result written back into their own
+memory; without CuPy, and for empty arrays, they are copied out with ``asnumpy()`` and back
+with ``_sync_copyfrom`` (two copies). Sparse ones are refused. fp16 compression adds a
 cast each way (``astype``, as in BytePS) and a copy of the result into the gradient; a
 trainer on several contexts sums them into the first before the push and copies the result
 back to the others. A push_pull blocks the calling thread until its result is in place, so
@@ -172,7 +174,7 @@ def _host_view(array: mx.nd.NDArray, writable: bool) -> np.ndarray | None:
 class _Op:
     """One in-place push_pull of an NDArray: start it, then ``wait()``."""
 
-    __slots__ = ("array", "staged", "handle")
+    __slots__ = ("array", "staged", "handle", "cuda")
 
     def __init__(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
                  zero: bool = False, compression: C.Compressor | None = None):
@@ -180,6 +182,10 @@ class _Op:
             raise TypeError(f"push_pull expects an mxnet NDArray, got {type(array).__name__}")
         self.array = array                      # keeps the memory behind the view alive
         view = _host_view(array, writable=True)
+        self.cuda = _cuda_push(array, name, average, priority, zero, compression) \
+            if view is None else None
+        if self.cuda is not None:
+            return
         self.staged = view is None
         if view is None:
             view = np.zeros(array.shape, array.dtype) if zero else array.asnumpy()  # copy
@@ -191,10 +197,33 @@ class _Op:
 
     def wait(self) -> mx.nd.NDArray:
         worker = _engine._w()
+        if self.cuda is not None:
+            self.cuda.wait(worker)              # into the array's own GPU memory
+            self.cuda.out.device.synchronize()  # before MXNet's streams read it
+            return self.array
         result = worker.synchronize(self.handle)
         if self.staged:
             self.array._sync_copyfrom(result)  # copy back
         return self.array
+
+
+def _cuda_push(array: mx.nd.NDArray, name: str, average: bool, priority: int, zero: bool,
+               compression: C.Compressor | None) -> Any:
+    """A GPU NDArray's push_pull through CuPy, its memory handed over by DLPack (no
+    ``asnumpy()``): staged through pinned host buffers by :mod:`bpsctl.engine.cuda`, the
+    result written back into the NDArray's own memory. None where that cannot be (not on a
+    GPU, empty, or no CuPy): the caller copies through the host instead."""
+    if not array.context.device_type.startswith("gpu") or array.size == 0:
+        return None
+    try:
+        import cupy
+    except ImportError:
+        return None
+    device = cupy.from_dlpack(mx.nd.to_dlpack_for_write(array))
+    if zero:
+        device.fill(0)
+    return _engine.cuda.push_pull_async(_engine._w(), _engine._staging, device, name, average,
+                                        priority, out=device, compression=compression)
 
 
 class _Batch:

@@ -60,6 +60,7 @@ from .. import protocol as P
 from ..common import EngineError, keep_large_buffers
 from ..intranode import LocalOp, LocalStage, _as_array
 from ..trace import now_ns
+from .staging import Downstream, StagedOp, Stager
 from .staleness import StaleGradients
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
@@ -180,7 +181,7 @@ class _Op:
     """One push_pull from the plugin's side: what to give back, and how."""
 
     __slots__ = ("name", "output", "wire_out", "ctx", "compression", "wait", "done", "device_out",
-                 "keep", "local")
+                 "keep", "local", "staged")
 
     def __init__(self, name: str, output: torch.Tensor, wire_out: torch.Tensor, ctx: Any,
                  compression: CompressionArg):
@@ -191,6 +192,7 @@ class _Op:
         self.device_out: torch.Tensor | None = None
         self.keep: Any = None           # inputs that must outlive the transfer
         self.local: LocalOp | None = None   # CUDA through the stage's NCCL path
+        self.staged: StagedOp | None = None  # CUDA through host memory (staging.py)
 
 
 class _Plugin:
@@ -213,7 +215,8 @@ class _Plugin:
         self.elastic: Any = None                # an elastic State: it hands over the model
         self.received: dict[str, Any] | None = None     # a rejoining worker's state, unpacked
         self.unloaded: set[int] = set()         # optimizers whose received state is not in
-        self.copy_stream: Any = None
+        self.stager: Stager | None = None           # CUDA through host memory, from the first
+        self.copy_streams: dict[tuple[int, str], Any] = {}  # (device, direction) -> stream
         self.pinned: dict[str, torch.Tensor] = {}
         w, cfg = self.worker, self.config
         if cfg.reuse_memory:
@@ -245,6 +248,8 @@ class _Plugin:
                 start_timeout_s=cfg.start_timeout_s)
 
     def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
         if self.stage is not None:
             self.stage.close()
         _engine.shutdown()
@@ -346,23 +351,57 @@ def _contiguous_output(op: _Op, wire: torch.Tensor, source: torch.Tensor,
     return wire
 
 
+def _copy_stream(plugin: _Plugin, device: torch.device, direction: str) -> Any:
+    """The device's side stream for copies to the host (``d2h``) or back (``h2d``): each
+    direction has its own, so results come back while gradients still go out."""
+    key = (device.index, direction)
+    stream = plugin.copy_streams.get(key)
+    if stream is None:
+        stream = plugin.copy_streams[key] = torch.cuda.Stream(device=device)
+    return stream
+
+
 def _stage_through_host(plugin: _Plugin, op: _Op, name: str, tensor: torch.Tensor,
-                        device_out: torch.Tensor) -> torch.Tensor:
-    """Stage a CUDA ``tensor`` through pinned host memory for the engine: the copy runs on a
-    side stream after the work that produced it, and returns once it has landed. Returns the
-    host input; the result lands in a host output (``op.wire_out``) and :func:`synchronize`
-    copies it back into ``device_out``."""
-    if plugin.copy_stream is None:
-        plugin.copy_stream = torch.cuda.Stream(device=tensor.device)
-    stream = plugin.copy_stream
+                        device_out: torch.Tensor,
+                        start: Callable[[torch.Tensor, torch.Tensor], Downstream]) -> None:
+    """Stage a CUDA ``tensor`` through pinned host memory without waiting here (see
+    :mod:`.staging`): after the work the caller's stream has queued so far, it is copied into
+    a pinned buffer on the device's outbound copy stream, ``start(host_in, host_out)`` starts
+    its push_pull, and the result is copied from ``host_out`` into ``device_out`` on the
+    inbound copy stream as soon as it is in; :func:`synchronize` makes the caller's stream
+    wait for that copy."""
+    device = tensor.device
     host_in = _pinned(plugin, name + "/in", tensor)
     host_out = _pinned(plugin, name + "/out", tensor)
-    stream.wait_stream(torch.cuda.current_stream(tensor.device))
-    with torch.cuda.stream(stream):
-        host_in.copy_(tensor, non_blocking=True)
-    stream.synchronize()
-    op.keep, op.device_out, op.wire_out = tensor, device_out, host_out
-    return host_in
+    outbound, inbound = _copy_stream(plugin, device, "d2h"), _copy_stream(plugin, device, "h2d")
+    ready = torch.cuda.Event()
+    ready.record(torch.cuda.current_stream(device))
+    # the caching allocator must not hand these to others while the side streams use them
+    tensor.record_stream(outbound)
+    device_out.record_stream(inbound)
+
+    def to_host() -> None:
+        with torch.cuda.device(device), torch.cuda.stream(outbound):
+            outbound.wait_event(ready)
+            host_in.copy_(tensor, non_blocking=True)
+            copied = torch.cuda.Event(blocking=True)        # the wait below sleeps
+            copied.record(outbound)
+        copied.synchronize()
+
+    def to_device() -> Any:
+        with torch.cuda.device(device), torch.cuda.stream(inbound):
+            device_out.copy_(host_out, non_blocking=True)
+            back = torch.cuda.Event()
+            back.record(inbound)
+        return back
+
+    if plugin.stager is None:
+        plugin.stager = Stager(plugin.config.op_timeout_s)
+    staged = plugin.stager.submit(StagedOp(name, to_host, lambda: start(host_in, host_out),
+                                           to_device))
+    op.staged, op.device_out, op.wire_out = staged, device_out, host_out
+    op.keep = (tensor, host_in)
+    op.wait, op.done = staged.wait, staged.done.is_set
 
 
 def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
@@ -409,12 +448,32 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         op.keep = wire
         return _track(plugin, op)
     if wire.is_cuda:
-        wire = _stage_through_host(plugin, op, name, wire, device_out=wire)
-    else:
         wire = _contiguous_output(op, wire, source, inplace)
-    if plugin.stage is not None:
-        local = plugin.stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
-                                            compression=engine))
+        plugin.worker.check_push(_wire_dtype(wire.dtype), average, name)
+
+        def start(host_in: torch.Tensor, host_out: torch.Tensor) -> Downstream:
+            if stage is not None:
+                return _submit_local(stage, LocalOp(name, host_in, host_out, average, priority,
+                                                    compression=engine))
+            handle = plugin.worker.push_pull_async(
+                _as_array(host_in), name=name, average=average, priority=priority,
+                out=_as_array(host_out), compression=engine)
+            return handle.wait, handle.done
+        _stage_through_host(plugin, op, name, wire, op.wire_out, start)
+        return _track(plugin, op)
+    wire = _contiguous_output(op, wire, source, inplace)
+    if stage is not None and plugin.stager is not None:
+        # behind the CUDA tensors still on their way to the stage: every local rank must
+        # submit to it in the order of the calls
+        host, out = wire, op.wire_out
+        staged = plugin.stager.submit(StagedOp(
+            name, lambda: None, lambda: _submit_local(stage, LocalOp(
+                name, host, out, average, priority, compression=engine)), lambda: None))
+        op.staged, op.keep = staged, wire
+        op.wait, op.done = staged.wait, staged.done.is_set
+    elif stage is not None:
+        local = stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
+                                     compression=engine))
         op.wait, op.done = local.wait, local.done.is_set
         op.keep = (op.keep, wire)
     else:
@@ -423,6 +482,12 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
             _as_array(wire), name=name, average=average, priority=priority,
             out=_as_array(op.wire_out), compression=engine))
     return _track(plugin, op)
+
+
+def _submit_local(stage: LocalStage, op: LocalOp) -> Downstream:
+    """Hand ``op`` to the intra-node stage; how to wait for it."""
+    local = stage.submit(op)
+    return local.wait, local.done.is_set
 
 
 def _solo(plugin: _Plugin, name: str, source: torch.Tensor, output: torch.Tensor) -> int:
@@ -540,13 +605,12 @@ def _finish(handle: int) -> torch.Tensor:
     if op.local is not None and op.local.finished is not None:
         # CUDA through NCCL: the caller's stream waits for the stage's last GPU work
         torch.cuda.current_stream(op.wire_out.device).wait_event(op.local.finished)
-    result = op.compression.decompress(op.wire_out, op.ctx)
-    if op.device_out is not None:                       # CUDA: back to the device
-        stream = plugin.copy_stream
-        with torch.cuda.stream(stream):
-            op.device_out.copy_(result, non_blocking=True)
-        torch.cuda.current_stream(op.device_out.device).wait_stream(stream)
+    if op.staged is not None and op.device_out is not None:
+        # CUDA through host memory: the copy back was queued as the result came in
+        torch.cuda.current_stream(op.device_out.device).wait_event(op.staged.finished)
         result = op.compression.decompress(op.device_out, op.ctx)
+    else:
+        result = op.compression.decompress(op.wire_out, op.ctx)
     if result.data_ptr() != op.output.data_ptr():
         op.output.detach().copy_(result.reshape(op.output.shape))
     return op.output
@@ -1006,12 +1070,19 @@ def _start_async(source: torch.Tensor, output: torch.Tensor, name: str, priority
     are."""
     plugin = _p()
     op = _Op(name, output, output, None, Compression.none)
+
+    def start(host_in: torch.Tensor, host_out: torch.Tensor) -> Downstream:
+        handle = plugin.worker.push_pull_async(
+            _as_array(host_in), name=name, average=False, priority=priority,
+            out=_as_array(host_out), async_update=update, async_init=init)
+        return handle.wait, handle.done
     if source.is_cuda:
-        source = _stage_through_host(plugin, op, name, source, device_out=output)
-    op.keep = (op.keep, source)
-    return _track(plugin, op, plugin.worker.push_pull_async(
-        _as_array(source), name=name, average=False, priority=priority,
-        out=_as_array(op.wire_out), async_update=update, async_init=init))
+        _stage_through_host(plugin, op, name, source, output, start)
+        return _track(plugin, op)
+    op.keep = source
+    wait, done = start(source, output)
+    op.wait, op.done = wait, done
+    return _track(plugin, op)
 
 
 class _AsyncSync(_GradientSync):
