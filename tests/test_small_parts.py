@@ -229,3 +229,20 @@ def test_install_horovod_says_what_it_builds():
     assert result.exit_code == 0, result.output
     said = " ".join(result.output.split())
     assert "PyTorch and Gloo" in said and "--force" in said
+
+
+def test_a_cuda_array_is_told_apart_and_without_cupy_the_error_says_how_to_get_it():
+    import numpy as np
+
+    from bpsctl.engine import cuda
+    from bpsctl.engine.common import EngineError
+
+    class OnAGpu:                   # what CuPy, torch and others offer for GPU memory
+        __cuda_array_interface__ = {"shape": (4,), "typestr": "<f4", "data": (0, False),
+                                    "version": 3}
+    assert cuda.is_cuda_array(OnAGpu()) and not cuda.is_cuda_array(np.zeros(4))
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        with pytest.raises(EngineError, match=r"needs CuPy: pip install cupy-cuda12x"):
+            cuda.push_pull_async(None, cuda.CudaStaging(), OnAGpu(), "g", True, 0)

@@ -61,6 +61,8 @@ FAST_TEST_OF = {
         "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "engine/client.py":
         "test_trace.py::test_a_clock_exchange_needs_the_secret_and_bounds_the_true_offset",
+    "engine/cuda.py": "test_small_parts.py::"
+        "test_a_cuda_array_is_told_apart_and_without_cupy_the_error_says_how_to_get_it",
     "engine/common.py": "test_engine.py::test_sum_is_exact_for_integer_valued_data",
     "engine/compression.py":
         "test_compression.py::test_each_compressor_sends_exactly_its_stated_size",
