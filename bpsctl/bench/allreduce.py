@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import time
 
 from ..config import parse_size
 from .comm import print_result
+from .gpu import add_device_arguments, use_gpu
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,15 +26,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--timeout", type=float, default=120.0)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--gpu-by", choices=("local_rank", "rank"), default="local_rank")
+    add_device_arguments(parser)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     args = parser.parse_args(argv)
 
     cuda = args.device == "cuda"
     if cuda:
-        which = int(os.environ.get("LOCAL_RANK" if args.gpu_by == "local_rank" else "RANK", "0"))
-        torch.cuda.set_device(which % torch.cuda.device_count())
+        use_gpu(args.gpu_by)
     else:
         torch.set_num_threads(1)
     dist.init_process_group(args.backend, init_method="env://",

@@ -25,6 +25,7 @@ import numpy as np
 import zmq
 
 from ..config import parse_size
+from .gpu import add_device_arguments, use_gpu
 
 # ----------------------------------------------------------------------------- worker side
 
@@ -53,8 +54,7 @@ def worker_main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tensors", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--gpu-by", choices=("local_rank", "rank"), default="local_rank")
+    add_device_arguments(parser)
     args = parser.parse_args(argv)
 
     if args.device == "cuda":
@@ -101,8 +101,7 @@ def cuda_main(args: argparse.Namespace) -> None:
 
     import bpsctl.engine.torch as bps
 
-    which = int(os.environ.get("LOCAL_RANK" if args.gpu_by == "local_rank" else "RANK", "0"))
-    torch.cuda.set_device(which % torch.cuda.device_count())
+    use_gpu(args.gpu_by)
     bps.init()
     rank, size = bps.rank(), bps.size()
     counts = tensor_sizes(parse_size(args.size), args.tensors)

@@ -9,7 +9,9 @@ prints. It imports torch and counts devices without creating a CUDA context.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -105,6 +107,25 @@ def last_json(text: str) -> dict[str, Any] | None:
         if isinstance(answer, dict):
             return answer
     return None
+
+
+def add_device_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--device`` and ``--gpu-by`` of the benchmarks' worker scripts."""
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--gpu-by", choices=("local_rank", "rank"), default="local_rank",
+                        help="which rank picks the GPU (rank %% GPUs): local_rank where each "
+                             "host has GPUs of its own, rank where emulated hosts share one "
+                             "machine's")
+
+
+def use_gpu(gpu_by: str) -> int:
+    """Put this worker on its GPU (its local rank's or rank's, modulo the GPUs) before
+    anything initialises, as Horovod's and BytePS's examples do; returns the index."""
+    import torch
+    which = int(os.environ.get("LOCAL_RANK" if gpu_by == "local_rank" else "RANK", "0"))
+    index = which % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return index
 
 
 def resolve_device(requested: str, hosts: Sequence[HostGPUs]) -> str:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.trace import interface_of, read_nic
+from .gpu import add_device_arguments, use_gpu
 
 SYSTEMS = ("bpsctl", "horovod", "ddp", "ddp-powersgd", "plain")
 
@@ -195,11 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--horovod-hosts", default="")
     parser.add_argument("--rendezvous-addr", default="")
     parser.add_argument("--rendezvous-port", type=int, default=0)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--gpu-by", choices=("local_rank", "rank"), default="local_rank",
-                        help="which rank picks the GPU (rank %% GPUs): local_rank where each "
-                             "host has GPUs of its own, rank where emulated hosts share one "
-                             "machine's")
+    add_device_arguments(parser)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                         help="DDP's torch.distributed backend")
     args = parser.parse_args(argv)
@@ -216,10 +213,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cuda = args.device == "cuda"
     if cuda:
-        # before anything initialises (NCCL, the plugin, DDP): each worker on its own GPU
-        # where there are enough, as Horovod's and BytePS's examples do
-        which = int(os.environ.get("LOCAL_RANK" if args.gpu_by == "local_rank" else "RANK", "0"))
-        torch.cuda.set_device(which % torch.cuda.device_count())
+        use_gpu(args.gpu_by)       # before NCCL, the plugin or DDP initialise
     else:
         # several workers share this machine's cores (Horovod's and DDP's runs alike)
         torch.set_num_threads(1)
