@@ -10,6 +10,7 @@ import textwrap
 
 import psutil
 import pytest
+from conftest import namespaces_left_behind
 
 from bpsctl.config import Config
 from bpsctl.launch import api, emulate
@@ -109,7 +110,7 @@ def test_bench_comm_compares_with_allreduce_on_emulated_hosts(tmp_path):
         assert 0 < row["nic_fraction"] <= 1.1
     assert report["speedup"]["allreduce"] == pytest.approx(
         systems["allreduce"]["seconds"] / systems["bpsctl"]["seconds"])
-    assert not set(emulate.list_namespaces()) - before      # its hosts are torn down
+    assert not namespaces_left_behind(before)               # its hosts are torn down
 
 
 @pytest.mark.timeout(180)
