@@ -170,6 +170,8 @@ TIERS: dict[str, set[str]] = {
     "test_torch_gpu.py::test_two_workers_on_one_gpu_stage_through_host_memory_and_say_so":
         {"gpu"},
     "test_torch_gpu.py::test_bench_on_a_gpu_reports_the_device_and_a_plain_row": {"gpu"},
+    "test_torch_gpu.py::test_a_cuda_model_trained_through_the_host_staging_matches_the_cpu":
+        {"gpu"},
     "test_torch_gpu.py::test_cuda_sums_are_exact_on_every_path": {"gpu", "2 gpus"},
     "test_torch_gpu.py::test_a_one_host_gpu_job_sends_nothing_to_the_servers_and_trains_as_ddp":
         {"gpu", "2 gpus"},

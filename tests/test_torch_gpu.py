@@ -238,8 +238,21 @@ def test_distributed_optimizer_on_a_cuda_model_matches_the_cpu(tmp_path, local_r
     records = run_script(tmp_path, TRAIN_SCRIPT, workers, str(steps), str(local_batch),
                          local_reduce=local_reduce)
     assert_all_ok(records)
+    reference = _cpu_reference(steps, workers, local_batch)     # one CPU process
+    rank0 = torch.load(tmp_path / "out" / "params.rank0.pt")
+    for rank in range(workers):
+        params = torch.load(tmp_path / "out" / f"params.rank{rank}.pt")
+        for name, ref in reference.items():
+            assert torch.equal(params[name], rank0[name]), f"rank {rank} differs in {name}"
+            assert torch.allclose(params[name], ref, rtol=1e-4, atol=1e-5), \
+                f"{name}: max |diff| {(params[name] - ref).abs().max():.2e}"
+
+
+
+def _cpu_reference(steps: int, workers: int, local_batch: int) -> dict:
+    """TRAIN_COMMON's model trained in this process on the CPU, on the whole global batch."""
     namespace: dict = {}
-    exec(TRAIN_COMMON, namespace)                      # the reference: one CPU process
+    exec(TRAIN_COMMON, namespace)
     model = namespace["make_model"]()
     opt = namespace["make_optimizer"](model)
     for step in range(steps):
@@ -247,14 +260,30 @@ def test_distributed_optimizer_on_a_cuda_model_matches_the_cpu(tmp_path, local_r
         opt.zero_grad()
         torch.nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
-    rank0 = torch.load(tmp_path / "out" / "params.rank0.pt")
+    return model.state_dict()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", ["two ranks on one gpu", "one rank forced"])
+def test_a_cuda_model_trained_through_the_host_staging_matches_the_cpu(tmp_path, monkeypatch,
+                                                                        case):
+    """The staged path of DistributedOptimizer on one GPU (the hooks hand each gradient to the
+    copy streams, the results come back before the optimizer reads them): two ranks sharing
+    the device, or one rank forced through the servers; the parameters those of CPU training
+    on the global batch."""
+    steps, local_batch = 10, 8
+    workers = 2 if case == "two ranks on one gpu" else 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    records = run_script(tmp_path, TRAIN_SCRIPT, workers, str(steps), str(local_batch),
+                         force_distributed=workers == 1)
+    assert_all_ok(records)
+    assert all(record["path"] == "host-staged" for record in records)
+    reference = _cpu_reference(steps, workers, local_batch)
     for rank in range(workers):
         params = torch.load(tmp_path / "out" / f"params.rank{rank}.pt")
-        for name, ref in model.state_dict().items():
-            assert torch.equal(params[name], rank0[name]), f"rank {rank} differs in {name}"
+        for name, ref in reference.items():
             assert torch.allclose(params[name], ref, rtol=1e-4, atol=1e-5), \
-                f"{name}: max |diff| {(params[name] - ref).abs().max():.2e}"
-
+                f"rank {rank}, {name}: max |diff| {(params[name] - ref).abs().max():.2e}"
 
 DDP_SCRIPT = TRAIN_COMMON + '''
 import torch.distributed as dist

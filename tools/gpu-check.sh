@@ -8,6 +8,10 @@
 #   tools/gpu-check.sh            # everything (about 5 minutes on one GPU)
 #   tools/gpu-check.sh tests      # only the tests
 #   tools/gpu-check.sh bench      # only the benchmarks
+#
+# Every step has its own time limit (a hung step fails alone, the rest still run); the
+# training benchmarks time 5 iterations of 5 batches after 5 warm-up batches, as Horovod's
+# synthetic benchmark does in spirit, to keep the whole pass within a few minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -18,11 +22,11 @@ python=${PYTHON:-python3}
 bpsctl=("$python" -m bpsctl.cli --state-dir "$OUT/state")
 status=0
 
-step() {            # step NAME COMMAND...: run it, say how long it took and how it ended
-    local name=$1; shift
+step() {            # step NAME SECONDS COMMAND...: run it, say how long it took and how it ended
+    local name=$1 limit=$2; shift 2
     echo "=== $name: $*"
     local start=$SECONDS
-    "$@"; local code=$?
+    timeout -k 15 "$limit" "$@"; local code=$?
     echo "=== $name: exit $code after $((SECONDS - start)) s"
     [[ $code -eq 0 ]] || status=1
 }
@@ -32,24 +36,30 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 'GPUs', torch.cuda.device_count(), 'NCCL', torch.cuda.nccl.version())"
 
 if [[ $what == all || $what == tests ]]; then
-    step tests "$python" -m pytest -q -n 0 -p no:cacheprovider tests/test_torch_gpu.py \
-        tests/test_paths.py -x
+    step tests 180 "$python" -m pytest -q -n 4 -p no:cacheprovider -rs --durations=15 \
+        tests/test_torch_gpu.py tests/test_paths.py tests/test_staging.py
 fi
 
 if [[ $what == all || $what == bench ]]; then
+    steps=(--warmup 5 --iters 5 --batches-per-iter 5)
     for model in resnet50 vgg16; do
         # one GPU: bpsctl has nothing to sum and should match the plain row
-        step "$model-1gpu" "${bpsctl[@]}" bench "$model" --device cuda --workers 1 \
-            --compare ddp --json "$OUT/$model-1gpu.json"
-        # the staged path through one server, with a trace: where its time goes
-        step "$model-forced" env BPSCTL_FORCE_DISTRIBUTED=1 "${bpsctl[@]}" bench "$model" \
-            --device cuda --workers 1 --servers 1 --trace "$OUT/trace-$model" \
-            --json "$OUT/$model-forced.json"
-        step "$model-trace" "${bpsctl[@]}" trace "$OUT/trace-$model" --json "$OUT/trace-$model.json"
+        step "$model-1gpu" 90 "${bpsctl[@]}" bench "$model" --device cuda --workers 1 \
+            "${steps[@]}" --compare ddp --json "$OUT/$model-1gpu.json"
     done
-    step comm-cuda "${bpsctl[@]}" bench comm --device cuda --workers 1 --servers 1 \
+    for model in resnet50 vgg16; do
+        # the staged path through one server, with a trace: where its time goes
+        step "$model-forced" 100 env BPSCTL_FORCE_DISTRIBUTED=1 "${bpsctl[@]}" bench "$model" \
+            --device cuda --workers 1 --servers 1 "${steps[@]}" --trace "$OUT/trace-$model" \
+            --json "$OUT/$model-forced.json"
+    done
+    step comm-cuda 75 "${bpsctl[@]}" bench comm --device cuda --workers 1 --servers 1 \
         --size 256MiB --repeats 5 --compare allreduce --json "$OUT/comm-cuda.json"
-    step comm-tcp env BPSCTL_SHM_SERVER=0 "${bpsctl[@]}" bench comm --workers 1 --servers 2 \
+    step comm-tcp 75 env BPSCTL_SHM_SERVER=0 "${bpsctl[@]}" bench comm --workers 1 --servers 2 \
         --size 64MiB --json "$OUT/comm-tcp.json"
+    for model in resnet50 vgg16; do
+        [[ -d $OUT/trace-$model ]] && step "$model-trace" 30 "${bpsctl[@]}" trace \
+            "$OUT/trace-$model" --json "$OUT/trace-$model.json"
+    done
 fi
 exit $status
