@@ -54,6 +54,8 @@ def state_dir(tmp_path, monkeypatch):
     (["bench", "comm", "--size", "16", "--tensors", "8"],
      "--size: 16 bytes is too small for 8 float32 tensors (at least 32 bytes)"),
     (["bench", "comm", "--sweep", "cores=2"], "--sweep: expected workers=2,4,6,8, got 'cores=2'"),
+    (["bench", "comm", "--workers", "1", "--compare", "allreduce"],
+     "--compare allreduce with one worker: an allreduce of one rank moves nothing"),
     (["run", "--attach", "-np", "1", "--", "true"], "--attach: no job is running from"),
     (["run", "--attach", "--max-workers", "4", "--", "true"],
      "--max-workers: set when the job started; --attach joins it as it is, so drop it"),

@@ -93,6 +93,8 @@ TORCH_SCRIPT = textwrap.dedent('''
     import bpsctl.engine.torch as bps
     torch.set_num_threads(1)
 
+    HOOKS = []
+
     def train(distributed):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
@@ -101,6 +103,7 @@ TORCH_SCRIPT = textwrap.dedent('''
         if distributed:
             opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                            compression=bps.Compression.fp16)
+            HOOKS.append(len(opt._sync.hooks))      # alone: backward runs as plain torch's
         g = torch.Generator().manual_seed(1)
         for _ in range(5):
             x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
@@ -112,7 +115,7 @@ TORCH_SCRIPT = textwrap.dedent('''
     bps.init()
     mine, plain = train(True), train(False)
     same = all(torch.equal(a, b) for a, b in zip(mine.parameters(), plain.parameters()))
-    print("PATH", bps.gradient_path(cuda=False), "SAME", same, flush=True)
+    print("HOOKS", HOOKS[0], "PATH", bps.gradient_path(cuda=False), "SAME", same, flush=True)
     bps.shutdown()
 ''')
 
@@ -129,7 +132,8 @@ def test_one_torch_worker_trains_as_plain_torch_unless_forced(tmp_path, force):
                           capture_output=True, text=True, timeout=120, env=_env(force))
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if "PATH" in line)
-    assert line.endswith("PATH servers SAME False" if force else "PATH none SAME True"), line
+    assert line.endswith("HOOKS 4 PATH servers SAME False" if force
+                         else "HOOKS 0 PATH none SAME True"), line
 
 
 def _env(force: bool) -> dict[str, str]:

@@ -54,7 +54,7 @@ if [[ $what == all || $what == bench ]]; then
             --json "$OUT/$model-forced.json"
     done
     step comm-cuda 75 "${bpsctl[@]}" bench comm --device cuda --workers 1 --servers 1 \
-        --size 256MiB --repeats 5 --compare allreduce --json "$OUT/comm-cuda.json"
+        --size 256MiB --repeats 5 --json "$OUT/comm-cuda.json"
     step comm-tcp 75 env BPSCTL_SHM_SERVER=0 "${bpsctl[@]}" bench comm --workers 1 --servers 2 \
         --size 64MiB --json "$OUT/comm-tcp.json"
     for model in resnet50 vgg16; do

@@ -236,6 +236,10 @@ def comm(ctx: typer.Context,
         worker_counts = _sweep(sweep)
         for count in [c * workers_per_host for c in worker_counts] if worker_counts else [n]:
             check_backup_workers(config.backup_workers, count)
+            if count == 1 and "allreduce" in _names(compare):
+                raise ConfigError("--compare allreduce with one worker: an allreduce of one "
+                                  "rank moves nothing, so there is nothing to compare; run 2 "
+                                  "or more workers (--workers), or drop --compare")
         gpus = [] if device == "cpu" else probe_gpus(config)
         device = resolve_device(device, gpus)
         host_workers, host_gpus, gpu_by = physical_hosts(config, n, gpus)

@@ -805,12 +805,17 @@ def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
 
 class _GradientSync:
     """Hooks that push gradients as soon as autograd has accumulated them: a bucket goes when
-    the last of its gradients is ready (see :func:`_buckets`)."""
+    the last of its gradients is ready (see :func:`_buckets`).
+
+    ``solo`` (a job of one worker, whose averages are the gradients themselves): no hooks at
+    all, so that backward runs as in plain torch; the first :meth:`synchronize` pushes every
+    bucket once, which binds each name to its dtype and shape as in any job, and later ones
+    only end the step."""
 
     def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], prefix: str,
                  compression: CompressionArg, passes_per_step: int,
                  before_first_push: Callable[[], None] | None = None,
-                 group_of: dict | None = None):
+                 group_of: dict | None = None, solo: bool = False):
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expected at least 1, "
                              f"got {passes_per_step}")
@@ -830,7 +835,9 @@ class _GradientSync:
         self.handles: dict[_Bucket, int] = {}
         self.enabled = True
         self.before_first_push = before_first_push
-        self.hooks = [p.register_post_accumulate_grad_hook(self._hook) for p in self.params]
+        self.solo, self.checked = solo, False
+        self.hooks = [] if solo else [p.register_post_accumulate_grad_hook(self._hook)
+                                      for p in self.params]
         self.stale: StaleGradients | None = None    # bounded staleness: pushes from slots
         # when this step's first and last bucket were ready (the backward span of a trace)
         self.first_ready_ns = self.last_ready_ns = 0
@@ -894,6 +901,11 @@ class _GradientSync:
     def synchronize(self, end_of_step: bool = True) -> None:
         """Wait for every bucket's push_pull; ``end_of_step``: the step ends here (no
         optimizer update follows that would end it)."""
+        if self.solo and self.checked:
+            if end_of_step:
+                _engine._w().mark_step()
+            return
+        self.checked = True
         started_ns = now_ns()
         for bucket, handle in self.take_handles():
             synchronize(handle)
@@ -992,7 +1004,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if plugin.config.async_mode:        # the servers run this optimizer
             self._sync = _AsyncSync(named, prefix, self, backward_passes_per_step)
         else:
-            self._sync = _GradientSync(named, prefix, compression, backward_passes_per_step)
+            # alone, the gradients are their own averages: no hooks, nothing per step
+            # (staleness still delays the update by its s steps, so it keeps the full path)
+            self._sync = _GradientSync(named, prefix, compression, backward_passes_per_step,
+                                       solo=plugin.worker.solo and not plugin.config.staleness)
             if plugin.config.staleness:
                 self._sync.stale = StaleGradients(self._sync, plugin.config.staleness)
         self._should_synchronize = True
