@@ -165,18 +165,20 @@ TIERS: dict[str, set[str]] = {
     "test_paths.py::test_one_torch_worker_trains_as_plain_torch_unless_forced": {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s
     "test_examples.py": {"slow"},
-    "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu"},
-    "test_torch_gpu.py::test_cupy_arrays_through_the_engine_sum_as_numpy_ones": {"gpu"},
+    # CUDA: every job of these takes 8-50 s on one H200 (worker processes, CUDA start-up),
+    # so they are slow as well, and a GPU machine's fast tier stays fast
+    "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu", "slow"},
+    "test_torch_gpu.py::test_cupy_arrays_through_the_engine_sum_as_numpy_ones": {"gpu", "slow"},
     "test_torch_gpu.py::test_two_workers_on_one_gpu_stage_through_host_memory_and_say_so":
-        {"gpu"},
-    "test_torch_gpu.py::test_bench_on_a_gpu_reports_the_device_and_a_plain_row": {"gpu"},
+        {"gpu", "slow"},
+    "test_torch_gpu.py::test_bench_on_a_gpu_reports_the_device_and_a_plain_row": {"gpu", "slow"},
     "test_torch_gpu.py::test_a_cuda_model_trained_through_the_host_staging_matches_the_cpu":
-        {"gpu"},
-    "test_torch_gpu.py::test_cuda_sums_are_exact_on_every_path": {"gpu", "2 gpus"},
+        {"gpu", "slow"},
+    "test_torch_gpu.py::test_cuda_sums_are_exact_on_every_path": {"gpu", "2 gpus", "slow"},
     "test_torch_gpu.py::test_a_one_host_gpu_job_sends_nothing_to_the_servers_and_trains_as_ddp":
-        {"gpu", "2 gpus"},
+        {"gpu", "2 gpus", "slow"},
     "test_torch_gpu.py::test_distributed_optimizer_on_a_cuda_model_matches_the_cpu":
-        {"gpu", "2 gpus"},
+        {"gpu", "2 gpus", "slow"},
 }
 MARKERS = ("slow", "root", "gpu")
 
