@@ -32,10 +32,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import psutil
 
 from ..config import Config
 from ..engine import EngineError, Worker
+from ..engine.common import rss_bytes
 from ..errors import BpsctlError
 from ..launch.api import local_cluster
 from .grads import resnet50_shapes
@@ -136,7 +136,7 @@ def _worker(rank: int, settings: LoadSettings, config: Config, scheduler: str, s
 
 
 def _rss(pids: dict[str, int]) -> dict[str, int]:
-    return {name: psutil.Process(pid).memory_info().rss for name, pid in pids.items()}
+    return {name: rss_bytes(pid) for name, pid in pids.items()}
 
 
 def settle_s(config: Config) -> float:

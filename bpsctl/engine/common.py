@@ -132,9 +132,21 @@ def keep_large_buffers() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def rss_bytes() -> int:
-    """This process's resident set size, in bytes."""
-    return psutil.Process().memory_info().rss
+def rss_bytes(pid: int | str = "self") -> int:
+    """The resident set size of this process (or of ``pid``), in bytes, as the page tables
+    hold it now: ``Rss`` of ``/proc/<pid>/smaps_rollup``, a walk of the process's mappings.
+    Not the kernel's RSS counter (``statm``, psutil's ``rss``): that one is kept per CPU and
+    folded in lazily, so it can trail a large ``madvise``/``munmap`` by many megabytes, and a
+    release measured with it could read as nothing given back. Falls back to psutil where
+    smaps_rollup is missing (kernels before 4.14, other systems)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as rollup:
+            for line in rollup:
+                if line.startswith(b"Rss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return psutil.Process(None if pid == "self" else int(pid)).memory_info().rss
 
 
 def release_free_memory() -> int:
@@ -162,6 +174,7 @@ def release_free_memory() -> int:
     except (OSError, AttributeError):
         return 0                                # not glibc, or a library without the call
     return max(0, before - rss_bytes())
+
 
 
 def monitor(sock: zmq.Socket) -> zmq.Socket:
