@@ -163,6 +163,13 @@ TIERS: dict[str, set[str]] = {
     "test_tune.py::test_bench_reads_the_file_and_its_flags_win": {"slow"},
     # one-worker torch jobs through `bpsctl run`, alone and forced through the servers
     "test_paths.py::test_one_torch_worker_trains_as_plain_torch_unless_forced": {"slow"},
+    # two bpsctl workers and two gloo processes through the CLI (5-9 s); the allreduce program
+    # itself has a fast test in test_small_parts.py
+    "test_bench_comm.py::test_comm_bench_against_allreduce_shows_a_table_and_what_it_means":
+        {"slow"},
+    # trains a model per compressor (4-5 s); the compressors' own tests stay fast
+    "test_compression.py::test_compressors_with_error_feedback_train_close_to_uncompressed":
+        {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s
     "test_examples.py": {"slow"},
     # CUDA: every job of these takes 8-50 s on one H200 (worker processes, CUDA start-up),

@@ -246,3 +246,26 @@ def test_a_cuda_array_is_told_apart_and_without_cupy_the_error_says_how_to_get_i
     except ImportError:
         with pytest.raises(EngineError, match=r"needs CuPy: pip install cupy-cuda12x"):
             cuda.push_pull_async(None, cuda.CudaStaging(), OnAGpu(), "g", True, 0)
+
+
+# --------------------------------------------------------------------------- allreduce baseline
+
+def test_the_allreduce_baseline_checks_its_sum_and_reports_its_rounds(monkeypatch, capsys):
+    """`bench comm --compare allreduce`'s per-worker program, as the one rank of a gloo group in
+    this process: it allreduces, checks the sum, and rank 0 prints the line bench reads."""
+    pytest.importorskip("torch")
+    import socket
+
+    from bpsctl.bench.allreduce import main
+    from bpsctl.bench.comm import RESULT_MARKER
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    main(["--size", "64KiB", "--warmup", "1", "--repeats", "3", "--timeout", "30"])
+    line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith(RESULT_MARKER)]
+    result = json.loads(line[len(RESULT_MARKER):])
+    assert result["size_bytes"] == 64 * 1024 and len(result["seconds"]) == 3
+    assert result["version"].endswith(" gloo")

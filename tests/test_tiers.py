@@ -36,7 +36,7 @@ def test_each_tag_is_a_marker_or_a_need(key):
 FAST_TEST_OF = {
     "__init__.py": "test_cli.py::test_status_without_a_cluster",
     "bench/allreduce.py":
-        "test_bench_comm.py::test_comm_bench_against_allreduce_shows_a_table_and_what_it_means",
+        "test_small_parts.py::test_the_allreduce_baseline_checks_its_sum_and_reports_its_rounds",
     "bench/api.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "bench/cli.py": "test_bench_comm.py::test_comm_bench_bad_flags_exit_2_naming_the_flag",
     "bench/codec.py": "test_small_parts.py::test_the_codec_benchmark_states_each_compressors_bytes",
