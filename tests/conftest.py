@@ -167,6 +167,15 @@ TIERS: dict[str, set[str]] = {
     # itself has a fast test in test_small_parts.py
     "test_bench_comm.py::test_comm_bench_against_allreduce_shows_a_table_and_what_it_means":
         {"slow"},
+    # a Gluon training job of worker processes each (3-4 s); the plugin's API and its
+    # one-worker asynchronous SGD stay fast
+    "test_mxnet_plugin.py::test_asynchronous_gluon_training_with_server_held_parameters":
+        {"slow"},
+    "test_mxnet_plugin.py::test_a_traced_trainer_marks_its_steps_and_its_wait_for_the_gradients":
+        {"slow"},
+    # a job of two workers refused at init (3-4 s); the stage's sums stay fast
+    "test_shm_local.py::test_an_arena_larger_than_dev_shm_is_refused_at_init_naming_the_knob":
+        {"slow"},
     # trains a model per compressor (4-5 s); the compressors' own tests stay fast
     "test_compression.py::test_compressors_with_error_feedback_train_close_to_uncompressed":
         {"slow"},
