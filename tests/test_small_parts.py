@@ -254,15 +254,11 @@ def test_the_allreduce_baseline_checks_its_sum_and_reports_its_rounds(monkeypatc
     """`bench comm --compare allreduce`'s per-worker program, as the one rank of a gloo group in
     this process: it allreduces, checks the sum, and rank 0 prints the line bench reads."""
     pytest.importorskip("torch")
-    import socket
-
     from bpsctl.bench.allreduce import main
     from bpsctl.bench.comm import RESULT_MARKER
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from bpsctl.launch.local import free_port
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)}.items():
+                       "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
     main(["--size", "64KiB", "--warmup", "1", "--repeats", "3", "--timeout", "30"])
     line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith(RESULT_MARKER)]

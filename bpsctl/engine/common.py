@@ -176,7 +176,6 @@ def release_free_memory() -> int:
     return max(0, before - rss_bytes())
 
 
-
 def monitor(sock: zmq.Socket) -> zmq.Socket:
     """A PAIR socket that reports when ``sock``'s connection is made or lost, or its peer
     refuses the security handshake (see security.handshake_failed)."""

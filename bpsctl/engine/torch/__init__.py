@@ -447,40 +447,32 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         op.wait, op.done, op.local = local.wait, local.done.is_set, local
         op.keep = wire
         return _track(plugin, op)
-    if wire.is_cuda:
-        wire = _contiguous_output(op, wire, source, inplace)
-        plugin.worker.check_push(_wire_dtype(wire.dtype), average, name)
 
-        def start(host_in: torch.Tensor, host_out: torch.Tensor) -> Downstream:
-            if stage is not None:
-                return _submit_local(stage, LocalOp(name, host_in, host_out, average, priority,
-                                                    compression=engine))
-            handle = plugin.worker.push_pull_async(
-                _as_array(host_in), name=name, average=average, priority=priority,
-                out=_as_array(host_out), compression=engine)
-            return handle.wait, handle.done
-        _stage_through_host(plugin, op, name, wire, op.wire_out, start)
-        return _track(plugin, op)
+    def start(host_in: torch.Tensor, host_out: torch.Tensor) -> Downstream:
+        """Start the push_pull of host tensors: through the host's stage, or the engine."""
+        if stage is not None:
+            return _submit_local(stage, LocalOp(name, host_in, host_out, average, priority,
+                                                compression=engine))
+        handle = plugin.worker.push_pull_async(
+            _as_array(host_in), name=name, average=average, priority=priority,
+            out=_as_array(host_out), compression=engine)
+        return handle.wait, handle.done
+
     wire = _contiguous_output(op, wire, source, inplace)
-    if stage is not None and plugin.stager is not None:
+    if wire.is_cuda:
+        plugin.worker.check_push(_wire_dtype(wire.dtype), average, name)
+        _stage_through_host(plugin, op, name, wire, op.wire_out, start)
+    elif stage is not None and plugin.stager is not None:
         # behind the CUDA tensors still on their way to the stage: every local rank must
         # submit to it in the order of the calls
         host, out = wire, op.wire_out
-        staged = plugin.stager.submit(StagedOp(
-            name, lambda: None, lambda: _submit_local(stage, LocalOp(
-                name, host, out, average, priority, compression=engine)), lambda: None))
-        op.staged, op.keep = staged, wire
-        op.wait, op.done = staged.wait, staged.done.is_set
-    elif stage is not None:
-        local = stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
-                                     compression=engine))
-        op.wait, op.done = local.wait, local.done.is_set
-        op.keep = (op.keep, wire)
+        op.staged = plugin.stager.submit(StagedOp(name, lambda: None, lambda: start(host, out),
+                                                  lambda: None))
+        op.keep = wire
+        op.wait, op.done = op.staged.wait, op.staged.done.is_set
     else:
         op.keep = (op.keep, wire)
-        return _track(plugin, op, plugin.worker.push_pull_async(
-            _as_array(wire), name=name, average=average, priority=priority,
-            out=_as_array(op.wire_out), compression=engine))
+        op.wait, op.done = start(wire, op.wire_out)
     return _track(plugin, op)
 
 
