@@ -142,6 +142,22 @@ def parse_cpu_share(text: str | float, what: str = "BPSCTL_CPU_SHARE") -> float 
     return value
 
 
+def parse_shm_server_bytes(text: str | int,
+                           what: str = "BPSCTL_SHM_SERVER_BYTES") -> int | None:
+    """``auto`` -> None (as the job needs while a quarter of ``/dev/shm`` stays free); a size
+    of at least 64 KiB -> its bytes; anything else raises ConfigError naming ``what``."""
+    if isinstance(text, str) and text.strip().lower() in ("auto", ""):
+        return None
+    try:
+        value = parse_size(text, what)
+    except ConfigError:
+        value = -1
+    if value < SHM_MIN_BYTES:
+        raise ConfigError(f"{what}: expected auto or a size of at least {SHM_MIN_BYTES} bytes "
+                          f"(64KiB), such as 2GiB, got {text!r}")
+    return value
+
+
 def check_backup_workers(backup_workers: int, workers: int,
                          flag: str = "--backup-workers") -> None:
     """Refuse a backup worker count a job of ``workers`` workers cannot have."""
@@ -385,8 +401,14 @@ class Config:
     shm_server: str = knob("auto", "BPSCTL_SHM_SERVER",
                            "a worker and a server on the same host exchange partitions through "
                            "shared memory in /dev/shm, the header still over TCP: auto, or 0 "
-                           "(everything over TCP loopback); each process uses at most "
-                           "BPSCTL_SHM_BYTES for it", "str", in_file=True)
+                           "(everything over TCP loopback); how much each process may take "
+                           "for it: BPSCTL_SHM_SERVER_BYTES", "str", in_file=True)
+    shm_server_bytes: str = knob("auto", "BPSCTL_SHM_SERVER_BYTES",
+                                 "what each process may reserve in /dev/shm for shared memory "
+                                 "with a server on its host: auto (as much as the model needs, "
+                                 "while a quarter of /dev/shm stays free for others) or a size; "
+                                 "partitions beyond it go through TCP (said once)", "str",
+                                 in_file=True)
     force_distributed: bool = knob(False, "BPSCTL_FORCE_DISTRIBUTED",
                                    "a job of one worker sends its push_pulls through the "
                                    "servers all the same (by default there is nothing to sum "
@@ -563,6 +585,7 @@ class Config:
         if self.straggler:
             parse_stragglers(self.straggler, "BPSCTL_STRAGGLER")
         parse_cpu_share(self.cpu_share)
+        parse_shm_server_bytes(self.shm_server_bytes)
         if self.server_share > 1:
             raise ConfigError(f"BPSCTL_SERVER_SHARE: expected a share of the bytes from 0 to 1 "
                               f"(negative: none), got {self.server_share!r}")
@@ -575,6 +598,11 @@ class Config:
     def cpu_share_value(self) -> float | None:
         """BPSCTL_CPU_SHARE as a number, None for auto."""
         return parse_cpu_share(self.cpu_share)
+
+    @property
+    def shm_server_limit(self) -> int | None:
+        """BPSCTL_SHM_SERVER_BYTES in bytes, None for auto."""
+        return parse_shm_server_bytes(self.shm_server_bytes)
 
     @property
     def stragglers(self) -> dict[int, float]:

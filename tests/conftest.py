@@ -141,6 +141,8 @@ TIERS: dict[str, set[str]] = {
         {"root"},
     "test_shm_server.py::test_a_process_in_another_network_namespace_is_on_another_host":
         {"root"},
+    "test_shm_server.py::test_by_default_a_process_takes_what_the_model_needs_while_a_quarter_stays_free[8m]":
+        {"root"},
     "test_shm_server.py::test_a_killed_worker_is_named_within_10_s_and_down_leaves_no_segment":
         {"slow"},
     "test_shm_server.py::test_a_killed_server_leaves_its_sum_buffers_until_down": {"slow"},

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from conftest import cluster_config, gone, kill_pids, run_job, run_worker_scripts, wait_until
 
+from bpsctl.config import Config, ConfigError
 from bpsctl.engine import EngineError, Worker, shm, shmlink
 from bpsctl.engine import protocol as P
 from bpsctl.launch import api
@@ -138,13 +139,14 @@ def test_partitions_beyond_the_bound_go_over_tcp_exactly_and_leave_nothing(clust
                 want = sum(r + i + step for r in range(worker.size))
                 assert (worker.synchronize(handle) == want).all(), (i, step)
         return worker.stats()
-    for stats in run_job(cluster, 2, 1, body, shm_bytes=65536, partition_bytes=PARTITION_BYTES):
+    for stats in run_job(cluster, 2, 1, body, shm_server_bytes="64KiB",
+                         partition_bytes=PARTITION_BYTES):
         assert 0 < stats["shm_pushes"] < 16, stats
     wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
 
 
 def test_segments_grow_within_their_budget_and_leave_no_name(tmp_path):
-    budget = shmlink.Budget(3 << 20)
+    budget = shmlink.Budget(3 << 20, tmp_path)
     segments = shmlink.Segments("bpsctl-1-abc-job-w0.0-s0", budget, tmp_path)
     first = segments.allocate(100)
     assert first is not None and first[:2] == (0, 0) and len(first[2]) == 100
@@ -153,7 +155,7 @@ def test_segments_grow_within_their_budget_and_leave_no_name(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bpsctl-1-abc-job-w0.0-s0-0",
                                                           "bpsctl-1-abc-job-w0.0-s0-1"]
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in tmp_path.iterdir())
-    assert segments.allocate(2 << 20) is None       # past BPSCTL_SHM_BYTES: TCP
+    assert segments.allocate(2 << 20) is None       # past BPSCTL_SHM_SERVER_BYTES: TCP
     second[2][:] = 7
     peer = shmlink.Mapped("bpsctl-1-abc-job-w0.0-s0", writable=False, unlink=True,
                           directory=tmp_path)
@@ -166,11 +168,14 @@ def test_segments_grow_within_their_budget_and_leave_no_name(tmp_path):
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 1 MiB tmpfs, as a /dev/shm too small for the job (root: a real mount)."""
+def small_tmpfs(tmp_path, request):
+    """A tmpfs of ``request.param`` (1 MiB unless parametrized), as a /dev/shm too small for
+    the job (root: a real mount)."""
     mount = tmp_path / "shm"
     mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], check=True)
+    size = getattr(request, "param", "1m")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                   check=True)
     try:
         yield mount
     finally:
@@ -178,14 +183,43 @@ def small_tmpfs(tmp_path):
 
 
 def test_a_dev_shm_too_small_is_an_error_naming_the_bound_and_the_knob(small_tmpfs):
-    segments = shmlink.Segments("bpsctl-1-abc-job-s0", shmlink.Budget(64 << 20), small_tmpfs)
+    segments = shmlink.Segments("bpsctl-1-abc-job-s0", shmlink.Budget(64 << 20, small_tmpfs),
+                                small_tmpfs)
     with pytest.raises(EngineError) as error:
         segments.allocate(4 << 20)
     message = str(error.value)
-    assert "BPSCTL_SHM_BYTES=67108864" in message and "BPSCTL_SHM_SERVER=0" in message, message
+    assert "BPSCTL_SHM_SERVER_BYTES=67108864" in message and "BPSCTL_SHM_SERVER=0" in message, \
+        message
     assert f"{small_tmpfs} more room" in message, message
     assert list(small_tmpfs.iterdir()) == []
     assert segments.budget.reserved == 0
+
+
+@pytest.mark.parametrize("small_tmpfs", ["8m"], indirect=True)
+def test_by_default_a_process_takes_what_the_model_needs_while_a_quarter_stays_free(
+        small_tmpfs):
+    """BPSCTL_SHM_SERVER_BYTES=auto on an 8 MiB /dev/shm: a 4 MiB partition fits (a fixed
+    bound of less would have sent it over TCP); one that would leave less than 2 MiB free
+    takes TCP, without an error; what still fits goes on fitting."""
+    budget = shmlink.Budget(Config.from_env({}).shm_server_limit, small_tmpfs)
+    segments = shmlink.Segments("bpsctl-1-abc-job-s0", budget, small_tmpfs)
+    assert segments.allocate(4 << 20) is not None
+    assert segments.allocate(3 << 20) is None           # 1 MiB would be left: TCP
+    small = segments.allocate(1 << 20)                  # 2 MiB would be left: fits
+    assert small is not None
+    small[2][:] = 3                                     # reserved: no SIGBUS
+    assert shm.free_bytes(small_tmpfs) >= 2 << 20
+    assert "BPSCTL_SHM_SERVER_BYTES=auto" in budget.describe()
+    segments.close()
+    assert list(small_tmpfs.iterdir()) == [] and budget.reserved == 0
+
+
+@pytest.mark.parametrize("text", ["lots", "1KiB", "-1"])
+def test_a_bound_that_is_not_auto_or_a_size_is_refused_naming_the_knob(text):
+    with pytest.raises(ConfigError, match=r"BPSCTL_SHM_SERVER_BYTES: expected auto or a size of "
+                                          r"at least 65536 bytes \(64KiB\), such as 2GiB, got"):
+        Config.from_env({"BPSCTL_SHM_SERVER_BYTES": text})
+    assert Config.from_env({"BPSCTL_SHM_SERVER_BYTES": "2GiB"}).shm_server_limit == 2 << 30
 
 
 def test_a_process_in_another_network_namespace_is_on_another_host():

@@ -312,7 +312,7 @@ class Server:
         # this host's id (empty: off), the job's sum buffers, each local worker's push slots
         self.host_id = shm.host_id() if config.shm_server == "auto" else ""
         self.shm_tag = shm.cluster_tag(config.scheduler, config.secret)
-        self.shm_budget = shmlink.Budget(config.shm_bytes)
+        self.shm_budget = shmlink.Budget(config.shm_server_limit)
         self.shm_sums: shmlink.Segments | None = None
         self.shm_peers: dict[bytes, shmlink.Mapped] = {}
         self.shm_pushes = 0                         # the job's pushes through shared memory
@@ -742,7 +742,7 @@ class Server:
     def _shm_buffers(self, state: PartitionState) -> tuple[list[np.ndarray], list[bytes]] | None:
         """A partition's sum buffers in the job's shared segments, which local workers map
         (on the thread that sums it); None, for buffers of the heap and answers over TCP,
-        when BPSCTL_SHM_BYTES has no room left or /dev/shm is full (said once per job)."""
+        when BPSCTL_SHM_SERVER_BYTES has no room left or /dev/shm is full (said once per job)."""
         sums = self.shm_sums
         if sums is None:
             return None
@@ -753,9 +753,9 @@ class Server:
                 if got is None:
                     if not self.shm_said:
                         self.shm_said = True
-                        self.log.info("job %s: sums beyond BPSCTL_SHM_BYTES=%d of shared memory "
-                                      "go to local workers over TCP (from partition %d on)",
-                                      self.job_id, self.config.shm_bytes, state.part)
+                        self.log.info("job %s: sums beyond %s of shared memory go to local "
+                                      "workers over TCP (from partition %d on)", self.job_id,
+                                      self.shm_budget.describe(), state.part)
                     return None
                 chunk, offset, view = got
                 buffers.append(view.view(state.dtype))

@@ -19,9 +19,12 @@ segment of ``/dev/shm``:
 Segments are created as the intra-node stage's arena is (mode 0600, ``posix_fallocate`` after
 ``statvfs`` says there is room) and grow by chunks: the first one 1 MiB (or the slot's size),
 each next one twice the last, up to 64 MiB, so a small job reserves little and a large one few
-files. Each process's segments together stay within ``BPSCTL_SHM_BYTES``; a partition that
-does not fit takes TCP. When the job ends (``close``), at exit, and by ``bpsctl down`` (the
-names carry the cluster's tag) every name is removed.
+files. What each process's segments may reserve together is its :class:`Budget`
+(``BPSCTL_SHM_SERVER_BYTES``): by default as much as the model needs, while a quarter of
+``/dev/shm`` stays free for the intra-node arena, other processes and other jobs (a fixed bound
+would be too small for a large model and too large for a small ``/dev/shm``); a partition that
+does not fit takes TCP, and the log says so once. When the job ends (``close``), at exit, and
+by ``bpsctl down`` (the names carry the cluster's tag) every name is removed.
 
 When each region may be rewritten is explained in docs/design.md ("Shared memory between a
 worker and a server").
@@ -50,6 +53,8 @@ SERVER_SUMS = 0
 PUSHER = 1
 FIRST_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 64 << 20
+#: with BPSCTL_SHM_SERVER_BYTES=auto, the share of /dev/shm's size each process leaves free
+KEEP_FREE = 0.25
 
 
 def server_base(tag: str, job_id: str, server_rank: int) -> str:
@@ -109,10 +114,10 @@ class Segments:
             raise EngineError(
                 f"shared memory between a worker and a server on one host needs "
                 f"{format_bytes(size)} more in {self.directory} (each process uses at most "
-                f"BPSCTL_SHM_BYTES={self.budget.limit} for it) but it has {format_bytes(free)} "
-                f"free; give {self.directory} more room (docker: --shm-size), set "
-                "BPSCTL_SHM_BYTES lower, or set BPSCTL_SHM_SERVER=0 to send through TCP "
-                "loopback instead")
+                f"{self.budget.describe()} for it) but it has {format_bytes(free)} free; give "
+                f"{self.directory} more room (docker: --shm-size), set BPSCTL_SHM_SERVER_BYTES "
+                "lower (or auto), or set BPSCTL_SHM_SERVER=0 to send through TCP loopback "
+                "instead")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
         try:
             fd = os.open(path, flags, 0o600)
@@ -125,8 +130,8 @@ class Segments:
         except OSError as exc:
             self._forget(path)
             raise EngineError(f"cannot reserve {format_bytes(size)} of shared memory in {path} "
-                              f"(BPSCTL_SHM_BYTES={self.budget.limit}): {exc.strerror}; set "
-                              "BPSCTL_SHM_BYTES lower, or BPSCTL_SHM_SERVER=0") from None
+                              f"({self.budget.describe()}): {exc.strerror}; set "
+                              "BPSCTL_SHM_SERVER_BYTES lower, or BPSCTL_SHM_SERVER=0") from None
         except BaseException:
             self._forget(path)
             raise
@@ -155,18 +160,43 @@ class Segments:
 
 
 class Budget:
-    """What one process's segments may reserve in all (``BPSCTL_SHM_BYTES``)."""
+    """What one process's segments may reserve in all (``BPSCTL_SHM_SERVER_BYTES``): at most
+    ``limit`` bytes, or, with ``limit`` None (auto), anything that leaves :data:`KEEP_FREE` of
+    ``directory``'s size free (checked at each reservation, so it sees what other processes
+    took meanwhile)."""
 
-    def __init__(self, limit: int):
-        self.limit, self.reserved = limit, 0
+    def __init__(self, limit: int | None, directory: Path = shm.SHM_DIR):
+        self.limit, self.directory, self.reserved = limit, directory, 0
         self.lock = threading.Lock()
 
+    def describe(self) -> str:
+        """The bound as the knob says it, for messages."""
+        if self.limit is None:
+            return (f"BPSCTL_SHM_SERVER_BYTES=auto (a quarter of {self.directory} kept "
+                    "free)")
+        return f"BPSCTL_SHM_SERVER_BYTES={self.limit}"
+
     def left(self) -> int:
-        return self.limit - self.reserved
+        if self.limit is not None:
+            return self.limit - self.reserved
+        return self._room() or 0
+
+    def _room(self) -> int | None:
+        """auto: the bytes that may still be taken from ``directory`` (None: it cannot be
+        read; Segments then says so, naming the knobs)."""
+        try:
+            stats = os.statvfs(self.directory)
+        except OSError:
+            return None
+        return max(0, (stats.f_bavail - int(stats.f_blocks * KEEP_FREE)) * stats.f_frsize)
 
     def take(self, nbytes: int) -> bool:
         with self.lock:
-            if self.reserved + nbytes > self.limit:
+            if self.limit is None:
+                room = self._room()
+                if room is not None and nbytes > room:
+                    return False
+            elif self.reserved + nbytes > self.limit:
                 return False
             self.reserved += nbytes
             return True

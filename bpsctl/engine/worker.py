@@ -229,12 +229,12 @@ class Worker:
         self._trace_acked: dict[int, int] = {}  # part id -> ns its ACK came
         # shared memory with the servers on this host (BPSCTL_SHM_SERVER; engine/shmlink.py):
         # this host's id (empty: off), the indices of those servers, this worker's push slots
-        # ((server index, part id) -> (REF, view), None when BPSCTL_SHM_BYTES had no room)
+        # ((server index, part id) -> (REF, view), None when the budget had no room)
         # in segments of its own per server, and the servers' sum buffers it maps
         self._shm_host = shm.host_id() if self.config.shm_server == "auto" else ""
         self._shm_tag = shm.cluster_tag(self.scheduler_address, self.security.secret)
         self._shm_local: set[int] = set()
-        self._shm_budget = shmlink.Budget(self.config.shm_bytes)
+        self._shm_budget = shmlink.Budget(self.config.shm_server_limit)
         self._shm_slots: dict[int, shmlink.Segments] = {}
         self._shm_parts: dict[tuple[int, int], tuple[bytes, np.ndarray] | None] = {}
         self._shm_sums: dict[int, shmlink.Mapped] = {}
@@ -1045,8 +1045,8 @@ class Worker:
     def _shm_slot(self, server: int, part_id: int,
                   length: int) -> tuple[bytes, np.ndarray] | None:
         """This worker's slot for partition ``part_id`` on server ``server`` (placed on its
-        first push there and kept for the job), or None when BPSCTL_SHM_BYTES has no room
-        left: that partition goes through TCP."""
+        first push there and kept for the job), or None when BPSCTL_SHM_SERVER_BYTES has no
+        room left: that partition goes through TCP."""
         key = (server, part_id)
         if key in self._shm_parts:
             return self._shm_parts[key]
@@ -1061,9 +1061,9 @@ class Worker:
             chunk, offset, view = got
             slot = (shmlink.REF.pack(shmlink.PUSHER, chunk, offset), view)
         elif not any(value is None for value in self._shm_parts.values()):
-            log.info("worker %d: partitions beyond BPSCTL_SHM_BYTES=%d of shared memory go "
-                     "to servers on this host through TCP (from partition %d on)", self.rank,
-                     self.config.shm_bytes, part_id)
+            log.info("worker %d: partitions beyond %s of shared memory go to servers on "
+                     "this host through TCP (from partition %d on)", self.rank,
+                     self._shm_budget.describe(), part_id)
         self._shm_parts[key] = slot
         return slot
 
