@@ -100,6 +100,8 @@ def test_sums_of_every_dtype_are_exact_through_shared_memory(cluster, workers, s
         # alone is sent through the servers too, BPSCTL_FORCE_DISTRIBUTED)
         assert result["shm_pushes"] == result["parts"] > 0, (rank, result)
         assert result["shm_results"] == result["parts"], (rank, result)
+        # every byte: what it pushed to its servers
+        assert result["shm_pushed_bytes"] == sum(s["pushed_bytes"] for s in result["servers"])
     wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
 
 
@@ -142,6 +144,7 @@ def test_partitions_beyond_the_bound_go_over_tcp_exactly_and_leave_nothing(clust
     for stats in run_job(cluster, 2, 1, body, shm_server_bytes="64KiB",
                          partition_bytes=PARTITION_BYTES):
         assert 0 < stats["shm_pushes"] < 16, stats
+        assert stats["shm_pushed_bytes"] == stats["shm_pushes"] * 40960, stats
     wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
 
 

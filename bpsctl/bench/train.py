@@ -82,6 +82,18 @@ def _rates_by_rank(args: argparse.Namespace, rank: int, size: int, mine: float
     return [float(r) for r in bps.push_pull(rates, average=False, name="bench.rates")]
 
 
+def _shm_share(args: argparse.Namespace) -> dict[str, float]:
+    """bpsctl: ``shm_share``, the share of the bytes this worker pushed to servers that went
+    through shared memory (servers on its host; the rest took TCP, e.g. past
+    BPSCTL_SHM_SERVER_BYTES). Empty for the baselines and when nothing reached a server."""
+    if args.system != "bpsctl":
+        return {}
+    import bpsctl.engine.torch as bps
+    stats = bps._p().worker.stats()
+    pushed = sum(server["pushed_bytes"] for server in stats["servers"])
+    return {"shm_share": stats["shm_pushed_bytes"] / pushed} if pushed else {}
+
+
 def _gradient_path(args: argparse.Namespace, cuda: bool) -> str | None:
     """bpsctl's path for the gradients (:data:`bpsctl.engine.paths.GRADIENT_PATHS`), known
     after the warm-up pushed them; None for the other systems."""
@@ -300,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
                 "forward_backward": phases["backward_seconds"] / timed_batches,
                 "optimizer_step": phases["step_seconds"] / timed_batches},
             # what rank 0's host NIC really carried per timed step (all its processes)
-            **wire, **({"gradient_path": path} if path else {})})
+            **wire, **({"gradient_path": path} if path else {}), **_shm_share(args)})
     shutdown()
     faulthandler.cancel_dump_traceback_later()
     sys.stdout.flush()

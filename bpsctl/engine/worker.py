@@ -239,6 +239,7 @@ class Worker:
         self._shm_parts: dict[tuple[int, int], tuple[bytes, np.ndarray] | None] = {}
         self._shm_sums: dict[int, shmlink.Mapped] = {}
         self.shm_pushes = self.shm_results = 0      # through shared memory
+        self.shm_pushed_bytes = 0
         # bytes pushed to each server of the job (its index), re-pushes included: what the
         # layout's shares (BPSCTL_CPU_SHARE, hosts.yaml's share:) come to on the wire
         self._pushed_bytes: collections.Counter[int] = collections.Counter()
@@ -721,12 +722,13 @@ class Worker:
         round was complete, under backup workers: not in the sums, answered with the round's
         result), ``membership_changes``, ``live_ranks``, and ``shm_pushes`` and
         ``shm_results``: pushes and results that went through shared memory to and from
-        servers on this host (BPSCTL_SHM_SERVER), and ``servers``: the job's servers (``rank``,
+        servers on this host (BPSCTL_SHM_SERVER), ``shm_pushed_bytes``: the bytes of those
+        pushes, and ``servers``: the job's servers (``rank``,
         ``host``, ``share`` of the bytes, ``pushed_bytes``: what this worker pushed to it,
         uncompressed, re-pushes included)."""
         return {"late_pushes": self.late_pushes, "membership_changes": self.membership_changes,
                 "live_ranks": list(self.live_ranks), "shm_pushes": self.shm_pushes,
-                "shm_results": self.shm_results,
+                "shm_results": self.shm_results, "shm_pushed_bytes": self.shm_pushed_bytes,
                 "servers": [{"rank": s["rank"], "host": s["host"], "share": s.get("share"),
                              "pushed_bytes": self._pushed_bytes[index]}
                             for index, s in enumerate(self._servers)]}
@@ -943,6 +945,7 @@ class Worker:
                         np.copyto(slot[1], task.src[offset:offset + length])
                         data, flags = memoryview(slot[0]), flags | P.FLAG_SHM
                         self.shm_pushes += 1
+                        self.shm_pushed_bytes += length
             else:
                 data = task.codec.encode(task.src, part_id, offset, part[3], round_).data
                 flags |= P.FLAG_COMPRESSED
