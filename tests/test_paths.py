@@ -93,7 +93,7 @@ TORCH_SCRIPT = textwrap.dedent('''
     import bpsctl.engine.torch as bps
     torch.set_num_threads(1)
 
-    HOOKS = []
+    HOOKS, SHM = [], []
 
     def train(distributed):
         torch.manual_seed(0)
@@ -101,6 +101,12 @@ TORCH_SCRIPT = textwrap.dedent('''
                                     torch.nn.Linear(32, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         if distributed:
+            # a broadcast is pushed once: forced, it reaches the server on this host over TCP
+            # and keeps no shared-memory slot; a push_pull of a name takes one
+            bps.broadcast_parameters(model.state_dict(), root_rank=0)
+            SHM.append(bps._p().worker.stats()["shm_pushes"])
+            bps.push_pull(torch.ones(10), name="probe")
+            SHM.append(bps._p().worker.stats()["shm_pushes"])
             opt = bps.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
                                            compression=bps.Compression.fp16)
             HOOKS.append(len(opt._sync.hooks))      # alone: backward runs as plain torch's
@@ -115,7 +121,8 @@ TORCH_SCRIPT = textwrap.dedent('''
     bps.init()
     mine, plain = train(True), train(False)
     same = all(torch.equal(a, b) for a, b in zip(mine.parameters(), plain.parameters()))
-    print("HOOKS", HOOKS[0], "PATH", bps.gradient_path(cuda=False), "SAME", same, flush=True)
+    print("SHM", *SHM, "HOOKS", HOOKS[0], "PATH", bps.gradient_path(cuda=False), "SAME", same,
+          flush=True)
     bps.shutdown()
 ''')
 
@@ -132,8 +139,8 @@ def test_one_torch_worker_trains_as_plain_torch_unless_forced(tmp_path, force):
                           capture_output=True, text=True, timeout=120, env=_env(force))
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(line for line in done.stdout.splitlines() if "PATH" in line)
-    assert line.endswith("HOOKS 4 PATH servers SAME False" if force
-                         else "HOOKS 0 PATH none SAME True"), line
+    assert line.endswith("SHM 0 1 HOOKS 4 PATH servers SAME False" if force
+                         else "SHM 0 0 HOOKS 0 PATH none SAME True"), line
 
 
 def _env(force: bool) -> dict[str, str]:

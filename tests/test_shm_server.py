@@ -170,6 +170,26 @@ def test_segments_grow_within_their_budget_and_leave_no_name(tmp_path):
     assert list(tmp_path.iterdir()) == [] and budget.reserved == 0
 
 
+def test_a_broadcast_takes_no_slot_so_the_gradient_still_gets_one(cluster):
+    """Pushed once (``once=True``, as the plugins' broadcasts are), a name reaches the server
+    over TCP: a bound with room for one partition keeps it for the gradient pushed every
+    step (a slot, once placed, is kept for the job)."""
+    def body(worker: Worker) -> dict[str, int]:
+        params = np.full(10240, float(worker.rank == 0) * 3, np.float32)    # 40 KiB
+        worker.synchronize(worker.push_pull_async(params, name="Parameter.w", average=False,
+                                                  out=params, once=True))
+        assert (params == 3).all()
+        for step in range(3):
+            grad = np.full(10240, worker.rank + step, np.float32)
+            want = sum(r + step for r in range(worker.size))
+            assert (worker.push_pull(grad, name="g", average=False) == want).all(), step
+        return worker.stats()
+    for stats in run_job(cluster, 2, 1, body, shm_server_bytes="64KiB",
+                         partition_bytes=PARTITION_BYTES):
+        assert stats["shm_pushes"] == 3, stats
+    wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path, request):
     """A tmpfs of ``request.param`` (1 MiB unless parametrized), as a /dev/shm too small for

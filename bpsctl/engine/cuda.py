@@ -75,9 +75,10 @@ class CudaHandle:
 
 def push_pull_async(worker: Any, staging: CudaStaging, array: Any, name: str | None,
                     average: bool, priority: int, out: Any = None,
-                    compression: Any = None) -> CudaHandle:
+                    compression: Any = None, once: bool = False) -> CudaHandle:
     """Start the push_pull of a CUDA ``array`` (see the module docstring); ``out`` (a CuPy
-    array of the same shape and dtype, default a new one) receives the result."""
+    array of the same shape and dtype, default a new one) receives the result. ``once``: a
+    broadcast (see Worker.push_pull_async)."""
     cupy = _cupy()
     device_in = cupy.asarray(array)                # no copy: a view of the same memory
     if not device_in.flags.c_contiguous:
@@ -91,5 +92,5 @@ def push_pull_async(worker: Any, staging: CudaStaging, array: Any, name: str | N
     host_in, host_out = staging.buffers(name, device_in.shape, device_in.dtype)
     device_in.get(out=host_in)                      # after the stream's queued work
     handle = worker.push_pull_async(host_in, name=name, average=average, priority=priority,
-                                    out=host_out, compression=compression)
+                                    out=host_out, compression=compression, once=once)
     return CudaHandle(handle, host_out, out)

@@ -88,12 +88,13 @@ class LocalOp:
     """One push_pull going through the stage; ``wait`` re-raises its failure."""
 
     __slots__ = ("name", "src", "dst", "average", "priority", "done", "error", "engine_handle",
-                 "buffers", "valid", "on_done", "ready", "finished", "compression")
+                 "buffers", "valid", "on_done", "ready", "finished", "compression", "once")
 
     def __init__(self, name: str, src: torch.Tensor, dst: torch.Tensor, average: bool,
                  priority: int, on_done: Callable[[], None] | None = None,
-                 ready: Any = None, compression: Any = None):
+                 ready: Any = None, compression: Any = None, once: bool = False):
         self.name, self.src, self.dst = name, src, dst
+        self.once = once            # a broadcast: the engine's push takes no shared-memory slot
         # the engine compresses what leaves the host (the owned chunk), not the local stage
         self.compression = compression
         self.average, self.priority = average, priority
@@ -316,7 +317,7 @@ class LocalStage:
                 op.engine_handle = self.worker.push_pull_async(
                     piece, name=f"{op.name}@{self.local_rank}/{self.local_size}",
                     average=op.average, priority=op.priority, out=piece, host_reduced=True,
-                    compression=op.compression)
+                    compression=op.compression, once=op.once)
             except BaseException as exc:     # noqa: BLE001 - handed to the caller
                 op.error = exc
             self._gather_q.put(op)
@@ -490,7 +491,7 @@ class LocalStage:
                 piece = _as_array(own)
                 op.engine_handle = self.worker.push_pull_async(
                     piece, name=f"{op.name}@{j}/{L}", average=op.average, priority=op.priority,
-                    out=piece, host_reduced=True, compression=op.compression)
+                    out=piece, host_reduced=True, compression=op.compression, once=op.once)
         except BaseException as exc:     # noqa: BLE001
             op.error = exc
 
@@ -621,7 +622,7 @@ class LocalStage:
             op.engine_handle = self.worker.push_pull_async(
                 piece, name=f"{op.name}@{self.local_rank}/{self.local_size}",
                 average=False, priority=op.priority, out=piece, host_reduced=True,
-                compression=op.compression)
+                compression=op.compression, once=op.once)
         except BaseException as exc:     # noqa: BLE001 - handed to the caller
             op.error = exc
 

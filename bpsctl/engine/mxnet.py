@@ -177,12 +177,13 @@ class _Op:
     __slots__ = ("array", "staged", "handle", "cuda")
 
     def __init__(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
-                 zero: bool = False, compression: C.Compressor | None = None):
+                 zero: bool = False, compression: C.Compressor | None = None,
+                 once: bool = False):
         if not isinstance(array, mx.nd.NDArray):
             raise TypeError(f"push_pull expects an mxnet NDArray, got {type(array).__name__}")
         self.array = array                      # keeps the memory behind the view alive
         view = _host_view(array, writable=True)
-        self.cuda = _cuda_push(array, name, average, priority, zero, compression) \
+        self.cuda = _cuda_push(array, name, average, priority, zero, compression, once) \
             if view is None else None
         if self.cuda is not None:
             return
@@ -193,7 +194,7 @@ class _Op:
             view[...] = 0                       # no NaN * 0: memory may be uninitialized
         self.handle: Handle = _engine._w().push_pull_async(view, name=name, average=average,
                                                            priority=priority, out=view,
-                                                           compression=compression)
+                                                           compression=compression, once=once)
 
     def wait(self) -> mx.nd.NDArray:
         worker = _engine._w()
@@ -208,7 +209,7 @@ class _Op:
 
 
 def _cuda_push(array: mx.nd.NDArray, name: str, average: bool, priority: int, zero: bool,
-               compression: C.Compressor | None) -> Any:
+               compression: C.Compressor | None, once: bool = False) -> Any:
     """A GPU NDArray's push_pull through CuPy, its memory handed over by DLPack (no
     ``asnumpy()``): staged through pinned host buffers by :mod:`bpsctl.engine.cuda`, the
     result written back into the NDArray's own memory. None where that cannot be (not on a
@@ -223,7 +224,8 @@ def _cuda_push(array: mx.nd.NDArray, name: str, average: bool, priority: int, ze
     if zero:
         device.fill(0)
     return _engine.cuda.push_pull_async(_engine._w(), _engine._staging, device, name, average,
-                                        priority, out=device, compression=compression)
+                                        priority, out=device, compression=compression,
+                                        once=once)
 
 
 class _Batch:
@@ -234,8 +236,9 @@ class _Batch:
         self.ops: list[_Op | _AsyncOp] = []
 
     def start(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
-              zero: bool = False, compression: C.Compressor | None = None) -> None:
-        self.ops.append(_Op(array, name, average, priority, zero, compression))
+              zero: bool = False, compression: C.Compressor | None = None,
+              once: bool = False) -> None:
+        self.ops.append(_Op(array, name, average, priority, zero, compression, once))
 
     def __enter__(self) -> _Batch:
         return self
@@ -314,7 +317,8 @@ def _broadcast_arrays(named: list[tuple[str, mx.nd.NDArray]], root_rank: int) ->
     me = rank() == root_rank
     with _Batch() as batch:
         for name, array in named:
-            batch.start(array, f"Parameter.{name}", average=False, priority=0, zero=not me)
+            batch.start(array, f"Parameter.{name}", average=False, priority=0, zero=not me,
+                        once=True)
 
 
 def _parameter_arrays(name: str, param: mx.gluon.Parameter) -> list[mx.nd.NDArray]:

@@ -148,7 +148,7 @@ class _Task:
 
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
                  "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec",
-                 "hyper")
+                 "hyper", "once")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
                  divisor: int | None, deadline: float, flags: int = 0,
@@ -168,6 +168,7 @@ class _Task:
         self.called_ns = self.queued_ns = 0         # traced: when push_pull and the queue saw it
         self.codec: C.WorkerCodec | None = None     # compressed pushes and pulls
         self.hyper = hyper          # asynchronous training: the third frame of every push
+        self.once = False           # pushed once (a broadcast): no shared-memory slot
 
 
 _WAKE = b"\0"
@@ -487,8 +488,12 @@ class Worker:
                         host_reduced: bool = False,
                         compression: C.Compressor | None = None,
                         async_update: tuple[float, float, float, float, bool] | None = None,
-                        async_init: bool = False) -> Handle:
+                        async_init: bool = False, once: bool = False) -> Handle:
         """Start summing ``array`` across all workers; the result lands in ``out``.
+
+        ``once=True``: the name is pushed this once (a broadcast, whose names are new each
+        time or never come again): to a server on this host it goes through TCP, not a
+        shared-memory slot, which would stay reserved for the rest of the job.
 
         ``host_reduced=True`` (the intra-node stage): ``array`` already holds the sum over this
         host's workers, and only one worker per host pushes this name; the sum is over hosts.
@@ -550,6 +555,7 @@ class Worker:
             self._in_flight_names.add(name)
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s, flags, hyper)
+        task.once = once
         if compression is not None and src.nbytes >= self.config.min_compress_bytes:
             try:
                 task.codec = self._codec(name, src, compression)
@@ -935,7 +941,7 @@ class Worker:
                 # a server on this host: copied once into shared memory, not sent through TCP
                 # (the slot is rewritten only once the partition's previous push was answered)
                 if server in self._shm_local and not flags & P.FLAG_ASYNC and \
-                        part_id not in self._active:
+                        not task.once and part_id not in self._active:
                     try:
                         slot = self._shm_slot(server, part_id, length)
                     except EngineError as exc:

@@ -405,7 +405,8 @@ def _stage_through_host(plugin: _Plugin, op: _Op, name: str, tensor: torch.Tenso
 
 
 def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
-           compression: CompressionArg, inplace: bool) -> int:
+           compression: CompressionArg, inplace: bool, once: bool = False) -> int:
+    """Start a push_pull (``once``: a broadcast's, see Worker.push_pull_async)."""
     plugin = _p()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"push_pull expects a torch.Tensor, got {type(tensor).__name__}")
@@ -443,7 +444,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(wire.device))
         local = stage.submit(LocalOp(name, wire, op.wire_out, average, priority,
-                                     ready=ready, compression=engine))
+                                     ready=ready, compression=engine, once=once))
         op.wait, op.done, op.local = local.wait, local.done.is_set, local
         op.keep = wire
         return _track(plugin, op)
@@ -452,10 +453,10 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         """Start the push_pull of host tensors: through the host's stage, or the engine."""
         if stage is not None:
             return _submit_local(stage, LocalOp(name, host_in, host_out, average, priority,
-                                                compression=engine))
+                                                compression=engine, once=once))
         handle = plugin.worker.push_pull_async(
             _as_array(host_in), name=name, average=average, priority=priority,
-            out=_as_array(host_out), compression=engine)
+            out=_as_array(host_out), compression=engine, once=once)
         return handle.wait, handle.done
 
     wire = _contiguous_output(op, wire, source, inplace)
@@ -636,7 +637,8 @@ def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int, pr
         for name, tensor in named:
             if rank() != root_rank:
                 tensor.zero_()
-            handles.append(push_pull_async_inplace(tensor, average=False, name=f"{prefix}.{name}"))
+            handles.append(_start(tensor, False, f"{prefix}.{name}", 0, Compression.none,
+                                  inplace=True, once=True))
     for handle in handles:
         synchronize(handle)
 
