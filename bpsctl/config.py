@@ -142,6 +142,14 @@ def parse_cpu_share(text: str | float, what: str = "BPSCTL_CPU_SHARE") -> float 
     return value
 
 
+def auto_io_threads(cores: int) -> int:
+    """ZeroMQ I/O threads for a process on a machine of ``cores``: one per 8 cores, 1 to 4.
+    One thread carries every connection of a process; on a machine with cores to spare a
+    worker's connections to several servers then run side by side, and a small machine keeps
+    the one thread that leaves its cores to the summing and training."""
+    return max(1, min(4, cores // 8))
+
+
 def parse_shm_server_bytes(text: str | int,
                            what: str = "BPSCTL_SHM_SERVER_BYTES") -> int | None:
     """``auto`` -> None (as the job needs while a quarter of ``/dev/shm`` stays free); a size
@@ -374,6 +382,11 @@ class Config:
                                   "CPU-only hosts)", "bool")
     server_threads: int = knob(2, "BPSCTL_SERVER_THREADS", "summation threads per server", "int",
                                 in_file=True)
+    io_threads: int = knob(0, "BPSCTL_IO_THREADS",
+                           "ZeroMQ I/O threads of each worker and server process, which carry "
+                           "its TCP connections (a worker's to several servers on different "
+                           "threads): 0 (auto: one per 8 cores, 1 to 4) or 1..16", "int",
+                           in_file=True)
     server_malloc: str = knob("auto", "BPSCTL_SERVER_MALLOC",
                               "allocator of a server process: auto (jemalloc when libjemalloc.so.2 "
                               "is installed, else glibc's) or glibc", "str", in_file=True)
@@ -536,6 +549,8 @@ class Config:
              self.min_compress_bytes),
             (self.num_servers >= 0, "BPSCTL_NUM_SERVERS", "0 (all) or more", self.num_servers),
             (1 <= self.server_threads <= 64, "BPSCTL_SERVER_THREADS", "1..64", self.server_threads),
+            (0 <= self.io_threads <= 16, "BPSCTL_IO_THREADS", "0 (auto) or 1..16",
+             self.io_threads),
             (self.local_reduce in ("auto", "off"), "BPSCTL_LOCAL_REDUCE", "auto or off",
              self.local_reduce),
             (self.local_only in ("auto", "on", "off"), "BPSCTL_LOCAL_ONLY", "auto, on or off",
@@ -598,6 +613,11 @@ class Config:
     def cpu_share_value(self) -> float | None:
         """BPSCTL_CPU_SHARE as a number, None for auto."""
         return parse_cpu_share(self.cpu_share)
+
+    @property
+    def zmq_io_threads(self) -> int:
+        """BPSCTL_IO_THREADS, auto resolved from this machine's cores."""
+        return self.io_threads or auto_io_threads(os.cpu_count() or 1)
 
     @property
     def shm_server_limit(self) -> int | None:

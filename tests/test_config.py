@@ -144,6 +144,7 @@ def test_every_knob_has_its_own_variable():
     ({"BPSCTL_ROLE": "boss"}, "BPSCTL_ROLE: expected scheduler, server or worker, got 'boss'"),
     ({"BPSCTL_PORT": "70000"}, r"BPSCTL_PORT: expected 0\.\.65535, got 70000"),
     ({"BPSCTL_SERVER_THREADS": "0"}, r"BPSCTL_SERVER_THREADS: expected 1\.\.64, got 0"),
+    ({"BPSCTL_IO_THREADS": "17"}, r"BPSCTL_IO_THREADS: expected 0 \(auto\) or 1\.\.16, got 17"),
     ({"BPSCTL_NUM_SERVERS": "-1"}, "BPSCTL_NUM_SERVERS: expected 0 \\(all\\) or more, got -1"),
     ({"BPSCTL_SERVER_MALLOC": "tcmalloc"},
      "BPSCTL_SERVER_MALLOC: expected auto or glibc, got 'tcmalloc'"),

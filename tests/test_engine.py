@@ -9,10 +9,13 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
+import zmq
 
+from bpsctl.config import Config, auto_io_threads
 from bpsctl.engine import EngineError, Worker
 
 pytestmark = pytest.mark.timeout(120)
@@ -268,6 +271,35 @@ def test_every_worker_and_server_count(job, workers, servers):
     for _, _, grad, scalar in results:
         assert_same(grad, expected_sum(workers, 250, np.float32))
         assert_same(scalar, np.asarray((workers + 1) / 2))
+
+
+def thread_names() -> set[str]:
+    """The names of this process's threads now (one may end while they are read)."""
+    names = set()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names.add(Path(f"/proc/self/task/{task}/comm").read_text().strip())
+        except FileNotFoundError:
+            pass
+    return names
+
+
+def test_io_threads_carry_the_connections_and_the_sums_stay_exact(job):
+    """BPSCTL_IO_THREADS=2: the worker's ZeroMQ context runs two I/O threads (ZeroMQ names
+    them), and its pushes to two servers sum as with one."""
+    def body(w: Worker):
+        got = w.push_pull(ranked(w.rank, 25000, np.float32), name="grad", average=False)
+        return w._ctx.get(zmq.IO_THREADS), "ZMQbg/IO/1" in thread_names(), got
+
+    for io_threads, second_thread, got in job(2, 2, body, partition_bytes=4096, io_threads=2):
+        assert (io_threads, second_thread) == (2, True)
+        assert_same(got, expected_sum(2, 25000, np.float32))
+
+
+def test_auto_io_threads_are_one_per_8_cores_from_1_to_4():
+    assert [auto_io_threads(cores) for cores in (1, 2, 7, 8, 16, 24, 32, 96)] == \
+        [1, 1, 1, 1, 2, 3, 4, 4]
+    assert Config.from_env({"BPSCTL_IO_THREADS": "3"}).zmq_io_threads == 3
 
 
 def test_workers_may_start_their_tensors_in_different_orders(job):

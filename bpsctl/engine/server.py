@@ -275,7 +275,7 @@ class Server:
                    "jemalloc is not installed; with it RSS does not ratchet up under load: "
                    "apt-get install libjemalloc2")
             self.log.info("allocator: glibc's malloc (%s)", why)
-        self.ctx = zmq.Context()
+        self.ctx = zmq.Context(io_threads=config.zmq_io_threads)
         self.security = Security(config.security, config.secret)
         self.zap = self.security.start_zap(self.ctx, "a server", self.log)
         self.sock, self.port = bound_router(self.ctx, config.host, config.port, self.security)

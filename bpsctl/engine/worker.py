@@ -216,7 +216,7 @@ class Worker:
 
         # glibc's malloc keeps its default thresholds here (see common.keep_large_buffers);
         # the I/O thread releases what it keeps once quiet (common.release_free_memory)
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context(io_threads=self.config.zmq_io_threads)
         self._sched = self._linked_socket()
         self._sched_monitor = monitor(self._sched)
         self._sched.connect(f"tcp://{self.scheduler_address}")
