@@ -57,6 +57,9 @@ if [[ $what == all || $what == bench ]]; then
         --size 256MiB --repeats 5 --json "$OUT/comm-cuda.json"
     step comm-tcp 75 env BPSCTL_SHM_SERVER=0 "${bpsctl[@]}" bench comm --workers 1 --servers 2 \
         --size 64MiB --json "$OUT/comm-tcp.json"
+    # the same with one ZeroMQ I/O thread per process (auto gives a 16-core machine two)
+    step comm-tcp-io1 75 env BPSCTL_SHM_SERVER=0 BPSCTL_IO_THREADS=1 "${bpsctl[@]}" bench comm \
+        --workers 1 --servers 2 --size 64MiB --json "$OUT/comm-tcp-io1.json"
     for model in resnet50 vgg16; do
         [[ -d $OUT/trace-$model ]] && step "$model-trace" 30 "${bpsctl[@]}" trace \
             "$OUT/trace-$model" --json "$OUT/trace-$model.json"
