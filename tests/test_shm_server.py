@@ -327,7 +327,6 @@ def test_a_killed_server_leaves_its_sum_buffers_until_down(tmp_path):
 
 
 def test_a_bad_knob_value_is_refused_naming_it():
-    from bpsctl.config import Config, ConfigError
     with pytest.raises(ConfigError, match="BPSCTL_SHM_SERVER: expected auto or 0, got 'on'"):
         Config.from_env({"BPSCTL_SHM_SERVER": "on"})
     assert Config.from_env({"BPSCTL_SHM_SERVER": "0"}).shm_server == "0"

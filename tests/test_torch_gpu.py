@@ -248,7 +248,6 @@ def test_distributed_optimizer_on_a_cuda_model_matches_the_cpu(tmp_path, local_r
                 f"{name}: max |diff| {(params[name] - ref).abs().max():.2e}"
 
 
-
 def _cpu_reference(steps: int, workers: int, local_batch: int) -> dict:
     """TRAIN_COMMON's model trained in this process on the CPU, on the whole global batch."""
     namespace: dict = {}
@@ -284,6 +283,7 @@ def test_a_cuda_model_trained_through_the_host_staging_matches_the_cpu(tmp_path,
         for name, ref in reference.items():
             assert torch.allclose(params[name], ref, rtol=1e-4, atol=1e-5), \
                 f"rank {rank}, {name}: max |diff| {(params[name] - ref).abs().max():.2e}"
+
 
 DDP_SCRIPT = TRAIN_COMMON + '''
 import torch.distributed as dist
