@@ -159,6 +159,9 @@ TIERS: dict[str, set[str]] = {
     "test_trace.py::test_the_torch_optimizer_waiting_for_its_gradients_is_on_the_timeline":
         {"slow"},
     "test_trace.py::test_bench_trace_writes_bpsctls_timeline_and_not_the_baselines": {"slow"},
+    # one 3-4 s job of many workers; the trace's causal order has its fast test beside it
+    "test_trace.py::test_one_big_tensor_of_many_workers_completes_in_the_order_it_is_pushed":
+        {"slow"},
     "test_cli.py::test_up_status_down": {"slow"},
     "test_async.py::test_torch_training_with_server_held_parameters": {"slow"},
     "test_tune.py::test_commands_refuse_a_bad_file_with_exit_2_but_down_still_works": {"slow"},
