@@ -193,6 +193,8 @@ TIERS: dict[str, set[str]] = {
     "test_torch_gpu.py::test_two_workers_on_one_gpu_stage_through_host_memory_and_say_so":
         {"gpu", "slow"},
     "test_torch_gpu.py::test_bench_on_a_gpu_reports_the_device_and_a_plain_row": {"gpu", "slow"},
+    "test_torch_gpu.py::test_a_staged_worker_page_locks_its_shared_memory_and_lets_go_at_shutdown":
+        {"gpu", "slow"},
     "test_torch_gpu.py::test_a_cuda_model_trained_through_the_host_staging_matches_the_cpu":
         {"gpu", "slow"},
     "test_torch_gpu.py::test_cuda_sums_are_exact_on_every_path": {"gpu", "2 gpus", "slow"},

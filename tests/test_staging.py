@@ -1,14 +1,17 @@
 """The stager of CUDA tensors through host memory (engine/torch/staging.py): the order it keeps,
 the errors it hands back and its deadlines, with host copies in place of the CUDA ones (the
-copies themselves are exercised on a GPU by test_torch_gpu.py)."""
+copies themselves are exercised on a GPU by test_torch_gpu.py); and the copies back of a
+result read where it arrived in shared memory, on host tensors."""
 from __future__ import annotations
 
 import threading
 import time
 
 import pytest
+import torch
 
 from bpsctl.engine.common import EngineError
+from bpsctl.engine.torch import _results_to_device
 from bpsctl.engine.torch.staging import StagedOp, Stager
 
 
@@ -98,3 +101,62 @@ def test_a_result_that_never_comes_fails_its_wait_at_the_deadline_naming_the_ten
         op.wait(0.2)
     assert time.monotonic() - started < 2
     push.finished.set()             # the stager's own threads stop at close
+
+
+def test_a_names_next_op_is_copied_to_the_host_only_once_its_previous_is_done(stager):
+    """Both ops of a name use its host buffers (or its push slots): the second one's copy to
+    the host waits until the first one's result is back on the device."""
+    log: list[tuple[str, str]] = []
+    copying_back, release = threading.Event(), threading.Event()
+    second_copied = threading.Event()
+    first_push, second_push = Push(), Push()
+    first_push.finished.set()
+    second_push.finished.set()
+    first = _op("g", log, first_push)
+    plain_to_device = first.to_device
+
+    def slow_to_device():
+        copying_back.set()
+        assert release.wait(5)
+        return plain_to_device()
+    first.to_device = slow_to_device
+    second = _op("g", log, second_push)
+    plain_to_host = second.to_host
+
+    def to_host():
+        second_copied.set()
+        plain_to_host()
+    second.to_host = to_host
+    stager.submit(first)
+    stager.submit(second)
+    assert copying_back.wait(5)
+    assert not second_copied.wait(0.3), "copied over the name's buffers before they were free"
+    release.set()
+    assert first.wait(5) == "event of g" and second.wait(5) == "event of g"
+    assert log == [("to_host", "g"), ("start", "g"), ("to_device", "g"),
+                   ("to_host", "g"), ("start", "g"), ("to_device", "g")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_a_result_read_where_it_arrived_lands_whole_and_divided(dtype):
+    """The copies back of a result whose partitions are partly lent (in shared memory, one
+    read-only, averaged on the device) and partly in the host buffer, as the GPU path queues
+    them: every element in place, each lent partition divided as the engine would."""
+    count, part = 1000, 96                  # partitions of 96 elements, the last one short
+    want = torch.arange(count, dtype=torch.float32).to(dtype) * 2
+    itemsize = want.element_size()
+    host_out = torch.zeros(count, dtype=dtype)
+    lent = []
+    for index, start in enumerate(range(0, count, part)):
+        chunk = want[start:start + part]
+        if index % 3 == 1:          # left in the host buffer by the engine, divided there
+            host_out[start:start + part] = chunk / 2
+            continue
+        # the sum as it is in shared memory (for a partition not averaged: the result)
+        summed = chunk if index % 3 == 0 else chunk / 2
+        view = summed.view(torch.uint8).numpy().copy()
+        view.flags.writeable = index % 2 == 0       # a server's sum buffer is read-only
+        lent.append((start * itemsize, view, 2 if index % 3 == 0 else None))
+    device_out = torch.full((count,), -1, dtype=dtype)
+    _results_to_device(device_out, host_out, lent[::-1])    # in any order
+    assert torch.equal(device_out, want / 2)

@@ -86,6 +86,8 @@ FAST_TEST_OF = {
         "test_small_parts.py::test_cross_barrier_of_one_worker_is_the_wrapped_optimizer",
     "engine/torch/elastic.py":
         "test_small_parts.py::test_an_elastic_training_function_commits_and_resumes_from_its_state",
+    "engine/torch/pinning.py":
+        "test_staging.py::test_a_result_read_where_it_arrived_lands_whole_and_divided",
     "engine/torch/staging.py":
         "test_staging.py::test_pushes_start_in_the_order_of_the_calls_and_come_back_as_they_finish",
     "engine/torch/staleness.py":

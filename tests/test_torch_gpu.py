@@ -146,6 +146,26 @@ def produced_on_a_side_stream():
     assert torch.equal(got.cpu(), torch.full((2048, 2048), float(N * (N + 1))))
 
 @check
+def repeated_pushes_of_a_name():
+    # from a name's second push on, the staged path of a worker with its servers on this host
+    # copies straight between the GPU and the engine's shared memory: sums, averages and
+    # non-contiguous tensors stay exact
+    shape = (1500, 1001)                                    # several partitions
+    for dtype in FLOATS:
+        for step in range(3):
+            x = ranked(R, shape, dtype).to(DEV) + step
+            got = bps.push_pull(x, average=False, name=f"rep.{dtype}")
+            assert torch.equal(got.cpu(), (total(shape, torch.int64) + N * step).to(dtype))
+            avg = bps.push_pull(x, average=True, name=f"rep.avg.{dtype}")
+            want = ((total(shape, torch.float64) + N * step) / N).to(dtype)
+            assert torch.equal(avg.cpu(), want), (dtype, step)
+            y = (ranked(R, (64, 3001), dtype) + step).to(DEV).t()
+            h = bps.push_pull_async_inplace(y, average=False, name=f"rep.t.{dtype}")
+            assert bps.synchronize(h) is y
+            assert torch.equal(y.cpu(), (total((64, 3001), torch.int64) + N * step).to(dtype).t())
+    EXTRA["stats"] = bps._p().worker.stats()
+
+@check
 def fp16_compression_on_the_gpu():
     x = torch.linspace(-3, 3, 1001, device=DEV) * (R + 1)
     exact = sum(torch.linspace(-3, 3, 1001) * (r + 1) for r in range(N)) / N
@@ -201,6 +221,44 @@ def test_single_rank_cuda_push_pull(tmp_path, force):
     assert records[0]["path"] == ("host-staged" if force else "none")
     assert f"CUDA tensors: {records[0]['path']}" in logs[0]
     assert_all_ok(records)
+    if force:
+        # the repeated pushes went between the GPU and shared memory with no CPU copy
+        stats = records[0]["extra"]["stats"]
+        assert stats["filled_pushes"] > 0 and stats["lent_results"] > 0, stats
+
+
+PINNED_SCRIPT = '''
+from bpsctl.engine.torch.pinning import host_bytes
+
+x = torch.ones(3 << 20, device=DEV)                         # 12 MiB: several partitions
+for _ in range(3):
+    assert torch.equal(bps.push_pull(x, average=False, name="x"), x)
+worker = bps._p().worker
+views = [view for family in worker._shm_slots.values() for _, _, view in family.chunks]
+EXTRA["pinned"] = [bool(host_bytes(view).is_pinned()) for view in views]
+EXTRA["stats"] = worker.stats()
+save()
+bps.shutdown()
+EXTRA["after_shutdown"] = [bool(host_bytes(view).is_pinned()) for view in views]
+path = os.path.join(sys.argv[1], f"rank{R}.json")
+with open(path) as f:
+    record = json.load(f)
+record["extra"] = EXTRA
+with open(path, "w") as f:
+    json.dump(record, f)
+save = lambda: None                                         # noqa: E731 - already saved
+'''
+
+
+@pytest.mark.timeout(180)
+def test_a_staged_worker_page_locks_its_shared_memory_and_lets_go_at_shutdown(tmp_path):
+    """A worker forced through a server on its host registers its push slots with CUDA (the
+    GPU copies straight into them), and unregisters them when it shuts down."""
+    [record] = run_script(tmp_path, PINNED_SCRIPT, 1, force_distributed=True)
+    extra = record["extra"]
+    assert extra["pinned"] and all(extra["pinned"]), extra
+    assert not any(extra["after_shutdown"]), extra
+    assert extra["stats"]["filled_pushes"] > 0, extra["stats"]
 
 
 @pytest.mark.timeout(240)

@@ -508,8 +508,8 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
     row["push_pulls_per_s"] = ours["tensors"] / row["seconds"]
     if layout["model_seconds"]:
         layout["measured_over_model"] = row["seconds"] / layout["model_seconds"]
-    if "gradient_path" in ours:
-        row["gradient_path"] = ours["gradient_path"]
+    row.update({key: ours[key] for key in ("gradient_path", "shm_share", "direct_share")
+                if key in ours})
     results = [row]
     speedup: dict[str, float] = {}
     if "allreduce" in settings.compare:

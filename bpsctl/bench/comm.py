@@ -26,6 +26,7 @@ import zmq
 
 from ..config import parse_size
 from .gpu import add_device_arguments, use_gpu
+from .report import shm_shares
 
 # ----------------------------------------------------------------------------- worker side
 
@@ -131,7 +132,8 @@ def cuda_main(args: argparse.Namespace) -> None:
     if rank == 0:
         print_result({"seconds": seconds, "tensors": len(tensors),
                       "size_bytes": int(sum(counts) * 4),
-                      "gradient_path": bps.gradient_path(cuda=True)})
+                      "gradient_path": bps.gradient_path(cuda=True),
+                      **shm_shares(bps._p().worker.stats())})
     bps.shutdown()
 
 

@@ -10,6 +10,21 @@ from rich.table import Table
 from ..config import ConfigError, format_bytes
 
 
+def shm_shares(stats: dict[str, Any]) -> dict[str, float]:
+    """From a worker's ``stats()``: ``shm_share``, the share of the bytes it pushed to servers
+    that went through shared memory (servers on its host; the rest took TCP, e.g. past
+    BPSCTL_SHM_SERVER_BYTES), and ``direct_share``, the share of those pushes whose slot the
+    GPU filled itself (CUDA tensors from a name's second push on; the engine copied the rest).
+    Empty when nothing reached a server."""
+    pushed = sum(server["pushed_bytes"] for server in stats["servers"])
+    if not pushed:
+        return {}
+    shares = {"shm_share": stats["shm_pushed_bytes"] / pushed}
+    if stats["shm_pushes"]:
+        shares["direct_share"] = stats["filled_pushes"] / stats["shm_pushes"]
+    return shares
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "" if value is None else format(value, spec)
 

@@ -23,6 +23,7 @@ from typing import Any
 
 from ..engine.trace import interface_of, read_nic
 from .gpu import add_device_arguments, use_gpu
+from .report import shm_shares
 
 SYSTEMS = ("bpsctl", "horovod", "ddp", "ddp-powersgd", "plain")
 
@@ -83,15 +84,12 @@ def _rates_by_rank(args: argparse.Namespace, rank: int, size: int, mine: float
 
 
 def _shm_share(args: argparse.Namespace) -> dict[str, float]:
-    """bpsctl: ``shm_share``, the share of the bytes this worker pushed to servers that went
-    through shared memory (servers on its host; the rest took TCP, e.g. past
-    BPSCTL_SHM_SERVER_BYTES). Empty for the baselines and when nothing reached a server."""
+    """bpsctl: where its pushes went (:func:`~bpsctl.bench.report.shm_shares`); empty for the
+    baselines."""
     if args.system != "bpsctl":
         return {}
     import bpsctl.engine.torch as bps
-    stats = bps._p().worker.stats()
-    pushed = sum(server["pushed_bytes"] for server in stats["servers"])
-    return {"shm_share": stats["shm_pushed_bytes"] / pushed} if pushed else {}
+    return shm_shares(bps._p().worker.stats())
 
 
 def _gradient_path(args: argparse.Namespace, cuda: bool) -> str | None:

@@ -28,6 +28,12 @@ by ``bpsctl down`` (the names carry the cluster's tag) every name is removed.
 
 When each region may be rewritten is explained in docs/design.md ("Shared memory between a
 worker and a server").
+
+A worker whose tensors live on a GPU has its segments page-locked for the device
+(:class:`Pinning`, given by the torch plugin): the GPU's copy engine then writes a gradient
+straight into its push slots and reads a sum straight out of the slot or sum buffer it is in
+(``Worker.lend``), with no copy by the CPU. A segment is unpinned before this process lets go
+of it (``close``: at shutdown, and when a lost server's segments are dropped).
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ import os
 import struct
 import threading
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -55,6 +62,36 @@ FIRST_CHUNK_BYTES = 1 << 20
 MAX_CHUNK_BYTES = 64 << 20
 #: with BPSCTL_SHM_SERVER_BYTES=auto, the share of /dev/shm's size each process leaves free
 KEEP_FREE = 0.25
+
+
+class Pinning(Protocol):
+    """Page-locks host memory for a device, and undoes it (the torch plugin's, for CUDA)."""
+
+    def pin(self, view: np.ndarray, writable: bool) -> Any:
+        """Page-lock ``view`` (a whole segment, read-only unless ``writable``); a token for
+        :meth:`unpin`, or None where it could not (the memory still works, unpinned)."""
+
+    def unpin(self, token: Any) -> None:
+        """Undo :meth:`pin` once no copy into or out of the memory is queued or running."""
+
+
+class _Pins:
+    """The segments of one family that are pinned, and how to unpin them."""
+
+    def __init__(self) -> None:
+        self.pinning: Pinning | None = None
+        self.tokens: list[Any] = []
+
+    def pin(self, view: np.ndarray, writable: bool) -> None:
+        if self.pinning is not None:
+            token = self.pinning.pin(view, writable)
+            if token is not None:
+                self.tokens.append(token)
+
+    def release(self) -> None:
+        while self.tokens:
+            assert self.pinning is not None
+            self.pinning.unpin(self.tokens.pop())
 
 
 def server_base(tag: str, job_id: str, server_rank: int) -> str:
@@ -77,7 +114,16 @@ class Segments:
         self.named: list[Path] = []
         self.used = 0                   # bytes handed out of the last chunk
         self.lock = threading.Lock()
+        self.pins = _Pins()
         atexit.register(self.unlink)
+
+    def pin_with(self, pinning: Pinning) -> None:
+        """Page-lock every chunk for a device, now and as they are made (see the module
+        docstring)."""
+        with self.lock:
+            self.pins.pinning = pinning
+            for _, _, view in self.chunks:
+                self.pins.pin(view, writable=True)
 
     def allocate(self, nbytes: int) -> tuple[int, int, np.ndarray] | None:
         """``(chunk, offset, uint8 view)`` of ``nbytes`` fresh bytes, or None when the budget
@@ -137,7 +183,9 @@ class Segments:
             raise
         finally:
             os.close(fd)
-        self.chunks.append((path, mapping, np.frombuffer(mapping, np.uint8)))
+        view = np.frombuffer(mapping, np.uint8)
+        self.chunks.append((path, mapping, view))
+        self.pins.pin(view, writable=True)
 
     def _forget(self, path: Path) -> None:
         path.unlink(missing_ok=True)
@@ -149,11 +197,12 @@ class Segments:
             self.named.pop().unlink(missing_ok=True)
 
     def close(self) -> None:
-        """Remove the names and give the budget back; the memory goes with the last mapping
-        (views still held elsewhere keep theirs)."""
+        """Unpin, remove the names and give the budget back; the memory goes with the last
+        mapping (views still held elsewhere keep theirs)."""
         self.unlink()
         atexit.unregister(self.unlink)
         with self.lock:
+            self.pins.release()
             for _, mapping, _ in self.chunks:
                 self.budget.give_back(len(mapping))
             self.chunks.clear()
@@ -211,9 +260,18 @@ class Mapped:
     ``unlink``: remove each name once mapped (this process is the only other one to map it)."""
 
     def __init__(self, base: str, *, writable: bool, unlink: bool,
-                 directory: Path = shm.SHM_DIR):
+                 directory: Path = shm.SHM_DIR, pinning: Pinning | None = None):
         self.base, self.writable, self.unlink, self.directory = base, writable, unlink, directory
         self.chunks: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+        self.pins = _Pins()
+        if pinning is not None:
+            self.pin_with(pinning)
+
+    def pin_with(self, pinning: Pinning) -> None:
+        """Page-lock every chunk mapped, now and as they are mapped."""
+        self.pins.pinning = pinning
+        for _, view in self.chunks.values():
+            self.pins.pin(view, self.writable)
 
     def view(self, chunk: int, offset: int, nbytes: int) -> np.ndarray:
         """The ``nbytes`` at ``offset`` of chunk ``chunk`` (uint8); ValueError saying what is
@@ -248,8 +306,10 @@ class Mapped:
         view = np.frombuffer(mapping, np.uint8)
         if not self.writable:
             view.flags.writeable = False
+        self.pins.pin(view, self.writable)
         return mapping, view
 
     def close(self) -> None:
-        """Forget the mappings (the memory goes once no view of it is left)."""
+        """Unpin and forget the mappings (the memory goes once no view of it is left)."""
+        self.pins.release()
         self.chunks.clear()

@@ -18,7 +18,10 @@ Path of one ``push_pull``:
 
 To a server on the same host (``BPSCTL_SHM_SERVER``; engine/shmlink.py) step 3 copies each
 partition once into its slot in shared memory and pushes a reference to it (``FLAG_SHM``), and
-step 4 copies the sum out of shared memory (``_shm_slot``, ``_shm_result``).
+step 4 copies the sum out of shared memory (``_shm_slot``, ``_shm_result``). A caller with its
+own copy engine (a GPU) makes neither copy: it fills the slots itself (``lend``, then
+``push_pull_async(filled=...)``) and reads each sum where it is (``lend_results=True``:
+``Handle.lent``), from memory it had page-locked (``pin_shared_memory``).
 
 Under asynchronous training (``async_update``/``async_init``, ``BPSCTL_ASYNC``) the same path
 carries a gradient, with the optimizer's hyperparameters, to servers that hold the
@@ -73,11 +76,14 @@ class Handle:
     one by one while the rest are still on the wire. ``done()`` is True once every sum has
     arrived; the output is complete once ``wait`` (``synchronize``) returns."""
 
-    __slots__ = ("name", "output", "_done", "error", "_arrived", "_news", "_decoding")
+    __slots__ = ("name", "output", "_done", "error", "_arrived", "_news", "_decoding", "lent")
 
     def __init__(self, name: str, output: np.ndarray):
         self.name = name
         self.output = output
+        # push_pull_async(lend_results=True): (byte offset, view, divisor or None) of each
+        # partition whose sum arrived in shared memory, which is left there, not in output
+        self.lent: list[tuple[int, np.ndarray, int | None]] = []
         self._done = threading.Event()
         self.error: BaseException | None = None
         # compressed: (codec, payload, part id, round, destination, divisor) per partition
@@ -143,12 +149,25 @@ class Handle:
         return self.output
 
 
+class Lease:
+    """A name's push slots, lent to a caller that fills them itself (:meth:`Worker.lend`):
+    ``views`` holds (byte offset in the tensor, byte length, writable view of the slot) of
+    each partition, to be filled before ``push_pull_async(..., filled=lease)``."""
+
+    __slots__ = ("name", "slots", "views")
+
+    def __init__(self, name: str):
+        self.name = name
+        self.slots: dict[int, tuple[bytes, np.ndarray]] = {}     # part id -> its slot
+        self.views: list[tuple[int, int, np.ndarray]] = []
+
+
 class _Task:
     """The I/O thread's record of one push_pull."""
 
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
                  "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec",
-                 "hyper", "once")
+                 "hyper", "once", "filled", "lend_results")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
                  divisor: int | None, deadline: float, flags: int = 0,
@@ -169,6 +188,8 @@ class _Task:
         self.codec: C.WorkerCodec | None = None     # compressed pushes and pulls
         self.hyper = hyper          # asynchronous training: the third frame of every push
         self.once = False           # pushed once (a broadcast): no shared-memory slot
+        self.filled: Lease | None = None    # slots the caller filled (src was not)
+        self.lend_results = False   # sums in shared memory stay there (Handle.lent)
 
 
 _WAKE = b"\0"
@@ -239,8 +260,10 @@ class Worker:
         self._shm_slots: dict[int, shmlink.Segments] = {}
         self._shm_parts: dict[tuple[int, int], tuple[bytes, np.ndarray] | None] = {}
         self._shm_sums: dict[int, shmlink.Mapped] = {}
+        self._pinning: shmlink.Pinning | None = None    # pin_shared_memory
         self.shm_pushes = self.shm_results = 0      # through shared memory
         self.shm_pushed_bytes = 0
+        self.filled_pushes = self.lent_results = 0  # of those: not copied by the engine (lend)
         # bytes pushed to each server of the job (its index), re-pushes included: what the
         # layout's shares (BPSCTL_CPU_SHARE, hosts.yaml's share:) come to on the wire
         self._pushed_bytes: collections.Counter[int] = collections.Counter()
@@ -488,12 +511,19 @@ class Worker:
                         host_reduced: bool = False,
                         compression: C.Compressor | None = None,
                         async_update: tuple[float, float, float, float, bool] | None = None,
-                        async_init: bool = False, once: bool = False) -> Handle:
+                        async_init: bool = False, once: bool = False,
+                        filled: Lease | None = None, lend_results: bool = False) -> Handle:
         """Start summing ``array`` across all workers; the result lands in ``out``.
 
         ``once=True``: the name is pushed this once (a broadcast, whose names are new each
         time or never come again): to a server on this host it goes through TCP, not a
         shared-memory slot, which would stay reserved for the rest of the job.
+
+        ``filled``: the name's slots from :meth:`lend`, which the caller has filled with this
+        push's bytes (``array``'s contents are then not read). ``lend_results=True``: each
+        partition whose sum arrives in shared memory is not copied into ``out`` but listed in
+        the handle's ``lent`` (byte offset, read-only view, divisor to apply or None); a view
+        stays valid until the name's next push_pull starts.
 
         ``host_reduced=True`` (the intra-node stage): ``array`` already holds the sum over this
         host's workers, and only one worker per host pushes this name; the sum is over hosts.
@@ -556,6 +586,13 @@ class Worker:
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s, flags, hyper)
         task.once = once
+        if compression is None and hyper is None:
+            task.filled, task.lend_results = filled, lend_results
+        elif filled is not None:
+            with self._lock:
+                self._in_flight_names.discard(name)
+            raise ValueError(f"push_pull of {name!r}: filled slots go with neither compression "
+                             "nor asynchronous training (lend() offers none then)")
         if compression is not None and src.nbytes >= self.config.min_compress_bytes:
             try:
                 task.codec = self._codec(name, src, compression)
@@ -675,6 +712,34 @@ class Worker:
                               f"with {compression}; use another name for another compression")
         return None
 
+    def lend(self, name: str, nbytes: int) -> Lease | None:
+        """The push slots of ``name`` (``nbytes`` bytes), for a caller that copies the next
+        push into them itself (a GPU straight into page-locked shared memory): a
+        :class:`Lease` when every partition of the name goes to a server on this host through
+        a slot it already has (so from the name's second push on) and the name is not in
+        flight; None otherwise (push ``array`` as usual). Safe from any thread; if a partition
+        moves meanwhile (a lost server), the push still sends what the caller filled."""
+        info = self._tensors.get(name)
+        if info is None or self.solo or self.config.async_mode:
+            return None
+        with self._lock:
+            if name in self._in_flight_names:
+                return None
+        lease, total = Lease(name), 0
+        for part_id, server, offset, length in list(info["parts"]):
+            slot = self._shm_parts.get((server, part_id))
+            if slot is None or part_id in self._active or server in self._server_down:
+                return None
+            lease.slots[part_id] = slot
+            lease.views.append((offset, length, slot[1]))
+            total += length
+        return lease if total == nbytes and lease.views else None
+
+    def pin_shared_memory(self, pinning: shmlink.Pinning) -> None:
+        """Page-lock this worker's shared memory with the servers on its host for a device
+        (see engine/shmlink.py): what is there now and what comes later, on the I/O thread."""
+        self._command("pin", pinning)
+
     def poll(self, handle: Handle) -> bool:
         return handle.done()
 
@@ -729,12 +794,15 @@ class Worker:
         result), ``membership_changes``, ``live_ranks``, and ``shm_pushes`` and
         ``shm_results``: pushes and results that went through shared memory to and from
         servers on this host (BPSCTL_SHM_SERVER), ``shm_pushed_bytes``: the bytes of those
-        pushes, and ``servers``: the job's servers (``rank``,
+        pushes, ``filled_pushes`` and ``lent_results``: of those, the pushes whose slot the
+        caller had filled and the results it read where they arrived (:meth:`lend`; a GPU's
+        copies, none by the engine), and ``servers``: the job's servers (``rank``,
         ``host``, ``share`` of the bytes, ``pushed_bytes``: what this worker pushed to it,
         uncompressed, re-pushes included)."""
         return {"late_pushes": self.late_pushes, "membership_changes": self.membership_changes,
                 "live_ranks": list(self.live_ranks), "shm_pushes": self.shm_pushes,
                 "shm_results": self.shm_results, "shm_pushed_bytes": self.shm_pushed_bytes,
+                "filled_pushes": self.filled_pushes, "lent_results": self.lent_results,
                 "servers": [{"rank": s["rank"], "host": s["host"], "share": s.get("share"),
                              "pushed_bytes": self._pushed_bytes[index]}
                             for index, s in enumerate(self._servers)]}
@@ -770,7 +838,9 @@ class Worker:
         os.close(self._wake_w)
         self._ctx.destroy(linger=0)
         for segments in self._shm_slots.values():
-            segments.close()
+            segments.close()            # (unpinned first, as the servers' sums below)
+        for sums in self._shm_sums.values():
+            sums.close()
         if self._trace is not None:
             warning = self._trace.close()
             if warning:
@@ -859,6 +929,12 @@ class Worker:
                     self._trace.next_step(self._trace.name_id("step"), payload)
             elif kind == "donate":
                 self._donate(*payload)
+            elif kind == "pin":
+                self._pinning = payload
+                for segments in self._shm_slots.values():
+                    segments.pin_with(payload)
+                for sums in self._shm_sums.values():
+                    sums.pin_with(payload)
             elif kind == "stop":
                 self._to_scheduler(P.control(P.LEAVE), keep=True)
                 self._leaving = True
@@ -937,7 +1013,10 @@ class Worker:
             part_id, server, offset = part[0], part[1], part[2]
             round_, flags = self._rounds.get(part_id, 0), task.flags
             if task.codec is None:
-                data = task.src[offset:offset + length].data
+                # the bytes: the caller's array, or the slot the caller filled (Worker.lend)
+                filled = task.filled.slots.get(part_id) if task.filled is not None else None
+                source = task.src[offset:offset + length] if filled is None else filled[1]
+                data = source.data
                 # a server on this host: copied once into shared memory, not sent through TCP
                 # (the slot is rewritten only once the partition's previous push was answered)
                 if server in self._shm_local and not flags & P.FLAG_ASYNC and \
@@ -948,7 +1027,10 @@ class Worker:
                         self._finish(task, exc)
                         continue
                     if slot is not None:
-                        np.copyto(slot[1], task.src[offset:offset + length])
+                        if slot is filled:          # the caller copied it there
+                            self.filled_pushes += 1
+                        else:
+                            np.copyto(slot[1], source)
                         data, flags = memoryview(slot[0]), flags | P.FLAG_SHM
                         self.shm_pushes += 1
                         self.shm_pushed_bytes += length
@@ -1064,6 +1146,8 @@ class Worker:
             segments = self._shm_slots[server] = shmlink.Segments(shmlink.worker_base(
                 self._shm_tag, self.config.job_id, self.rank, self.incarnation,
                 int(self._servers[server]["rank"])), self._shm_budget)
+            if self._pinning is not None:
+                segments.pin_with(self._pinning)
         got = segments.allocate(length)
         slot = None
         if got is not None:
@@ -1098,7 +1182,7 @@ class Worker:
                 if sums is None:
                     sums = self._shm_sums[server] = shmlink.Mapped(shmlink.server_base(
                         self._shm_tag, self.config.job_id, int(self._servers[server]["rank"])),
-                        writable=False, unlink=False)
+                        writable=False, unlink=False, pinning=self._pinning)
                 view = sums.view(chunk, offset, nbytes)
         except ValueError as exc:
             self._fail_all(EngineError(f"worker {self.rank}: {self._server_name(server)} "
@@ -1128,6 +1212,9 @@ class Worker:
             if task.codec is not None:      # decompressed by the waiter (see Handle)
                 task.handle._result_arrived((task.codec, payload, part_id, round_, dst,
                                              divisor))
+            elif task.lend_results and isinstance(payload, np.ndarray):
+                task.handle.lent.append((part[2], payload, divisor))  # read there by the caller
+                self.lent_results += 1
             else:
                 src = np.frombuffer(payload.buffer if isinstance(payload, zmq.Frame)
                                     else payload, dtype=task.dtype)
@@ -1434,6 +1521,7 @@ class Worker:
             self._server_socks[index].disconnect(f"tcp://{server['host']}:{server['port']}")
         except zmq.ZMQError:
             pass
+        self._drop_shm(index)
         again = 0
         for part_id, target in msg["moves"]:
             part = self._parts.get(part_id)
@@ -1454,6 +1542,19 @@ class Worker:
                  f"spare server {msg['spare']} took over its {len(msg['moves'])} partitions")
         log.warning("worker %d: %s; %s, %d pushed again (%.1f s after its connection dropped)",
                     self.rank, msg["message"], moved, again, time.monotonic() - since)
+
+    def _drop_shm(self, index: int) -> None:
+        """Let go of the shared memory with lost server ``index``: its push slots (pushes
+        filled into one are sent from it: the view keeps the memory) and its sum buffers,
+        unpinned first."""
+        self._shm_local.discard(index)
+        for key in [key for key in self._shm_parts if key[0] == index]:
+            del self._shm_parts[key]
+        segments, sums = self._shm_slots.pop(index, None), self._shm_sums.pop(index, None)
+        if segments is not None:
+            segments.close()
+        if sums is not None:
+            sums.close()
 
     def _fail_overdue(self, now: float) -> None:
         if self._sched_gone is not None and \

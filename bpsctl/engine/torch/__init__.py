@@ -60,6 +60,8 @@ from .. import protocol as P
 from ..common import EngineError, keep_large_buffers
 from ..intranode import LocalOp, LocalStage, _as_array
 from ..trace import now_ns
+from ..worker import Handle, Lease
+from .pinning import CudaPinning, host_bytes
 from .staging import Downstream, StagedOp, Stager
 from .staleness import StaleGradients
 
@@ -218,6 +220,7 @@ class _Plugin:
         self.stager: Stager | None = None           # CUDA through host memory, from the first
         self.copy_streams: dict[tuple[int, str], Any] = {}  # (device, direction) -> stream
         self.pinned: dict[str, torch.Tensor] = {}
+        self.pinning: CudaPinning | None = None     # the engine's shared memory, for CUDA
         w, cfg = self.worker, self.config
         if cfg.reuse_memory:
             # autograd allocates every gradient anew each step; a big one (VGG16's fc6: 411 MB)
@@ -361,15 +364,63 @@ def _copy_stream(plugin: _Plugin, device: torch.device, direction: str) -> Any:
     return stream
 
 
+class _Direct:
+    """A CUDA tensor's push_pull straight between the GPU and the engine's shared memory with
+    the servers on this host (see :func:`_stage_through_host`): the slots lent, the handle."""
+
+    __slots__ = ("pinning", "lease", "handle")
+
+    def __init__(self, pinning: CudaPinning):
+        self.pinning = pinning
+        self.lease: Lease | None = None
+        self.handle: Handle | None = None
+
+
+def _pinning(plugin: _Plugin, device: torch.device) -> CudaPinning:
+    """The plugin's page-locking of the engine's shared memory, handed to the engine on first
+    use (nothing is pinned for a job that never stages a CUDA tensor)."""
+    if plugin.pinning is None:
+        plugin.pinning = CudaPinning(device)
+        plugin.worker.pin_shared_memory(plugin.pinning)
+    return plugin.pinning
+
+
+def _results_to_device(device_out: torch.Tensor, host_out: torch.Tensor,
+                       lent: list[tuple[int, Any, int | None]]) -> None:
+    """Queue the copies of a push_pull's result to ``device_out``: each lent partition from
+    where its sum is in shared memory (divided on the GPU when averaging), the rest from
+    ``host_out``, where the engine put it."""
+    out_bytes = device_out.view(-1).view(torch.uint8)
+    host = host_out.view(-1).view(torch.uint8)
+    flat, itemsize = device_out.view(-1), device_out.element_size()
+    at = 0
+    for offset, view, divisor in sorted(lent, key=lambda entry: entry[0]):
+        if offset > at:
+            out_bytes[at:offset].copy_(host[at:offset], non_blocking=True)
+        end = offset + len(view)
+        out_bytes[offset:end].copy_(host_bytes(view), non_blocking=True)
+        if divisor is not None:
+            flat[offset // itemsize:end // itemsize].div_(divisor)
+        at = end
+    if at < len(out_bytes):
+        out_bytes[at:].copy_(host[at:], non_blocking=True)
+
+
 def _stage_through_host(plugin: _Plugin, op: _Op, name: str, tensor: torch.Tensor,
                         device_out: torch.Tensor,
-                        start: Callable[[torch.Tensor, torch.Tensor], Downstream]) -> None:
-    """Stage a CUDA ``tensor`` through pinned host memory without waiting here (see
-    :mod:`.staging`): after the work the caller's stream has queued so far, it is copied into
-    a pinned buffer on the device's outbound copy stream, ``start(host_in, host_out)`` starts
-    its push_pull, and the result is copied from ``host_out`` into ``device_out`` on the
-    inbound copy stream as soon as it is in; :func:`synchronize` makes the caller's stream
-    wait for that copy."""
+                        start: Callable[[torch.Tensor, torch.Tensor, _Direct | None], Downstream],
+                        direct: bool) -> None:
+    """Stage a CUDA ``tensor`` through host memory without waiting here (see :mod:`.staging`):
+    after the work the caller's stream has queued so far, it is copied to the host on the
+    device's outbound copy stream, ``start(host_in, host_out, direct)`` starts its push_pull,
+    and the result is copied into ``device_out`` on the inbound copy stream as soon as it is
+    in; :func:`synchronize` makes the caller's stream wait for that copy.
+
+    ``direct`` (the engine's own servers, uncompressed): from the name's second push on, the
+    GPU copies each partition straight into its push slot in shared memory (``Worker.lend``)
+    and each sum straight back from where it arrived (``lend_results``), both page-locked
+    (:mod:`.pinning`); otherwise, and for what went over TCP, through the name's pinned
+    buffers ``host_in`` and ``host_out``."""
     device = tensor.device
     host_in = _pinned(plugin, name + "/in", tensor)
     host_out = _pinned(plugin, name + "/out", tensor)
@@ -379,25 +430,44 @@ def _stage_through_host(plugin: _Plugin, op: _Op, name: str, tensor: torch.Tenso
     # the caching allocator must not hand these to others while the side streams use them
     tensor.record_stream(outbound)
     device_out.record_stream(inbound)
+    lending = _Direct(_pinning(plugin, device)) if direct else None
 
     def to_host() -> None:
-        with torch.cuda.device(device), torch.cuda.stream(outbound):
+        lease = None
+        if lending is not None:
+            lease = lending.lease = plugin.worker.lend(name, tensor.nbytes)
+        with (lending.pinning.lock if lending is not None and lease is not None
+              else contextlib.nullcontext()), \
+                torch.cuda.device(device), torch.cuda.stream(outbound):
             outbound.wait_event(ready)
-            host_in.copy_(tensor, non_blocking=True)
+            if lease is None:
+                host_in.copy_(tensor, non_blocking=True)
+            else:
+                source = tensor.view(-1).view(torch.uint8)
+                for offset, length, view in lease.views:
+                    host_bytes(view).copy_(source[offset:offset + length], non_blocking=True)
             copied = torch.cuda.Event(blocking=True)        # the wait below sleeps
             copied.record(outbound)
         copied.synchronize()
 
     def to_device() -> Any:
-        with torch.cuda.device(device), torch.cuda.stream(inbound):
-            device_out.copy_(host_out, non_blocking=True)
-            back = torch.cuda.Event()
+        lent = lending.handle.lent if lending is not None and lending.handle else []
+        with (lending.pinning.lock if lending is not None and lent
+              else contextlib.nullcontext()), \
+                torch.cuda.device(device), torch.cuda.stream(inbound):
+            if lent:
+                _results_to_device(device_out, host_out, lent)
+            else:
+                device_out.copy_(host_out, non_blocking=True)
+            back = torch.cuda.Event(blocking=True)
             back.record(inbound)
+        back.synchronize()      # done: the result is on the GPU, its host memory free again
         return back
 
     if plugin.stager is None:
         plugin.stager = Stager(plugin.config.op_timeout_s)
-    staged = plugin.stager.submit(StagedOp(name, to_host, lambda: start(host_in, host_out),
+    staged = plugin.stager.submit(StagedOp(name, to_host,
+                                           lambda: start(host_in, host_out, lending),
                                            to_device))
     op.staged, op.device_out, op.wire_out = staged, device_out, host_out
     op.keep = (tensor, host_in)
@@ -449,20 +519,26 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         op.keep = wire
         return _track(plugin, op)
 
-    def start(host_in: torch.Tensor, host_out: torch.Tensor) -> Downstream:
-        """Start the push_pull of host tensors: through the host's stage, or the engine."""
+    def start(host_in: torch.Tensor, host_out: torch.Tensor,
+              direct: _Direct | None = None) -> Downstream:
+        """Start the push_pull of host tensors: through the host's stage, or the engine
+        (``direct``: see _stage_through_host)."""
         if stage is not None:
             return _submit_local(stage, LocalOp(name, host_in, host_out, average, priority,
                                                 compression=engine, once=once))
         handle = plugin.worker.push_pull_async(
             _as_array(host_in), name=name, average=average, priority=priority,
-            out=_as_array(host_out), compression=engine, once=once)
+            out=_as_array(host_out), compression=engine, once=once,
+            filled=None if direct is None else direct.lease, lend_results=direct is not None)
+        if direct is not None:
+            direct.handle = handle
         return handle.wait, handle.done
 
     wire = _contiguous_output(op, wire, source, inplace)
     if wire.is_cuda:
         plugin.worker.check_push(_wire_dtype(wire.dtype), average, name)
-        _stage_through_host(plugin, op, name, wire, op.wire_out, start)
+        _stage_through_host(plugin, op, name, wire, op.wire_out, start,
+                            direct=stage is None and engine is None)
     elif stage is not None and plugin.stager is not None:
         # behind the CUDA tensors still on their way to the stage: every local rank must
         # submit to it in the order of the calls
@@ -1080,13 +1156,14 @@ def _start_async(source: torch.Tensor, output: torch.Tensor, name: str, priority
     plugin = _p()
     op = _Op(name, output, output, None, Compression.none)
 
-    def start(host_in: torch.Tensor, host_out: torch.Tensor) -> Downstream:
+    def start(host_in: torch.Tensor, host_out: torch.Tensor,
+              direct: _Direct | None = None) -> Downstream:
         handle = plugin.worker.push_pull_async(
             _as_array(host_in), name=name, average=False, priority=priority,
             out=_as_array(host_out), async_update=update, async_init=init)
         return handle.wait, handle.done
     if source.is_cuda:
-        _stage_through_host(plugin, op, name, source, output, start)
+        _stage_through_host(plugin, op, name, source, output, start, direct=False)
         return _track(plugin, op)
     op.keep = source
     wait, done = start(source, output)

@@ -12,9 +12,14 @@ process do the rest, each in submission order:
   order of the pushes that of the calls, which the intra-node stage needs on every rank;
 - the **return** thread waits for each push_pull's result and copies it back to the device on
   another copy stream as soon as it is in, while later tensors are still on the wire and
-  backward still runs, then records the event the caller's stream waits on (``synchronize``).
+  backward still runs, and waits for that copy: an op is done once its result is on the
+  device (the host memory it came from is free again), and its event is what the caller's
+  stream waits on (``synchronize``).
 
-Nothing here blocks on the GPU from the caller's thread, and every wait has the op deadline.
+Two ops of one name go one after the other: the second is copied to the host only once the
+first is done, as both use the name's host buffers (or its push slots in shared memory, which
+the GPU may fill straight: ``Worker.lend``). Nothing here blocks on the GPU from the caller's
+thread, and every wait has the op deadline.
 The threads start with the first CUDA tensor. The copies and events are CUDA's; the order,
 errors and deadlines are this module's own and are tested with host tensors
 (:class:`Stager` takes the copy functions).
@@ -33,11 +38,15 @@ from ..common import EngineError
 Downstream = tuple[Callable[[float], Any], Callable[[], bool]]
 
 
+def _spent() -> Any:
+    raise AssertionError("a staged op's copies ran twice")
+
+
 class StagedOp:
     """One tensor through the stager: its copies, its push_pull, and how it ended."""
 
     __slots__ = ("name", "to_host", "start", "to_device", "done", "error", "finished",
-                 "downstream")
+                 "downstream", "previous")
 
     def __init__(self, name: str, to_host: Callable[[], None],
                  start: Callable[[], Downstream], to_device: Callable[[], Any]):
@@ -49,6 +58,7 @@ class StagedOp:
         self.error: BaseException | None = None
         self.finished: Any = None       # to_device's answer (a CUDA event) once done
         self.downstream: Downstream | None = None
+        self.previous: StagedOp | None = None   # the name's op before, if not done then
 
     def wait(self, timeout_s: float) -> Any:
         """Wait for the result to be back (or the op to fail, raising its error); returns
@@ -66,6 +76,8 @@ class Stager:
 
     def __init__(self, op_timeout_s: float):
         self.op_timeout_s = op_timeout_s
+        self._last: dict[str, StagedOp] = {}    # name -> its latest op not yet done
+        self._lock = threading.Lock()
         self._outbound: queue.SimpleQueue[StagedOp | None] = queue.SimpleQueue()
         self._returning: queue.SimpleQueue[StagedOp | None] = queue.SimpleQueue()
         self._threads = [threading.Thread(target=self._outbound_loop, daemon=True,
@@ -76,6 +88,9 @@ class Stager:
             thread.start()
 
     def submit(self, op: StagedOp) -> StagedOp:
+        with self._lock:
+            op.previous = self._last.get(op.name)
+            self._last[op.name] = op
         self._outbound.put(op)
         return op
 
@@ -88,6 +103,10 @@ class Stager:
     def _outbound_loop(self) -> None:
         while (op := self._outbound.get()) is not None:
             try:
+                previous, op.previous = op.previous, None
+                if previous is not None and not previous.done.wait(self.op_timeout_s + 10):
+                    raise EngineError(f"push_pull of {op.name!r} waited {self.op_timeout_s:g} s "
+                                      "for the name's previous push_pull, which did not finish")
                 op.to_host()
                 op.downstream = op.start()
             except BaseException as exc:        # noqa: BLE001 - handed to the caller
@@ -104,4 +123,9 @@ class Stager:
                     op.finished = op.to_device()
             except BaseException as exc:        # noqa: BLE001
                 op.error = exc
+            with self._lock:
+                if self._last.get(op.name) is op:
+                    del self._last[op.name]
+            # what the copies held (the tensors, the host buffers) is not needed any more
+            op.to_host = op.start = op.to_device = _spent
             op.done.set()
