@@ -359,6 +359,11 @@ class Config:
                              "DistributedOptimizer packs gradients smaller than this, consecutive "
                              "in backward order, into one push_pull of up to this size (0: off)",
                              "size", in_file=True)
+    cuda_fusion_bytes: int = knob(16777216, "BPSCTL_CUDA_FUSION_BYTES",
+                                  "BPSCTL_FUSION_BYTES for CUDA gradients: each bucket's push "
+                                  "costs events and a hand-off between threads, so a GPU step "
+                                  "does better with fewer, larger ones (0: off)", "size",
+                                  in_file=True)
     min_compress_bytes: int = knob(65536, "BPSCTL_MIN_COMPRESS_BYTES",
                                    "tensors smaller than this are pushed uncompressed even when a "
                                    "compressor is given (the saving would not pay for the work)",
@@ -545,6 +550,8 @@ class Config:
              self.partition_depth),
             (self.credit_bytes >= 1, "BPSCTL_CREDIT_BYTES", "at least 1 byte", self.credit_bytes),
             (self.fusion_bytes >= 0, "BPSCTL_FUSION_BYTES", "0 or more bytes", self.fusion_bytes),
+            (self.cuda_fusion_bytes >= 0, "BPSCTL_CUDA_FUSION_BYTES", "0 or more bytes",
+             self.cuda_fusion_bytes),
             (self.min_compress_bytes >= 0, "BPSCTL_MIN_COMPRESS_BYTES", "0 or more bytes",
              self.min_compress_bytes),
             (self.num_servers >= 0, "BPSCTL_NUM_SERVERS", "0 (all) or more", self.num_servers),

@@ -275,3 +275,35 @@ def test_resnet50_gradients_fuse_into_few_buckets_in_backward_order(fusion_bytes
     # the same model gives the same names on every worker
     again = _buckets(params, names, fusion_bytes, "g")
     assert [b.name for b in again] == [b.name for b in buckets]
+
+
+class _OnGpu:
+    """A parameter as _buckets sees one on a GPU (this machine has none): a CPU tensor's size,
+    dtype and device, and ``is_cuda``."""
+
+    def __init__(self, tensor):
+        self.tensor, self.is_cuda = tensor, True
+        self.dtype, self.device = tensor.dtype, tensor.device
+
+    def numel(self):
+        return self.tensor.numel()
+
+    def element_size(self):
+        return self.tensor.element_size()
+
+
+def test_gpu_gradients_fuse_up_to_their_own_bound_and_host_ones_to_theirs():
+    from bpsctl.bench.models import build
+    from bpsctl.engine.torch import _buckets
+    host = [p for p in build("resnet50", 1000).parameters()]
+    gpu = [_OnGpu(p) for p in host]
+    names = {p: f"g.{i}" for i, p in enumerate(host + gpu)}
+    cuda_bound = 16 << 20
+    host_buckets = _buckets(host, names, 4096000, "g", cuda_fusion_bytes=cuda_bound)
+    gpu_buckets = _buckets(gpu, names, 4096000, "g", cuda_fusion_bytes=cuda_bound)
+    assert len(host_buckets) == 32                 # the host bound, as without a CUDA one
+    assert len(gpu_buckets) < 12, len(gpu_buckets)
+    for bucket in gpu_buckets:
+        size = sum(p.numel() * p.element_size() for p in bucket.params)
+        assert len(bucket.params) == 1 or size <= cuda_bound
+    assert [id(p) for b in gpu_buckets for p in b.params] == [id(p) for p in reversed(gpu)]

@@ -835,10 +835,12 @@ class _Bucket:
 
 
 def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
-             prefix: str, group_of: dict | None = None) -> list[_Bucket]:
+             prefix: str, group_of: dict | None = None,
+             cuda_fusion_bytes: int | None = None) -> list[_Bucket]:
     """Group ``params`` (in registration order) for pushing. Backward produces gradients roughly
     in reverse order, so runs of small gradients adjacent in that order share a bucket of at most
-    ``fusion_bytes``; a gradient of ``fusion_bytes`` or more travels alone. Every worker derives
+    ``fusion_bytes`` (``cuda_fusion_bytes`` for parameters on a GPU, if given); a gradient of
+    that size or more travels alone. Every worker derives
     the same buckets from the same model, so the names agree across workers. Priorities follow
     layer order (the first parameter highest): the next forward pass needs the first layers
     first, and the engine sends larger priority first. With ``group_of`` (parameter -> its
@@ -860,14 +862,16 @@ def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
 
     for p in reversed(params):
         size = p.numel() * p.element_size()
+        limit = cuda_fusion_bytes if p.is_cuda and cuda_fusion_bytes is not None \
+            else fusion_bytes
         fits = (run and p.dtype == run[0].dtype and p.device == run[0].device
-                and run_bytes + size <= fusion_bytes
+                and run_bytes + size <= limit
                 and (group_of is None or group_of[p] == group_of[run[0]]))
         if not fits:
             close_run()
         run.append(p)
         run_bytes += size
-        if size >= fusion_bytes:
+        if size >= limit:
             close_run()
     close_run()
     return buckets
@@ -896,8 +900,9 @@ class _GradientSync:
         self.prefix = prefix
         self.params = [p for _, p in named_parameters if p.requires_grad]
         full_names = {p: f"{prefix}.{name}" for name, p in named_parameters}
-        self.buckets = _buckets(self.params, full_names, _p().config.fusion_bytes, prefix,
-                                group_of)
+        config = _p().config
+        self.buckets = _buckets(self.params, full_names, config.fusion_bytes, prefix,
+                                group_of, config.cuda_fusion_bytes)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.compression = compression
         self.passes_per_step = passes_per_step
