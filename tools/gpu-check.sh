@@ -37,7 +37,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 
 if [[ $what == all || $what == tests ]]; then
     step tests 180 "$python" -m pytest -q -n 4 -p no:cacheprovider -rs --durations=15 \
-        tests/test_torch_gpu.py tests/test_paths.py tests/test_staging.py
+        tests/test_torch_gpu.py tests/test_paths.py tests/test_staging.py tests/test_lend.py
 fi
 
 if [[ $what == all || $what == bench ]]; then
