@@ -8,6 +8,8 @@
 #   tools/gpu-check.sh            # everything (about 5 minutes on one GPU)
 #   tools/gpu-check.sh tests      # only the tests
 #   tools/gpu-check.sh bench      # only the benchmarks
+#   tools/gpu-check.sh fusion     # the forced staged step at 4,096,000 / 16 / 32 / 64 MiB CUDA
+#                                 # buckets, both models (about 5 minutes): the default's evidence
 #
 # Every step has its own time limit (a hung step fails alone, the rest still run); the
 # training benchmarks time 5 iterations of 5 batches after 5 warm-up batches, as Horovod's
@@ -63,6 +65,18 @@ if [[ $what == all || $what == bench ]]; then
     for model in resnet50 vgg16; do
         [[ -d $OUT/trace-$model ]] && step "$model-trace" 30 "${bpsctl[@]}" trace \
             "$OUT/trace-$model" --json "$OUT/trace-$model.json"
+    done
+fi
+
+if [[ $what == fusion ]]; then
+    # BPSCTL_CUDA_FUSION_BYTES: the staged step of each model at each bound, plain beside it
+    for bytes in 4096000 16777216 33554432 67108864; do
+        for model in resnet50 vgg16; do
+            step "$model-fusion-$bytes" 60 env BPSCTL_FORCE_DISTRIBUTED=1 \
+                BPSCTL_CUDA_FUSION_BYTES=$bytes "${bpsctl[@]}" bench "$model" --device cuda \
+                --workers 1 --servers 1 --warmup 3 --iters 3 --batches-per-iter 5 \
+                --json "$OUT/$model-fusion-$bytes.json"
+        done
     done
 fi
 exit $status
