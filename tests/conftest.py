@@ -6,6 +6,7 @@ thread), so correctness tests run their workers as threads against real server p
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes.util
 import functools
 import os
@@ -18,7 +19,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -464,6 +465,18 @@ def cluster_config(**knobs: Any) -> Config:
     return Config(**{
         "heartbeat_interval_s": 0.2, "heartbeat_timeout_s": 5.0, "start_timeout_s": 20.0,
         **knobs})
+
+
+@contextlib.contextmanager
+def private_cluster(servers: int, **knobs: Any) -> Iterator[api.ClusterState]:
+    """A scheduler and ``servers`` servers of one test's own (``knobs`` over cluster_config;
+    a test that kills some passes a short heartbeat_timeout_s); every process it started is
+    gone afterwards."""
+    with api.local_cluster(cluster_config(**knobs), servers=servers) as state:
+        pids = [p.pid for p in state.processes]
+        yield state
+    kill_pids(pid for pid in pids if not gone(pid))
+    wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster's processes to exit")
 
 
 # worker scripts' check(): records each check's outcome (or traceback) in RESULTS and goes on,

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from conftest import cluster_config, gone, kill_pids, run_job, wait_until
+from conftest import gone, private_cluster, run_job, wait_until
 from typer.testing import CliRunner
 
 from bpsctl.bench.api import ConvergenceSettings, run_convergence
@@ -19,7 +19,6 @@ from bpsctl.cli import app
 from bpsctl.config import Config, ConfigError
 from bpsctl.engine import compression as C
 from bpsctl.engine.partition import split
-from bpsctl.launch import api
 
 KEY = (0, 7, 3, 1)          # seed, partition, round, sender
 
@@ -559,11 +558,8 @@ def test_a_bad_compressed_push_is_refused_naming_what_is_wrong():
 @pytest.fixture
 def three_servers():
     """A private cluster of three servers that declares a silent one lost within 1 s."""
-    with api.local_cluster(cluster_config(heartbeat_timeout_s=1.0), servers=3) as state:
-        pids = [p.pid for p in state.processes]
+    with private_cluster(3, heartbeat_timeout_s=1.0) as state:
         yield state
-    kill_pids(pid for pid in pids if not gone(pid))
-    wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster's processes to exit")
 
 
 def _compress_decompress(comp: C.Compressor, values: np.ndarray, key: C.Key) -> np.ndarray:

@@ -18,12 +18,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import cluster_config, gone, kill_pids, run_job, wait_until
+from conftest import private_cluster, run_job
 
 from bpsctl.engine import Worker
 from bpsctl.engine import protocol as P
-from bpsctl.engine.worker import _divide_bf16
-from bpsctl.launch import api
+from bpsctl.engine.worker import sum_into
 
 PARTITION_BYTES = 65536
 #: four and a half partitions of float32; two and a quarter of the 2-byte types
@@ -71,13 +70,7 @@ def push_filled(worker: Worker, array: np.ndarray, name: str, average: bool
     for offset, view, divisor in handle.lent:
         assert not view.flags.writeable or worker.size == 1, "a server's sum lent writable"
         summed = view.view(array.dtype)
-        dst = result[offset // itemsize:offset // itemsize + len(summed)]
-        if divisor is None:
-            np.copyto(dst, summed)
-        elif array.dtype == P.BFLOAT16:
-            _divide_bf16(summed.view(np.uint16), divisor, dst.view(np.uint16))
-        else:
-            np.divide(summed, divisor, out=dst)
+        sum_into(summed, divisor, result[offset // itemsize:offset // itemsize + len(summed)])
     return result.reshape(array.shape), len(handle.lent), untouched
 
 
@@ -204,11 +197,8 @@ def test_shared_memory_is_pinned_as_it_is_made_and_unpinned_at_shutdown(cluster)
 @pytest.fixture
 def lossy_cluster():
     """A private cluster of two servers that declares a silent one lost within 1 s."""
-    with api.local_cluster(cluster_config(heartbeat_timeout_s=1.0), servers=2) as state:
-        pids = [p.pid for p in state.processes]
+    with private_cluster(2, heartbeat_timeout_s=1.0) as state:
         yield state
-    kill_pids(pid for pid in pids if not gone(pid))
-    wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster's processes to exit")
 
 
 def test_filled_slots_survive_a_lost_server_whose_memory_is_unpinned(lossy_cluster):

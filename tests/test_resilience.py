@@ -14,7 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import cluster_config, exact_integer_step, gone, kill_pids, run_job, wait_until
+from conftest import (
+    exact_integer_step,
+    gone,
+    private_cluster,
+    run_job,
+    wait_until,
+)
 
 from bpsctl.launch import api, emulate
 
@@ -25,12 +31,8 @@ KiB = 1024
 @pytest.fixture
 def cluster():
     """A private cluster of three servers that declares a silent one lost within 1 s."""
-    with api.local_cluster(cluster_config(heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S),
-                           servers=3) as state:
-        pids = [p.pid for p in state.processes]
+    with private_cluster(3, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S) as state:
         yield state
-    kill_pids(pid for pid in pids if not gone(pid))
-    wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster's processes to exit")
 
 
 def _server(cluster, worker, part_id: int):

@@ -203,6 +203,18 @@ def _divide_bf16(bits: np.ndarray, divisor: int, out: np.ndarray) -> None:
     P.bf16_round(wide, np.empty(len(bits), np.uint32), out)
 
 
+def sum_into(summed: np.ndarray, divisor: int | None, out: np.ndarray) -> None:
+    """A partition's sum into its place in the output: copied, or divided by ``divisor`` when
+    averaging (bfloat16 through float32, as the server sums). ``summed`` has ``out``'s dtype;
+    a caller reading a lent sum (``Handle.lent``) finishes it the same way."""
+    if divisor is None:
+        np.copyto(out, summed)
+    elif out.dtype == P.BFLOAT16:
+        _divide_bf16(summed.view(np.uint16), divisor, out.view(np.uint16))
+    else:
+        np.divide(summed, divisor, out=out)
+
+
 class Worker:
     """One worker process's connection to a bpsctl cluster (see module docstring)."""
 
@@ -1216,14 +1228,8 @@ class Worker:
                 task.handle.lent.append((part[2], payload, divisor))  # read there by the caller
                 self.lent_results += 1
             else:
-                src = np.frombuffer(payload.buffer if isinstance(payload, zmq.Frame)
-                                    else payload, dtype=task.dtype)
-                if divisor is None:
-                    np.copyto(dst, src)
-                elif task.dtype == P.BFLOAT16:
-                    _divide_bf16(src.view(np.uint16), divisor, dst.view(np.uint16))
-                else:
-                    np.divide(src, divisor, out=dst)
+                sum_into(np.frombuffer(payload.buffer if isinstance(payload, zmq.Frame)
+                                       else payload, dtype=task.dtype), divisor, dst)
         if arrived_ns:
             self._trace_result(task, part, round_, arrived_ns)
         task.remaining -= 1

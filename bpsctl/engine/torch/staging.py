@@ -104,9 +104,11 @@ class Stager:
         while (op := self._outbound.get()) is not None:
             try:
                 previous, op.previous = op.previous, None
-                if previous is not None and not previous.done.wait(self.op_timeout_s + 10):
-                    raise EngineError(f"push_pull of {op.name!r} waited {self.op_timeout_s:g} s "
-                                      "for the name's previous push_pull, which did not finish")
+                limit = self.op_timeout_s + 10
+                if previous is not None and not previous.done.wait(limit):
+                    raise EngineError(f"push_pull of {op.name!r} waited {limit:g} s for the "
+                                      "name's previous push_pull, which did not finish; "
+                                      "synchronize a push_pull before pushing its name again")
                 op.to_host()
                 op.downstream = op.start()
             except BaseException as exc:        # noqa: BLE001 - handed to the caller
