@@ -17,6 +17,7 @@ import zmq
 
 from bpsctl.config import Config, auto_io_threads
 from bpsctl.engine import EngineError, Worker
+from bpsctl.engine.common import io_thread_affinity
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -273,33 +274,53 @@ def test_every_worker_and_server_count(job, workers, servers):
         assert_same(scalar, np.asarray((workers + 1) / 2))
 
 
-def thread_names() -> set[str]:
-    """The names of this process's threads now (one may end while they are read)."""
-    names = set()
+def io_threads_cpu() -> dict[int, tuple[str, float]]:
+    """This process's ZeroMQ I/O threads now: thread id -> (name, seconds on a CPU so far, to
+    the nanosecond: /proc's schedstat)."""
+    found = {}
     for task in os.listdir("/proc/self/task"):
         try:
-            names.add(Path(f"/proc/self/task/{task}/comm").read_text().strip())
-        except FileNotFoundError:
-            pass
-    return names
+            name = Path(f"/proc/self/task/{task}/comm").read_text().strip()
+            ran = Path(f"/proc/self/task/{task}/schedstat").read_text().split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue                # it ended while being read
+        if name.startswith("ZMQbg/IO/"):
+            found[int(task)] = (name, int(ran) / 1e9)
+    return found
 
 
-def test_io_threads_carry_the_connections_and_the_sums_stay_exact(job):
-    """BPSCTL_IO_THREADS=2: the worker's ZeroMQ context runs two I/O threads (ZeroMQ names
-    them), and its pushes to two servers sum as with one."""
+def test_a_workers_connections_to_two_servers_run_on_its_two_io_threads(job):
+    """BPSCTL_IO_THREADS=2, TCP to two servers: each of the worker's two ZeroMQ I/O threads
+    carries one connection, so both do a share of the sending and receiving (left to ZeroMQ,
+    both connections could land on one thread, the other idle) and the sums stay exact."""
+    before = set(io_threads_cpu())
+    tensor = ranked(0, 2 << 20, np.float32)         # 8 MiB: half to each server
+
     def body(w: Worker):
-        got = w.push_pull(ranked(w.rank, 25000, np.float32), name="grad", average=False)
-        return w._ctx.get(zmq.IO_THREADS), "ZMQbg/IO/1" in thread_names(), got
+        assert w._ctx.get(zmq.IO_THREADS) == 2
+        mine = {tid for tid in io_threads_cpu() if tid not in before}
+        assert len(mine) == 2, f"expected the worker's two ZeroMQ I/O threads, found {mine}"
+        got = w.push_pull(tensor, name="grad", average=False)      # connections settle
+        start = io_threads_cpu()
+        for _ in range(6):
+            got = w.push_pull(tensor, name="grad", average=False)
+        end = io_threads_cpu()
+        return got, {end[tid][0]: end[tid][1] - start[tid][1] for tid in mine}
 
-    for io_threads, second_thread, got in job(2, 2, body, partition_bytes=4096, io_threads=2):
-        assert (io_threads, second_thread) == (2, True)
-        assert_same(got, expected_sum(2, 25000, np.float32))
+    for got, cpu in job(1, 2, body, io_threads=2, shm_server="0", force_distributed=True):
+        assert_same(got, tensor)
+        total = sum(cpu.values())
+        assert total > 0, f"no CPU time on the I/O threads: {cpu}"
+        assert min(cpu.values()) >= 0.2 * total, f"one I/O thread did most of the work: {cpu}"
 
 
 def test_auto_io_threads_are_one_per_8_cores_from_1_to_4():
     assert [auto_io_threads(cores) for cores in (1, 2, 7, 8, 16, 24, 32, 96)] == \
         [1, 1, 1, 1, 2, 3, 4, 4]
     assert Config.from_env({"BPSCTL_IO_THREADS": "3"}).zmq_io_threads == 3
+    # a worker's connections to its servers, in turn on each I/O thread (ZMQ_AFFINITY bits)
+    assert [io_thread_affinity(index, 2) for index in range(5)] == [1, 2, 1, 2, 1]
+    assert [io_thread_affinity(index, 1) for index in range(3)] == [1, 1, 1]
 
 
 def test_workers_may_start_their_tensors_in_different_orders(job):

@@ -44,6 +44,16 @@ def make_socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     return sock
 
 
+def io_thread_affinity(index: int, io_threads: int) -> int:
+    """The ``ZMQ_AFFINITY`` of a worker's socket to its ``index``-th server: ZeroMQ I/O thread
+    ``index % io_threads``, so that the connections to several servers run on different
+    threads. Left to itself ZeroMQ gives a new connection the thread with the fewest
+    connections at that moment, but a thread counts one only once it has set it up, so
+    connections made back to back may all see the same counts and land on one thread, which
+    then carries every byte both ways."""
+    return 1 << (index % max(1, io_threads))
+
+
 def bound_router(ctx: zmq.Context, host: str, port: int, security: Any,
                  max_frame_bytes: int = -1) -> tuple[zmq.Socket, int]:
     """The one bound socket of a scheduler or server, on ``port`` (0: any free one), and its

@@ -55,6 +55,7 @@ from .client import measure_clock
 from .common import (
     EngineError,
     SchedulerGone,
+    io_thread_affinity,
     lost_link,
     make_socket,
     monitor,
@@ -363,9 +364,11 @@ class Worker:
                                   "run `bpsctl down` and `bpsctl up` again") from None
         return address, Security(mode, secret)
 
-    def _linked_socket(self) -> zmq.Socket:
-        """A DEALER whose connection drops (and is reported) when its link goes silent."""
+    def _linked_socket(self, affinity: int = 0) -> zmq.Socket:
+        """A DEALER whose connection drops (and is reported) when its link goes silent;
+        ``affinity``: the ZeroMQ I/O threads its connections may use (a bitmask, 0: any)."""
         sock = make_socket(self._ctx, zmq.DEALER)
+        sock.setsockopt(zmq.AFFINITY, affinity)
         watch_link(sock, self.config.heartbeat_interval_s, self.config.heartbeat_timeout_s)
         self.security.protect_connecting(sock)
         return sock
@@ -460,7 +463,7 @@ class Worker:
         hello = P.control(P.HELLO, hello_body)
         logins = []
         for index, server in enumerate(self._servers):
-            sock = self._linked_socket()
+            sock = self._linked_socket(io_thread_affinity(index, self.config.zmq_io_threads))
             self._server_monitors.append(monitor(sock))
             self._server_socks.append(sock)
             if index in self._lost_at_start:
