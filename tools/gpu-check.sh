@@ -10,6 +10,9 @@
 #   tools/gpu-check.sh bench      # only the benchmarks
 #   tools/gpu-check.sh fusion     # the forced staged step at 4,096,000 / 16 / 32 / 64 MiB CUDA
 #                                 # buckets, both models (about 5 minutes): the default's evidence
+#   tools/gpu-check.sh profile    # torch.profiler's view of the forced ResNet50 step at 4,096,000
+#                                 # and 32 MiB CUDA buckets beside plain (tools/gpu-profile.py:
+#                                 # the compute stream's idle gaps and what each thread did then)
 #
 # Every step has its own time limit (a hung step fails alone, the rest still run); the
 # training benchmarks time 5 iterations of 5 batches after 5 warm-up batches, as Horovod's
@@ -77,6 +80,15 @@ if [[ $what == fusion ]]; then
                 --workers 1 --servers 1 --warmup 3 --iters 3 --batches-per-iter 5 \
                 --json "$OUT/$model-fusion-$bytes.json"
         done
+    done
+fi
+if [[ $what == profile ]]; then
+    for bytes in 4096000 33554432; do
+        systems=plain,bpsctl
+        [[ $bytes == 4096000 ]] || systems=bpsctl
+        step "resnet50-profile-$bytes" 150 env BPSCTL_FORCE_DISTRIBUTED=1 \
+            BPSCTL_CUDA_FUSION_BYTES=$bytes "${bpsctl[@]}" run -np 1 -- "$python" \
+            tools/gpu-profile.py --model resnet50 --systems $systems --out "$OUT/profile-$bytes"
     done
 fi
 exit $status

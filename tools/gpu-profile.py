@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -135,7 +136,8 @@ def summarise(system: str, prof: Any, seconds: float, top: int) -> None:
     if gpu and steps:
         by_stream: dict[Any, list[tuple[float, float]]] = collections.defaultdict(list)
         for e in gpu:
-            by_stream[e.device_resource_id].append((e.time_range.start, e.time_range.end))
+            stream = getattr(e, "device_resource_id", None)
+            by_stream[stream].append((e.time_range.start, e.time_range.end))
         compute = max(by_stream, key=lambda s: union_us(by_stream[s]))
         kernels = by_stream[compute]
         lo, hi = steps[0].time_range.start, max(e.time_range.end for e in gpu)
@@ -211,7 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     for system in args.systems.split(","):
         prof, seconds = train_steps(system, args, device)
-        summarise(system, prof, seconds, args.top)
+        try:
+            summarise(system, prof, seconds, args.top)
+        except Exception:           # the trace below is still worth having
+            traceback.print_exc()
         if out:
             plain = out / f"{system}.json"
             prof.export_chrome_trace(str(plain))
