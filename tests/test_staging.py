@@ -13,6 +13,7 @@ import torch
 from bpsctl.engine.common import EngineError
 from bpsctl.engine.torch import _results_to_device
 from bpsctl.engine.torch.staging import StagedOp, Stager
+from bpsctl.engine.trace import STAGE
 
 
 class Push:
@@ -135,6 +136,41 @@ def test_a_names_next_op_is_copied_to_the_host_only_once_its_previous_is_done(st
     assert first.wait(5) == "event of g" and second.wait(5) == "event of g"
     assert log == [("to_host", "g"), ("start", "g"), ("to_device", "g"),
                    ("to_host", "g"), ("start", "g"), ("to_device", "g")]
+
+
+def test_each_op_leaves_its_copy_out_and_its_copy_back_as_trace_spans():
+    """With a recorder (the worker's trace_span), each op's to_host span covers its copy to
+    the host and its push's start, and its to_device span runs from the push_pull's result to
+    the copy back: the staged path's share of a traced step, in stages a trace knows."""
+    spans: list[tuple[str, str, int, int]] = []
+    stager = Stager(5.0, record=lambda *span: spans.append(span))
+    marks: dict[str, int] = {}
+    started, push = threading.Event(), Push()
+
+    def to_host():
+        marks["to_host"] = time.monotonic_ns()
+
+    def start():
+        marks["start"] = time.monotonic_ns()
+        started.set()
+        return push.downstream()
+
+    def to_device():
+        marks["to_device"] = time.monotonic_ns()
+        return "event"
+    try:
+        op = stager.submit(StagedOp("g", to_host, start, to_device))
+        assert started.wait(5)
+        marks["result"] = time.monotonic_ns()
+        push.finished.set()
+        assert op.wait(5) == "event"
+    finally:
+        stager.close()
+    assert [(stage, name) for stage, name, _, _ in spans] == [("to_host", "g"), ("to_device", "g")]
+    assert all(stage in STAGE for stage, _, _, _ in spans)
+    (_, _, out_start, out_end), (_, _, back_start, back_end) = spans
+    assert out_start <= marks["to_host"] <= marks["start"] <= out_end
+    assert marks["result"] <= back_start <= marks["to_device"] <= back_end
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

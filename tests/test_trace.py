@@ -16,7 +16,7 @@ from bpsctl.config import Config
 from bpsctl.engine import EngineError, Worker
 from bpsctl.engine.client import measure_clock
 from bpsctl.engine.security import Security
-from bpsctl.engine.trace import Trace
+from bpsctl.engine.trace import STAGE, Trace
 from bpsctl.trace.api import load, summarize
 
 STEPS = 5
@@ -220,6 +220,24 @@ def test_the_slowest_worker_is_the_one_that_completes_the_rounds(tmp_path):
     summary = summarize(load(tmp_path))
     assert summary["slowest_worker"]["rank"] == 1
     assert "worker 1 was the slowest" in summary["sentences"][0]
+
+
+def test_the_staged_cuda_path_has_its_own_medians_per_worker(tmp_path):
+    """A worker that staged CUDA tensors (to_host, to_device spans from the torch plugin's
+    stager) gets their medians in the summary; one that did not gets none (unit level: the
+    stager's spans come from a GPU run)."""
+    staged = Trace(tmp_path / "worker-0" / "comm.json", "worker", 0)
+    name = staged.name_id("grad")
+    for i, (out_us, back_us) in enumerate([(100, 40), (300, 60), (200, 50)]):
+        start = i * 10_000_000
+        staged.span(STAGE["to_host"], name, start, start + out_us * 1000)
+        staged.span(STAGE["to_device"], name, start + 5_000_000,
+                    start + 5_000_000 + back_us * 1000)
+    staged.write()
+    Trace(tmp_path / "worker-1" / "comm.json", "worker", 1).write()
+    rows = {w["rank"]: w for w in summarize(load(tmp_path))["workers"]}
+    assert (rows[0]["to_host_s"], rows[0]["to_device_s"]) == pytest.approx((200e-6, 50e-6))
+    assert (rows[1]["to_host_s"], rows[1]["to_device_s"]) == (None, None)
 
 
 def test_bench_trace_writes_bpsctls_timeline_and_not_the_baselines(tmp_path):

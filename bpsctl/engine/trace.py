@@ -43,6 +43,9 @@ STAGES = (
     "backward",         # plugin: from the step's first gradient ready to its last (torch)
     "synchronize",      # plugin: optimizer.step() waiting for the averaged gradients
     "step",             # worker: one training step (optimizer step to step, or 1st tensor to 1st)
+    "to_host",          # plugin: a staged CUDA tensor, from its turn to its push started (the
+                        # wait for the GPU to produce it, its copy to the host)
+    "to_device",        # plugin: a staged CUDA tensor's sum, from arrived to copied to the GPU
 )
 STAGE = {name: index for index, name in enumerate(STAGES)}
 FORMAT = "bpsctl-trace"

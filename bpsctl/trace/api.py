@@ -288,7 +288,10 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
             "bytes_pushed": sum(int(s.args.get("bytes", 0)) for s in pushes),
             "queued_s": _median([s.seconds for s in w.spans.get("queued", [])]),
             "push_s": _median([s.seconds for s in pushes]),
-            "wait_result_s": _median([s.seconds for s in w.spans.get("wait_result", [])])})
+            "wait_result_s": _median([s.seconds for s in w.spans.get("wait_result", [])]),
+            # staged CUDA tensors (torch plugin): GPU to push started, sum to back on the GPU
+            "to_host_s": _median([s.seconds for s in w.spans.get("to_host", [])]),
+            "to_device_s": _median([s.seconds for s in w.spans.get("to_device", [])])})
     # per step: how much later than the earliest worker each one started pushing, and
     # received its last result
     skews = _behind_earliest(first_push)

@@ -14,7 +14,10 @@ from .api import load, merge, summarize
 
 
 def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+    """Seconds to the millisecond; below 10 ms (a GPU's copies) to 10 µs."""
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if abs(value) >= 0.01 else f"{value:.5f}"
 
 
 def trace(directory: Path = typer.Argument(..., metavar="DIR",
@@ -54,14 +57,17 @@ def _print(summary: dict[str, Any]) -> None:
             table.add_row(str(row["step"]), *(_s(row.get(phase)) for phase in phases))
         err_console.print(table)
     table = Table(title="workers (medians per step, seconds)")
+    # the staged CUDA path's columns, where a worker staged tensors from a GPU
+    staged = any(w.get("to_host_s") is not None for w in summary["workers"])
     for column in ("rank", "steps", "step", "comm", "queued", "push", "wait sum",
-                   "skew", "late"):
+                   "skew", "late") + (("to host", "to GPU") if staged else ()):
         table.add_column(column, justify="right")
     for w in summary["workers"]:
         table.add_row(str(w["rank"]), str(w["steps"]), _s(w["step_s"]),
                       _s(w["communication_s"]), _s(w["queued_s"]), _s(w["push_s"]),
                       _s(w["wait_result_s"]), _s(w["push_start_skew_s"]),
-                      _s(w["last_result_lateness_s"]))
+                      _s(w["last_result_lateness_s"]),
+                      *((_s(w["to_host_s"]), _s(w["to_device_s"])) if staged else ()))
     err_console.print(table)
     if summary["servers"]:
         table = Table(title="servers")

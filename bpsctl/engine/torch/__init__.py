@@ -465,7 +465,7 @@ def _stage_through_host(plugin: _Plugin, op: _Op, name: str, tensor: torch.Tenso
         return back
 
     if plugin.stager is None:
-        plugin.stager = Stager(plugin.config.op_timeout_s)
+        plugin.stager = Stager(plugin.config.op_timeout_s, record=plugin.worker.trace_span)
     staged = plugin.stager.submit(StagedOp(name, to_host,
                                            lambda: start(host_in, host_out, lending),
                                            to_device))

@@ -74,8 +74,12 @@ class StagedOp:
 class Stager:
     """The outbound and return threads of one process (see the module docstring)."""
 
-    def __init__(self, op_timeout_s: float):
+    def __init__(self, op_timeout_s: float,
+                 record: Callable[[str, str, int, int], None] | None = None):
         self.op_timeout_s = op_timeout_s
+        # record(stage, name, start_ns, end_ns): each op's to_host and to_device spans (the
+        # worker's trace_span, which keeps them while a trace is being taken)
+        self.record = record
         self._last: dict[str, StagedOp] = {}    # name -> its latest op not yet done
         self._lock = threading.Lock()
         self._outbound: queue.SimpleQueue[StagedOp | None] = queue.SimpleQueue()
@@ -109,8 +113,11 @@ class Stager:
                     raise EngineError(f"push_pull of {op.name!r} waited {limit:g} s for the "
                                       "name's previous push_pull, which did not finish; "
                                       "synchronize a push_pull before pushing its name again")
+                began = time.monotonic_ns()
                 op.to_host()
                 op.downstream = op.start()
+                if self.record is not None:
+                    self.record("to_host", op.name, began, time.monotonic_ns())
             except BaseException as exc:        # noqa: BLE001 - handed to the caller
                 op.error = exc
             self._returning.put(op)
@@ -122,7 +129,10 @@ class Stager:
                 if op.error is None and op.downstream is not None:
                     wait, _ = op.downstream
                     wait(self.op_timeout_s + 10)
+                    arrived = time.monotonic_ns()
                     op.finished = op.to_device()
+                    if self.record is not None:
+                        self.record("to_device", op.name, arrived, time.monotonic_ns())
             except BaseException as exc:        # noqa: BLE001
                 op.error = exc
             with self._lock:
