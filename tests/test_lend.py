@@ -22,6 +22,7 @@ from conftest import private_cluster, run_job
 
 from bpsctl.engine import Worker
 from bpsctl.engine import protocol as P
+from bpsctl.engine.shmlink import merge_runs
 from bpsctl.engine.worker import sum_into
 
 PARTITION_BYTES = 65536
@@ -57,8 +58,9 @@ def push_filled(worker: Worker, array: np.ndarray, name: str, average: bool
     lease = worker.lend(name, array.nbytes)
     assert lease is not None, f"no slots lent for {name}"
     raw = array.reshape(-1).view(np.uint8)
-    for offset, length, view in lease.views:
-        np.copyto(view, raw[offset:offset + length])
+    # by runs of consecutive slots, as the GPU copies them
+    for offset, view, _ in merge_runs([(at, view, None) for at, _, view in lease.views]):
+        np.copyto(view, raw[offset:offset + len(view)])
     unread = np.full_like(array, 99)        # the engine must push the slots, not this
     out = np.zeros_like(array)
     handle = worker.push_pull_async(unread, name=name, average=average, out=out, filled=lease,
@@ -67,7 +69,7 @@ def push_filled(worker: Worker, array: np.ndarray, name: str, average: bool
     untouched = not out.view(np.uint8).any()
     result = out.reshape(-1).copy()
     itemsize = array.dtype.itemsize
-    for offset, view, divisor in handle.lent:
+    for offset, view, divisor in merge_runs(handle.lent):
         assert not view.flags.writeable or worker.size == 1, "a server's sum lent writable"
         summed = view.view(array.dtype)
         sum_into(summed, divisor, result[offset // itemsize:offset // itemsize + len(summed)])

@@ -170,6 +170,38 @@ def test_segments_grow_within_their_budget_and_leave_no_name(tmp_path):
     assert list(tmp_path.iterdir()) == [] and budget.reserved == 0
 
 
+def test_a_callers_copies_go_by_runs_of_consecutive_slots_within_a_segment(tmp_path):
+    """merge_runs joins partitions that follow one another in the tensor and in one
+    segment's memory with the same tag (one GPU copy each run); never across segments, gaps,
+    or different divisors; the joined views are the slots' own memory, read-only if they
+    were."""
+    segments = shmlink.Segments("bpsctl-1-abc-job-w0.0-s0", shmlink.Budget(None, tmp_path),
+                                tmp_path)
+    quarter = 1 << 18
+    slots = [segments.allocate(quarter) for _ in range(6)]     # 4 in chunk 0, 2 in chunk 1
+    assert [slot[:2] for slot in slots if slot] == [
+        (0, 0), (0, quarter), (0, 2 * quarter), (0, 3 * quarter), (1, 0), (1, quarter)]
+    views = [slot[2] for slot in slots if slot]
+    entries = [(i * quarter, view, None) for i, view in enumerate(views)]
+    runs = shmlink.merge_runs(entries[::-1])                   # any order in, offset order out
+    assert [(offset, len(view)) for offset, view, _ in runs] == [(0, 4 * quarter),
+                                                                 (4 * quarter, 2 * quarter)]
+    runs[0][1][:] = 3                                          # the slots' own memory
+    assert all((view == 3).all() for view in views[:4]) and not views[4].any()
+    # a gap in the tensor, or another divisor: apart
+    assert len(shmlink.merge_runs([(0, views[0], None), (2 * quarter, views[1], None)])) == 2
+    assert len(shmlink.merge_runs([(0, views[0], 2), (quarter, views[1], None)])) == 2
+    # read-only sums (a worker's view of a server's buffers) stay read-only when joined
+    peer = shmlink.Mapped("bpsctl-1-abc-job-w0.0-s0", writable=False, unlink=True,
+                          directory=tmp_path)
+    [(_, joined, divisor)] = shmlink.merge_runs([(0, peer.view(0, 0, quarter), 4),
+                                                 (quarter, peer.view(0, quarter, quarter), 4)])
+    assert (len(joined), divisor, joined.flags.writeable) == (2 * quarter, 4, False)
+    assert (joined == 3).all()
+    peer.close()
+    segments.close()
+
+
 def test_a_broadcast_takes_no_slot_so_the_gradient_still_gets_one(cluster):
     """Pushed once (``once=True``, as the plugins' broadcasts are), a name reaches the server
     over TCP: a bound with room for one partition keeps it for the gradient pushed every

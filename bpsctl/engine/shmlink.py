@@ -64,6 +64,40 @@ MAX_CHUNK_BYTES = 64 << 20
 KEEP_FREE = 0.25
 
 
+def merge_runs(entries: list[tuple[int, np.ndarray, Any]]) -> list[tuple[int, np.ndarray, Any]]:
+    """``(byte offset in a tensor, uint8 view of a segment, tag)`` per partition (a lease's
+    slots, or a handle's lent sums with their divisors), with each run of entries that follow
+    one another both in the tensor and in one segment's memory, with equal tags, joined into
+    one entry, in offset order. A caller that copies them itself (a GPU's copy engine) makes
+    one copy per run instead of one per partition: a tensor's partitions usually take
+    consecutive slots of one segment. Never across segments (each is page-locked on its own)."""
+    runs: list[tuple[int, np.ndarray, Any]] = []
+    # the run being built: its offset, first view, tag, base array, memory from .. to
+    offset0, first, tag0, base0, begin, end = 0, None, None, None, 0, 0
+    for offset, view, tag in sorted(entries, key=lambda entry: entry[0]):
+        address = view.__array_interface__["data"][0]
+        if (first is not None and address == end and offset == offset0 + end - begin
+                and tag == tag0 and view.base is base0 and isinstance(base0, np.ndarray)):
+            end += len(view)
+            continue
+        if first is not None:
+            runs.append(_run(offset0, first, tag0, base0, begin, end))
+        offset0, first, tag0, base0 = offset, view, tag, view.base
+        begin, end = address, address + len(view)
+    if first is not None:
+        runs.append(_run(offset0, first, tag0, base0, begin, end))
+    return runs
+
+
+def _run(offset: int, first: np.ndarray, tag: Any, base: Any, begin: int, end: int
+         ) -> tuple[int, np.ndarray, Any]:
+    """One entry of :func:`merge_runs`: ``first`` alone, or ``base``'s bytes begin..end."""
+    if end - begin == len(first):
+        return offset, first, tag
+    at = begin - base.__array_interface__["data"][0]
+    return offset, base[at:at + end - begin], tag
+
+
 class Pinning(Protocol):
     """Page-locks host memory for a device, and undoes it (the torch plugin's, for CUDA)."""
 

@@ -59,6 +59,7 @@ from .. import paths
 from .. import protocol as P
 from ..common import EngineError, keep_large_buffers
 from ..intranode import LocalOp, LocalStage, _as_array
+from ..shmlink import merge_runs
 from ..trace import now_ns
 from ..worker import Handle, Lease
 from .pinning import CudaPinning, host_bytes
@@ -444,8 +445,10 @@ def _stage_through_host(plugin: _Plugin, op: _Op, name: str, tensor: torch.Tenso
                 host_in.copy_(tensor, non_blocking=True)
             else:
                 source = tensor.view(-1).view(torch.uint8)
-                for offset, length, view in lease.views:
-                    host_bytes(view).copy_(source[offset:offset + length], non_blocking=True)
+                # one copy per run of consecutive slots, not one per partition
+                for offset, view, _ in merge_runs([(at, view, None)
+                                                    for at, _, view in lease.views]):
+                    host_bytes(view).copy_(source[offset:offset + len(view)], non_blocking=True)
             copied = torch.cuda.Event(blocking=True)        # the wait below sleeps
             copied.record(outbound)
         copied.synchronize()
@@ -456,7 +459,7 @@ def _stage_through_host(plugin: _Plugin, op: _Op, name: str, tensor: torch.Tenso
               else contextlib.nullcontext()), \
                 torch.cuda.device(device), torch.cuda.stream(inbound):
             if lent:
-                _results_to_device(device_out, host_out, lent)
+                _results_to_device(device_out, host_out, merge_runs(lent))
             else:
                 device_out.copy_(host_out, non_blocking=True)
             back = torch.cuda.Event(blocking=True)
@@ -825,13 +828,35 @@ class _Bucket:
     """Gradients pushed as one tensor: one parameter's own gradient (no copy), or several small
     ones consecutive in backward order, packed into a flat buffer allocated once."""
 
-    __slots__ = ("params", "name", "priority", "flat", "ready", "handle")
+    __slots__ = ("params", "name", "priority", "flat", "views", "ready", "handle")
 
     def __init__(self, params: list[torch.nn.Parameter], name: str, priority: int):
         self.params, self.name, self.priority = params, name, priority
         self.flat: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []    # flat's slice of each member, in its shape
         self.ready = 0                      # members whose gradient is final for this step
         self.handle: int | None = None
+
+
+def _member_views(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """``flat``'s slice of each of ``params`` (packed in order), shaped like it."""
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+    return views
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i in one call (on a GPU, a few kernel launches
+    rather than one per tensor: a bucket's members are many and small, and the optimizer's
+    step waits for their launches)."""
+    foreach = getattr(torch, "_foreach_copy_", None)
+    if foreach is None:         # an older torch
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+    else:
+        foreach(dst, src)
 
 
 def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
@@ -969,6 +994,7 @@ class _GradientSync:
                 first = bucket.params[0]
                 bucket.flat = torch.empty(sum(p.numel() for p in bucket.params),
                                           dtype=first.dtype, device=first.device)
+                bucket.views = _member_views(bucket.flat, bucket.params)
             into = bucket.flat
         torch.cat([g.reshape(-1) for g in grads], out=into)
         return into
@@ -1016,15 +1042,17 @@ class _GradientSync:
     def unpack(bucket: _Bucket, flat: torch.Tensor | None = None) -> None:
         """After a fused bucket's push_pull: copy the averages back into its gradients (a lone
         gradient was averaged in place); ``flat``: from there instead of the bucket's buffer."""
-        flat = bucket.flat if flat is None else flat
+        if flat is None:
+            flat, views = bucket.flat, bucket.views
+        else:
+            views = _member_views(flat, bucket.params)
         if flat is not None:
-            offset = 0
+            grads = []
             for p in bucket.params:
-                n = p.numel()
                 if p.grad is None:          # set to None since the push (zero_grad)
                     p.grad = torch.empty_like(p)
-                p.grad.copy_(flat[offset:offset + n].view_as(p))
-                offset += n
+                grads.append(p.grad)
+            _copy_all(grads, views)
 
 
 def _named(optimizer: torch.optim.Optimizer,
@@ -1220,11 +1248,9 @@ class _AsyncSync(_GradientSync):
     def unpack_params(self, bucket: _Bucket) -> None:
         buffer = self.param_buffers.get(bucket)
         if buffer is not None:
-            offset = 0
             with torch.no_grad():
-                for p in bucket.params:
-                    p.copy_(buffer[offset:offset + p.numel()].view_as(p))
-                    offset += p.numel()
+                _copy_all([p.detach() for p in bucket.params],
+                          _member_views(buffer, bucket.params))
 
     def initialise(self) -> None:
         """Every bucket's init push: its parameter values; the servers answer with the first
