@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bpsctl.engine.common import EngineError
+from bpsctl.engine.shmlink import merge_runs
 from bpsctl.engine.torch import _results_to_device
 from bpsctl.engine.torch.staging import StagedOp, Stager
 from bpsctl.engine.trace import STAGE
@@ -196,3 +197,20 @@ def test_a_result_read_where_it_arrived_lands_whole_and_divided(dtype):
     device_out = torch.full((count,), -1, dtype=dtype)
     _results_to_device(device_out, host_out, lent[::-1])    # in any order
     assert torch.equal(device_out, want / 2)
+
+
+def test_sums_in_consecutive_memory_come_back_in_one_copy_divided_once():
+    """Lent sums of consecutive partitions that lie one after the other in one segment (a
+    worker's own slots, or a server's buffers) are joined into one copy (shmlink.merge_runs,
+    as the GPU path queues them); the result is whole and each element divided once."""
+    count, part = 1000, 128
+    want = torch.arange(count, dtype=torch.float32)
+    segment = (want * 4).view(torch.uint8).numpy().copy()      # the sums, back to back
+    lent = [(start * 4, segment[start * 4:(start + part) * 4], 4)
+            for start in range(0, count, part)]
+    runs = merge_runs(lent)
+    assert [(offset, len(view), divisor) for offset, view, divisor in runs] == [
+        (0, count * 4, 4)]
+    device_out = torch.full((count,), -1.0)
+    _results_to_device(device_out, torch.zeros(count), runs)
+    assert torch.equal(device_out, want)
