@@ -10,6 +10,9 @@
 #   tools/gpu-check.sh bench      # only the benchmarks
 #   tools/gpu-check.sh fusion     # the forced staged step at 4,096,000 / 16 / 32 / 64 MiB CUDA
 #                                 # buckets, both models (about 5 minutes): the default's evidence
+#   tools/gpu-check.sh parts      # the forced staged step of both models with one partition per
+#                                 # bucket (BPSCTL_PARTITION_DEPTH=0, 64 MiB partitions) beside the
+#                                 # defaults: what the engine's per-partition work costs a GPU step
 #   tools/gpu-check.sh profile    # torch.profiler's view of the forced ResNet50 step at 4,096,000
 #                                 # and 32 MiB CUDA buckets beside plain (tools/gpu-profile.py:
 #                                 # the compute stream's idle gaps and what each thread did then)
@@ -82,6 +85,18 @@ if [[ $what == fusion ]]; then
         done
     done
 fi
+if [[ $what == parts ]]; then
+    for model in resnet50 vgg16; do
+        for parts in default whole; do
+            knobs=(BPSCTL_PARTITION_DEPTH=16)
+            [[ $parts == whole ]] && knobs=(BPSCTL_PARTITION_DEPTH=0 BPSCTL_PARTITION_BYTES=64MiB)
+            step "$model-parts-$parts" 60 env BPSCTL_FORCE_DISTRIBUTED=1 "${knobs[@]}" \
+                "${bpsctl[@]}" bench "$model" --device cuda --workers 1 --servers 1 --warmup 3 \
+                --iters 3 --batches-per-iter 5 --json "$OUT/$model-parts-$parts.json"
+        done
+    done
+fi
+
 if [[ $what == profile ]]; then
     for bytes in 4096000 33554432; do
         systems=plain,bpsctl
