@@ -101,9 +101,14 @@ if [[ $what == profile ]]; then
     for bytes in 4096000 33554432; do
         systems=plain,bpsctl
         [[ $bytes == 4096000 ]] || systems=bpsctl
+        # the engine's own timeline of the same run beside torch's (bpsctl trace reads it)
         step "resnet50-profile-$bytes" 150 env BPSCTL_FORCE_DISTRIBUTED=1 \
-            BPSCTL_CUDA_FUSION_BYTES=$bytes "${bpsctl[@]}" run -np 1 -- "$python" \
-            tools/gpu-profile.py --model resnet50 --systems $systems --out "$OUT/profile-$bytes"
+            BPSCTL_CUDA_FUSION_BYTES=$bytes BPSCTL_TRACE_DIR="$OUT/profile-$bytes/trace" \
+            "${bpsctl[@]}" run -np 1 -- "$python" tools/gpu-profile.py --model resnet50 \
+            --systems $systems --out "$OUT/profile-$bytes"
+        [[ -d $OUT/profile-$bytes/trace ]] && step "resnet50-profile-$bytes-trace" 30 \
+            "${bpsctl[@]}" trace "$OUT/profile-$bytes/trace" \
+            --json "$OUT/profile-$bytes/trace.json"
     done
 fi
 exit $status
