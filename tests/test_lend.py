@@ -59,7 +59,7 @@ def push_filled(worker: Worker, array: np.ndarray, name: str, average: bool
     assert lease is not None, f"no slots lent for {name}"
     raw = array.reshape(-1).view(np.uint8)
     # by runs of consecutive slots, as the GPU copies them
-    for offset, view, _ in merge_runs([(at, view, None) for at, _, view in lease.views]):
+    for offset, view in lease.runs():
         np.copyto(view, raw[offset:offset + len(view)])
     unread = np.full_like(array, 99)        # the engine must push the slots, not this
     out = np.zeros_like(array)

@@ -99,32 +99,10 @@ def train_steps(system: str, args: argparse.Namespace, device: Any) -> tuple[Any
     return prof, seconds
 
 
-def union_us(spans: list[tuple[float, float]]) -> float:
-    """Length of the union of (start, end) spans."""
-    total, end = 0.0, float("-inf")
-    for lo, hi in sorted(spans):
-        if hi <= end:
-            continue
-        total += hi - max(lo, end)
-        end = hi
-    return total
-
-
-def gaps(spans: list[tuple[float, float]], lo: float, hi: float
-         ) -> list[tuple[float, float]]:
-    """Idle stretches of at least GAP_US between the (start, end) spans, within [lo, hi]."""
-    found, at = [], None
-    for start, end in sorted(spans):
-        if end < lo or start > hi:
-            continue
-        if at is not None and start - at >= GAP_US:
-            found.append((at, start))
-        at = end if at is None else max(at, end)
-    return found
-
-
 def summarise(system: str, prof: Any, seconds: float, top: int) -> None:
     from torch.autograd import DeviceType
+
+    from bpsctl.trace.api import idle_gaps, union_us
 
     events = list(prof.events())
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
@@ -162,7 +140,7 @@ def summarise(system: str, prof: Any, seconds: float, top: int) -> None:
             end = max(e for _, e in mine)
             window += end - begin
             busy += union_us(mine)
-            idle += gaps(mine, begin, end)
+            idle += [(a, b) for a, b in idle_gaps(mine, begin, end) if b - a >= GAP_US]
         if window:
             steps_n = len(backwards)
             idle_ms = sum(b - a for a, b in idle) / 1e3 / steps_n

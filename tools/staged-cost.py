@@ -49,7 +49,7 @@ def staged_op(worker: Worker, name: str, grad: np.ndarray, host_in: np.ndarray,
             np.copyto(host_in, grad)
             return
         raw = grad.view(np.uint8)
-        for offset, view, _ in merge_runs([(at, view, None) for at, _, view in lease.views]):
+        for offset, view in lease.runs():
             if copy:
                 np.copyto(view, raw[offset:offset + len(view)])
 

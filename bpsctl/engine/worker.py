@@ -162,6 +162,12 @@ class Lease:
         self.slots: dict[int, tuple[bytes, np.ndarray]] = {}     # part id -> its slot
         self.views: list[tuple[int, int, np.ndarray]] = []
 
+    def runs(self) -> list[tuple[int, np.ndarray]]:
+        """(byte offset in the tensor, writable view) of each run of slots consecutive both in
+        the tensor and in one segment (:func:`shmlink.merge_runs`): one copy fills each."""
+        return [(offset, view) for offset, view, _ in
+                shmlink.merge_runs([(at, view, None) for at, _, view in self.views])]
+
 
 class _Task:
     """The I/O thread's record of one push_pull."""

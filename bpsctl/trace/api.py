@@ -205,7 +205,8 @@ def merge(timeline: Timeline) -> Path:
 
 # --------------------------------------------------------------------------- summary
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """The length of the union of (start, end) intervals."""
     total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
         if stop <= end:
@@ -215,7 +216,7 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _idle_gaps(busy: list[tuple[float, float]], start: float, stop: float
+def idle_gaps(busy: list[tuple[float, float]], start: float, stop: float
                ) -> list[tuple[float, float]]:
     """The gaps in [start, stop) that no interval of ``busy`` covers."""
     gaps, cursor = [], start
@@ -257,7 +258,7 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
                 phases.setdefault(index, {}).setdefault(phase, []).append(seconds)
             inside = [(s.start_us, s.end_us) for s in comm
                       if s.end_us > step.start_us and s.start_us < step.end_us]
-            comm_s.append(_union_us([(max(a, step.start_us), min(b, step.end_us))
+            comm_s.append(union_us([(max(a, step.start_us), min(b, step.end_us))
                                      for a, b in inside]) / 1e6)
             step_s.append(step.seconds)
             step_pushes = [s for s in pushes if step.start_us <= s.start_us < step.end_us]
@@ -268,7 +269,7 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
             if copies:
                 last_result.setdefault(index, {})[w.rank] = max(copies)
             # the uplink idle while the step was not finished: the longest gaps between pushes
-            for gap_start, gap_end in _idle_gaps([(s.start_us, s.end_us) for s in step_pushes],
+            for gap_start, gap_end in idle_gaps([(s.start_us, s.end_us) for s in step_pushes],
                                                  step.start_us, step.end_us):
                 after = next((s for s in sorted(step_pushes, key=lambda s: s.start_us)
                               if s.start_us >= gap_end), None)
@@ -311,7 +312,7 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
         server_rows.append({
             "rank": s.rank, "rounds": len(waits),
             "bytes_summed": sum(int(x.args.get("bytes", 0)) for x in sums),
-            "busy_s": _union_us([(x.start_us, x.end_us) for x in sums]) / 1e6,
+            "busy_s": union_us([(x.start_us, x.end_us) for x in sums]) / 1e6,
             "wait_workers_s": _median([x.seconds for x in waits])})
     rounds = sum(last_pusher.values())
     slowest = None

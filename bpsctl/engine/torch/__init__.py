@@ -446,8 +446,7 @@ def _stage_through_host(plugin: _Plugin, op: _Op, name: str, tensor: torch.Tenso
             else:
                 source = tensor.view(-1).view(torch.uint8)
                 # one copy per run of consecutive slots, not one per partition
-                for offset, view, _ in merge_runs([(at, view, None)
-                                                    for at, _, view in lease.views]):
+                for offset, view in lease.runs():
                     host_bytes(view).copy_(source[offset:offset + len(view)], non_blocking=True)
             copied = torch.cuda.Event(blocking=True)        # the wait below sleeps
             copied.record(outbound)
