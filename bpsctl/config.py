@@ -359,7 +359,7 @@ class Config:
                              "DistributedOptimizer packs gradients smaller than this, consecutive "
                              "in backward order, into one push_pull of up to this size (0: off)",
                              "size", in_file=True)
-    cuda_fusion_bytes: int = knob(16777216, "BPSCTL_CUDA_FUSION_BYTES",
+    cuda_fusion_bytes: int = knob(33554432, "BPSCTL_CUDA_FUSION_BYTES",
                                   "BPSCTL_FUSION_BYTES for CUDA gradients: each bucket's push "
                                   "costs events and a hand-off between threads, so a GPU step "
                                   "does better with fewer, larger ones (0: off)", "size",
