@@ -117,10 +117,13 @@ TIERS: dict[str, set[str]] = {
     # a lost peer, 10 s; a worker restarted under --max-restarts, 20-30 s; bench resnet50
     # --cross-barrier, 11-45 s
     "test_cross_barrier.py": {"slow"},
-    # the plugins on more than 2 workers (5-7 s each launch under load); their 2-worker tests
-    # (torch: the API checks; mxnet: Gluon training) stay in the fast tier
+    # the plugins on more than 2 workers (5-7 s each launch under load), and MXNet's Gluon
+    # training on 2 (3 s); the torch API checks on 2 workers and MXNet's one-worker
+    # asynchronous SGD stay in the fast tier
     "test_torch_plugin.py::test_intranode_stage_gives_exact_sums": {"slow"},
     "test_mxnet_plugin.py::test_api_on_three_workers": {"slow"},
+    "test_mxnet_plugin.py::test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch[2]":
+        {"slow"},
     "test_mxnet_plugin.py::test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch[3]":
         {"slow"},
     "test_mxnet_plugin.py::test_gluon_training_on_n_workers_matches_one_process_on_the_whole_batch[4]":
