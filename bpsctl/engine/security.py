@@ -269,7 +269,7 @@ class Login:
             self._send_message()
             return
         self._nonce = secrets.token_bytes(_NONCE_BYTES)
-        sock.send_multipart(P.control(P.AUTH, {"version": __version__, "nonce": self._nonce.hex()}))
+        self._send(P.control(P.AUTH, {"version": __version__, "nonce": self._nonce.hex()}))
 
     def handle(self, msg_type: int, msg: dict[str, Any]) -> bool:
         """Take a CHALLENGE (returns True); anything else is the caller's (returns False)."""
@@ -282,7 +282,7 @@ class Login:
             raise EngineError(f"{self.peer} did not prove it knows this cluster's secret: "
                               "BPSCTL_SECRET differs from the cluster's (`bpsctl run` sets it "
                               "from the cluster state), or this is not the cluster's process")
-        self.sock.send_multipart(P.control(P.PROOF, {
+        self._send(P.control(P.PROOF, {
             "proof": self.security._proof(b"connecting", theirs, self._nonce)}))
         self._send_message()
         self.done = True
@@ -290,7 +290,19 @@ class Login:
 
     def _send_message(self) -> None:
         message = self.message
-        self.sock.send_multipart(message() if callable(message) else message)
+        self._send(message() if callable(message) else message)
+
+    def _send(self, frames: list[bytes]) -> None:
+        """Send without waiting. A DEALER without high-water marks queues a message whenever
+        it has a connection, even one still being made; it has none only once ZeroMQ has
+        closed the connection for good, which it does when the peer refuses the security
+        handshake with a protocol error (another mode's peer, often before this first send).
+        A blocking send would then wait forever; dropped, the caller's monitor reports the
+        refusal (or its deadline passes) as for any other refused login."""
+        try:
+            self.sock.send_multipart(frames, zmq.DONTWAIT)
+        except zmq.Again:
+            pass
 
 
 __all__ = ["Security", "Gate", "Login", "ZapHandler", "CurveKeys", "new_secret",
