@@ -332,40 +332,28 @@ def test_curve_refuses_a_worker_without_its_keys_or_mode_at_once(secret, mode, c
     assert time.monotonic() - started < 3
 
 
-def test_a_login_on_a_connection_already_refused_returns_at_once(curve_cluster):
+def test_a_login_on_a_connection_already_refused_returns_at_once(curve_cluster, intruder):
     """A worker of another mode may see its handshake refused before its first message is
-    sent. When the refusal is a protocol error ZeroMQ closes the connection for good, leaving
-    the socket with none, as ``disconnect`` does here (the refusal itself comes at random
-    between that and a retry); a send waiting for a connection would then wait forever."""
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    watch = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-                                    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-    endpoint = f"tcp://{curve_cluster.scheduler}"
-    sock.connect(endpoint)                              # hmac's plain socket, curve's scheduler
-    assert watch.poll(REFUSAL_TIMEOUT_S * 1000), "the scheduler never refused the handshake"
-    assert handshake_failed([parse_monitor_message(watch.recv_multipart())["event"]])
-    sock.disconnect(endpoint)
+    sent. ZeroMQ may then close the connection for good (as it always does for an intruder that
+    does not reconnect), and a send waiting for a connection would wait forever."""
+    raw = intruder(curve_cluster.scheduler, watch=True)     # hmac's plain socket, curve's
+    raw.refused()
     returned = threading.Event()
 
-    def login() -> None:                # owns the socket from here on
+    def login() -> None:
         try:
-            Security("hmac", curve_cluster.secret).login(sock, P.control(P.STATUS), "it")
+            Security("hmac", curve_cluster.secret).login(raw.sock, P.control(P.STATUS), "it")
             returned.set()
-        except zmq.ContextTerminated:   # the test is over, and the send still waited
-            pass
-        finally:
-            sock.close(0)
-    watch.close(0)
+        except zmq.ContextTerminated:   # the send still waited when the test ended it
+            raw.sock.close(0)
     thread = threading.Thread(target=login, daemon=True)
     thread.start()
-    try:
-        assert returned.wait(5), "the login's first send waits for a connection it never gets"
-    finally:
-        ctx.term()                      # ends a send still waiting; returns once it is closed
+    returned.wait(5)
+    if not returned.is_set():
+        raw.events.close(0)
+        raw.ctx.term()                  # ends the waiting send; returns once it is closed
         thread.join(5)
+    assert returned.is_set(), "the login's first send waits for a connection it never gets"
 
 def test_a_worker_in_another_mode_than_an_hmac_cluster_is_told_so(hmac_cluster):
     with pytest.raises(EngineError,
