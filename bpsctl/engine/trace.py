@@ -46,6 +46,9 @@ STAGES = (
     "to_host",          # plugin: a staged CUDA tensor, from its turn to its push started (the
                         # wait for the GPU to produce it, its copy to the host)
     "to_device",        # plugin: a staged CUDA tensor's sum, from arrived to copied to the GPU
+    "collective",       # plugin: a Horovod collective (torch mpi_ops), from its push_pull's
+                        # start to its result, whichever path carried it (the intra-node
+                        # stage records nothing of its own)
 )
 STAGE = {name: index for index, name in enumerate(STAGES)}
 FORMAT = "bpsctl-trace"

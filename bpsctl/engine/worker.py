@@ -834,6 +834,26 @@ class Worker:
         if self._trace is not None:
             self._command("step", now_ns())     # the step ends now, not when the I/O thread hears
 
+    def start_trace(self, path: Path) -> None:
+        """Start recording this worker's trace now, to be written to ``path`` at
+        :meth:`stop_trace` or shutdown (Horovod's ``start_timeline``). The worker's spans
+        only: servers trace when told at registration (``BPSCTL_TRACE_DIR``). EngineError if
+        this worker is tracing already."""
+        if self._trace is not None:
+            raise EngineError(f"worker {self.rank}: a trace is being recorded already (to "
+                              f"{self._trace.path}); stop it first, or unset BPSCTL_TRACE_DIR")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._trace = Trace(path, "worker", self.rank)      # the I/O thread records from now
+
+    def stop_trace(self, timeout_s: float | None = None) -> None:
+        """Stop the trace :meth:`start_trace` started and write it (on the I/O thread, which
+        records into it; waited for within the op timeout). Nothing if none is recording."""
+        if self._trace is None:
+            return
+        handle = Handle("stop_trace", np.empty(0))
+        self._command("stop_trace", handle)
+        handle.wait(timeout_s if timeout_s is not None else self.config.op_timeout_s)
+
     def trace_span(self, stage: str, name: str, start_ns: int, end_ns: int) -> None:
         """Record a span of the caller's own (a plugin's) in this worker's trace while its
         window is open or still to come; ``stage`` is one of :data:`bpsctl.engine.trace.STAGES`.
@@ -950,6 +970,11 @@ class Worker:
                     self._trace.next_step(self._trace.name_id("step"), payload)
             elif kind == "donate":
                 self._donate(*payload)
+            elif kind == "stop_trace":
+                trace, self._trace = self._trace, None
+                if trace is not None:
+                    trace.close()
+                payload._done.set()
             elif kind == "pin":
                 self._pinning = payload
                 for segments in self._shm_slots.values():
