@@ -92,6 +92,9 @@ TIERS: dict[str, set[str]] = {
     "test_compression.py::test_bench_convergence_shows_what_error_feedback_is_for": {"slow"},
     # a 1-worker training job to the target: about 5 s
     "test_compression.py::test_bench_convergence_without_steps_stops_at_the_target": {"slow"},
+    # Horovod's collectives: one job each of 1, 2 and 3 workers running every check (about
+    # 20 s each on 2 busy cores)
+    "test_horovod_api.py::test_horovod_collectives": {"slow"},
     "test_emulate.py::test_create_reach_destroy": {"slow", "root"},
     "test_emulate.py::test_teardown_on_keyboard_interrupt": {"slow", "root"},
     "test_emulate.py::test_leftovers_of_a_crashed_run_are_found_and_removed": {"slow", "root"},

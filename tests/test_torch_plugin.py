@@ -55,6 +55,13 @@ def run_script(tmp_path: Path, body: str, np: int, **knobs) -> list[dict]:
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np)]
 
 
+def assert_ok(records: list[dict], check: str) -> None:
+    """Every rank ran ``check`` (a check of a script of :func:`run_script`) and it passed."""
+    for rank, record in enumerate(records):
+        outcome = record["results"].get(check, "not run")
+        assert outcome == "ok", f"rank {rank}: {outcome}"
+
+
 API_SCRIPT = '''
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
           torch.int64, torch.int16, torch.int8, torch.uint8]
@@ -313,9 +320,7 @@ def api_results(tmp_path_factory):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("check", API_CHECKS)
 def test_api(api_results, check):
-    for rank, record in enumerate(api_results):
-        outcome = record["results"].get(check, "not run")
-        assert outcome == "ok", f"rank {rank}: {outcome}"
+    assert_ok(api_results, check)
 
 
 @pytest.mark.timeout(60)

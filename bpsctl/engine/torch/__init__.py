@@ -57,6 +57,7 @@ from ...config import Config
 from .. import compression as C
 from .. import paths
 from .. import protocol as P
+from ..collectives import HorovodInternalError
 from ..common import EngineError, keep_large_buffers
 from ..intranode import LocalOp, LocalStage, _as_array
 from ..shmlink import merge_runs
@@ -137,9 +138,9 @@ class Compression:
     the engine's compressors between machines, with error feedback (``ef``) by default:
     ``onebit(scaling=True)``, ``topk(ratio)``, ``randomk(ratio)``, ``dithering(levels)``."""
 
-    none = NoneCompressor
-    fp16 = FP16Compressor
-    bf16 = BF16Compressor
+    none: type[Compressor] = NoneCompressor
+    fp16: type[Compressor] = FP16Compressor
+    bf16: type[Compressor] = BF16Compressor
 
     @staticmethod
     def onebit(scaling: bool = True, ef: bool = True) -> EngineCompressor:
@@ -203,7 +204,7 @@ class _Plugin:
         _engine.init(config)
         self.worker = _engine._w()
         self.config = self.worker.config
-        self.ops: dict[int, _Op] = {}
+        self.ops: dict[int, _Op | _Composite] = {}
         self.handles = itertools.count(1)
         self.noname = itertools.count()
         self.lock = threading.Lock()
@@ -649,6 +650,42 @@ def push_pull_inplace(tensor: torch.Tensor, average: bool = True, name: str | No
     return synchronize(push_pull_async_inplace(tensor, average, name, priority, compression))
 
 
+class _Composite:
+    """A handle whose result is made from other handles' results: a collective of several
+    push_pulls, or one followed by work of its own (:mod:`.mpi_ops`)."""
+
+    __slots__ = ("handles", "finish")
+
+    def __init__(self, handles: list[int], finish: Callable[[list[Any]], Any]):
+        self.handles, self.finish = handles, finish
+
+    def done(self) -> bool:
+        ops = _p().ops
+        return all(ops[h].done() for h in self.handles if h in ops)
+
+    def result(self) -> Any:
+        """Wait for every part (each within its deadline, even after one failed, so none is
+        left in flight), then finish."""
+        results, error = [], None
+        for handle in self.handles:
+            try:
+                results.append(_finish(handle))
+            except BaseException as exc:        # noqa: BLE001 (raised below, once all are in)
+                error = error or exc
+        if error is not None:
+            raise error
+        return self.finish(results)
+
+
+def _track_composite(handles: list[int], finish: Callable[[list[Any]], Any]) -> int:
+    """A handle for :func:`synchronize` that returns ``finish(results of handles)``."""
+    plugin = _p()
+    with plugin.lock:
+        number = next(plugin.handles)
+        plugin.ops[number] = _Composite(handles, finish)
+    return number
+
+
 def poll(handle: int) -> bool:
     """True once the push_pull behind ``handle`` has finished (``synchronize`` will not block)."""
     op = _p().ops.get(handle)
@@ -657,14 +694,21 @@ def poll(handle: int) -> bool:
     return op.done()
 
 
-def synchronize(handle: int) -> torch.Tensor:
-    """Wait for the push_pull behind ``handle``; return its output tensor."""
-    output = _finish(handle)
+def synchronize(handle: int) -> Any:
+    """Wait for the push_pull (or collective) behind ``handle``; return its output tensor (a
+    collective's result). An engine failure is raised as
+    :class:`~bpsctl.engine.collectives.HorovodInternalError` (an EngineError), as Horovod's."""
+    try:
+        output = _finish(handle)
+    except HorovodInternalError:
+        raise
+    except EngineError as exc:
+        raise HorovodInternalError(str(exc)) from exc
     _tell_membership(_p())
     return output
 
 
-def _finish(handle: int) -> torch.Tensor:
+def _finish(handle: int) -> Any:
     """:func:`synchronize` without telling membership callbacks: the cross-barrier's update
     thread finishes its push_pulls here, and callbacks run on the caller's thread."""
     plugin = _p()
@@ -672,6 +716,8 @@ def _finish(handle: int) -> torch.Tensor:
         op = plugin.ops.pop(handle, None)
     if op is None:
         raise ValueError(f"unknown push_pull handle {handle!r} (already synchronized?)")
+    if isinstance(op, _Composite):
+        return op.result()
     op.wait(plugin.config.op_timeout_s + 10)
     if op.local is not None and op.local.finished is not None:
         # CUDA through NCCL: the caller's stream waits for the stage's last GPU work
@@ -1369,4 +1415,8 @@ class DistributedDataParallel(torch.nn.Module):
 
 
 
-from . import elastic  # noqa: E402  (Horovod's hvd.elastic; it uses the functions above)
+# Horovod's hvd.elastic, and its collectives (mpi_ops): both use the functions above
+from . import elastic, mpi_ops  # noqa: E402
+from .mpi_ops import *  # noqa: E402,F401,F403
+
+__all__ += mpi_ops.__all__

@@ -1,0 +1,949 @@
+"""Horovod's collectives (``horovod.torch.mpi_ops``) on bpsctl's engine.
+
+Every collective is one or two push_pulls through the plugin's own path (:func:`_start`: the
+servers, or the intra-node stage when workers share a host), built as
+:mod:`bpsctl.engine.collectives` describes: Sum and Average are summed by the servers;
+allgather, broadcast, alltoall, and Min, Max and Product gather through summation (each
+rank's rows at its offset in a zeroed buffer), the last three then reduced on every rank;
+reducescatter sums the whole tensor and keeps this rank's rows. Handles are integers for
+:func:`poll` and :func:`synchronize`, as push_pull's.
+
+Rules Horovod has too: every rank calls the same collectives in the same order, with the
+same names (a name left out is made from a per-kind counter, the same on every rank), and
+the same shapes where Horovod needs them. The ``*_async`` forms of allgather and alltoall
+wait for the exchange of row counts (one small push_pull) before returning; the data
+travels in the background. A failed collective raises :class:`HorovodInternalError` at
+:func:`synchronize`.
+
+Not carried: Adasum (ValueError naming ``op=hvd.Average``), process sets other than the
+global one (:class:`ProcessSetUnsupported`; the servers' rounds complete when every worker
+of the job has pushed), and ``join`` lets no rank go on alone (see :func:`join`).
+"""
+from __future__ import annotations
+
+import itertools
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import collectives as K
+from .. import protocol as P
+from ..collectives import HorovodInternalError, ReduceOp
+from ..common import EngineError
+from ..trace import now_ns
+from . import (
+    Compression,
+    CompressionArg,
+    _check_root,
+    _p,
+    _start,
+    _track_composite,
+    _wire_dtype,
+    rank,
+    size,
+    synchronize,
+)
+
+Average, Sum, Adasum = ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum
+Min, Max, Product = ReduceOp.Min, ReduceOp.Max, ReduceOp.Product
+
+__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
+           "ProcessSet", "ProcessSetUnsupported", "global_process_set", "add_process_set",
+           "remove_process_set", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+           "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
+           "rocm_built", "cross_rank", "cross_size", "is_homogeneous", "start_timeline",
+           "stop_timeline", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
+           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
+           "grouped_allreduce_async_", "sparse_allreduce_async", "allgather", "allgather_async",
+           "grouped_allgather", "grouped_allgather_async", "allgather_object", "broadcast",
+           "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
+           "reducescatter", "reducescatter_async", "grouped_reducescatter",
+           "grouped_reducescatter_async", "barrier", "join"]
+
+
+# --------------------------------------------------------------------------- what bpsctl is
+
+def mpi_built() -> bool:
+    """False: bpsctl uses no MPI (its launcher is ``bpsctl run``)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: bpsctl uses no MPI."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """False: bpsctl uses no MPI. (Horovod without MPI raises ValueError here; False lets a
+    script that only asks go on.)"""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: Horovod's gloo controller is not used (the intra-node stage may run gloo through
+    torch.distributed with ``BPSCTL_LOCAL_SHM=0``, which is not this)."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: see :func:`gloo_built`."""
+    return False
+
+
+def nccl_built() -> int:
+    """NCCL's version code (as Horovod's: ``major * 10000 + minor * 100 + patch``) where torch
+    has NCCL and a CUDA device is usable (the intra-node stage then all-reduces CUDA tensors
+    with it), else 0."""
+    if not torch.cuda.is_available():
+        return 0
+    try:
+        version = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):
+        return 0
+    if isinstance(version, int):
+        return version
+    major, minor, patch = (list(version) + [0, 0, 0])[:3]
+    return major * 10000 + minor * 100 + patch
+
+
+def cuda_built() -> bool:
+    """Whether this torch was built with CUDA (CUDA tensors are then carried, staged through
+    host memory or through NCCL)."""
+    return torch.backends.cuda.is_built()
+
+
+def rocm_built() -> bool:
+    """False: bpsctl has no ROCm path of its own."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: IBM DDL is not used."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: oneCCL is not used."""
+    return False
+
+
+_layouts: dict[int, tuple[int, int, bool]] = {}      # id(plugin) -> what _hosts found
+
+
+def _hosts() -> tuple[int, int, bool]:
+    """(cross rank, cross size, homogeneous). Ranks on a host are contiguous, as ``bpsctl
+    run`` places them; when the job's size is a multiple of this host's worker count, every
+    host is taken to hold that many (the intra-node stage assumes the same). Otherwise the
+    ranks exchange which of them is first on its host (once per job)."""
+    plugin = _p()
+    worker = plugin.worker
+    if worker.size % worker.local_size == 0:
+        return worker.rank // worker.local_size, worker.size // worker.local_size, True
+    if id(plugin) in _layouts:
+        return _layouts[id(plugin)]
+    table = _exchange_ints(np.array([worker.local_rank == 0], np.int64), "cross_rank")
+    firsts = [r for r in range(worker.size) if table[r, 0]]
+    index = max(i for i, first in enumerate(firsts) if first <= worker.rank)
+    ends = firsts[1:] + [worker.size]
+    with_my_slot = [i for i, (a, b) in enumerate(zip(firsts, ends, strict=True))
+                    if b - a > worker.local_rank]
+    found = _layouts[id(plugin)] = (with_my_slot.index(index), len(with_my_slot), False)
+    return found
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts that have a worker of this local rank (Horovod's
+    cross rank; with equal hosts: the host's index). When hosts hold different numbers of
+    workers the first call is collective (a small exchange): call it on every rank."""
+    return _hosts()[0]
+
+
+def cross_size() -> int:
+    """How many hosts have a worker of this local rank (with equal hosts: the host count);
+    see :func:`cross_rank`."""
+    return _hosts()[1]
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs as many workers (see :func:`cross_rank`)."""
+    return _hosts()[2]
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording this worker's timeline (bpsctl's Chrome trace, :mod:`bpsctl.engine.trace`:
+    every push_pull, its partitions on the wire and the waits) from now; rank 0 writes it to
+    ``file_path`` at :func:`stop_timeline` (or shutdown), rank ``r`` beside it as
+    ``<stem>.rank<r><suffix>``. Unlike ``BPSCTL_TRACE_DIR``, the servers do not trace.
+    ``mark_cycles`` is accepted and ignored (bpsctl has no negotiation cycles)."""
+    del mark_cycles
+    path = Path(file_path)
+    me = rank()
+    if me:
+        path = path.with_name(f"{path.stem}.rank{me}{path.suffix}")
+    _p().worker.start_trace(path)
+
+
+def stop_timeline() -> None:
+    """Stop the timeline :func:`start_timeline` started and write it."""
+    _p().worker.stop_trace()
+
+
+# --------------------------------------------------------------------------- process sets
+
+class ProcessSetUnsupported(EngineError, NotImplementedError):
+    """A collective on a process set other than the global one: the servers complete a round
+    when every worker of the job has pushed, so an op cannot be scoped to some of them."""
+
+
+class ProcessSet:
+    """Horovod's process set: a list of ranks. Only :data:`global_process_set` (every rank)
+    can carry collectives here; see :class:`ProcessSetUnsupported`."""
+
+    process_set_id: int | None = None
+    ranks: list[int] | None = None
+    mpi_comm: Any = None
+
+    def __init__(self, ranks_or_comm: Sequence[int]):
+        if not isinstance(ranks_or_comm, (list, tuple, range)) or \
+                not all(isinstance(r, int) for r in ranks_or_comm):
+            raise ValueError("ProcessSet takes a list of ranks (bpsctl has no MPI "
+                             f"communicators), got {ranks_or_comm!r}")
+        self.ranks = sorted(ranks_or_comm)
+
+    def size(self) -> int | None:
+        """The number of ranks in the set (None if not added)."""
+        if self.process_set_id is None:
+            return None
+        return size() if self.process_set_id == 0 else len(self.ranks or [])
+
+    def rank(self) -> int | None:
+        """This process's rank within the set (None if not added)."""
+        if self.process_set_id is None:
+            return None
+        return rank() if self.process_set_id == 0 else (self.ranks or []).index(rank())
+
+    def included(self) -> bool | None:
+        """Whether this process is in the set."""
+        if self.process_set_id == 0:
+            return True
+        return None if self.ranks is None else rank() in self.ranks
+
+    def __str__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+def _unsupported(ranks: Any, what: str) -> ProcessSetUnsupported:
+    return ProcessSetUnsupported(
+        f"{what}: process set {ranks} is a subset of the job's workers, and bpsctl cannot scope "
+        "a collective to some of them: a server completes a round when every worker of the job "
+        "has pushed, so the others would wait forever. Use the global process set (leave "
+        "process_set out), or run the subset as a job of its own")
+
+
+def _check_set(process_set: ProcessSet | None, what: str) -> None:
+    """Nothing for the global set; :class:`ProcessSetUnsupported` for any other."""
+    if process_set is None or process_set is global_process_set or \
+            process_set.process_set_id == 0:
+        return
+    if process_set.ranks is not None and process_set.ranks == list(range(size())):
+        return          # every rank: the global set by another name
+    raise _unsupported(process_set.ranks, what)
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Horovod's dynamic process sets: ValueError for a set of every rank (the global set
+    exists already, as in Horovod), :class:`ProcessSetUnsupported` for a proper subset."""
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if process_set.ranks == list(range(size())):
+        raise ValueError(f"Attempted to add a duplicate process set: {process_set} holds every "
+                         "rank, as global_process_set does")
+    raise _unsupported(process_set.ranks, "add_process_set")
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """False, as Horovod answers for the global set and for sets never added (the only kinds
+    there are here)."""
+    del process_set
+    return False
+
+
+# --------------------------------------------------------------------------- common pieces
+
+_counters: dict[str, itertools.count] = {}
+
+
+def _name(kind: str, name: str | None) -> tuple[str, bool]:
+    """The engine name of a collective of ``kind`` and whether it is used this once (Horovod's
+    auto-naming: ``<kind>.noname.<n>`` from a counter of the kind, the same on every rank
+    that calls the same collectives in the same order). Engine names under one user name are
+    suffixed with their shape where it may change (:func:`_shaped`)."""
+    if name is None:
+        counter = _counters.setdefault(kind, itertools.count())
+        return f"{kind}.noname.{next(counter)}", True
+    return f"{kind}.{name}", False
+
+
+def _shaped(name: str, tensor: torch.Tensor) -> str:
+    """``name`` with ``tensor``'s dtype and shape: the engine binds a name to one of each, and
+    Horovod lets a name come back with another shape (a last, smaller batch)."""
+    dims = "x".join(str(d) for d in tensor.shape)
+    return f"{name}[{str(tensor.dtype).replace('torch.', '')}:{dims}]"
+
+
+def _check_tensor(tensor: Any, what: str, bool_ok: bool = True) -> torch.Tensor:
+    """``tensor`` if the engine can carry it (TypeError naming what is wrong otherwise); bool
+    tensors travel as uint8 where ``bool_ok`` (the ops that only move bytes)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} expects a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_sparse:
+        raise TypeError(f"{what}: sparse tensors are not carried; use sparse_allreduce_async, "
+                        "or tensor.to_dense()")
+    if tensor.dtype == torch.bool:
+        if bool_ok:
+            return tensor
+        raise TypeError(f"{what}: a bool tensor cannot be summed or averaged; use "
+                        "op=hvd.Max (any) or op=hvd.Min (all), or cast it to torch.uint8")
+    try:
+        P.dtype_code(_wire_dtype(tensor.dtype))
+    except (TypeError, RuntimeError):
+        raise TypeError(f"{what}: dtype {tensor.dtype} is not carried; use one of uint8, "
+                        "int8, int16, int32, int64, float16, bfloat16, float32, float64 (or "
+                        "bool where only bytes move)") from None
+    return tensor
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A bool tensor's bytes as uint8 (the wire has no bool); other tensors as they are."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
+
+
+def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """``tensor * factor`` in its own dtype (integers: scaled in float64, truncated)."""
+    if factor == 1.0:
+        return tensor
+    if tensor.dtype.is_floating_point:
+        return tensor * factor
+    return (tensor.double() * factor).to(tensor.dtype)
+
+
+def _push_sum(tensor: torch.Tensor, name: str, once: bool,
+              compression: CompressionArg = Compression.none, average: bool = False) -> int:
+    """Start the push_pull of ``tensor`` (a private buffer: the result lands in it)."""
+    return _start(tensor, average, name, 0, compression, inplace=True, once=once)
+
+
+def _exchange_ints(mine: np.ndarray, name: str, once: bool = True) -> np.ndarray:
+    """Every rank's ``mine`` (a small int64 vector, the same length on every rank), as a
+    ``size() x len(mine)`` array: one push_pull, waited for here."""
+    n, me = size(), rank()
+    table = torch.zeros((n, len(mine)), dtype=torch.int64)
+    table[me] = torch.from_numpy(np.asarray(mine, np.int64))
+    synchronize(_push_sum(table, _shaped(f"{name}.counts", table), once))
+    return table.numpy()
+
+
+def _then(name: str, handles: list[int], finish: Callable[[list[Any]], Any]) -> int:
+    """A handle whose :func:`synchronize` returns ``finish(results of handles)``; the
+    collective ``name`` is a ``collective`` span of the worker's trace, from now to then."""
+    started_ns = now_ns()
+
+    def finish_traced(results: list[Any]) -> Any:
+        result = finish(results)
+        _p().worker.trace_span("collective", name, started_ns, now_ns())
+        return result
+    return _track_composite(handles, finish_traced)
+
+
+# --------------------------------------------------------------------------- allreduce
+
+def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: str | None,
+                     op: ReduceOp, prescale_factor: float, postscale_factor: float,
+                     process_set: ProcessSet | None,
+                     compression: CompressionArg = Compression.none,
+                     kind: str = "allreduce") -> int:
+    """Start an allreduce of ``tensor``; the result lands in ``output`` (in-place forms) or a
+    new tensor."""
+    _check_set(process_set, kind)
+    _check_tensor(tensor, kind, bool_ok=op in K.GATHERED_OPS)
+    wire_name, once = _name(kind, name)
+    if name is not None:
+        wire_name = _shaped(wire_name, tensor)
+    detached = tensor.detach()
+    source = _scaled(detached, prescale_factor)
+    if op in K.SERVER_OPS:
+        floating = tensor.dtype.is_floating_point
+        private = source is not detached        # a scaled copy: the result may land in it
+        inplace = output is not None and not private
+        handle = _start(tensor if inplace else source, op is Average and floating, wire_name, 0,
+                        compression, inplace=inplace or private, once=once)
+        divide = op is Average and not floating
+
+        def finish(results: list[torch.Tensor]) -> torch.Tensor:
+            result = results[0]
+            if divide:              # integers: Horovod's floor division of the sum
+                result = torch.div(result, size(), rounding_mode="floor")
+            result = _scaled(result, postscale_factor)
+            if output is None:
+                return result
+            if result is not output:
+                output.detach().copy_(result)
+            return output
+        return _then(wire_name, [handle], finish)
+    # Min, Max, Product: every rank's tensor gathered (one slot each), reduced here
+    wire, ctx = compression.compress(source) if isinstance(compression, type) \
+        else (source, None)
+    slots = torch.zeros((size(), *wire.shape), dtype=wire.dtype, device=wire.device)
+    slots[rank()] = wire
+    handle = _push_sum(_as_bytes(slots), wire_name, once)
+
+    def reduce(results: list[torch.Tensor]) -> torch.Tensor:
+        gathered = slots                # the sum landed in it (through its bytes for bool)
+        if op is Min:
+            reduced = gathered.amin(dim=0) if gathered.dtype != torch.bool else gathered.all(0)
+        elif op is Max:
+            reduced = gathered.amax(dim=0) if gathered.dtype != torch.bool else gathered.any(0)
+        else:
+            reduced = gathered.prod(dim=0, dtype=gathered.dtype) \
+                if gathered.dtype != torch.bool else gathered.all(0)
+        result = _scaled(compression.decompress(reduced, ctx), postscale_factor) \
+            if isinstance(compression, type) else _scaled(reduced, postscale_factor)
+        if output is None:
+            return result
+        output.detach().copy_(result)
+        return output
+    return _then(wire_name, [handle], reduce)
+
+
+def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+                    op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start reducing ``tensor`` across ranks (``op``: Average by default, Sum, Min, Max,
+    Product); :func:`synchronize` returns a new tensor. Sum and Average are summed by the
+    servers; Min, Max and Product gather every rank's tensor (``size()`` times its bytes each
+    way) and reduce it on every rank. Integer averages are floor divisions of the sum, as
+    Horovod's. ``prescale_factor`` multiplies the input, ``postscale_factor`` the result."""
+    return _allreduce_start(tensor, None, name, K.resolve_op(op, average), prescale_factor,
+                            postscale_factor, process_set)
+
+
+def allreduce_async_(tensor: torch.Tensor, average: bool | None = None,
+                     name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """As :func:`allreduce_async`, the result written into ``tensor``."""
+    return _allreduce_start(tensor, tensor, name, K.resolve_op(op, average), prescale_factor,
+                            postscale_factor, process_set)
+
+
+def allreduce_(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+               op: Any = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """As :func:`allreduce`, in place; returns ``tensor``."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+class _Allreduce(torch.autograd.Function):
+    """allreduce as autograd sees it: the gradient is the allreduce of the output's gradient
+    with the same op and scales (Horovod's definition)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set,
+                compression):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return synchronize(_allreduce_start(tensor, None, name, op, prescale_factor,
+                                            postscale_factor, process_set, compression))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, pre, post, process_set = ctx.args
+        grad = synchronize(_allreduce_start(grad_output.contiguous(), None, None, op, pre, post,
+                                            process_set))
+        return grad, None, None, None, None, None, None
+
+
+def allreduce(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
+              compression: CompressionArg = Compression.none, op: Any = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Reduce ``tensor`` across ranks (see :func:`allreduce_async`); a new tensor, through
+    which gradients flow (Horovod's: the allreduce of the gradient). ``compression``: as
+    push_pull's (Sum and Average; Min, Max and Product take the casts only)."""
+    return _Allreduce.apply(tensor, name, K.resolve_op(op, average), prescale_factor,
+                            postscale_factor, process_set, compression)
+
+
+def _grouped(kind: str, tensors: Sequence[torch.Tensor], name: str | None,
+             start: Callable[[torch.Tensor, str | None], int]) -> int:
+    """One handle for a list of collectives (``start(tensor, member name)`` each); its
+    :func:`synchronize` returns the list of results. Members are named ``<name>.<i>`` (each
+    its own automatic name without ``name``)."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{kind}: the list of tensors is empty")
+    handles = [start(t, None if name is None else f"{name}.{i}") for i, t in enumerate(tensors)]
+    return _then(name or kind, handles, list)
+
+
+def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                            name: str | None = None, op: Any = None,
+                            prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """:func:`allreduce_async` of each tensor; :func:`synchronize` returns the list."""
+    resolved = K.resolve_op(op, average, "grouped_allreduce")
+    return _grouped("grouped_allreduce", tensors, name, lambda t, n: _allreduce_start(
+        t, None, n, resolved, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                             name: str | None = None, op: Any = None,
+                             prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                             process_set: ProcessSet = global_process_set) -> int:
+    """:func:`allreduce_async_` of each tensor (in place); :func:`synchronize` returns the
+    list."""
+    resolved = K.resolve_op(op, average, "grouped_allreduce")
+    return _grouped("grouped_allreduce", tensors, name, lambda t, n: _allreduce_start(
+        t, t, n, resolved, prescale_factor, postscale_factor, process_set))
+
+
+def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                       name: str | None = None, op: Any = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """:func:`allreduce_` of each tensor; returns them."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, compression,
+                *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return tuple(synchronize(_grouped("grouped_allreduce", tensors, name, lambda t, n:
+                                          _allreduce_start(t, None, n, op, prescale_factor,
+                                                           postscale_factor, process_set,
+                                                           compression))))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post, process_set = ctx.args
+        reduced = synchronize(_grouped("grouped_allreduce", [g.contiguous() for g in grads],
+                                       None, lambda t, n: _allreduce_start(
+                                           t, None, n, op, pre, post, process_set)))
+        return (None,) * 6 + tuple(reduced)
+
+
+def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = None,
+                      name: str | None = None, compression: CompressionArg = Compression.none,
+                      op: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """:func:`allreduce` of each tensor; returns the list (differentiable)."""
+    return list(_GroupedAllreduce.apply(name, K.resolve_op(op, average, "grouped_allreduce"),
+                                        prescale_factor, postscale_factor, process_set,
+                                        compression, *tensors))
+
+
+def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
+                           process_set: ProcessSet = global_process_set) -> Callable[[], Any]:
+    """Horovod's allreduce of a sparse tensor: its indices and values are allgathered (the
+    sum is the coalesced result); returns a function that waits and returns it."""
+    resolved = K.resolve_op(op, None, "sparse_allreduce_async")
+    t = tensor.coalesce() if not tensor.is_coalesced() else tensor
+    indices = allgather_async(t._indices().transpose(0, 1).contiguous(), f"{name}.indices",
+                              process_set)
+    values = allgather_async(t._values(), f"{name}.values", process_set)
+
+    def wait() -> torch.Tensor:
+        v, i = synchronize(values), synchronize(indices)
+        if resolved is Average:
+            v = v / size()
+        return torch.sparse_coo_tensor(i.transpose(0, 1), v, t.size())
+    return wait
+
+
+# --------------------------------------------------------------------------- allgather
+
+def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: str,
+                     process_set: ProcessSet | None
+                     ) -> tuple[list[int], list[list[int]], str]:
+    """Start gathering each of ``tensors`` along its first dimension: one exchange of row
+    counts (waited for) for all of them, then a push_pull of each gathered buffer. Returns
+    the handles (each gives its buffer), every tensor's counts per rank, and the base name."""
+    _check_set(process_set, kind)
+    for t in tensors:
+        _check_tensor(t, kind)
+        if t.dim() == 0:
+            raise ValueError(f"{kind}: a tensor of at least one dimension is needed; reshape "
+                             "a scalar with tensor.reshape(1)")
+    base, once = _name(kind, name)
+    table = _exchange_ints(np.array([t.shape[0] for t in tensors], np.int64), base, once)
+    me = rank()
+    handles, all_counts = [], []
+    for i, t in enumerate(tensors):
+        counts = [int(c) for c in table[:, i]]
+        buffer = torch.zeros((sum(counts), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        start = K.offsets(counts)[me]
+        buffer[start:start + counts[me]] = t.detach()
+        member = f"{base}.{i}" if len(tensors) > 1 else base
+        handles.append(_push_sum(_as_bytes(buffer), _shaped(member, buffer), once))
+        all_counts.append(counts)
+    return handles, all_counts, base
+
+
+def _as_dtype(result: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return result.view(torch.bool) if dtype == torch.bool else result
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start concatenating every rank's ``tensor`` along the first dimension (which may
+    differ between ranks; the others must match), in rank order; :func:`synchronize` returns
+    it. Gathered through summation: one push_pull of the row counts (waited for here), then
+    one of the whole result, each rank's rows at its offset and zeros elsewhere (every rank
+    pushes and pulls the whole result)."""
+    handles, _, base = _allgather_start([tensor], name, "allgather", process_set)
+    return _then(base, handles, lambda results: _as_dtype(results[0], tensor.dtype))
+
+
+class _Allgather(torch.autograd.Function):
+    """Horovod's gradient: the average across ranks of the output's gradient, this rank's
+    rows of it."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        handles, counts, _ = _allgather_start([tensor], name, "allgather", process_set)
+        ctx.process_set, ctx.counts = process_set, counts[0]
+        return _as_dtype(synchronize(handles[0]), tensor.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
+        me = rank()
+        return grad.narrow(0, K.offsets(ctx.counts)[me], ctx.counts[me]), None, None
+
+
+def allgather(tensor: torch.Tensor, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """Every rank's ``tensor`` concatenated along the first dimension (see
+    :func:`allgather_async`); differentiable."""
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                            process_set: ProcessSet = global_process_set) -> int:
+    """:func:`allgather_async` of each tensor, with one exchange of row counts for all;
+    :func:`synchronize` returns the list."""
+    tensors = list(tensors)
+    handles, _, base = _allgather_start(tensors, name, "grouped_allgather", process_set)
+    return _then(base, handles, lambda results: [_as_dtype(r, t.dtype)
+                                                 for r, t in zip(results, tensors, strict=True)])
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        handles, counts, _ = _allgather_start(tensors, name, "grouped_allgather", process_set)
+        ctx.process_set, ctx.counts = process_set, counts
+        return tuple(_as_dtype(synchronize(h), t.dtype) for h, t in zip(handles, tensors,
+                                                                         strict=True))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        reduced = grouped_allreduce([g.contiguous() for g in grads], op=Average,
+                                    process_set=ctx.process_set)
+        me = rank()
+        return (None, None, *[g.narrow(0, K.offsets(c)[me], c[me])
+                              for g, c in zip(reduced, ctx.counts, strict=True)])
+
+
+def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
+                      process_set: ProcessSet = global_process_set) -> list[torch.Tensor]:
+    """:func:`allgather` of each tensor; returns the list (differentiable)."""
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's ``obj`` (pickled), as a list in rank order."""
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    handles, counts, _ = _allgather_start([data], name, "allgather_object", None)
+    gathered = synchronize(handles[0]).numpy().tobytes()
+    starts = K.offsets(counts[0])
+    return [pickle.loads(gathered[s:s + c]) for s, c in zip(starts, counts[0], strict=True)]
+
+
+# --------------------------------------------------------------------------- broadcast
+
+def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_rank: int,
+                     name: str | None, process_set: ProcessSet | None) -> int:
+    """Start copying the root's ``tensor`` to every rank, by summation with zeros from the
+    others (as broadcast_parameters does); into ``output`` (in place) or a new tensor."""
+    _check_set(process_set, "broadcast")
+    _check_tensor(tensor, "broadcast")
+    _check_root(root_rank)
+    wire_name, once = _name("broadcast", name)
+    buffer = output if output is not None else torch.empty_like(tensor.detach(),
+                                                                 memory_format=torch.contiguous_format)
+    with torch.no_grad():
+        if rank() != root_rank:
+            buffer.zero_()
+        elif buffer is not tensor:
+            buffer.copy_(tensor)
+    handle = _push_sum(_as_bytes(buffer), _shaped(wire_name, buffer), once)
+    return _then(wire_name, [handle], lambda _: buffer)
+
+
+def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                    process_set: ProcessSet = global_process_set) -> int:
+    """Start copying ``root_rank``'s ``tensor`` to every rank; :func:`synchronize` returns a
+    new tensor. Every rank but the root pushes zeros of the tensor's size."""
+    return _broadcast_start(tensor, None, root_rank, name, process_set)
+
+
+def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> int:
+    """As :func:`broadcast_async`, into ``tensor`` itself."""
+    return _broadcast_start(tensor, tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` copied into ``tensor`` on every rank; returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+class _Broadcast(torch.autograd.Function):
+    """Horovod's gradient: the average of the output's gradient on the root, zeros
+    elsewhere."""
+
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(_broadcast_start(tensor, None, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
+        if rank() != ctx.root_rank:
+            grad = grad * 0
+        return grad, None, None, None
+
+
+def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> torch.Tensor:
+    """``root_rank``'s ``tensor`` on every rank, a new tensor (differentiable)."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+# --------------------------------------------------------------------------- alltoall
+
+def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
+                    process_set: ProcessSet | None) -> int:
+    """Start an alltoall as an allgather of every rank's whole tensor (the splits of every
+    rank exchanged first), from which each rank keeps the rows sent to it; its
+    :func:`synchronize` gives ``(output, received_splits)``."""
+    _check_set(process_set, "alltoall")
+    _check_tensor(tensor, "alltoall")
+    if tensor.dim() == 0:
+        raise ValueError("alltoall: a tensor of at least one dimension is needed")
+    n, me = size(), rank()
+    rows = tensor.shape[0]
+    if splits is None:
+        counts = K.even_splits(rows, n)
+    else:
+        values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
+        counts = K.check_splits(values, rows, n)
+    base, once = _name("alltoall", name)
+    matrix = _exchange_ints(np.array(counts, np.int64), base, once)
+    spans, received = K.alltoall_plan(matrix, me)
+    senders = [int(row.sum()) for row in matrix]
+    buffer = torch.zeros((sum(senders), *tensor.shape[1:]), dtype=tensor.dtype,
+                         device=tensor.device)
+    start = K.offsets(senders)[me]
+    buffer[start:start + rows] = tensor.detach()
+    handle = _push_sum(_as_bytes(buffer), _shaped(base, buffer), once)
+    splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
+
+    def pick(_: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        output = torch.cat([buffer[s:s + c] for s, c in spans])
+        return output, torch.tensor(received, dtype=splits_dtype)
+    return _then(base, [handle], pick)
+
+
+def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+                   process_set: ProcessSet = global_process_set) -> int:
+    """Start an alltoall: ``splits[d]`` rows of ``tensor`` (in order) go to rank ``d`` (equal
+    parts without ``splits``); :func:`synchronize` returns ``(output, received_splits)``, the
+    rows received in rank order and how many came from each rank. Carried as an allgather of
+    every rank's whole tensor (each rank pushes and pulls everything the job sends)."""
+    return _alltoall_start(tensor, splits, name, process_set)
+
+
+class _Alltoall(torch.autograd.Function):
+    """Horovod's gradient: the alltoall back of the output's gradient, with the received
+    splits."""
+
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(_alltoall_start(tensor, splits, name, process_set))
+        ctx.process_set, ctx.received = process_set, received
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, *_):
+        grad, _ = synchronize(_alltoall_start(grad_output.contiguous(), ctx.received, None,
+                                              ctx.process_set))
+        return grad, None, None, None
+
+
+def alltoall(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Any:
+    """An alltoall (see :func:`alltoall_async`), differentiable: the output alone without
+    ``splits``, ``(output, received_splits)`` with them, as Horovod returns."""
+    output, received = _Alltoall.apply(tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
+
+
+# --------------------------------------------------------------------------- reducescatter
+
+def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: ReduceOp,
+                         process_set: ProcessSet | None, prescale_factor: float,
+                         postscale_factor: float,
+                         compression: CompressionArg = Compression.none) -> int:
+    """Start a reducescatter: the whole tensor summed (averaged) by the servers, this rank
+    keeping its rows of it (Horovod's split: :func:`bpsctl.engine.collectives.
+    reducescatter_counts`)."""
+    K.check_op(op, K.SERVER_OPS, "reducescatter")
+    if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
+        raise ValueError("reducescatter: a tensor of at least one dimension is needed")
+    handle = _allreduce_start(tensor, None, name, op, prescale_factor, postscale_factor,
+                              process_set, compression, kind="reducescatter")
+    counts = K.reducescatter_counts(tensor.shape[0], size())
+    start, count = K.offsets(counts)[rank()], counts[rank()]
+    return _then(f"reducescatter.{name or 'noname'}", [handle],
+                 lambda results: results[0].narrow(0, start, count).clone())
+
+
+def reducescatter_async(tensor: torch.Tensor, name: str | None = None, op: Any = Average,
+                        process_set: ProcessSet = global_process_set,
+                        prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> int:
+    """Start reducing ``tensor`` (Sum or Average) and keeping this rank's rows of the result:
+    ``rows // size()`` each, one more for each of the first ``rows % size()`` ranks, as
+    Horovod splits. Every rank pushes and pulls the whole tensor (as an allreduce)."""
+    return _reducescatter_start(tensor, name, K.resolve_op(op, None, "reducescatter"),
+                                process_set, prescale_factor, postscale_factor)
+
+
+def _reducescatter_grad(grad: torch.Tensor, op: ReduceOp, size_: int, pre: float,
+                        post: float) -> torch.Tensor:
+    """What Horovod allgathers as a reducescatter's input gradient, before the gather."""
+    if op is Sum:
+        grad = grad * size_
+    return _scaled(_scaled(grad, pre), post)
+
+
+class _Reducescatter(torch.autograd.Function):
+    """Horovod's gradient: the allgather of the output's gradient (times ``size()`` for Sum,
+    times the scale factors)."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor,
+                compression):
+        ctx.args = (op, process_set, prescale_factor, postscale_factor)
+        return synchronize(_reducescatter_start(tensor, name, op, process_set, prescale_factor,
+                                                postscale_factor, compression))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, process_set, pre, post = ctx.args
+        grad = _reducescatter_grad(grad_output.contiguous(), op, size(), pre, post)
+        return allgather(grad, process_set=process_set), None, None, None, None, None, None
+
+
+def reducescatter(tensor: torch.Tensor, name: str | None = None,
+                  compression: CompressionArg = Compression.none, op: Any = Average,
+                  process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> torch.Tensor:
+    """This rank's rows of the reduction of ``tensor`` (see :func:`reducescatter_async`);
+    differentiable."""
+    return _Reducescatter.apply(tensor, name, K.resolve_op(op, None, "reducescatter"),
+                                process_set, prescale_factor, postscale_factor, compression)
+
+
+def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | None = None,
+                                op: Any = Average, process_set: ProcessSet = global_process_set,
+                                prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> int:
+    """:func:`reducescatter_async` of each tensor; :func:`synchronize` returns the list."""
+    resolved = K.resolve_op(op, None, "grouped_reducescatter")
+    return _grouped("grouped_reducescatter", tensors, name, lambda t, n: _reducescatter_start(
+        t, n, resolved, process_set, prescale_factor, postscale_factor))
+
+
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, compression,
+                *tensors):
+        ctx.args = (op, process_set, prescale_factor, postscale_factor)
+        return tuple(synchronize(_grouped(
+            "grouped_reducescatter", tensors, name, lambda t, n: _reducescatter_start(
+                t, n, op, process_set, prescale_factor, postscale_factor, compression))))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, process_set, pre, post = ctx.args
+        scaled = [_reducescatter_grad(g.contiguous(), op, size(), pre, post) for g in grads]
+        return (None,) * 6 + tuple(grouped_allgather(scaled, process_set=process_set))
+
+
+def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None,
+                          compression: CompressionArg = Compression.none, op: Any = Average,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[torch.Tensor]:
+    """:func:`reducescatter` of each tensor; returns the list (differentiable)."""
+    return list(_GroupedReducescatter.apply(
+        name, K.resolve_op(op, None, "grouped_reducescatter"), process_set, prescale_factor,
+        postscale_factor, compression, *tensors))
+
+
+# --------------------------------------------------------------------------- barrier, join
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank has called barrier() (the scheduler's barrier; the engine's op
+    timeout bounds the wait)."""
+    _check_set(process_set, "barrier")
+    try:
+        _p().worker.barrier()
+    except EngineError as exc:
+        raise HorovodInternalError(str(exc)) from exc
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data; returns the rank that joined last (by the clock of each
+    rank's call, compared as one exchange).
+
+    Unlike Horovod's, ranks do not go on with collectives while others have joined (Horovod
+    lets a joined rank contribute zeros to them, which needs a coordinator that tells it
+    their names and shapes; bpsctl's servers only sum what every worker pushes): every rank
+    must call join() at the same point, and a collective that a joined rank does not take
+    part in fails after the op timeout (``BPSCTL_OP_TIMEOUT``). ``device`` is accepted and
+    ignored."""
+    del device
+    stamps = torch.zeros(size(), dtype=torch.float64)
+    stamps[rank()] = time.time()
+    base, once = _name("join", None)
+    synchronize(_push_sum(stamps, base, once))
+    return int(torch.argmax(stamps).item())

@@ -1,0 +1,414 @@
+"""Horovod's collective API in bpsctl.engine.torch (``import bpsctl.engine.torch as hvd``).
+
+One worker script runs every check on real workers (``run_local``: ``bpsctl run -np N`` on a
+private cluster), at 1, 2 and 3 ranks; each rank computes what every check should give from
+every rank's inputs (a function of the rank) on its own, and records each outcome. The pure
+arithmetic of :mod:`bpsctl.engine.collectives` has fast tests of its own below.
+"""
+from __future__ import annotations
+
+import threading
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_torch_plugin import assert_ok, run_script  # noqa: E402
+
+from bpsctl.engine import collectives as K  # noqa: E402
+
+# --------------------------------------------------------------------------- pure functions
+
+
+def test_reducescatter_splits_rows_as_horovod_does():
+    assert K.reducescatter_counts(7, 3) == [3, 2, 2]
+    assert K.reducescatter_counts(6, 3) == [2, 2, 2]
+    assert K.reducescatter_counts(2, 3) == [1, 1, 0]
+    assert K.reducescatter_counts(0, 2) == [0, 0]
+    assert K.offsets([3, 2, 2]) == [0, 3, 5]
+    with pytest.raises(ValueError, match="at least one rank"):
+        K.reducescatter_counts(4, 0)
+
+
+def test_ops_resolve_as_horovod_and_adasum_names_the_alternative():
+    assert [int(o) for o in K.ReduceOp] == [0, 1, 2, 3, 4, 5]      # Horovod's values
+    assert K.resolve_op(None, None) is K.ReduceOp.Average
+    assert K.resolve_op(4, None) is K.ReduceOp.Max
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert K.resolve_op(None, False) is K.ReduceOp.Sum
+        assert K.resolve_op(None, True) is K.ReduceOp.Average
+    assert all(w.category is DeprecationWarning for w in caught) and len(caught) == 2
+    with pytest.raises(ValueError, match="supersedes average"):
+        K.resolve_op(K.ReduceOp.Sum, True)
+    with pytest.raises(ValueError, match="use op=hvd.Average instead"):
+        K.resolve_op(K.ReduceOp.Adasum, None)
+    with pytest.raises(ValueError, match="op=17 is not a reduction op"):
+        K.resolve_op(17, None)
+    with pytest.raises(ValueError, match="reducescatter: op=hvd.Max is not supported; use "
+                                         "hvd.Average or hvd.Sum"):
+        K.check_op(K.ReduceOp.Max, K.SERVER_OPS, "reducescatter")
+
+
+def test_alltoall_splits_are_checked_and_planned():
+    assert K.even_splits(6, 3) == [2, 2, 2]
+    with pytest.raises(ValueError, match="divisible by the number of ranks"):
+        K.even_splits(5, 3)
+    with pytest.raises(ValueError, match="one per rank"):
+        K.check_splits([1, 2], 3, 3)
+    with pytest.raises(ValueError, match="add up to 4, but the tensor's first dimension is 5"):
+        K.check_splits([1, 3], 5, 2)
+    with pytest.raises(ValueError, match="negative"):
+        K.check_splits([-1, 6], 5, 2)
+    # rank 0 sends 1 row to 0 and 2 to 1; rank 1 sends 3 to 0 and 0 to 1
+    matrix = np.array([[1, 2], [3, 0]])
+    assert K.alltoall_plan(matrix, 0) == ([(0, 1), (3, 3)], [1, 3])
+    assert K.alltoall_plan(matrix, 1) == ([(1, 2), (6, 0)], [2, 0])
+
+
+def test_gather_by_sum_concatenates_exactly_for_every_dtype():
+    """The algorithm on 3 simulated ranks (threads) whose sum adds what each passed, in the
+    dtype, as the servers do."""
+    size = 3
+    barrier = threading.Barrier(size)
+    pushed: dict[str, dict[int, np.ndarray]] = {}
+
+    def push_pull_sum(array: np.ndarray, name: str, rank: int) -> np.ndarray:
+        pushed.setdefault(name, {})[rank] = array.copy()
+        barrier.wait(timeout=10)
+        total = sum(pushed[name][r] for r in range(size))
+        barrier.wait(timeout=10)
+        return total
+
+    for dtype in (np.uint8, np.int64, np.float16, np.float64):
+        inputs = [np.full((r + 1, 2), r + 1, dtype) for r in range(size)]
+        results: dict[int, np.ndarray] = {}
+
+        def rank_(r: int, dtype=dtype, inputs=inputs, results=results) -> None:
+            results[r] = K.gather_by_sum(inputs[r], r, size,
+                                         lambda a, n: push_pull_sum(a, n, r), f"g.{dtype}")
+        threads = [threading.Thread(target=rank_, args=(r,)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=20)
+        for r in range(size):
+            assert results[r].dtype == dtype
+            assert np.array_equal(results[r], np.concatenate(inputs)), (dtype, r)
+
+
+# --------------------------------------------------------------------------- on real workers
+
+HOROVOD_SCRIPT = '''
+import warnings
+hvd = bps
+torch.manual_seed(0)
+ME = hvd.rank()
+FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+INTS = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+
+def of(r, shape, dtype, offset=0):
+    """Rank r's input: small integers (exact in every dtype), distinct per rank."""
+    count = 1
+    for d in shape:
+        count *= d
+    return ((torch.arange(count).reshape(shape) * 3 + 5 * r + offset) % 13).to(dtype)
+
+def everyone(shape, dtype, offset=0):
+    return [of(r, shape, dtype, offset) for r in range(N)]
+
+def same(got, want, what=""):
+    assert got.dtype == want.dtype, (what, got.dtype, want.dtype)
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert torch.equal(got, want), (what, got, want)
+
+@check
+def names_and_feature_queries():
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
+    assert hvd.mpi_built() is False and hvd.mpi_enabled() is False
+    assert hvd.mpi_threads_supported() is False
+    assert hvd.gloo_built() is False and hvd.gloo_enabled() is False
+    assert hvd.rocm_built() is False and hvd.ddl_built() is False and hvd.ccl_built() is False
+    assert hvd.cuda_built() == torch.backends.cuda.is_built()
+    assert hvd.nccl_built() == 0                        # no usable CUDA device here
+    assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)   # one host
+    assert hvd.is_homogeneous() is True
+    assert issubclass(hvd.HorovodInternalError, hvd.EngineError)
+    assert hvd.global_process_set.size() == N and hvd.global_process_set.rank() == ME
+
+@check
+def allreduce_sum_and_average_every_dtype():
+    for dtype in FLOATS + INTS:
+        inputs = everyone((3, 5), dtype)
+        want = sum(i.double() for i in inputs)
+        same(hvd.allreduce(inputs[ME], op=hvd.Sum), want.to(dtype), f"sum {dtype}")
+        if dtype.is_floating_point:
+            got = hvd.allreduce(inputs[ME], name=f"avg.{dtype}")
+            assert torch.allclose(got.double(), want / N, rtol=1e-2), dtype
+        else:           # integers: Horovod's floor division of the sum
+            same(hvd.allreduce(inputs[ME], op=hvd.Average),
+                 torch.div(want, N, rounding_mode="floor").to(dtype), f"avg {dtype}")
+
+@check
+def allreduce_min_max_product_every_dtype():
+    for dtype in FLOATS + INTS:
+        inputs = everyone((4, 3), dtype)
+        stacked = torch.stack(inputs)
+        same(hvd.allreduce(inputs[ME], op=hvd.Min), stacked.amin(0), f"min {dtype}")
+        same(hvd.allreduce(inputs[ME], op=hvd.Max, name=f"max.{dtype}"), stacked.amax(0),
+             f"max {dtype}")
+        same(hvd.allreduce(inputs[ME], op=hvd.Product), stacked.prod(0, dtype=dtype),
+             f"product {dtype}")
+    flags = torch.tensor([True, ME == 0, False])
+    same(hvd.allreduce(flags, op=hvd.Max), torch.tensor([True, True, False]))
+    same(hvd.allreduce(flags, op=hvd.Min), torch.tensor([True, N == 1, False]))
+
+@check
+def allreduce_scales_in_place_async_grouped_and_deprecated_average():
+    inputs = everyone((6,), torch.float64)
+    total = sum(inputs)
+    got = hvd.allreduce(inputs[ME], op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    same(got, total)
+    x = inputs[ME].clone()
+    out = hvd.allreduce_(x, op=hvd.Average, prescale_factor=3.0)
+    assert out is x
+    same(x, total * 3 / N)
+    ints = of(ME, (5,), torch.int32).clone()
+    hvd.allreduce_(ints, op=hvd.Sum, postscale_factor=2.0)
+    same(ints, (sum(everyone((5,), torch.int32)) * 2).to(torch.int32))
+    handles = [hvd.allreduce_async(inputs[ME], op=op, name=f"async.{int(op)}")
+               for op in (hvd.Sum, hvd.Max)]
+    same(hvd.synchronize(handles[0]), total)
+    while not hvd.poll(handles[1]):
+        time.sleep(0.001)
+    same(hvd.synchronize(handles[1]), torch.stack(inputs).amax(0))
+    y = inputs[ME].clone()
+    h = hvd.allreduce_async_(y, op=hvd.Min)
+    assert hvd.synchronize(h) is y
+    same(y, torch.stack(inputs).amin(0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        same(hvd.allreduce(inputs[ME], average=False), total)
+    assert any(w.category is DeprecationWarning for w in caught)
+    group = [inputs[ME], of(ME, (2, 2), torch.int64)]
+    sums = [total, sum(everyone((2, 2), torch.int64))]
+    for got, want in zip(hvd.grouped_allreduce(group, op=hvd.Sum), sums):
+        same(got, want)
+    for got, want in zip(hvd.synchronize(hvd.grouped_allreduce_async(group, op=hvd.Sum,
+                                                                     name="g")), sums):
+        same(got, want)
+    copies = [t.clone() for t in group]
+    assert all(a is b for a, b in zip(hvd.grouped_allreduce_(copies, op=hvd.Sum), copies))
+    for got, want in zip(copies, sums):
+        same(got, want)
+    copies = [t.clone() for t in group]
+    hvd.synchronize(hvd.grouped_allreduce_async_(copies, op=hvd.Max))
+    same(copies[1], torch.stack(everyone((2, 2), torch.int64)).amax(0))
+
+@check
+def allreduce_refusals_name_the_way_out():
+    for call, words in [
+            (lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), "use op=hvd.Average instead"),
+            (lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)), "bool tensor cannot be"),
+            (lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64)), "is not carried"),
+            (lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum, average=True), "supersedes"),
+            (lambda: hvd.reducescatter(torch.ones(2), op=hvd.Max), "use hvd.Average or")]:
+        try:
+            call()
+            raise AssertionError(f"accepted: {words}")
+        except (ValueError, TypeError) as exc:
+            assert words in str(exc), str(exc)
+
+@check
+def allreduce_gradients_are_horovods():
+    for op, scale in [(hvd.Sum, 1.0), (hvd.Average, 1.0), (hvd.Sum, 0.5)]:
+        x = of(ME, (4,), torch.float64).requires_grad_()
+        y = hvd.allreduce(x, op=op, prescale_factor=scale)
+        (y * torch.arange(1.0, 5.0, dtype=torch.float64)).sum().backward()
+        # the gradient of every rank is the same: allreduce of it with the same op and scale
+        want = torch.arange(1.0, 5.0, dtype=torch.float64) * scale * (N if op == hvd.Sum else 1)
+        same(x.grad, want, f"grad {op}")
+    xs = [of(ME, (3,), torch.float64).requires_grad_() for _ in range(2)]
+    outs = hvd.grouped_allreduce(xs, op=hvd.Sum)
+    sum(o.sum() for o in outs).backward()
+    same(xs[1].grad, torch.full((3,), float(N), dtype=torch.float64))
+
+def rows(r, dtype, cols=3):
+    """Rank r's rows of an allgather: r + 1 of them (ranks differ in the first dimension)."""
+    return of(r, (r + 1, cols), dtype)
+
+@check
+def allgather_uneven_rows_every_dtype_async_grouped():
+    for dtype in FLOATS + INTS + [torch.bool]:
+        mine = rows(ME, dtype) if dtype != torch.bool else rows(ME, torch.int64) > 5
+        want = torch.cat([rows(r, dtype) if dtype != torch.bool else rows(r, torch.int64) > 5
+                          for r in range(N)])
+        same(hvd.allgather(mine), want, f"allgather {dtype}")
+        same(hvd.synchronize(hvd.allgather_async(mine, name=f"ag.{dtype}")), want, dtype)
+    group = [rows(ME, torch.float32), of(ME, (2,), torch.int32)]
+    got = hvd.grouped_allgather(group, name="gag")
+    same(got[0], torch.cat([rows(r, torch.float32) for r in range(N)]))
+    same(got[1], torch.cat(everyone((2,), torch.int32)))
+    got = hvd.synchronize(hvd.grouped_allgather_async(group))
+    same(got[1], torch.cat(everyone((2,), torch.int32)))
+    # the same name with another number of rows (a last, smaller batch)
+    for count in (4, 2):
+        x = torch.full((count, 2), float(ME))
+        same(hvd.allgather(x, name="batch"),
+             torch.cat([torch.full((count, 2), float(r)) for r in range(N)]))
+
+@check
+def allgather_object_and_gradient():
+    assert hvd.allgather_object({"rank": ME, "blob": "x" * ME}) == \\
+        [{"rank": r, "blob": "x" * r} for r in range(N)]
+    x = rows(ME, torch.float64).requires_grad_()
+    y = hvd.allgather(x)
+    weights = torch.arange(float(y.numel()), dtype=torch.float64).reshape(y.shape)
+    (y * weights).sum().backward()
+    start = sum(r + 1 for r in range(ME))
+    same(x.grad, weights[start:start + ME + 1])       # averaged: the same on every rank
+
+@check
+def broadcast_from_every_root_in_place_async_and_gradient():
+    for root in range(N):
+        for dtype in [torch.float32, torch.bfloat16, torch.int8, torch.uint8]:
+            inputs = everyone((2, 3), dtype)
+            same(hvd.broadcast(inputs[ME], root), inputs[root], f"broadcast {dtype}")
+            x = inputs[ME].clone()
+            assert hvd.broadcast_(x, root_rank=root, name=f"b.{dtype}") is x
+            same(x, inputs[root])
+        flags = torch.tensor([ME == root, True])
+        same(hvd.synchronize(hvd.broadcast_async(flags, root)), torch.tensor([True, True]))
+        y = of(ME, (4,), torch.float64).t()
+        hvd.synchronize(hvd.broadcast_async_(y, root))
+        same(y, of(root, (4,), torch.float64))
+    x = of(ME, (3,), torch.float64).requires_grad_()
+    hvd.broadcast(x, root_rank=N - 1).sum().backward()
+    same(x.grad, torch.full((3,), 1.0 if ME == N - 1 else 0.0, dtype=torch.float64))
+    try:
+        hvd.broadcast(torch.ones(1), root_rank=N)
+        raise AssertionError("a bad root was accepted")
+    except ValueError as exc:
+        assert f"root_rank {N} is not a rank" in str(exc)
+
+def splits_of(r):
+    """Rank r sends (r + d) % 3 rows to rank d."""
+    return [(r + d) % 3 for d in range(N)]
+
+def sent(r, dtype):
+    return of(r, (sum(splits_of(r)), 2), dtype)
+
+@check
+def alltoall_with_and_without_splits_and_gradient():
+    for dtype in [torch.float32, torch.int64, torch.float16]:
+        pieces = [torch.split(sent(r, dtype), splits_of(r)) for r in range(N)]
+        want = torch.cat([pieces[s][ME] for s in range(N)])
+        got, received = hvd.alltoall(sent(ME, dtype), splits=splits_of(ME))
+        same(got, want, f"alltoall {dtype}")
+        same(received, torch.tensor([splits_of(s)[ME] for s in range(N)], dtype=torch.int32))
+        out, rec = hvd.synchronize(hvd.alltoall_async(sent(ME, dtype),
+                                                      torch.tensor(splits_of(ME))))
+        same(out, want)
+        assert rec.dtype == torch.int64
+    even = of(ME, (2 * N, 3), torch.float32)
+    got = hvd.alltoall(even)
+    assert isinstance(got, torch.Tensor)
+    same(got, torch.cat([of(s, (2 * N, 3), torch.float32)[2 * ME:2 * ME + 2]
+                         for s in range(N)]))
+    x = sent(ME, torch.float64).requires_grad_()
+    y, _ = hvd.alltoall(x, splits=splits_of(ME))
+    (y * (ME + 1)).sum().backward()
+    # the rows x sent to rank d come back with d's weight
+    same(x.grad, torch.cat([torch.full((c, 2), float(d + 1), dtype=torch.float64)
+                            for d, c in enumerate(splits_of(ME))]))
+
+@check
+def reducescatter_uneven_sum_average_grouped_and_gradient():
+    n_rows = 2 * N + 1
+    counts = [n_rows // N + (1 if r < n_rows % N else 0) for r in range(N)]
+    start = sum(counts[:ME])
+    for dtype in [torch.float32, torch.float64, torch.int32]:
+        inputs = everyone((n_rows, 2), dtype)
+        total = sum(i.double() for i in inputs)
+        same(hvd.reducescatter(inputs[ME], op=hvd.Sum),
+             total[start:start + counts[ME]].to(dtype), f"sum {dtype}")
+        if dtype.is_floating_point:
+            got = hvd.synchronize(hvd.reducescatter_async(inputs[ME], name=f"rs.{dtype}"))
+            assert torch.allclose(got.double(), total[start:start + counts[ME]] / N)
+    got = hvd.grouped_reducescatter([everyone((n_rows,), torch.float64)[ME],
+                                     everyone((N,), torch.float64)[ME]], op=hvd.Sum)
+    same(got[1], sum(everyone((N,), torch.float64))[ME:ME + 1])
+    got = hvd.synchronize(hvd.grouped_reducescatter_async([everyone((N, 2), torch.float64)[ME]],
+                                                          op=hvd.Sum))
+    same(got[0], sum(everyone((N, 2), torch.float64))[ME:ME + 1])
+    x = everyone((n_rows,), torch.float64)[ME].requires_grad_()
+    hvd.reducescatter(x, op=hvd.Average).sum().backward()
+    same(x.grad, torch.ones(n_rows, dtype=torch.float64))      # allgather of the ones
+
+@check
+def barrier_join_process_sets_and_internal_errors():
+    hvd.barrier()
+    assert hvd.join() in range(N)
+    assert hvd.remove_process_set(hvd.global_process_set) is False
+    same(hvd.allreduce(torch.ones(2), op=hvd.Sum, process_set=hvd.global_process_set),
+         torch.full((2,), float(N)))
+    if N > 1:
+        try:
+            hvd.add_process_set([0])
+            raise AssertionError("a subset was accepted")
+        except hvd.ProcessSetUnsupported as exc:
+            assert "cannot scope a collective" in str(exc) and isinstance(exc, NotImplementedError)
+        try:
+            hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0]))
+            raise AssertionError("a subset was accepted")
+        except hvd.EngineError as exc:
+            assert "Use the global process set" in str(exc)
+    try:
+        hvd.add_process_set(range(N))
+        raise AssertionError("a duplicate of the global set was accepted")
+    except ValueError as exc:
+        assert "duplicate" in str(exc)
+
+@check
+def a_timeline_is_written():
+    path = os.path.join(sys.argv[1], "timeline.json")
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(1000), name="traced")
+    hvd.stop_timeline()
+    mine = path if ME == 0 else os.path.join(sys.argv[1], f"timeline.rank{ME}.json")
+    with open(mine) as f:
+        trace = json.load(f)
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert any("traced" in str(n) for n in names), names
+'''
+
+CHECKS = ["names_and_feature_queries", "allreduce_sum_and_average_every_dtype",
+          "allreduce_min_max_product_every_dtype",
+          "allreduce_scales_in_place_async_grouped_and_deprecated_average",
+          "allreduce_refusals_name_the_way_out", "allreduce_gradients_are_horovods",
+          "allgather_uneven_rows_every_dtype_async_grouped", "allgather_object_and_gradient",
+          "broadcast_from_every_root_in_place_async_and_gradient",
+          "alltoall_with_and_without_splits_and_gradient",
+          "reducescatter_uneven_sum_average_grouped_and_gradient",
+          "barrier_join_process_sets_and_internal_errors", "a_timeline_is_written"]
+
+
+#: (ranks, BPSCTL_LOCAL_REDUCE): one rank alone; two through the intra-node stage (one host,
+#: no servers); three through the servers
+LAUNCHES = [(1, "auto"), (2, "auto"), (3, "off")]
+
+
+@pytest.fixture(scope="module", params=LAUNCHES,
+                ids=lambda p: f"np{p[0]}-{'stage' if p[1] == 'auto' else 'servers'}")
+def horovod_results(request, tmp_path_factory):
+    np_, local_reduce = request.param
+    return run_script(tmp_path_factory.mktemp(f"hvd{np_}"), HOROVOD_SCRIPT, np=np_,
+                      local_reduce=local_reduce)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("check", CHECKS)
+def test_horovod_collectives(horovod_results, check):
+    assert_ok(horovod_results, check)
