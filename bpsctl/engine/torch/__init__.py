@@ -959,7 +959,8 @@ class _GradientSync:
     def __init__(self, named_parameters: list[tuple[str, torch.nn.Parameter]], prefix: str,
                  compression: CompressionArg, passes_per_step: int,
                  before_first_push: Callable[[], None] | None = None,
-                 group_of: dict | None = None, solo: bool = False):
+                 group_of: dict | None = None, solo: bool = False, average: bool = True,
+                 predivide: float = 1.0, sparse_as_dense: bool = False):
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expected at least 1, "
                              f"got {passes_per_step}")
@@ -975,6 +976,12 @@ class _GradientSync:
                                 group_of, config.cuda_fusion_bytes)
         self.bucket_of = {p: b for b in self.buckets for p in b.params}
         self.compression = compression
+        # Horovod's op=Sum (average=False), gradient_predivide_factor (gradients divided by it
+        # before the sum, multiplied by it after the average: the same average, summed in a
+        # range that overflows less) and sparse_as_dense
+        self.average, self.predivide = average, predivide
+        self.sparse_as_dense = sparse_as_dense
+        self.densified: set[torch.nn.Parameter] = set()     # sparse gradients pushed dense
         self.passes_per_step = passes_per_step
         self.delay = {p: passes_per_step for p in self.params}
         self.handles: dict[_Bucket, int] = {}
@@ -1013,25 +1020,34 @@ class _GradientSync:
             # this step's slot: the gradients stay there while s more steps run
             into, name = self.stale.slot_tensor(bucket)
         tensor = self.gradient(bucket, into)
-        self.handles[bucket] = push_pull_async_inplace(tensor, average=True, name=name,
+        if self.predivide != 1.0:
+            tensor.div_(self.predivide)             # the push_pull overwrites it anyway
+        self.handles[bucket] = push_pull_async_inplace(tensor, average=self.average, name=name,
                                                        priority=bucket.priority,
                                                        compression=self.compression)
 
-    @staticmethod
-    def grads(bucket: _Bucket) -> list[torch.Tensor]:
-        """The bucket's members' gradients (a missing one becomes zeros)."""
+    def grads(self, bucket: _Bucket) -> list[torch.Tensor]:
+        """The bucket's members' gradients (a missing one becomes zeros; a sparse one dense,
+        with ``sparse_as_dense``, made sparse again after the push_pull)."""
         grads = []
         for p in bucket.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+            elif p.grad.is_sparse:
+                if not self.sparse_as_dense:
+                    raise ValueError(f"{self.prefix}: the gradient of a parameter of shape "
+                                     f"{tuple(p.shape)} is sparse; pass sparse_as_dense=True to "
+                                     "DistributedOptimizer (it is pushed dense and made sparse "
+                                     "again), or make the layer dense (sparse=False)")
+                p.grad = p.grad.to_dense()
+                self.densified.add(p)
             grads.append(p.grad)
         return grads
 
-    @classmethod
-    def gradient(cls, bucket: _Bucket, into: torch.Tensor | None = None) -> torch.Tensor:
+    def gradient(self, bucket: _Bucket, into: torch.Tensor | None = None) -> torch.Tensor:
         """The bucket's gradient as one tensor: a lone parameter's own, or its members'
         packed into the bucket's flat buffer; with ``into``, packed there (even a lone one)."""
-        grads = cls.grads(bucket)
+        grads = self.grads(bucket)
         if into is None:
             if len(grads) == 1:
                 return grads[0]
@@ -1056,6 +1072,7 @@ class _GradientSync:
         for bucket, handle in self.take_handles():
             synchronize(handle)
             self.unpack(bucket)
+            self.rescale(bucket)
         # the wait for the averaged gradients, on the worker's timeline
         worker = _engine._w()
         worker.trace_span("synchronize", self.prefix, started_ns, now_ns())
@@ -1082,6 +1099,18 @@ class _GradientSync:
                                     self.last_ready_ns)
             self.first_ready_ns = 0
         return taken
+
+    def rescale(self, bucket: _Bucket) -> None:
+        """After the bucket's push_pull is unpacked: undo the predivision, make densified
+        gradients sparse again."""
+        for p in bucket.params:
+            if p.grad is None:
+                continue
+            if self.predivide != 1.0:
+                p.grad.mul_(self.predivide)
+            if p in self.densified:
+                p.grad = p.grad.to_sparse()
+                self.densified.discard(p)
 
     @staticmethod
     def unpack(bucket: _Bucket, flat: torch.Tensor | None = None) -> None:
@@ -1142,7 +1171,8 @@ def _end_step(plugin: _Plugin) -> None:
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
-    def __init__(self, params, named_parameters, compression, backward_passes_per_step):
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step,
+                 options: dict[str, Any] | None = None):
         # the class is rebuilt on the wrapped optimizer's class (DistributedOptimizer): this is
         # that optimizer's __init__, whose hyperparameters all have defaults
         super(self.__class__, self).__init__(params)  # type: ignore[call-arg]
@@ -1155,7 +1185,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # alone, the gradients are their own averages: no hooks, nothing per step
             # (staleness still delays the update by its s steps, so it keeps the full path)
             self._sync = _GradientSync(named, prefix, compression, backward_passes_per_step,
-                                       solo=plugin.worker.solo and not plugin.config.staleness)
+                                       solo=plugin.worker.solo and not plugin.config.staleness,
+                                       **(options or {}))
             if plugin.config.staleness:
                 self._sync.stale = StaleGradients(self._sync, plugin.config.staleness)
         self._should_synchronize = True
@@ -1362,17 +1393,35 @@ def _check_async(optimizer: torch.optim.Optimizer, compression: CompressionArg) 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: CompressionArg = Compression.none,
-                         backward_passes_per_step: int = 1) -> torch.optim.Optimizer:
+                         backward_passes_per_step: int = 1, op: Any = 0,
+                         gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: Any = None, sparse_as_dense: bool = False,
+                         process_set: Any = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so each gradient is averaged across workers from a per-parameter hook
     the moment it is ready; ``step()`` waits only for what is still outstanding. Under
     ``BPSCTL_ASYNC`` (``optimizer`` a ``torch.optim.SGD``) the servers hold the parameters and
-    apply the gradients: see the module docstring."""
+    apply the gradients: see the module docstring.
+
+    Horovod's keywords: ``op`` (``Average``, or ``Sum`` to sum the gradients; Adasum is
+    refused), ``gradient_predivide_factor`` (Average only: gradients are divided by it before
+    the sum and multiplied by it after the average), ``sparse_as_dense`` (sparse gradients
+    travel dense and are made sparse again), ``process_set`` (the global one only);
+    ``groups`` and ``num_groups`` are checked and otherwise left to bpsctl's buckets
+    (``BPSCTL_FUSION_BYTES``), which group gradients in backward order already."""
+    from .mpi_ops import _optimizer_options  # (mpi_ops imports this module)
+    options = _optimizer_options(op, gradient_predivide_factor, num_groups, groups,
+                                 sparse_as_dense, process_set, backward_passes_per_step)
     methods = dict(_DistributedOptimizer.__dict__)
     if _p().config.async_mode:
         _check_async(optimizer, compression)
+        if options != _optimizer_options(0, 1.0, 0, None, False, None, 1):
+            raise ValueError("BPSCTL_ASYNC (asynchronous training): the servers apply each "
+                             "gradient as it comes; op, gradient_predivide_factor and "
+                             "sparse_as_dense do not apply there; leave them at their defaults")
         methods.update(_AsyncDistributedOptimizer.__dict__)
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,), methods)
-    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step)
+    return cls(optimizer.param_groups, named_parameters, compression, backward_passes_per_step,
+               options)
 
 
 class DistributedDataParallel(torch.nn.Module):

@@ -285,19 +285,22 @@ _counters: dict[str, itertools.count] = {}
 def _name(kind: str, name: str | None) -> tuple[str, bool]:
     """The engine name of a collective of ``kind`` and whether it is used this once (Horovod's
     auto-naming: ``<kind>.noname.<n>`` from a counter of the kind, the same on every rank
-    that calls the same collectives in the same order). Engine names under one user name are
-    suffixed with their shape where it may change (:func:`_shaped`)."""
+    that calls the same collectives in the same order). The engine binds a name to the dtype
+    and shape of its first push_pull: a named allreduce, broadcast or reducescatter keeps its
+    shape (another one is refused, naming it), while gathered buffers, whose rows change
+    from call to call, are named by their row count (:func:`_rows`)."""
     if name is None:
         counter = _counters.setdefault(kind, itertools.count())
         return f"{kind}.noname.{next(counter)}", True
     return f"{kind}.{name}", False
 
 
-def _shaped(name: str, tensor: torch.Tensor) -> str:
-    """``name`` with ``tensor``'s dtype and shape: the engine binds a name to one of each, and
-    Horovod lets a name come back with another shape (a last, smaller batch)."""
-    dims = "x".join(str(d) for d in tensor.shape)
-    return f"{name}[{str(tensor.dtype).replace('torch.', '')}:{dims}]"
+def _rows(name: str, buffer: torch.Tensor) -> str:
+    """The engine name of a gathered ``buffer``: ``name`` and its row count, the same on every
+    rank (the counts were exchanged), since a gather under one name may come back with other
+    counts (a last, smaller batch). Other dimensions stay out of it: ranks that disagree on
+    them get the engine's error naming the tensor, rather than waiting on different names."""
+    return f"{name}.rows{buffer.shape[0]}"
 
 
 def _check_tensor(tensor: Any, what: str, bool_ok: bool = True) -> torch.Tensor:
@@ -348,7 +351,7 @@ def _exchange_ints(mine: np.ndarray, name: str, once: bool = True) -> np.ndarray
     n, me = size(), rank()
     table = torch.zeros((n, len(mine)), dtype=torch.int64)
     table[me] = torch.from_numpy(np.asarray(mine, np.int64))
-    synchronize(_push_sum(table, _shaped(f"{name}.counts", table), once))
+    synchronize(_push_sum(table, f"{name}.counts", once))
     return table.numpy()
 
 
@@ -376,8 +379,6 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
     _check_set(process_set, kind)
     _check_tensor(tensor, kind, bool_ok=op in K.GATHERED_OPS)
     wire_name, once = _name(kind, name)
-    if name is not None:
-        wire_name = _shaped(wire_name, tensor)
     detached = tensor.detach()
     source = _scaled(detached, prescale_factor)
     if op in K.SERVER_OPS:
@@ -597,7 +598,7 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
         start = K.offsets(counts)[me]
         buffer[start:start + counts[me]] = t.detach()
         member = f"{base}.{i}" if len(tensors) > 1 else base
-        handles.append(_push_sum(_as_bytes(buffer), _shaped(member, buffer), once))
+        handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer), once))
         all_counts.append(counts)
     return handles, all_counts, base
 
@@ -700,7 +701,7 @@ def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_ran
             buffer.zero_()
         elif buffer is not tensor:
             buffer.copy_(tensor)
-    handle = _push_sum(_as_bytes(buffer), _shaped(wire_name, buffer), once)
+    handle = _push_sum(_as_bytes(buffer), wire_name, once)
     return _then(wire_name, [handle], lambda _: buffer)
 
 
@@ -772,7 +773,7 @@ def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
                          device=tensor.device)
     start = K.offsets(senders)[me]
     buffer[start:start + rows] = tensor.detach()
-    handle = _push_sum(_as_bytes(buffer), _shaped(base, buffer), once)
+    handle = _push_sum(_as_bytes(buffer), _rows(base, buffer), once)
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
 
     def pick(_: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -917,6 +918,38 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
     return list(_GroupedReducescatter.apply(
         name, K.resolve_op(op, None, "grouped_reducescatter"), process_set, prescale_factor,
         postscale_factor, compression, *tensors))
+
+
+# --------------------------------------------------------------------------- optimizer
+
+def _optimizer_options(op: Any, gradient_predivide_factor: float, num_groups: int, groups: Any,
+                       sparse_as_dense: bool, process_set: ProcessSet | None,
+                       backward_passes_per_step: int) -> dict[str, Any]:
+    """DistributedOptimizer's Horovod keywords, checked as Horovod checks them, as the
+    options of its gradient hooks (``average``, ``predivide``, ``sparse_as_dense``)."""
+    resolved = K.resolve_op(op, None, "DistributedOptimizer")
+    K.check_op(resolved, K.SERVER_OPS, "DistributedOptimizer")
+    if gradient_predivide_factor != 1.0:
+        if resolved is not Average:
+            raise ValueError("DistributedOptimizer: gradient_predivide_factor is not supported "
+                             "with op != hvd.Average")
+        if not gradient_predivide_factor > 0:
+            raise ValueError(f"DistributedOptimizer: gradient_predivide_factor must be "
+                             f"positive, got {gradient_predivide_factor}")
+        if _p().config.staleness:
+            raise ValueError("DistributedOptimizer: gradient_predivide_factor with "
+                             "BPSCTL_STALENESS is not supported; leave it at 1.0")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if num_groups and groups is None:
+        groups = num_groups
+    if groups is not None and not (isinstance(groups, list) or
+                                   (isinstance(groups, int) and groups > 0)):
+        raise ValueError("DistributedOptimizer: groups should be a non-negative integer or a "
+                         f"list of lists of torch.Tensor, got {groups!r}")
+    _check_set(process_set, "DistributedOptimizer")
+    return {"average": resolved is Average, "predivide": float(gradient_predivide_factor),
+            "sparse_as_dense": bool(sparse_as_dense)}
 
 
 # --------------------------------------------------------------------------- barrier, join
