@@ -208,6 +208,19 @@ def allreduce_scales_in_place_async_grouped_and_deprecated_average():
     same(copies[1], torch.stack(everyone((2, 2), torch.int64)).amax(0))
 
 @check
+def automatic_names_come_back_once_synchronized():
+    for _ in range(5):
+        hvd.allreduce(torch.ones(7), op=hvd.Sum)
+    handles = [hvd.allreduce_async(torch.ones(7), op=hvd.Sum) for _ in range(3)]
+    for h in handles:
+        same(hvd.synchronize(h), torch.full((7,), float(N)))
+    worker = hvd._p().worker
+    names = set(worker._tensors) | set(worker._solo_bindings)
+    if hvd._p().stage is None:          # (the intra-node stage names nothing in the engine)
+        mine = sorted(n for n in names if n.startswith("allreduce.noname.float32:7."))
+        assert mine == [f"allreduce.noname.float32:7.{i}" for i in range(3)], mine
+
+@check
 def allreduce_refusals_name_the_way_out():
     for call, words in [
             (lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum), "use op=hvd.Average instead"),
@@ -463,6 +476,7 @@ def broadcast_optimizer_state_of_other_optimizers():
 '''
 
 CHECKS = ["a_failed_collective_raises_horovod_internal_error",
+          "automatic_names_come_back_once_synchronized",
           "distributed_optimizer_takes_horovods_keywords",
           "broadcast_optimizer_state_of_other_optimizers", "names_and_feature_queries",
           "allreduce_sum_and_average_every_dtype",

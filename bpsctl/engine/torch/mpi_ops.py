@@ -279,20 +279,52 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 
 # --------------------------------------------------------------------------- common pieces
 
-_counters: dict[str, itertools.count] = {}
+Release = Callable[[], None]
 
 
-def _name(kind: str, name: str | None) -> tuple[str, bool]:
-    """The engine name of a collective of ``kind`` and whether it is used this once (Horovod's
-    auto-naming: ``<kind>.noname.<n>`` from a counter of the kind, the same on every rank
-    that calls the same collectives in the same order). The engine binds a name to the dtype
-    and shape of its first push_pull: a named allreduce, broadcast or reducescatter keeps its
-    shape (another one is refused, naming it), while gathered buffers, whose rows change
-    from call to call, are named by their row count (:func:`_rows`)."""
+class _AutoNames:
+    """Names for collectives called without one. Horovod counts them; here an engine name is
+    a key that the scheduler declares (a round trip) and the servers keep for the whole job,
+    so a count that only grows would declare a new key at every call of a training loop.
+    Instead a collective takes the lowest index not held by another collective of the same
+    kind, dtype and shape that has not been synchronized yet, and gives it back at its
+    :func:`synchronize`: names come back, bounded by how many such collectives are ever
+    outstanding at once. Every rank picks the same index, since what it holds depends only
+    on the order of its calls (the order Horovod needs anyway), not on timing."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[int]] = {}
+
+    def take(self, key: str) -> tuple[str, Release]:
+        held = self.held.setdefault(key, set())
+        index = next(i for i in itertools.count() if i not in held)
+        held.add(index)
+        return f"{key}.{index}", lambda: held.discard(index)
+
+
+_auto_names = _AutoNames()
+
+
+def _keep() -> None:
+    """A user's name is not given back: it is the user's."""
+
+
+def _signature(tensor: torch.Tensor, first_dim: bool = True) -> str:
+    """The dtype and shape (without the first dimension unless ``first_dim``) in a name."""
+    dims = tensor.shape if first_dim else tensor.shape[1:]
+    return f"{str(tensor.dtype).replace('torch.', '')}:{'x'.join(map(str, dims))}"
+
+
+def _name(kind: str, name: str | None, signature: str) -> tuple[str, Release]:
+    """The engine name of a collective of ``kind`` (``<kind>.<name>``, or one of
+    :class:`_AutoNames` for the ``signature`` when ``name`` is None) and what to call when
+    it is synchronized. The engine binds a name to the dtype and shape of its first
+    push_pull: a named allreduce, broadcast or reducescatter keeps its shape (another one is
+    refused, naming it), while gathered buffers, whose rows change from call to call, are
+    named by their row count (:func:`_rows`)."""
     if name is None:
-        counter = _counters.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(counter)}", True
-    return f"{kind}.{name}", False
+        return _auto_names.take(f"{kind}.noname.{signature}")
+    return f"{kind}.{name}", _keep
 
 
 def _rows(name: str, buffer: torch.Tensor) -> str:
@@ -339,29 +371,33 @@ def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return (tensor.double() * factor).to(tensor.dtype)
 
 
-def _push_sum(tensor: torch.Tensor, name: str, once: bool,
-              compression: CompressionArg = Compression.none, average: bool = False) -> int:
-    """Start the push_pull of ``tensor`` (a private buffer: the result lands in it)."""
-    return _start(tensor, average, name, 0, compression, inplace=True, once=once)
+def _push_sum(tensor: torch.Tensor, name: str) -> int:
+    """Start the push_pull (a sum) of ``tensor``, a private buffer: the result lands in it."""
+    return _start(tensor, False, name, 0, Compression.none, inplace=True)
 
 
-def _exchange_ints(mine: np.ndarray, name: str, once: bool = True) -> np.ndarray:
+def _exchange_ints(mine: np.ndarray, name: str) -> np.ndarray:
     """Every rank's ``mine`` (a small int64 vector, the same length on every rank), as a
     ``size() x len(mine)`` array: one push_pull, waited for here."""
     n, me = size(), rank()
     table = torch.zeros((n, len(mine)), dtype=torch.int64)
     table[me] = torch.from_numpy(np.asarray(mine, np.int64))
-    synchronize(_push_sum(table, f"{name}.counts", once))
+    synchronize(_push_sum(table, f"{name}.counts"))
     return table.numpy()
 
 
-def _then(name: str, handles: list[int], finish: Callable[[list[Any]], Any]) -> int:
-    """A handle whose :func:`synchronize` returns ``finish(results of handles)``; the
-    collective ``name`` is a ``collective`` span of the worker's trace, from now to then."""
+def _then(name: str, handles: list[int], finish: Callable[[list[Any]], Any],
+          release: Release = _keep) -> int:
+    """A handle whose :func:`synchronize` returns ``finish(results of handles)`` and then gives
+    the collective's automatic name back (``release``); the collective ``name`` is a
+    ``collective`` span of the worker's trace, from now to then."""
     started_ns = now_ns()
 
     def finish_traced(results: list[Any]) -> Any:
-        result = finish(results)
+        try:
+            result = finish(results)
+        finally:
+            release()
         _p().worker.trace_span("collective", name, started_ns, now_ns())
         return result
     return _track_composite(handles, finish_traced)
@@ -378,7 +414,9 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
     new tensor."""
     _check_set(process_set, kind)
     _check_tensor(tensor, kind, bool_ok=op in K.GATHERED_OPS)
-    wire_name, once = _name(kind, name)
+    gathered = op in K.GATHERED_OPS     # its own buffer shape: a name of its own
+    wire_name, release = _name(f"{kind}.{op.name}" if gathered else kind, name,
+                               _signature(tensor))
     detached = tensor.detach()
     source = _scaled(detached, prescale_factor)
     if op in K.SERVER_OPS:
@@ -386,7 +424,7 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
         private = source is not detached        # a scaled copy: the result may land in it
         inplace = output is not None and not private
         handle = _start(tensor if inplace else source, op is Average and floating, wire_name, 0,
-                        compression, inplace=inplace or private, once=once)
+                        compression, inplace=inplace or private)
         divide = op is Average and not floating
 
         def finish(results: list[torch.Tensor]) -> torch.Tensor:
@@ -399,13 +437,13 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
             if result is not output:
                 output.detach().copy_(result)
             return output
-        return _then(wire_name, [handle], finish)
+        return _then(wire_name, [handle], finish, release)
     # Min, Max, Product: every rank's tensor gathered (one slot each), reduced here
     wire, ctx = compression.compress(source) if isinstance(compression, type) \
         else (source, None)
     slots = torch.zeros((size(), *wire.shape), dtype=wire.dtype, device=wire.device)
     slots[rank()] = wire
-    handle = _push_sum(_as_bytes(slots), wire_name, once)
+    handle = _push_sum(_as_bytes(slots), wire_name)
 
     def reduce(results: list[torch.Tensor]) -> torch.Tensor:
         gathered = slots                # the sum landed in it (through its bytes for bool)
@@ -422,7 +460,7 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
             return result
         output.detach().copy_(result)
         return output
-    return _then(wire_name, [handle], reduce)
+    return _then(wire_name, [handle], reduce, release)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -578,18 +616,19 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
 
 def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: str,
                      process_set: ProcessSet | None
-                     ) -> tuple[list[int], list[list[int]], str]:
+                     ) -> tuple[list[int], list[list[int]], str, Release]:
     """Start gathering each of ``tensors`` along its first dimension: one exchange of row
     counts (waited for) for all of them, then a push_pull of each gathered buffer. Returns
-    the handles (each gives its buffer), every tensor's counts per rank, and the base name."""
+    the handles (each gives its buffer), every tensor's counts per rank, the base name and
+    what gives it back (for :func:`_then`)."""
     _check_set(process_set, kind)
     for t in tensors:
         _check_tensor(t, kind)
         if t.dim() == 0:
             raise ValueError(f"{kind}: a tensor of at least one dimension is needed; reshape "
                              "a scalar with tensor.reshape(1)")
-    base, once = _name(kind, name)
-    table = _exchange_ints(np.array([t.shape[0] for t in tensors], np.int64), base, once)
+    base, release = _name(kind, name, ";".join(_signature(t, first_dim=False) for t in tensors))
+    table = _exchange_ints(np.array([t.shape[0] for t in tensors], np.int64), base)
     me = rank()
     handles, all_counts = [], []
     for i, t in enumerate(tensors):
@@ -598,13 +637,27 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
         start = K.offsets(counts)[me]
         buffer[start:start + counts[me]] = t.detach()
         member = f"{base}.{i}" if len(tensors) > 1 else base
-        handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer), once))
+        handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer)))
         all_counts.append(counts)
-    return handles, all_counts, base
+    return handles, all_counts, base, release
 
 
 def _as_dtype(result: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return result.view(torch.bool) if dtype == torch.bool else result
+
+
+def _allgather(tensors: Sequence[torch.Tensor], name: str | None, kind: str,
+               process_set: ProcessSet | None, one: bool) -> tuple[int, list[list[int]]]:
+    """A handle gathering each of ``tensors`` (:func:`_allgather_start`) whose
+    :func:`synchronize` gives the list of results (the result alone with ``one``), and every
+    tensor's counts per rank."""
+    tensors = list(tensors)
+    handles, counts, base, release = _allgather_start(tensors, name, kind, process_set)
+
+    def results(gathered: list[torch.Tensor]) -> Any:
+        typed = [_as_dtype(r, t.dtype) for r, t in zip(gathered, tensors, strict=True)]
+        return typed[0] if one else typed
+    return _then(base, handles, results, release), counts
 
 
 def allgather_async(tensor: torch.Tensor, name: str | None = None,
@@ -614,8 +667,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     it. Gathered through summation: one push_pull of the row counts (waited for here), then
     one of the whole result, each rank's rows at its offset and zeros elsewhere (every rank
     pushes and pulls the whole result)."""
-    handles, _, base = _allgather_start([tensor], name, "allgather", process_set)
-    return _then(base, handles, lambda results: _as_dtype(results[0], tensor.dtype))
+    return _allgather([tensor], name, "allgather", process_set, one=True)[0]
 
 
 class _Allgather(torch.autograd.Function):
@@ -624,9 +676,9 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, tensor, name, process_set):
-        handles, counts, _ = _allgather_start([tensor], name, "allgather", process_set)
+        handle, counts = _allgather([tensor], name, "allgather", process_set, one=True)
         ctx.process_set, ctx.counts = process_set, counts[0]
-        return _as_dtype(synchronize(handles[0]), tensor.dtype)
+        return synchronize(handle)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -646,19 +698,15 @@ def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = 
                             process_set: ProcessSet = global_process_set) -> int:
     """:func:`allgather_async` of each tensor, with one exchange of row counts for all;
     :func:`synchronize` returns the list."""
-    tensors = list(tensors)
-    handles, _, base = _allgather_start(tensors, name, "grouped_allgather", process_set)
-    return _then(base, handles, lambda results: [_as_dtype(r, t.dtype)
-                                                 for r, t in zip(results, tensors, strict=True)])
+    return _allgather(tensors, name, "grouped_allgather", process_set, one=False)[0]
 
 
 class _GroupedAllgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, *tensors):
-        handles, counts, _ = _allgather_start(tensors, name, "grouped_allgather", process_set)
+        handle, counts = _allgather(tensors, name, "grouped_allgather", process_set, one=False)
         ctx.process_set, ctx.counts = process_set, counts
-        return tuple(_as_dtype(synchronize(h), t.dtype) for h, t in zip(handles, tensors,
-                                                                         strict=True))
+        return tuple(synchronize(handle))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -678,8 +726,8 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
     """Every rank's ``obj`` (pickled), as a list in rank order."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    handles, counts, _ = _allgather_start([data], name, "allgather_object", None)
-    gathered = synchronize(handles[0]).numpy().tobytes()
+    handle, counts = _allgather([data], name, "allgather_object", None, one=True)
+    gathered = synchronize(handle).numpy().tobytes()
     starts = K.offsets(counts[0])
     return [pickle.loads(gathered[s:s + c]) for s, c in zip(starts, counts[0], strict=True)]
 
@@ -693,7 +741,7 @@ def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_ran
     _check_set(process_set, "broadcast")
     _check_tensor(tensor, "broadcast")
     _check_root(root_rank)
-    wire_name, once = _name("broadcast", name)
+    wire_name, release = _name("broadcast", name, _signature(tensor))
     buffer = output if output is not None else torch.empty_like(tensor.detach(),
                                                                  memory_format=torch.contiguous_format)
     with torch.no_grad():
@@ -701,8 +749,8 @@ def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_ran
             buffer.zero_()
         elif buffer is not tensor:
             buffer.copy_(tensor)
-    handle = _push_sum(_as_bytes(buffer), wire_name, once)
-    return _then(wire_name, [handle], lambda _: buffer)
+    handle = _push_sum(_as_bytes(buffer), wire_name)
+    return _then(wire_name, [handle], lambda _: buffer, release)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -765,21 +813,21 @@ def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
     else:
         values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
         counts = K.check_splits(values, rows, n)
-    base, once = _name("alltoall", name)
-    matrix = _exchange_ints(np.array(counts, np.int64), base, once)
+    base, release = _name("alltoall", name, _signature(tensor, first_dim=False))
+    matrix = _exchange_ints(np.array(counts, np.int64), base)
     spans, received = K.alltoall_plan(matrix, me)
     senders = [int(row.sum()) for row in matrix]
     buffer = torch.zeros((sum(senders), *tensor.shape[1:]), dtype=tensor.dtype,
                          device=tensor.device)
     start = K.offsets(senders)[me]
     buffer[start:start + rows] = tensor.detach()
-    handle = _push_sum(_as_bytes(buffer), _rows(base, buffer), once)
+    handle = _push_sum(_as_bytes(buffer), _rows(base, buffer))
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
 
     def pick(_: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         output = torch.cat([buffer[s:s + c] for s, c in spans])
         return output, torch.tensor(received, dtype=splits_dtype)
-    return _then(base, [handle], pick)
+    return _then(base, [handle], pick, release)
 
 
 def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = None,
@@ -977,6 +1025,9 @@ def join(device: int = -1) -> int:
     del device
     stamps = torch.zeros(size(), dtype=torch.float64)
     stamps[rank()] = time.time()
-    base, once = _name("join", None)
-    synchronize(_push_sum(stamps, base, once))
+    base, release = _name("join", None, "")
+    try:
+        synchronize(_push_sum(stamps, base))
+    finally:
+        release()
     return int(torch.argmax(stamps).item())
