@@ -473,9 +473,39 @@ def broadcast_optimizer_state_of_other_optimizers():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and value.is_floating_point():
                     same(hvd.broadcast(value, 0), value, key)     # equal on every rank
+
+@check
+def sync_batch_norm_is_batch_norm_over_every_ranks_batch():
+    torch.manual_seed(1)
+    batches = [torch.randn(r + 2, 3, 4, dtype=torch.float64) * (r + 1) + r for r in range(N)]
+    weights = [torch.randn(r + 2, 3, 4, dtype=torch.float64) for r in range(N)]
+    sync = hvd.SyncBatchNorm(3, momentum=0.3).double()
+    with torch.no_grad():
+        sync.weight.copy_(torch.tensor([1.0, 2.0, -1.0]))
+        sync.bias.copy_(torch.tensor([0.5, 0.0, 1.0]))
+    whole = torch.nn.BatchNorm1d(3, momentum=0.3).double()
+    whole.load_state_dict(sync.state_dict())
+    x = batches[ME].clone().requires_grad_()
+    y = sync(x)
+    (y * weights[ME]).sum().backward()
+    every = torch.cat(batches).requires_grad_()
+    out = whole(every)
+    (out * torch.cat(weights)).sum().backward()
+    start = sum(r + 2 for r in range(ME))
+    rows = slice(start, start + ME + 2)
+    assert torch.allclose(y, out[rows], atol=1e-12)
+    assert torch.allclose(x.grad, every.grad[rows], atol=1e-10), (x.grad, every.grad[rows])
+    assert torch.allclose(sync.running_mean, whole.running_mean, atol=1e-12)
+    assert torch.allclose(sync.running_var, whole.running_var, atol=1e-12)
+    # the weight's gradient is this rank's share; the job's sum is the whole batch's
+    assert torch.allclose(hvd.allreduce(sync.weight.grad, op=hvd.Sum), whole.weight.grad)
+    sync.eval()
+    whole.eval()
+    assert torch.allclose(sync(batches[ME]), whole(batches[ME]))
 '''
 
-CHECKS = ["a_failed_collective_raises_horovod_internal_error",
+CHECKS = ["sync_batch_norm_is_batch_norm_over_every_ranks_batch",
+          "a_failed_collective_raises_horovod_internal_error",
           "automatic_names_come_back_once_synchronized",
           "distributed_optimizer_takes_horovods_keywords",
           "broadcast_optimizer_state_of_other_optimizers", "names_and_feature_queries",

@@ -1464,8 +1464,9 @@ class DistributedDataParallel(torch.nn.Module):
 
 
 
-# Horovod's hvd.elastic, and its collectives (mpi_ops): both use the functions above
+# Horovod's hvd.elastic, its collectives (mpi_ops) and SyncBatchNorm, on the functions above
 from . import elastic, mpi_ops  # noqa: E402
 from .mpi_ops import *  # noqa: E402,F401,F403
+from .sync_batch_norm import SyncBatchNorm  # noqa: E402
 
-__all__ += mpi_ops.__all__
+__all__ += [*mpi_ops.__all__, "SyncBatchNorm"]
