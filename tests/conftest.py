@@ -95,6 +95,9 @@ TIERS: dict[str, set[str]] = {
     # Horovod's collectives: one job each of 1, 2 and 3 workers running every check (about
     # 20 s each on 2 busy cores)
     "test_horovod_api.py::test_horovod_collectives": {"slow"},
+    # Horovod's synthetic benchmark on 2 workers (where its examples are given): about 13 s
+    "test_horovod_api.py::test_horovods_synthetic_benchmark_runs_with_only_its_import_changed":
+        {"slow"},
     "test_emulate.py::test_create_reach_destroy": {"slow", "root"},
     "test_emulate.py::test_teardown_on_keyboard_interrupt": {"slow", "root"},
     "test_emulate.py::test_leftovers_of_a_crashed_run_are_found_and_removed": {"slow", "root"},

@@ -7,8 +7,12 @@ arithmetic of :mod:`bpsctl.engine.collectives` has fast tests of its own below.
 """
 from __future__ import annotations
 
+import io
+import os
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +21,9 @@ torch = pytest.importorskip("torch")
 
 from test_torch_plugin import assert_ok, run_script  # noqa: E402
 
+from bpsctl.config import Config  # noqa: E402
 from bpsctl.engine import collectives as K  # noqa: E402
+from bpsctl.launch.api import run_local  # noqa: E402
 
 # --------------------------------------------------------------------------- pure functions
 
@@ -537,3 +543,58 @@ def horovod_results(request, tmp_path_factory):
 @pytest.mark.parametrize("check", CHECKS)
 def test_horovod_collectives(horovod_results, check):
     assert_ok(horovod_results, check)
+
+
+# --------------------------------------------------------------------------- Horovod's example
+
+#: a directory holding Horovod's examples (``examples`` of a Horovod source checkout, whose
+#: ``pytorch/pytorch_synthetic_benchmark.py`` the test below runs); they are not copied here
+HOROVOD_EXAMPLES = os.environ.get("BPSCTL_HOROVOD_EXAMPLES", "")
+
+#: a stand-in for torchvision, whose wheel does not load on CPU torch: the benchmark takes its
+#: model from ``torchvision.models`` by name (``--model``), built with ``norm_layer``
+TORCHVISION_MODELS = '''
+"""torchvision.models for the test: tiny(norm_layer=...), a small convolutional network."""
+import torch
+from torch import nn
+
+
+def tiny(norm_layer=nn.BatchNorm2d, num_classes=1000):
+    return nn.Sequential(nn.Conv2d(3, 8, 7, stride=4, padding=3, bias=False), norm_layer(8),
+                         nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, num_classes))
+'''
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not HOROVOD_EXAMPLES, reason="set BPSCTL_HOROVOD_EXAMPLES to the examples "
+                    "directory of a Horovod source checkout to run its synthetic benchmark")
+def test_horovods_synthetic_benchmark_runs_with_only_its_import_changed(tmp_path, monkeypatch):
+    """Horovod's ``examples/pytorch/pytorch_synthetic_benchmark.py``, its ``import
+    horovod.torch as hvd`` line replaced by ``import bpsctl.engine.torch as hvd`` and nothing
+    else, on 2 workers, with a small model (``--model tiny`` from a stand-in ``torchvision``
+    package on PYTHONPATH, since torchvision's wheel does not load here) and few batches
+    (its own flags). The model's batch norm layers are ``hvd.SyncBatchNorm`` (the script
+    passes ``norm_layer``)."""
+    source = Path(HOROVOD_EXAMPLES, "pytorch", "pytorch_synthetic_benchmark.py").read_text()
+    assert source.count("import horovod.torch as hvd\n") == 1
+    script = tmp_path / "pytorch_synthetic_benchmark.py"
+    script.write_text(source.replace("import horovod.torch as hvd\n",
+                                     "import bpsctl.engine.torch as hvd\n"))
+    stub = tmp_path / "stub" / "torchvision"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("from . import models\n")
+    (stub / "models.py").write_text(TORCHVISION_MODELS)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(stub.parent), str(Path(__file__).resolve().parent.parent),
+         os.environ.get("PYTHONPATH", "")]))
+    log = io.StringIO()
+    config = Config(state_dir=tmp_path / "state", heartbeat_interval_s=0.2,
+                    start_timeout_s=30.0, op_timeout_s=30.0)
+    result = run_local([sys.executable, str(script), "--model", "tiny", "--batch-size", "4",
+                        "--num-warmup-batches", "1", "--num-batches-per-iter", "2",
+                        "--num-iters", "2", "--no-cuda"], 2, config, servers=1,
+                       stdout=log, stderr=log)
+    output = log.getvalue()
+    assert result.exit_code == 0, output[-4000:]
+    assert "Total img/sec on 2 CPU(s)" in output, output[-4000:]
