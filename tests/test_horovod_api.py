@@ -143,6 +143,7 @@ def names_and_feature_queries():
     assert hvd.is_homogeneous() is True
     assert issubclass(hvd.HorovodInternalError, hvd.EngineError)
     assert hvd.global_process_set.size() == N and hvd.global_process_set.rank() == ME
+    assert hvd.global_process_set.ranks == list(range(N))
 
 @check
 def allreduce_sum_and_average_every_dtype():
@@ -391,6 +392,14 @@ def barrier_join_process_sets_and_internal_errors():
         assert "duplicate" in str(exc)
 
 @check
+def the_numpy_api_gathers_too():
+    import numpy as np
+    import bpsctl.engine as engine
+    got = engine.allgather(np.full((ME + 1, 2), ME, np.int16), name="numpy.gather")
+    want = np.concatenate([np.full((r + 1, 2), r, np.int16) for r in range(N)])
+    assert got.dtype == np.int16 and np.array_equal(got, want), got
+
+@check
 def a_timeline_is_written():
     path = os.path.join(sys.argv[1], "timeline.json")
     hvd.start_timeline(path)
@@ -523,7 +532,8 @@ CHECKS = ["sync_batch_norm_is_batch_norm_over_every_ranks_batch",
           "broadcast_from_every_root_in_place_async_and_gradient",
           "alltoall_with_and_without_splits_and_gradient",
           "reducescatter_uneven_sum_average_grouped_and_gradient",
-          "barrier_join_process_sets_and_internal_errors", "a_timeline_is_written"]
+          "barrier_join_process_sets_and_internal_errors", "the_numpy_api_gathers_too",
+          "a_timeline_is_written"]
 
 
 #: (ranks, BPSCTL_LOCAL_REDUCE): one rank alone; two through the intra-node stage (one host,

@@ -18,11 +18,13 @@ from typing import Any
 
 from ..config import Config
 from . import cuda
+from .collectives import gather_by_sum
 from .common import EngineError
 from .worker import Handle, Worker
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "push_pull", "push_pull_async", "poll", "synchronize", "declare", "barrier",
+           "allgather",
            "Worker", "Handle", "EngineError", "Config"]
 
 _worker: Worker | None = None
@@ -101,3 +103,12 @@ def declare(name: str, shape: tuple[int, ...], dtype: Any) -> None:
 
 def barrier(timeout_s: float | None = None) -> None:
     _w().barrier(timeout_s)
+
+
+def allgather(array: Any, name: str) -> Any:
+    """Every worker's ``array`` (host memory) concatenated along the first dimension in rank
+    order (workers may differ in that dimension only), through summation: see
+    :func:`bpsctl.engine.collectives.gather_by_sum`. ``name`` is the same on every worker."""
+    worker = _w()
+    return gather_by_sum(array, worker.rank, worker.size,
+                         lambda a, n: worker.push_pull(a, name=n, average=False), name)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ from . import (
     _start,
     _track_composite,
     _wire_dtype,
+    is_initialized,
     rank,
     size,
     synchronize,
@@ -237,8 +239,20 @@ class ProcessSet:
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 
-global_process_set = ProcessSet([])
-global_process_set.process_set_id = 0
+class _GlobalProcessSet(ProcessSet):
+    """Every rank of the job (``ranks`` as Horovod fills them in at init)."""
+
+    process_set_id = 0
+
+    def __init__(self) -> None:
+        pass
+
+    @property
+    def ranks(self) -> list[int] | None:  # type: ignore[override]
+        return list(range(size())) if is_initialized() else None
+
+
+global_process_set: ProcessSet = _GlobalProcessSet()
 
 
 def _unsupported(ranks: Any, what: str) -> ProcessSetUnsupported:
@@ -294,12 +308,18 @@ class _AutoNames:
 
     def __init__(self) -> None:
         self.held: dict[str, set[int]] = {}
+        self.lock = threading.Lock()
 
     def take(self, key: str) -> tuple[str, Release]:
-        held = self.held.setdefault(key, set())
-        index = next(i for i in itertools.count() if i not in held)
-        held.add(index)
-        return f"{key}.{index}", lambda: held.discard(index)
+        with self.lock:
+            held = self.held.setdefault(key, set())
+            index = next(i for i in itertools.count() if i not in held)
+            held.add(index)
+
+        def release() -> None:
+            with self.lock:
+                held.discard(index)
+        return f"{key}.{index}", release
 
 
 _auto_names = _AutoNames()
