@@ -58,6 +58,14 @@ def test_ops_resolve_as_horovod_and_adasum_names_the_alternative():
         K.check_op(K.ReduceOp.Max, K.SERVER_OPS, "reducescatter")
 
 
+def test_cross_rank_and_size_follow_horovods_definition_on_uneven_hosts():
+    # hosts of 2 and 1 workers: ranks 0, 1 on the first, rank 2 on the second
+    assert [K.cross_layout([0, 2], 3, r) for r in range(3)] == [(0, 2), (0, 1), (1, 2)]
+    # equal hosts: the host's index and count
+    assert [K.cross_layout([0, 2, 4], 6, r) for r in range(6)] == \
+        [(0, 3), (0, 3), (1, 3), (1, 3), (2, 3), (2, 3)]
+
+
 def test_alltoall_splits_are_checked_and_planned():
     assert K.even_splits(6, 3) == [2, 2, 2]
     with pytest.raises(ValueError, match="divisible by the number of ranks"):

@@ -82,6 +82,17 @@ def resolve_op(op: Any, average: bool | None, what: str = "allreduce") -> Reduce
     return resolved
 
 
+def cross_layout(firsts: Sequence[int], size: int, rank: int) -> tuple[int, int]:
+    """Horovod's cross rank and cross size of ``rank`` in a job of ``size`` ranks whose hosts
+    start at ranks ``firsts`` (ranks of a host are contiguous): among the hosts that have a
+    worker of this one's local rank, the index of this one's host and their count."""
+    ends = [*firsts[1:], size]
+    host = max(i for i, first in enumerate(firsts) if first <= rank)
+    local_rank = rank - firsts[host]
+    with_slot = [i for i in range(len(firsts)) if ends[i] - firsts[i] > local_rank]
+    return with_slot.index(host), len(with_slot)
+
+
 def check_op(op: ReduceOp, allowed: Sequence[ReduceOp], what: str) -> None:
     """ValueError unless ``op`` is one of ``allowed`` for the collective ``what``."""
     if op not in allowed:

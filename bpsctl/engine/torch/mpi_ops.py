@@ -9,7 +9,7 @@ reducescatter sums the whole tensor and keeps this rank's rows. Handles are inte
 :func:`poll` and :func:`synchronize`, as push_pull's.
 
 Rules Horovod has too: every rank calls the same collectives in the same order, with the
-same names (a name left out is made from a per-kind counter, the same on every rank), and
+same names (a name left out is made the same way on every rank: :class:`_AutoNames`), and
 the same shapes where Horovod needs them. The ``*_async`` forms of allgather and alltoall
 wait for the exchange of row counts (one small push_pull) before returning; the data
 travels in the background. A failed collective raises :class:`HorovodInternalError` at
@@ -21,11 +21,12 @@ of the job has pushed), and ``join`` lets no rank go on alone (see :func:`join`)
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import pickle
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,11 +151,7 @@ def _hosts() -> tuple[int, int, bool]:
         return _layouts[id(plugin)]
     table = _exchange_ints(np.array([worker.local_rank == 0], np.int64), "cross_rank")
     firsts = [r for r in range(worker.size) if table[r, 0]]
-    index = max(i for i, first in enumerate(firsts) if first <= worker.rank)
-    ends = firsts[1:] + [worker.size]
-    with_my_slot = [i for i, (a, b) in enumerate(zip(firsts, ends, strict=True))
-                    if b - a > worker.local_rank]
-    found = _layouts[id(plugin)] = (with_my_slot.index(index), len(with_my_slot), False)
+    found = _layouts[id(plugin)] = (*K.cross_layout(firsts, worker.size, worker.rank), False)
     return found
 
 
@@ -406,6 +403,18 @@ def _exchange_ints(mine: np.ndarray, name: str) -> np.ndarray:
     return table.numpy()
 
 
+@contextlib.contextmanager
+def _released_on_error(release: Release) -> Iterator[None]:
+    """Give an automatic name back if the collective fails to start (bad input, the engine
+    gone), so that this rank's next collective of its kind takes the same name as the
+    others'."""
+    try:
+        yield
+    except BaseException:
+        release()
+        raise
+
+
 def _then(name: str, handles: list[int], finish: Callable[[list[Any]], Any],
           release: Release = _keep) -> int:
     """A handle whose :func:`synchronize` returns ``finish(results of handles)`` and then gives
@@ -443,8 +452,9 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
         floating = tensor.dtype.is_floating_point
         private = source is not detached        # a scaled copy: the result may land in it
         inplace = output is not None and not private
-        handle = _start(tensor if inplace else source, op is Average and floating, wire_name, 0,
-                        compression, inplace=inplace or private)
+        with _released_on_error(release):
+            handle = _start(tensor if inplace else source, op is Average and floating,
+                            wire_name, 0, compression, inplace=inplace or private)
         divide = op is Average and not floating
 
         def finish(results: list[torch.Tensor]) -> torch.Tensor:
@@ -458,29 +468,32 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
                 output.detach().copy_(result)
             return output
         return _then(wire_name, [handle], finish, release)
-    # Min, Max, Product: every rank's tensor gathered (one slot each), reduced here
-    wire, ctx = compression.compress(source) if isinstance(compression, type) \
-        else (source, None)
+    # Min, Max, Product: every rank's tensor gathered (one slot each), reduced here; the
+    # casts of Compression apply (the engine's compressors sum, which a gather cannot take)
+    cast = compression if isinstance(compression, type) else Compression.none
+    wire, ctx = cast.compress(source)
     slots = torch.zeros((size(), *wire.shape), dtype=wire.dtype, device=wire.device)
     slots[rank()] = wire
-    handle = _push_sum(_as_bytes(slots), wire_name)
+    with _released_on_error(release):
+        handle = _push_sum(_as_bytes(slots), wire_name)
 
-    def reduce(results: list[torch.Tensor]) -> torch.Tensor:
-        gathered = slots                # the sum landed in it (through its bytes for bool)
-        if op is Min:
-            reduced = gathered.amin(dim=0) if gathered.dtype != torch.bool else gathered.all(0)
-        elif op is Max:
-            reduced = gathered.amax(dim=0) if gathered.dtype != torch.bool else gathered.any(0)
-        else:
-            reduced = gathered.prod(dim=0, dtype=gathered.dtype) \
-                if gathered.dtype != torch.bool else gathered.all(0)
-        result = _scaled(compression.decompress(reduced, ctx), postscale_factor) \
-            if isinstance(compression, type) else _scaled(reduced, postscale_factor)
+    def reduce(_: list[torch.Tensor]) -> torch.Tensor:
+        # the gather landed in slots (through its bytes for bool)
+        reduced = _REDUCE[op][slots.dtype == torch.bool](slots)
+        result = _scaled(cast.decompress(reduced, ctx), postscale_factor)
         if output is None:
             return result
         output.detach().copy_(result)
         return output
     return _then(wire_name, [handle], reduce, release)
+
+
+#: how Min, Max and Product reduce the gathered slots (dimension 0): for numbers, and for bool
+_REDUCE: dict[ReduceOp, tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = {
+    Min: (lambda t: t.amin(dim=0), lambda t: t.all(dim=0)),
+    Max: (lambda t: t.amax(dim=0), lambda t: t.any(dim=0)),
+    Product: (lambda t: t.prod(dim=0, dtype=t.dtype), lambda t: t.all(dim=0)),
+}
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -648,17 +661,18 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
             raise ValueError(f"{kind}: a tensor of at least one dimension is needed; reshape "
                              "a scalar with tensor.reshape(1)")
     base, release = _name(kind, name, ";".join(_signature(t, first_dim=False) for t in tensors))
-    table = _exchange_ints(np.array([t.shape[0] for t in tensors], np.int64), base)
-    me = rank()
-    handles, all_counts = [], []
-    for i, t in enumerate(tensors):
-        counts = [int(c) for c in table[:, i]]
-        buffer = torch.zeros((sum(counts), *t.shape[1:]), dtype=t.dtype, device=t.device)
-        start = K.offsets(counts)[me]
-        buffer[start:start + counts[me]] = t.detach()
-        member = f"{base}.{i}" if len(tensors) > 1 else base
-        handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer)))
-        all_counts.append(counts)
+    with _released_on_error(release):
+        table = _exchange_ints(np.array([t.shape[0] for t in tensors], np.int64), base)
+        me = rank()
+        handles, all_counts = [], []
+        for i, t in enumerate(tensors):
+            counts = [int(c) for c in table[:, i]]
+            buffer = torch.zeros((sum(counts), *t.shape[1:]), dtype=t.dtype, device=t.device)
+            start = K.offsets(counts)[me]
+            buffer[start:start + counts[me]] = t.detach()
+            member = f"{base}.{i}" if len(tensors) > 1 else base
+            handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer)))
+            all_counts.append(counts)
     return handles, all_counts, base, release
 
 
@@ -762,14 +776,15 @@ def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_ran
     _check_tensor(tensor, "broadcast")
     _check_root(root_rank)
     wire_name, release = _name("broadcast", name, _signature(tensor))
-    buffer = output if output is not None else torch.empty_like(tensor.detach(),
-                                                                 memory_format=torch.contiguous_format)
+    buffer = output if output is not None else \
+        torch.empty_like(tensor.detach(), memory_format=torch.contiguous_format)
     with torch.no_grad():
         if rank() != root_rank:
             buffer.zero_()
         elif buffer is not tensor:
             buffer.copy_(tensor)
-    handle = _push_sum(_as_bytes(buffer), wire_name)
+    with _released_on_error(release):
+        handle = _push_sum(_as_bytes(buffer), wire_name)
     return _then(wire_name, [handle], lambda _: buffer, release)
 
 
@@ -834,14 +849,15 @@ def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
         values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
         counts = K.check_splits(values, rows, n)
     base, release = _name("alltoall", name, _signature(tensor, first_dim=False))
-    matrix = _exchange_ints(np.array(counts, np.int64), base)
-    spans, received = K.alltoall_plan(matrix, me)
-    senders = [int(row.sum()) for row in matrix]
-    buffer = torch.zeros((sum(senders), *tensor.shape[1:]), dtype=tensor.dtype,
-                         device=tensor.device)
-    start = K.offsets(senders)[me]
-    buffer[start:start + rows] = tensor.detach()
-    handle = _push_sum(_as_bytes(buffer), _rows(base, buffer))
+    with _released_on_error(release):
+        matrix = _exchange_ints(np.array(counts, np.int64), base)
+        spans, received = K.alltoall_plan(matrix, me)
+        senders = [int(row.sum()) for row in matrix]
+        buffer = torch.zeros((sum(senders), *tensor.shape[1:]), dtype=tensor.dtype,
+                             device=tensor.device)
+        start = K.offsets(senders)[me]
+        buffer[start:start + rows] = tensor.detach()
+        handle = _push_sum(_as_bytes(buffer), _rows(base, buffer))
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
 
     def pick(_: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
