@@ -393,6 +393,14 @@ def barrier_join_process_sets_and_internal_errors():
             raise AssertionError("a subset was accepted")
         except hvd.EngineError as exc:
             assert "Use the global process set" in str(exc)
+    hvd.init(list(range(N)), process_sets=[hvd.ProcessSet(range(N))])   # Horovod's forms
+    hvd.init(comm=list(range(N)), process_sets="dynamic")
+    if N > 1:
+        try:
+            hvd.init(process_sets=[[0]])
+            raise AssertionError("a subset was accepted")
+        except hvd.ProcessSetUnsupported as exc:
+            assert "init(process_sets=...)" in str(exc), str(exc)
     try:
         hvd.add_process_set(range(N))
         raise AssertionError("a duplicate of the global set was accepted")

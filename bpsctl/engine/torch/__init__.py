@@ -263,11 +263,21 @@ class _Plugin:
 _plugin: _Plugin | None = None
 
 
-def init(config: Config | None = None) -> None:
-    """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent."""
+def init(config: Config | None = None, process_sets: Any = None, *, comm: Any = None) -> None:
+    """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent.
+
+    Horovod's ``init(comm=None, process_sets=None)`` is accepted too: ``comm`` (first, or by
+    name) as a list of ranks and ``process_sets`` must cover every rank of the job (see
+    :class:`~bpsctl.engine.torch.mpi_ops.ProcessSetUnsupported`); ``process_sets="dynamic"``
+    is accepted (``add_process_set`` then says what it can do)."""
     global _plugin
+    if config is not None and not isinstance(config, Config):
+        config, comm = None, config         # Horovod's positional comm
     if _plugin is None:
         _plugin = _Plugin(config)
+    if comm is not None or process_sets is not None:
+        from .mpi_ops import _check_init_sets  # (mpi_ops imports this module)
+        _check_init_sets(comm, process_sets)
 
 
 def shutdown() -> None:
@@ -1103,6 +1113,8 @@ class _GradientSync:
     def rescale(self, bucket: _Bucket) -> None:
         """After the bucket's push_pull is unpacked: undo the predivision, make densified
         gradients sparse again."""
+        if self.predivide == 1.0 and not self.densified:
+            return
         for p in bucket.params:
             if p.grad is None:
                 continue

@@ -270,6 +270,20 @@ def _check_set(process_set: ProcessSet | None, what: str) -> None:
     raise _unsupported(process_set.ranks, what)
 
 
+def _check_init_sets(comm: Any, process_sets: Any) -> None:
+    """``init(comm, process_sets)`` as Horovod takes them: each must hold every rank (or be
+    ``"dynamic"``, for ``process_sets``); :class:`ProcessSetUnsupported` otherwise."""
+    if comm is not None:
+        ranks = sorted(comm) if isinstance(comm, (list, tuple, range)) else None
+        if ranks != list(range(size())):
+            raise _unsupported(comm, "init(comm=...)")
+    if process_sets is None or process_sets == "dynamic":
+        return
+    for process_set in process_sets:
+        _check_set(process_set if isinstance(process_set, ProcessSet)
+                   else ProcessSet(process_set), "init(process_sets=...)")
+
+
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Horovod's dynamic process sets: ValueError for a set of every rank (the global set
     exists already, as in Horovod), :class:`ProcessSetUnsupported` for a proper subset."""
