@@ -276,7 +276,7 @@ def init(config: Config | None = None, process_sets: Any = None, *, comm: Any = 
     if _plugin is None:
         _plugin = _Plugin(config)
     if comm is not None or process_sets is not None:
-        from .mpi_ops import _check_init_sets  # (mpi_ops imports this module)
+        from .process_sets import _check_init_sets  # (it imports this module)
         _check_init_sets(comm, process_sets)
 
 
@@ -841,8 +841,13 @@ def _donate(plugin: _Plugin, elastic: Any = None) -> None:
             worker.donate(rank_, incarnation, state)
 
 
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
-    """Return ``obj`` from ``root_rank`` on every rank (pickled; all ranks must call it)."""
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = None) -> Any:
+    """Return ``obj`` from ``root_rank`` on every rank (pickled; all ranks must call it).
+    ``process_set``: Horovod's, the global one only."""
+    if process_set is not None:
+        from .process_sets import _check_set  # (it imports this module)
+        _check_set(process_set, "broadcast_object")
     _check_root(root_rank)
     plugin = _p()
     key = f"broadcast_object.{name or 'object'}.{plugin.objects}"
@@ -858,10 +863,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     return obj if me else pickle.loads(payload.numpy().tobytes())
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Any = None) -> None:
     """Copy ``optimizer``'s state (and hyper-parameters) from ``root_rank`` to all ranks. In a
     rejoining worker nothing happens here: a DistributedOptimizer's first ``step()`` loads the
-    state the live worker handed over."""
+    state the live worker handed over. ``model`` (Horovod's, to find sparse parameters) is
+    not needed: the whole state travels pickled."""
+    del model
     if _received_state(_p()) is not None:
         return
     buffer = io.BytesIO()
@@ -1420,7 +1428,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     travel dense and are made sparse again), ``process_set`` (the global one only);
     ``groups`` and ``num_groups`` are checked and otherwise left to bpsctl's buckets
     (``BPSCTL_FUSION_BYTES``), which group gradients in backward order already."""
-    from .mpi_ops import _optimizer_options  # (mpi_ops imports this module)
+    from .optimizer import _optimizer_options  # (it imports this module)
     options = _optimizer_options(op, gradient_predivide_factor, num_groups, groups,
                                  sparse_as_dense, process_set, backward_passes_per_step)
     methods = dict(_DistributedOptimizer.__dict__)

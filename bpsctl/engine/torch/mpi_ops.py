@@ -16,8 +16,9 @@ travels in the background. A failed collective raises :class:`HorovodInternalErr
 :func:`synchronize`.
 
 Not carried: Adasum (ValueError naming ``op=hvd.Average``), process sets other than the
-global one (:class:`ProcessSetUnsupported`; the servers' rounds complete when every worker
-of the job has pushed), and ``join`` lets no rank go on alone (see :func:`join`).
+global one (:mod:`.process_sets`), and ``join`` lets no rank go on alone (see
+:func:`join`). Horovod's other names of this module are in :mod:`.basics` (feature queries,
+host layout, timelines) and :mod:`.process_sets`, and re-exported here as in Horovod.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,260 +46,52 @@ from . import (
     _start,
     _track_composite,
     _wire_dtype,
-    is_initialized,
+    basics,
+    process_sets,
     rank,
     size,
     synchronize,
 )
 
+# Horovod's mpi_ops has these names too
+from .basics import (  # noqa: F401
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    is_homogeneous,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rocm_built,
+    start_timeline,
+    stop_timeline,
+)
+from .process_sets import (  # noqa: F401
+    ProcessSet,
+    ProcessSetUnsupported,
+    _check_set,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+
 Average, Sum, Adasum = ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum
 Min, Max, Product = ReduceOp.Min, ReduceOp.Max, ReduceOp.Product
 
-__all__ = ["Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
-           "ProcessSet", "ProcessSetUnsupported", "global_process_set", "add_process_set",
-           "remove_process_set", "mpi_built", "mpi_enabled", "mpi_threads_supported",
-           "gloo_built", "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built",
-           "rocm_built", "cross_rank", "cross_size", "is_homogeneous", "start_timeline",
-           "stop_timeline", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
-           "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
-           "grouped_allreduce_async_", "sparse_allreduce_async", "allgather", "allgather_async",
-           "grouped_allgather", "grouped_allgather_async", "allgather_object", "broadcast",
-           "broadcast_", "broadcast_async", "broadcast_async_", "alltoall", "alltoall_async",
-           "reducescatter", "reducescatter_async", "grouped_reducescatter",
-           "grouped_reducescatter_async", "barrier", "join"]
-
-
-# --------------------------------------------------------------------------- what bpsctl is
-
-def mpi_built() -> bool:
-    """False: bpsctl uses no MPI (its launcher is ``bpsctl run``)."""
-    return False
-
-
-def mpi_enabled() -> bool:
-    """False: bpsctl uses no MPI."""
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    """False: bpsctl uses no MPI. (Horovod without MPI raises ValueError here; False lets a
-    script that only asks go on.)"""
-    return False
-
-
-def gloo_built() -> bool:
-    """False: Horovod's gloo controller is not used (the intra-node stage may run gloo through
-    torch.distributed with ``BPSCTL_LOCAL_SHM=0``, which is not this)."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """False: see :func:`gloo_built`."""
-    return False
-
-
-def nccl_built() -> int:
-    """NCCL's version code (as Horovod's: ``major * 10000 + minor * 100 + patch``) where torch
-    has NCCL and a CUDA device is usable (the intra-node stage then all-reduces CUDA tensors
-    with it), else 0."""
-    if not torch.cuda.is_available():
-        return 0
-    try:
-        version = torch.cuda.nccl.version()
-    except (AttributeError, RuntimeError):
-        return 0
-    if isinstance(version, int):
-        return version
-    major, minor, patch = (list(version) + [0, 0, 0])[:3]
-    return major * 10000 + minor * 100 + patch
-
-
-def cuda_built() -> bool:
-    """Whether this torch was built with CUDA (CUDA tensors are then carried, staged through
-    host memory or through NCCL)."""
-    return torch.backends.cuda.is_built()
-
-
-def rocm_built() -> bool:
-    """False: bpsctl has no ROCm path of its own."""
-    return False
-
-
-def ddl_built() -> bool:
-    """False: IBM DDL is not used."""
-    return False
-
-
-def ccl_built() -> bool:
-    """False: oneCCL is not used."""
-    return False
-
-
-_layouts: dict[int, tuple[int, int, bool]] = {}      # id(plugin) -> what _hosts found
-
-
-def _hosts() -> tuple[int, int, bool]:
-    """(cross rank, cross size, homogeneous). Ranks on a host are contiguous, as ``bpsctl
-    run`` places them; when the job's size is a multiple of this host's worker count, every
-    host is taken to hold that many (the intra-node stage assumes the same). Otherwise the
-    ranks exchange which of them is first on its host (once per job)."""
-    plugin = _p()
-    worker = plugin.worker
-    if worker.size % worker.local_size == 0:
-        return worker.rank // worker.local_size, worker.size // worker.local_size, True
-    if id(plugin) in _layouts:
-        return _layouts[id(plugin)]
-    table = _exchange_ints(np.array([worker.local_rank == 0], np.int64), "cross_rank")
-    firsts = [r for r in range(worker.size) if table[r, 0]]
-    found = _layouts[id(plugin)] = (*K.cross_layout(firsts, worker.size, worker.rank), False)
-    return found
-
-
-def cross_rank() -> int:
-    """This host's index among the hosts that have a worker of this local rank (Horovod's
-    cross rank; with equal hosts: the host's index). When hosts hold different numbers of
-    workers the first call is collective (a small exchange): call it on every rank."""
-    return _hosts()[0]
-
-
-def cross_size() -> int:
-    """How many hosts have a worker of this local rank (with equal hosts: the host count);
-    see :func:`cross_rank`."""
-    return _hosts()[1]
-
-
-def is_homogeneous() -> bool:
-    """Whether every host runs as many workers (see :func:`cross_rank`)."""
-    return _hosts()[2]
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start recording this worker's timeline (bpsctl's Chrome trace, :mod:`bpsctl.engine.trace`:
-    every push_pull, its partitions on the wire and the waits) from now; rank 0 writes it to
-    ``file_path`` at :func:`stop_timeline` (or shutdown), rank ``r`` beside it as
-    ``<stem>.rank<r><suffix>``. Unlike ``BPSCTL_TRACE_DIR``, the servers do not trace.
-    ``mark_cycles`` is accepted and ignored (bpsctl has no negotiation cycles)."""
-    del mark_cycles
-    path = Path(file_path)
-    me = rank()
-    if me:
-        path = path.with_name(f"{path.stem}.rank{me}{path.suffix}")
-    _p().worker.start_trace(path)
-
-
-def stop_timeline() -> None:
-    """Stop the timeline :func:`start_timeline` started and write it."""
-    _p().worker.stop_trace()
-
-
-# --------------------------------------------------------------------------- process sets
-
-class ProcessSetUnsupported(EngineError, NotImplementedError):
-    """A collective on a process set other than the global one: the servers complete a round
-    when every worker of the job has pushed, so an op cannot be scoped to some of them."""
-
-
-class ProcessSet:
-    """Horovod's process set: a list of ranks. Only :data:`global_process_set` (every rank)
-    can carry collectives here; see :class:`ProcessSetUnsupported`."""
-
-    process_set_id: int | None = None
-    ranks: list[int] | None = None
-    mpi_comm: Any = None
-
-    def __init__(self, ranks_or_comm: Sequence[int]):
-        if not isinstance(ranks_or_comm, (list, tuple, range)) or \
-                not all(isinstance(r, int) for r in ranks_or_comm):
-            raise ValueError("ProcessSet takes a list of ranks (bpsctl has no MPI "
-                             f"communicators), got {ranks_or_comm!r}")
-        self.ranks = sorted(ranks_or_comm)
-
-    def size(self) -> int | None:
-        """The number of ranks in the set (None if not added)."""
-        if self.process_set_id is None:
-            return None
-        return size() if self.process_set_id == 0 else len(self.ranks or [])
-
-    def rank(self) -> int | None:
-        """This process's rank within the set (None if not added)."""
-        if self.process_set_id is None:
-            return None
-        return rank() if self.process_set_id == 0 else (self.ranks or []).index(rank())
-
-    def included(self) -> bool | None:
-        """Whether this process is in the set."""
-        if self.process_set_id == 0:
-            return True
-        return None if self.ranks is None else rank() in self.ranks
-
-    def __str__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
-
-
-class _GlobalProcessSet(ProcessSet):
-    """Every rank of the job (``ranks`` as Horovod fills them in at init)."""
-
-    process_set_id = 0
-
-    def __init__(self) -> None:
-        pass
-
-    @property
-    def ranks(self) -> list[int] | None:  # type: ignore[override]
-        return list(range(size())) if is_initialized() else None
-
-
-global_process_set: ProcessSet = _GlobalProcessSet()
-
-
-def _unsupported(ranks: Any, what: str) -> ProcessSetUnsupported:
-    return ProcessSetUnsupported(
-        f"{what}: process set {ranks} is a subset of the job's workers, and bpsctl cannot scope "
-        "a collective to some of them: a server completes a round when every worker of the job "
-        "has pushed, so the others would wait forever. Use the global process set (leave "
-        "process_set out), or run the subset as a job of its own")
-
-
-def _check_set(process_set: ProcessSet | None, what: str) -> None:
-    """Nothing for the global set; :class:`ProcessSetUnsupported` for any other."""
-    if process_set is None or process_set is global_process_set or \
-            process_set.process_set_id == 0:
-        return
-    if process_set.ranks is not None and process_set.ranks == list(range(size())):
-        return          # every rank: the global set by another name
-    raise _unsupported(process_set.ranks, what)
-
-
-def _check_init_sets(comm: Any, process_sets: Any) -> None:
-    """``init(comm, process_sets)`` as Horovod takes them: each must hold every rank (or be
-    ``"dynamic"``, for ``process_sets``); :class:`ProcessSetUnsupported` otherwise."""
-    if comm is not None:
-        ranks = sorted(comm) if isinstance(comm, (list, tuple, range)) else None
-        if ranks != list(range(size())):
-            raise _unsupported(comm, "init(comm=...)")
-    if process_sets is None or process_sets == "dynamic":
-        return
-    for process_set in process_sets:
-        _check_set(process_set if isinstance(process_set, ProcessSet)
-                   else ProcessSet(process_set), "init(process_sets=...)")
-
-
-def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Horovod's dynamic process sets: ValueError for a set of every rank (the global set
-    exists already, as in Horovod), :class:`ProcessSetUnsupported` for a proper subset."""
-    if not isinstance(process_set, ProcessSet):
-        process_set = ProcessSet(process_set)
-    if process_set.ranks == list(range(size())):
-        raise ValueError(f"Attempted to add a duplicate process set: {process_set} holds every "
-                         "rank, as global_process_set does")
-    raise _unsupported(process_set.ranks, "add_process_set")
-
-
-def remove_process_set(process_set: ProcessSet) -> bool:
-    """False, as Horovod answers for the global set and for sets never added (the only kinds
-    there are here)."""
-    del process_set
-    return False
+__all__: list[str] = [
+    *basics.__all__, *process_sets.__all__,
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
+    "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "sparse_allreduce_async", "allgather", "allgather_async", "grouped_allgather",
+    "grouped_allgather_async", "allgather_object", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_async_", "alltoall", "alltoall_async", "reducescatter", "reducescatter_async",
+    "grouped_reducescatter", "grouped_reducescatter_async", "barrier", "join"]
 
 
 # --------------------------------------------------------------------------- common pieces
@@ -1019,37 +811,6 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 
 
 # --------------------------------------------------------------------------- optimizer
-
-def _optimizer_options(op: Any, gradient_predivide_factor: float, num_groups: int, groups: Any,
-                       sparse_as_dense: bool, process_set: ProcessSet | None,
-                       backward_passes_per_step: int) -> dict[str, Any]:
-    """DistributedOptimizer's Horovod keywords, checked as Horovod checks them, as the
-    options of its gradient hooks (``average``, ``predivide``, ``sparse_as_dense``)."""
-    resolved = K.resolve_op(op, None, "DistributedOptimizer")
-    K.check_op(resolved, K.SERVER_OPS, "DistributedOptimizer")
-    if gradient_predivide_factor != 1.0:
-        if resolved is not Average:
-            raise ValueError("DistributedOptimizer: gradient_predivide_factor is not supported "
-                             "with op != hvd.Average")
-        if not gradient_predivide_factor > 0:
-            raise ValueError(f"DistributedOptimizer: gradient_predivide_factor must be "
-                             f"positive, got {gradient_predivide_factor}")
-        if _p().config.staleness:
-            raise ValueError("DistributedOptimizer: gradient_predivide_factor with "
-                             "BPSCTL_STALENESS is not supported; leave it at 1.0")
-    if backward_passes_per_step <= 0:
-        raise ValueError("backward_passes_per_step must be > 0")
-    if num_groups and groups is None:
-        groups = num_groups
-    if groups is not None and not (isinstance(groups, list) or
-                                   (isinstance(groups, int) and groups > 0)):
-        raise ValueError("DistributedOptimizer: groups should be a non-negative integer or a "
-                         f"list of lists of torch.Tensor, got {groups!r}")
-    _check_set(process_set, "DistributedOptimizer")
-    return {"average": resolved is Average, "predivide": float(gradient_predivide_factor),
-            "sparse_as_dense": bool(sparse_as_dense)}
-
-
 # --------------------------------------------------------------------------- barrier, join
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
