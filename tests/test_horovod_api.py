@@ -571,6 +571,33 @@ def test_horovod_collectives(horovod_results, check):
     assert_ok(horovod_results, check)
 
 
+LOST_PEER_SCRIPT = '''
+@check
+def lost_peer():
+    bps.barrier()
+    if R == 1:
+        os._exit(0)             # gone without leaving (and without failing the job)
+    started = time.monotonic()
+    try:
+        bps.allreduce(torch.ones(3), op=bps.Sum, name="after")
+        raise AssertionError("summed without the lost worker")
+    except bps.HorovodInternalError as exc:
+        RESULTS["message"] = str(exc)
+        RESULTS["seconds"] = time.monotonic() - started
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_peer_fails_the_collective_with_horovod_internal_error(tmp_path):
+    """Rank 1 vanishes; rank 0's next allreduce raises HorovodInternalError naming it, once
+    its heartbeats are overdue (not at the op timeout)."""
+    record, = run_script(tmp_path, LOST_PEER_SCRIPT, np=2, ranks=[0], local_reduce="off",
+                         heartbeat_timeout_s=2.0)
+    assert record["results"]["lost_peer"] == "ok", record["results"]
+    assert "lost worker 1" in record["results"]["message"]
+    assert record["results"]["seconds"] < 15
+
+
 # --------------------------------------------------------------------------- Horovod's example
 
 #: a directory holding Horovod's examples (``examples`` of a Horovod source checkout, whose

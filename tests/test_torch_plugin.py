@@ -40,8 +40,10 @@ PRELUDE = textwrap.dedent('''
 ''')
 
 
-def run_script(tmp_path: Path, body: str, np: int, **knobs) -> list[dict]:
-    """Run PRELUDE + body on ``np`` workers; return each rank's record."""
+def run_script(tmp_path: Path, body: str, np: int, ranks: list[int] | None = None,
+               **knobs) -> list[dict]:
+    """Run PRELUDE + body on ``np`` workers; return each rank's record (of ``ranks`` only,
+    if given: a worker that leaves early writes none)."""
     script = tmp_path / "script.py"
     script.write_text(PRELUDE + textwrap.dedent(body) + "\nsave()\nbps.shutdown()\n")
     out_dir = tmp_path / "out"
@@ -52,7 +54,8 @@ def run_script(tmp_path: Path, body: str, np: int, **knobs) -> list[dict]:
     result = run_local([sys.executable, str(script), str(out_dir)], np, config, servers=2,
                        stdout=log, stderr=log)
     assert result.exit_code == 0, f"workers failed:\n{log.getvalue()[-4000:]}"
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(np)]
+    return [json.loads((out_dir / f"rank{r}.json").read_text())
+            for r in (range(np) if ranks is None else ranks)]
 
 
 def assert_ok(records: list[dict], check: str) -> None:
