@@ -2,7 +2,7 @@
 stale training), tested here on their own in a second or two, so that the fast tier still
 runs every module of bpsctl (see test_tiers.py): the SSH launcher's plan of a recorded
 cluster, the preflight's ports per host, the cgroup runner, the engine's microbenchmarks,
-and bounded staleness and Horovod's elastic API on a job of one worker."""
+and bounded staleness, Horovod's elastic API and its collectives on a job of one worker."""
 from __future__ import annotations
 
 import io
@@ -195,6 +195,44 @@ def test_cross_barrier_of_one_worker_is_the_wrapped_optimizer(one_worker):
     assert all(torch.equal(a, b)
                for a, b in zip(model.parameters(), plain.parameters(), strict=True))
     bps.shutdown()
+
+
+def test_horovods_collectives_of_one_worker_give_its_own_tensors(one_worker, tmp_path):
+    """Horovod's API on a job of one worker (the multi-worker checks are in
+    test_horovod_api.py, in the slow tier): each collective gives what one rank has."""
+    import torch
+    hvd = one_worker()
+    x = torch.arange(6.0).reshape(3, 2)
+    for op in (hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product):
+        assert torch.equal(hvd.allreduce(x, op=op, postscale_factor=2.0), x * 2)
+    assert torch.equal(hvd.allgather(x), x)
+    assert torch.equal(hvd.broadcast(x, root_rank=0), x)
+    out, received = hvd.alltoall(x, splits=[3])
+    assert torch.equal(out, x) and received.tolist() == [3]
+    assert torch.equal(hvd.reducescatter(x, op=hvd.Sum), x)
+    assert (hvd.cross_rank(), hvd.cross_size(), hvd.mpi_built()) == (0, 1, False)
+    with pytest.raises(hvd.ProcessSetUnsupported, match="cannot scope a collective"):
+        hvd.add_process_set([0, 1])
+    hvd.start_timeline(str(tmp_path / "timeline.json"))
+    hvd.allreduce(x, name="traced")
+    hvd.stop_timeline()
+    assert "allreduce.traced" in (tmp_path / "timeline.json").read_text()
+    model = torch.nn.Linear(2, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(), op=hvd.Sum,
+                                         groups=1)
+    model(x).sum().backward()
+    optimizer.step()
+    with pytest.raises(ValueError, match="use op=hvd.Average instead"):
+        hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
+    # the statistics path of SyncBatchNorm (a job of one takes torch's own): torch's numbers
+    sync, plain = hvd.SyncBatchNorm(2), torch.nn.BatchNorm1d(2)
+    y = x.clone().requires_grad_()
+    sync._synchronized(y).pow(2).sum().backward()
+    z = x.clone().requires_grad_()
+    plain(z).pow(2).sum().backward()
+    assert torch.allclose(y.grad, z.grad, atol=1e-6)
+    assert torch.allclose(sync.running_var, plain.running_var)
 
 
 # --------------------------------------------------------------------------- CLI parts

@@ -33,6 +33,9 @@ def test_each_tag_is_a_marker_or_a_need(key):
 #: for every module of bpsctl/, a test of the fast tier that runs its code (in the test's
 #: process or in the processes it starts): `python -m pytest -m "not slow"` then exercises all
 #: of bpsctl, and a module whose last fast test moves to `slow` fails the check below
+#: the fast test of Horovod's API, on a job of one worker
+HOROVOD_OF_ONE = "test_small_parts.py::test_horovods_collectives_of_one_worker_give_its_own_tensors"
+
 FAST_TEST_OF = {
     "__init__.py": "test_cli.py::test_status_without_a_cluster",
     "bench/allreduce.py":
@@ -63,6 +66,8 @@ FAST_TEST_OF = {
         "test_trace.py::test_a_clock_exchange_needs_the_secret_and_bounds_the_true_offset",
     "engine/cuda.py": "test_small_parts.py::"
         "test_a_cuda_array_is_told_apart_and_without_cupy_the_error_says_how_to_get_it",
+    "engine/collectives.py":
+        "test_horovod_api.py::test_reducescatter_splits_rows_as_horovod_does",
     "engine/common.py": "test_engine.py::test_sum_is_exact_for_integer_valued_data",
     "engine/compression.py":
         "test_compression.py::test_each_compressor_sends_exactly_its_stated_size",
@@ -82,14 +87,19 @@ FAST_TEST_OF = {
         "test_shm_server.py::test_segments_are_0600_and_named_for_the_cluster_job_and_server",
     "engine/supervise.py": "test_launch.py::test_up_status_down_leaves_nothing",
     "engine/torch/__init__.py": "test_torch_plugin.py::test_api",
+    "engine/torch/basics.py": HOROVOD_OF_ONE,
     "engine/torch/cross_barrier.py":
         "test_small_parts.py::test_cross_barrier_of_one_worker_is_the_wrapped_optimizer",
     "engine/torch/elastic.py":
         "test_small_parts.py::test_an_elastic_training_function_commits_and_resumes_from_its_state",
+    "engine/torch/mpi_ops.py": HOROVOD_OF_ONE,
+    "engine/torch/optimizer.py": HOROVOD_OF_ONE,
     "engine/torch/pinning.py":
         "test_staging.py::test_a_result_read_where_it_arrived_lands_whole_and_divided",
+    "engine/torch/process_sets.py": HOROVOD_OF_ONE,
     "engine/torch/staging.py":
         "test_staging.py::test_pushes_start_in_the_order_of_the_calls_and_come_back_as_they_finish",
+    "engine/torch/sync_batch_norm.py": HOROVOD_OF_ONE,
     "engine/torch/staleness.py":
         "test_small_parts.py::test_staleness_applies_the_gradient_of_s_steps_ago_and_flush_the_rest",
     "engine/trace.py":
