@@ -57,7 +57,7 @@ from ...config import Config
 from .. import compression as C
 from .. import paths
 from .. import protocol as P
-from ..collectives import HorovodInternalError
+from ..collectives import HorovodInternalError, ReduceOp
 from ..common import EngineError, keep_large_buffers
 from ..intranode import LocalOp, LocalStage, _as_array
 from ..shmlink import merge_runs
@@ -1413,7 +1413,7 @@ def _check_async(optimizer: torch.optim.Optimizer, compression: CompressionArg) 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
                          compression: CompressionArg = Compression.none,
-                         backward_passes_per_step: int = 1, op: Any = 0,
+                         backward_passes_per_step: int = 1, op: Any = ReduceOp.Average,
                          gradient_predivide_factor: float = 1.0, num_groups: int = 0,
                          groups: Any = None, sparse_as_dense: bool = False,
                          process_set: Any = None) -> torch.optim.Optimizer:
@@ -1428,13 +1428,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     travel dense and are made sparse again), ``process_set`` (the global one only);
     ``groups`` and ``num_groups`` are checked and otherwise left to bpsctl's buckets
     (``BPSCTL_FUSION_BYTES``), which group gradients in backward order already."""
-    from .optimizer import _optimizer_options  # (it imports this module)
+    from .optimizer import DEFAULTS, _optimizer_options  # (it imports this module)
     options = _optimizer_options(op, gradient_predivide_factor, num_groups, groups,
                                  sparse_as_dense, process_set, backward_passes_per_step)
     methods = dict(_DistributedOptimizer.__dict__)
     if _p().config.async_mode:
         _check_async(optimizer, compression)
-        if options != _optimizer_options(0, 1.0, 0, None, False, None, 1):
+        if options != DEFAULTS:
             raise ValueError("BPSCTL_ASYNC (asynchronous training): the servers apply each "
                              "gradient as it comes; op, gradient_predivide_factor and "
                              "sparse_as_dense do not apply there; leave them at their defaults")

@@ -9,6 +9,9 @@ from .. import collectives as K
 from . import _p
 from .process_sets import ProcessSet, _check_set
 
+#: the options of the plugin's gradient hooks when no Horovod keyword is given
+DEFAULTS: dict[str, Any] = {"average": True, "predivide": 1.0, "sparse_as_dense": False}
+
 
 def _optimizer_options(op: Any, gradient_predivide_factor: float, num_groups: int, groups: Any,
                        sparse_as_dense: bool, process_set: ProcessSet | None,
