@@ -223,6 +223,23 @@ def allreduce_scales_in_place_async_grouped_and_deprecated_average():
     same(copies[1], torch.stack(everyone((2, 2), torch.int64)).amax(0))
 
 @check
+def scalars_empty_tensors_and_compression():
+    for op in (hvd.Sum, hvd.Max):
+        got = hvd.allreduce(torch.tensor(float(ME)), op=op)
+        assert got.shape == () and got.item() == (sum(range(N)) if op == hvd.Sum else N - 1)
+    same(hvd.broadcast(torch.tensor(ME), root_rank=N - 1), torch.tensor(N - 1))
+    same(hvd.allreduce(torch.zeros(0), op=hvd.Sum), torch.zeros(0))
+    nothing = torch.zeros((0, 3)) if ME else torch.ones((1, 3))     # rank 0 alone has a row
+    same(hvd.allgather(nothing), torch.ones((1, 3)))
+    x = torch.linspace(-2, 2, 101, dtype=torch.float32) * (ME + 1)
+    exact = sum(torch.linspace(-2, 2, 101) * (r + 1) for r in range(N)) / N
+    got = hvd.allreduce(x, compression=hvd.Compression.fp16)
+    assert got.dtype == torch.float32 and torch.allclose(got, exact, atol=1e-2)
+    got = hvd.allreduce(x, op=hvd.Max, compression=hvd.Compression.fp16)
+    most = torch.stack([torch.linspace(-2, 2, 101) * (r + 1) for r in range(N)]).amax(0)
+    assert got.dtype == torch.float32 and torch.allclose(got, most, atol=1e-2)
+
+@check
 def automatic_names_come_back_once_synchronized():
     for _ in range(5):
         hvd.allreduce(torch.ones(7), op=hvd.Sum)
@@ -537,7 +554,7 @@ def sync_batch_norm_is_batch_norm_over_every_ranks_batch():
 
 CHECKS = ["sync_batch_norm_is_batch_norm_over_every_ranks_batch",
           "a_failed_collective_raises_horovod_internal_error",
-          "automatic_names_come_back_once_synchronized",
+          "automatic_names_come_back_once_synchronized", "scalars_empty_tensors_and_compression",
           "distributed_optimizer_takes_horovods_keywords",
           "broadcast_optimizer_state_of_other_optimizers", "names_and_feature_queries",
           "allreduce_sum_and_average_every_dtype",
