@@ -259,7 +259,8 @@ def allreduce_refusals_name_the_way_out():
             (lambda: hvd.allreduce(torch.ones(2, dtype=torch.bool)), "bool tensor cannot be"),
             (lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64)), "is not carried"),
             (lambda: hvd.allreduce(torch.ones(2), op=hvd.Sum, average=True), "supersedes"),
-            (lambda: hvd.reducescatter(torch.ones(2), op=hvd.Max), "use hvd.Average or")]:
+            (lambda: hvd.reducescatter(torch.ones(2), op=hvd.Max), "use hvd.Average or"),
+            (lambda: hvd.allgather(torch.tensor(1.0)), "at least one dimension")]:
         try:
             call()
             raise AssertionError(f"accepted: {words}")
