@@ -66,6 +66,12 @@ def test_cross_rank_and_size_follow_horovods_definition_on_uneven_hosts():
         [(0, 3), (0, 3), (1, 3), (1, 3), (2, 3), (2, 3)]
 
 
+def test_engine_failures_of_a_collective_are_horovod_internal_errors():
+    from bpsctl.engine.common import EngineError, SchedulerGone
+    assert issubclass(K.HorovodInternalError, EngineError)
+    assert issubclass(SchedulerGone, K.HorovodInternalError)    # still told apart
+
+
 def test_alltoall_splits_are_checked_and_planned():
     assert K.even_splits(6, 3) == [2, 2, 2]
     with pytest.raises(ValueError, match="divisible by the number of ranks"):

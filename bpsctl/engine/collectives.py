@@ -32,12 +32,11 @@ from typing import Any
 
 import numpy as np
 
-from .common import EngineError
+from .common import HorovodInternalError
 
-
-class HorovodInternalError(EngineError):
-    """A collective failed in the engine (a worker or server lost, a deadline passed): what
-    Horovod raises at ``synchronize`` for a collective that cannot complete."""
+__all__ = ["HorovodInternalError", "ReduceOp", "SERVER_OPS", "GATHERED_OPS", "resolve_op",
+           "check_op", "cross_layout", "offsets", "reducescatter_counts", "even_splits",
+           "check_splits", "alltoall_plan", "exchange_counts", "gather_by_sum"]
 
 
 class ReduceOp(enum.IntEnum):

@@ -22,7 +22,13 @@ class EngineError(BpsctlError, RuntimeError):
     """A distributed operation failed; the message names the culprit (role, rank, host:port)."""
 
 
-class SchedulerGone(EngineError):
+class HorovodInternalError(EngineError):
+    """A collective failed in the engine (a worker or server lost, a deadline passed, workers
+    that disagree on a tensor): what Horovod raises at ``synchronize`` for a collective that
+    cannot complete. The torch plugin's ``synchronize`` raises every engine failure as one."""
+
+
+class SchedulerGone(HorovodInternalError):
     """What needs the scheduler (a new tensor, a barrier, a lost server's partitions moved)
     failed: it has been gone for BPSCTL_SCHEDULER_TIMEOUT and no restarted one took over."""
 
