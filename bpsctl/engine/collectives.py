@@ -10,7 +10,8 @@ share it:
 * **gather through summation** (allgather, broadcast, alltoall, and Min, Max, Product): every
   rank writes its rows at its own offset into a zeroed buffer holding every rank's rows and
   push_pulls it; the others add zeros there, so the sum *is* the concatenation, exactly, for
-  every dtype (``x + 0 == x``, integers and floats alike, no rounding). It costs what it
+  every dtype (``x + 0 == x``, integers and floats alike, no rounding; only a float's
+  negative zero comes back as zero, and NaN as NaN). It costs what it
   moves: each rank pushes and pulls the whole buffer, ``size()`` times the bytes of one
   rank's rows when all ranks contribute alike (a broadcast pushes zeros from all but the
   root, as BytePS does). When ranks may contribute different numbers of rows, a small
