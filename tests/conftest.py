@@ -49,6 +49,8 @@ TIERS: dict[str, set[str]] = {
     # engine faults: processes killed or silent, deadlines running out (2-4 s each, 25 s in all)
     "test_engine_faults.py": {"slow"},
     "test_bench_comm.py::test_a_lost_server_fails_the_bench_and_its_logs_are_kept": {"slow"},
+    # a throwaway virtualenv with the newest allowed dependencies, and a smoke subset in it
+    "test_fresh_install.py::test_the_newest_allowed_dependencies_pass_a_smoke_subset": {"slow"},
     # hypothesis against live sockets: 2-5 s each
     "test_fuzz_wire.py": {"slow"},
     # allocators and idle release, each waiting for a quiet spell: 2-5 s each

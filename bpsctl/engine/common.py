@@ -22,6 +22,11 @@ class EngineError(BpsctlError, RuntimeError):
     """A distributed operation failed; the message names the culprit (role, rank, host:port)."""
 
 
+class JobFinished(EngineError):
+    """A worker restarted to rejoin its job (``bpsctl run --max-restarts``) came back after
+    the job had ended: there is nothing left for it to do."""
+
+
 class SchedulerGone(EngineError):
     """What needs the scheduler (a new tensor, a barrier, a lost server's partitions moved)
     failed: it has been gone for BPSCTL_SCHEDULER_TIMEOUT and no restarted one took over."""
