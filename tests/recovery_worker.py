@@ -1,6 +1,6 @@
 """A small training job for tests/test_fault_recovery.py (run by `bpsctl run`).
 
-    python recovery_worker.py REPORT_DIR STEPS [check]
+    python recovery_worker.py REPORT_DIR STEPS [check | await-rejoin]
 
 An MLP of about 4 MiB of float32 parameters (spread over every server), SGD with momentum,
 data seeded by (rank, step) so that a restarted worker and a fault-free run see the same
@@ -14,6 +14,10 @@ gradient of the step from the parameters the step started with and appends ``STE
 gradient the engine returned and the exact mean of the four in float64. Rounding in a float32
 sum of four gives about 1e-7; a contribution missing from a round, or counted twice, gives
 more than 1e-2 in the parameters that partition holds.
+
+With ``await-rejoin`` (a worker is restarted, ``bpsctl run --max-restarts``) the workers
+pause 1 s after each step while one is missing, so that the job outlasts the restart,
+however loaded the machine: a restart slower than the steps left finds the job finished.
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import bpsctl.engine.torch as bps
 def main() -> None:
     out, steps = sys.argv[1], int(sys.argv[2])
     check = sys.argv[3:] == ["check"]
+    await_rejoin = sys.argv[3:] == ["await-rejoin"]
     torch.set_num_threads(1)
     bps.init()
     rank = bps.rank()
@@ -66,6 +71,8 @@ def main() -> None:
             times.flush()
             with open(os.path.join(out, f"step-{rank}"), "w") as f:
                 f.write(str(step))
+            if await_rejoin and bps.size() < 4:
+                time.sleep(1.0)
     torch.save(flat, os.path.join(out, f"final-{rank}.pt"))
     if errors is not None:
         errors.close()

@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import textwrap
 import time
 from collections.abc import Iterator
@@ -64,10 +65,14 @@ class SlurmCluster:
 
     def env(self) -> dict[str, str]:
         """Our environment for a Slurm client, without any SLURM_* of an enclosing job; jobs
-        import the bpsctl under test (sbatch and salloc pass the environment on)."""
+        import the bpsctl under test and run the Python running the tests, as `python`,
+        whether or not its virtualenv is activated (sbatch and salloc pass the environment
+        on)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
         path = [str(ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-        return {**env, "SLURM_CONF": str(self.conf), "PYTHONPATH": os.pathsep.join(path)}
+        bin_path = [str(Path(sys.executable).parent), env.get("PATH", os.defpath)]
+        return {**env, "SLURM_CONF": str(self.conf), "PYTHONPATH": os.pathsep.join(path),
+                "PATH": os.pathsep.join(bin_path)}
 
     def popen(self, *argv: str, out: Path) -> subprocess.Popen:
         """A client command (``salloc ...``) in the background, output to ``out``."""

@@ -21,9 +21,12 @@ asserts what a user would check:
   per-step check is the exact one.
 - worker faults: the workers still in the job equal each other bit for bit after every step
   (a restarted one from its first step on);
-- the slowest step of the run is at most the heartbeat timeout + 2 s longer than the median.
+- the slowest step of the run is at most the heartbeat timeout + 2 s longer than the median
+  (but for the step a restarted worker rejoins at, which waits for its first push: at most
+  ADMISSION_BOUND_S).
 
-``BPSCTL_RECOVERY_RUNS`` runs per fault (default 2, for CI; 20 for the figures) of
+``BPSCTL_RECOVERY_RUNS`` runs per fault (default 1, for CI: every kind once at its seeded step,
+within the README's test command's time; 20 for the figures) of
 ``BPSCTL_RECOVERY_STEPS`` steps (default 40; 200 for the figures), seeded by
 ``BPSCTL_RECOVERY_SEED``; ``BPSCTL_RECOVERY_REPORT=FILE`` writes every run's figures as JSON.
 """
@@ -48,7 +51,7 @@ from conftest import gone, kill_pids
 
 from bpsctl.launch import api, emulate
 
-RUNS = int(os.environ.get("BPSCTL_RECOVERY_RUNS", "2"))
+RUNS = int(os.environ.get("BPSCTL_RECOVERY_RUNS", "1"))
 STEPS = int(os.environ.get("BPSCTL_RECOVERY_STEPS", "40"))
 SEED = int(os.environ.get("BPSCTL_RECOVERY_SEED", "19"))
 REPORT_FILE = os.environ.get("BPSCTL_RECOVERY_REPORT")
@@ -56,6 +59,7 @@ HEARTBEAT_TIMEOUT_S = 2.0
 STEP_ERROR_BOUND = 1e-5       # a step's averaged gradient against the exact mean, relative L2
 REL_DIFF_BOUND = 1e-3           # final parameters against the fault-free run, relative L2
 RUN_BOUND_S = 240.0
+ADMISSION_BOUND_S = 30.0        # the step a restarted worker rejoins at (see _strike)
 WORKER_SCRIPT = Path(__file__).resolve().parent / "recovery_worker.py"
 
 
@@ -219,7 +223,8 @@ def _strike(cluster: Cluster, tmp_path: Path, fault: str, index: int,
 
     exit_code, target, seconds = _run_and_strike(
         cluster, out, [*extra.get(fault, []), "--", sys.executable, str(WORKER_SCRIPT), str(out),
-                       str(STEPS), *(["check"] if fault.startswith("server") else [])],
+                       str(STEPS), *(["check"] if fault.startswith("server") else
+                                     ["await-rejoin"] if fault == "worker-restart" else [])],
         seed, [(step, strike)])
     text = (out / "output.txt").read_text()
     where = f"seed {seed}: {target} at step {step}"
@@ -243,9 +248,16 @@ def _strike(cluster: Cluster, tmp_path: Path, fault: str, index: int,
             expected = {3}
         assert len(present) in expected, f"{where}: step {s} has {len(present)} workers"
         assert len(set(present)) == 1, f"{where}: workers differ after step {s}"
-    times = [float(t) for r in range(4) for t in _steps(out, "times", r).values()]
+    step_times = [(s, float(t)) for r in range(4) for s, t in _steps(out, "times", r).items()]
+    # the step that admits a restarted worker waits for its first push: that is how fast a
+    # new process gets from the model's arrival to its first gradient on a machine as loaded
+    # as this one, not how fast a fault is detected, so it has a bound of its own
+    times = [t for s, t in step_times if s != rejoined_at]
     stall = max(times) - statistics.median(times)
     assert stall <= HEARTBEAT_TIMEOUT_S + 2, f"{where}: a step stalled {stall:.1f} s:\n{text}"
+    admission = max((t for s, t in step_times if s == rejoined_at), default=0.0)
+    assert admission <= ADMISSION_BOUND_S, \
+        f"{where}: the step admitting the restarted worker took {admission:.1f} s:\n{text}"
     diff = step_error = None
     worst_step = -1
     if reference is not None:       # ||final - fault-free|| / ||fault-free||

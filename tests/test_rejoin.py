@@ -20,9 +20,11 @@ import torch
 import bpsctl.engine.torch as bps
 
 out_dir, steps, die_at, again = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rejoined = os.environ.get("BPSCTL_REJOIN") == "1"
+if rejoined and again == "late":    # a restart slower than the steps left
+    time.sleep(3)
 bps.init()
 rank = bps.rank()
-rejoined = os.environ.get("BPSCTL_REJOIN") == "1"
 torch.manual_seed(rank)
 model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 optimizer = bps.DistributedOptimizer(
@@ -99,6 +101,21 @@ def test_a_worker_that_fails_again_after_its_last_restart_ends_the_job(tmp_path)
     done, _ = _run(tmp_path, SCRIPT, "200", "4", "die-again")
     assert done.returncode != 0, done.stdout + done.stderr
     assert "worker 2" in done.stderr and "SIGKILL" in done.stderr, done.stderr
+
+
+def test_a_worker_restarted_after_its_job_finished_exits_0_saying_so(tmp_path):
+    """Worker 2 killed at the last step, and its restart slower than what is left: the other
+    two finish without it, and the restarted process, finding the job over, says so and
+    exits 0 (it used to start a job of its own and fail it 30 s later for want of workers);
+    `bpsctl run` exits 0."""
+    steps = 6
+    done, out = _run(tmp_path, SCRIPT, str(steps), str(steps - 1), "late")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "restarted worker 2" in done.stderr, done.stderr
+    assert "finished before this restarted worker could rejoin it; nothing to do" in \
+        done.stdout + done.stderr, done.stdout + done.stderr
+    assert not (out / "start-2").exists()       # the restarted process trained nothing
+    assert (out / "start-0").exists() and (out / "start-1").exists()
 
 
 # written against horovod.torch.elastic; only the import line differs

@@ -14,12 +14,13 @@ CUDA arrays (CuPy's) are staged through pinned host memory and come back on thei
 from __future__ import annotations
 
 import atexit
-from typing import Any
+import sys
+from typing import Any, NoReturn
 
 from ..config import Config
 from . import cuda
 from .collectives import gather_by_sum
-from .common import EngineError
+from .common import EngineError, JobFinished
 from .worker import Handle, Worker
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -35,7 +36,17 @@ def init(config: Config | None = None) -> None:
     """Join the job described by ``config`` (default: the environment). Idempotent."""
     global _worker
     if _worker is None:
-        _worker = Worker(config)
+        try:
+            _worker = Worker(config)
+        except JobFinished as exc:
+            nothing_to_do(exc)
+
+
+def nothing_to_do(finished: JobFinished) -> NoReturn:
+    """A restarted worker whose job finished before it could rejoin: the job succeeded
+    without it, so the process says so and exits 0 rather than failing the run."""
+    print(f"bpsctl: {finished}; nothing to do", file=sys.stderr, flush=True)
+    raise SystemExit(0)
 
 
 def shutdown() -> None:

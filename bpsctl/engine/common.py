@@ -28,6 +28,11 @@ class HorovodInternalError(EngineError):
     cannot complete. The torch plugin's ``synchronize`` raises every engine failure as one."""
 
 
+class JobFinished(EngineError):
+    """A worker restarted to rejoin its job (``bpsctl run --max-restarts``) came back after
+    the job had ended: there is nothing left for it to do."""
+
+
 class SchedulerGone(HorovodInternalError):
     """What needs the scheduler (a new tensor, a barrier, a lost server's partitions moved)
     failed: it has been gone for BPSCTL_SCHEDULER_TIMEOUT and no restarted one took over."""

@@ -26,6 +26,9 @@ from .common import bound_router, exit_on_sigterm, setup_process_logging, write_
 from .partition import Placement
 from .security import Security, version_mismatch
 
+#: how many ended jobs the scheduler remembers (for workers restarted to rejoin one)
+ENDED_JOBS_KEPT = 16
+
 
 @dataclass
 class Member:
@@ -145,6 +148,9 @@ class Scheduler:
         # registrations for a new job that came while another job held the cluster: (rid,
         # message, member fields, time to decide whether that job is ending, answer-by time)
         self.queued: list[tuple[bytes, dict[str, Any], dict[str, Any], float, float]] = []
+        # the last jobs that ended, and how: a worker restarted to rejoin one of them learns
+        # that there is nothing left to rejoin (instead of starting a job of its own)
+        self.ended: OrderedDict[str, str] = OrderedDict()
 
     @property
     def address(self) -> str:
@@ -295,6 +301,15 @@ class Scheduler:
     def _register_worker(self, rid: bytes, msg: dict[str, Any], common: dict[str, Any]) -> None:
         job_id, world_size = str(msg.get("job")), int(msg.get("world_size", 0))
         job = self.job
+        if msg.get("rejoin") and job_id in self.ended and (job is None or job.id != job_id):
+            # restarted after the others had finished (the steps left took less time than
+            # the restart): the job is over, whatever this process would have done
+            how = self.ended[job_id]
+            self._send(rid, P.ERROR, {"finished": how == "finished", "message": (
+                f"job {job_id!r} finished before this restarted worker could rejoin it"
+                if how == "finished" else f"job {job_id!r} ended ({how}) before this "
+                "restarted worker could rejoin it")})
+            return
         if job is not None and job.id != job_id:
             # e.g. `bpsctl run` again right after a crash: the crashed job is declared lost
             # within the heartbeat timeout, then this registration goes on. Workers that died a
@@ -790,7 +805,18 @@ class Scheduler:
         if all(w.state in ("left", "lost") for w in job.workers.values()) \
                 and len(job.workers) >= job.world_size:
             self.log.info("job %s finished", job.id)
-            self._end_job(None, notify=())
+            self._end_job(None, notify=(), finished=True)
+            return
+        joiners = [w for w in job.workers.values() if w.state == "joining"]
+        if joiners and all(w.state in ("left", "lost", "joining") for w in job.workers.values()):
+            # the last live worker left at the end of the job before it could hand the model
+            # to a worker restarted (or attached) meanwhile: the job is over without it
+            self.log.info("job %s finished before %s joined", job.id,
+                          ", ".join(w.describe() for w in joiners))
+            for joiner in joiners:
+                self._send(joiner.rid, P.ERROR, {"finished": True, "message": (
+                    f"job {job.id!r} finished before this worker could join it")})
+            self._end_job(None, notify=(), finished=True)
             return
         # The others may still wait for this worker's pushes: they give in-flight results a
         # moment to arrive, then fail naming it instead of waiting out the op timeout.
@@ -800,11 +826,14 @@ class Scheduler:
             if worker.state == "running":
                 self._send(worker.rid, P.MEMBER_LEFT, left)
 
-    def _end_job(self, message: str | None, notify: Any) -> None:
+    def _end_job(self, message: str | None, notify: Any, finished: bool = False) -> None:
         job = self.job
         self.job = None
         if job is None:
             return
+        self.ended[job.id] = "finished" if finished else message or "a worker was lost"
+        while len(self.ended) > ENDED_JOBS_KEPT:
+            self.ended.popitem(last=False)
         for worker in notify:
             if worker.state == "running":
                 self._send(worker.rid, P.ERROR, {"message": message})
@@ -878,7 +907,8 @@ class Scheduler:
             if donor == worker.rank:        # the donor is gone: another live worker hands it on
                 self._ask_donor(job, job.workers[rank])
         if all(w.state in ("left", "lost") for w in job.workers.values()):
-            self._end_job(None, notify=())
+            self._end_job(None, notify=(), finished=any(
+                w.state == "left" for w in job.workers.values()))
         return True
 
     def _promote_spare(self, lost: Member) -> Member | None:

@@ -54,6 +54,7 @@ from . import shm, shmlink
 from .client import measure_clock
 from .common import (
     EngineError,
+    JobFinished,
     SchedulerGone,
     io_thread_affinity,
     lost_link,
@@ -427,7 +428,8 @@ class Worker:
             if self._answer(login, msg_type, msg):
                 continue
             if msg_type == P.ERROR:
-                raise EngineError(f"rank {cfg.rank}: {msg.get('message')}")
+                error = JobFinished if msg.get("finished") is True else EngineError
+                raise error(f"rank {cfg.rank}: {msg.get('message')}")
             if msg_type == P.MEMBER_LOST and msg.get("role") == "worker":
                 # the scheduler has dropped the job: it can never start
                 raise EngineError(f"rank {cfg.rank}: {msg.get('message')} before the job started")
@@ -1346,7 +1348,8 @@ class Worker:
                     task.deadline = min(task.deadline, grace_deadline)
             elif msg_type == P.ERROR:
                 name = msg.get("name")
-                error = EngineError(f"worker {self.rank}: {msg.get('message')}")
+                kind = JobFinished if msg.get("finished") is True else EngineError
+                error = kind(f"worker {self.rank}: {msg.get('message')}")
                 if name is not None:
                     self._fail_name(name, error)
                 else:

@@ -58,7 +58,7 @@ from .. import compression as C
 from .. import paths
 from .. import protocol as P
 from ..collectives import HorovodInternalError, ReduceOp
-from ..common import EngineError, keep_large_buffers
+from ..common import EngineError, JobFinished, keep_large_buffers
 from ..intranode import LocalOp, LocalStage, _as_array
 from ..shmlink import merge_runs
 from ..trace import now_ns
@@ -814,7 +814,10 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
 def _received_state(plugin: _Plugin) -> dict[str, Any] | None:
     """A rejoining worker's state from a live worker (waiting for it once), else None."""
     if plugin.received is None and plugin.worker.joined_running:   # restarted, or attached
-        payload = plugin.worker.receive_state()
+        try:
+            payload = plugin.worker.receive_state()
+        except JobFinished as finished:
+            _engine.nothing_to_do(finished)
         plugin.received = torch.load(io.BytesIO(payload), weights_only=False)
         plugin.steps = plugin.received["steps"]
         # the next broadcast_object pushes under the name the live workers' next one does
