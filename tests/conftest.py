@@ -103,6 +103,11 @@ TIERS: dict[str, set[str]] = {
     # Horovod's synthetic benchmark on 2 workers (where its examples are given): about 13 s
     "test_horovod_api.py::test_horovods_synthetic_benchmark_runs_with_only_its_import_changed":
         {"slow"},
+    # a Horovod-style MNIST script, 2 workers for 3 epochs; and on 2 emulated hosts
+    "test_horovod_api.py::test_an_mnist_style_horovod_script_trains_with_only_its_import_changed":
+        {"slow"},
+    "test_horovod_api.py::test_an_mnist_style_horovod_script_trains_on_two_emulated_hosts":
+        {"slow", "root"},
     "test_emulate.py::test_create_reach_destroy": {"slow", "root"},
     "test_emulate.py::test_teardown_on_keyboard_interrupt": {"slow", "root"},
     "test_emulate.py::test_leftovers_of_a_crashed_run_are_found_and_removed": {"slow", "root"},

@@ -8,6 +8,7 @@ arithmetic of :mod:`bpsctl.engine.collectives` has fast tests of its own below.
 from __future__ import annotations
 
 import io
+import json
 import os
 import sys
 import threading
@@ -23,7 +24,7 @@ from test_torch_plugin import assert_ok, run_script  # noqa: E402
 
 from bpsctl.config import Config  # noqa: E402
 from bpsctl.engine import collectives as K  # noqa: E402
-from bpsctl.launch.api import run_local  # noqa: E402
+from bpsctl.launch.api import down, run_local, up_emulated  # noqa: E402
 
 # --------------------------------------------------------------------------- pure functions
 
@@ -678,3 +679,149 @@ def test_horovods_synthetic_benchmark_runs_with_only_its_import_changed(tmp_path
     output = log.getvalue()
     assert result.exit_code == 0, output[-4000:]
     assert "Total img/sec on 2 CPU(s)" in output, output[-4000:]
+
+
+# --------------------------------------------------------------------------- a Horovod script
+
+#: an MNIST-style training script as Horovod users write them (after Horovod's pytorch_mnist
+#: example: DistributedSampler shards, the learning rate scaled by size(), broadcast of the
+#: model and optimizer state, DistributedOptimizer, and metrics averaged with hvd.allreduce),
+#: on data it generates; only its import line names bpsctl
+MNIST_STYLE_SCRIPT = '''
+import hashlib, json, sys
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
+import bpsctl.engine.torch as hvd          # was: import horovod.torch as hvd
+
+epochs = int(sys.argv[1])
+hvd.init()
+torch.manual_seed(42)
+torch.set_num_threads(1)
+
+# ten classes of 8x8 "images", labelled by a fixed random teacher: learnable in a few epochs
+generator = torch.Generator().manual_seed(0)
+teacher = torch.randn(64, 10, generator=generator)
+
+
+def make(n):
+    x = torch.randn(n, 1, 8, 8, generator=generator)
+    return TensorDataset(x, (x.flatten(1) @ teacher).argmax(1))
+
+
+train_set, test_set = make(1024), make(256)
+train_sampler = DistributedSampler(train_set, num_replicas=hvd.size(), rank=hvd.rank())
+train_loader = DataLoader(train_set, batch_size=32, sampler=train_sampler)
+test_sampler = DistributedSampler(test_set, num_replicas=hvd.size(), rank=hvd.rank(),
+                                  shuffle=False)
+test_loader = DataLoader(test_set, batch_size=64, sampler=test_sampler)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        return F.log_softmax(self.fc(F.relu(self.conv(x)).flatten(1)), dim=1)
+
+
+model = Net()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05 * hvd.size(), momentum=0.5)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                     compression=hvd.Compression.none, op=hvd.Average,
+                                     gradient_predivide_factor=1.0)
+
+
+def metric_average(val, name):
+    return hvd.allreduce(torch.tensor(val), name=name).item()
+
+
+for epoch in range(1, epochs + 1):
+    model.train()
+    train_sampler.set_epoch(epoch)
+    for data, target in train_loader:
+        optimizer.zero_grad()
+        F.nll_loss(model(data), target).backward()
+        optimizer.step()
+    model.eval()
+    test_loss = test_accuracy = 0.0
+    predictions = []
+    with torch.no_grad():
+        for data, target in test_loader:
+            output = model(data)
+            test_loss += F.nll_loss(output, target, reduction="sum").item()
+            pred = output.argmax(1)
+            predictions.append(pred)
+            test_accuracy += pred.eq(target).float().sum().item()
+    local_loss = test_loss / len(test_sampler)
+    local_accuracy = test_accuracy / len(test_sampler)
+    test_loss = metric_average(local_loss, "avg_loss")
+    test_accuracy = metric_average(local_accuracy, "avg_accuracy")
+    if hvd.rank() == 0:
+        print(f"epoch {epoch}: test loss {test_loss:.4f}, accuracy {100 * test_accuracy:.1f}%")
+
+gathered = hvd.allgather(torch.cat(predictions), name="predictions")
+best = hvd.allreduce(torch.tensor([local_accuracy]), op=hvd.Max, name="best")
+hvd.barrier()
+flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+print("RESULT " + json.dumps({
+    "rank": hvd.rank(), "size": hvd.size(), "local_accuracy": local_accuracy,
+    "accuracy": test_accuracy, "loss": test_loss, "gathered": gathered.numel(),
+    "best": best.item(), "params": hashlib.sha1(flat.numpy().tobytes()).hexdigest()}),
+    flush=True)
+'''
+
+
+def _check_mnist_style_run(output: str, workers: int) -> None:
+    """What the script's user would check: it ran to the end on every rank, every rank
+    holds the same model and the same averaged metrics, each average is the mean of the
+    ranks' own, and the model learned."""
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines()
+               if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == list(range(workers)), output[-4000:]
+    assert {r["size"] for r in results} == {workers}
+    assert len({r["params"] for r in results}) == 1, "ranks ended with different models"
+    assert len({r["accuracy"] for r in results}) == 1 and len({r["loss"] for r in results}) == 1
+    mean = sum(r["local_accuracy"] for r in results) / workers
+    assert results[0]["accuracy"] == pytest.approx(mean, abs=1e-6)
+    assert results[0]["best"] == pytest.approx(max(r["local_accuracy"] for r in results))
+    assert all(r["gathered"] == 256 for r in results)       # every test prediction, once
+    assert results[0]["accuracy"] > 0.5, output[-2000:]     # chance is 0.1
+
+
+@pytest.mark.timeout(180)
+def test_an_mnist_style_horovod_script_trains_with_only_its_import_changed(tmp_path):
+    """The script on 2 workers of the embedded default (`bpsctl run -np 2`)."""
+    script = tmp_path / "train.py"
+    script.write_text(MNIST_STYLE_SCRIPT)
+    log = io.StringIO()
+    config = Config(state_dir=tmp_path / "state", heartbeat_interval_s=0.2,
+                    start_timeout_s=30.0, op_timeout_s=30.0)
+    result = run_local([sys.executable, str(script), "3"], 2, config, stdout=log, stderr=log)
+    assert result.exit_code == 0, log.getvalue()[-4000:]
+    _check_mnist_style_run(log.getvalue(), 2)
+
+
+@pytest.mark.timeout(240)
+def test_an_mnist_style_horovod_script_trains_on_two_emulated_hosts(tmp_path):
+    """The script on 2 emulated hosts (network namespaces, 1 Gbit NICs) and a server host:
+    its collectives cross the shaped network to the server."""
+    script = tmp_path / "train.py"
+    script.write_text(MNIST_STYLE_SCRIPT)
+    config = Config.from_env({}, state_dir=tmp_path / "state", emulate=True, nic="1gbit",
+                             start_timeout_s=30)
+    up_emulated(config, workers=2, servers=1)
+    try:
+        log = io.StringIO()
+        result = run_local([sys.executable, str(script), "2"], 2, config, stdout=log,
+                           stderr=log)
+        assert result.exit_code == 0, log.getvalue()[-4000:]
+        _check_mnist_style_run(log.getvalue(), 2)
+    finally:
+        down(config.state_dir)
