@@ -509,10 +509,18 @@ class Worker:
             raise EngineError(f"rank {self.config.rank}: {exc}") from None
 
     def _await_logins(self, logins: list[Login], deadline: float) -> None:
-        """Finish the handshake with every server before the first push (hmac mode)."""
+        """Finish the handshake with every server before the first push (hmac mode). The job
+        has started: heartbeats go on meanwhile, or a slow handshake (servers busy on a loaded
+        machine) would have the scheduler declare this worker lost before its first push."""
+        interval = self.config.heartbeat_interval_s
+        next_heartbeat = time.monotonic() + interval
         while not all(login.done for login in logins):
             pending = [login for login in logins if not login.done]
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._sched.send_multipart(P.control(P.HEARTBEAT))
+                next_heartbeat = now + interval
+            if now > deadline:
                 raise EngineError(f"rank {self.rank}: {pending[0].peer} did not answer the "
                                   f"security handshake within {self.config.start_timeout_s:g} s "
                                   "(BPSCTL_START_TIMEOUT)")
