@@ -27,8 +27,11 @@ store them behave the same.
 from __future__ import annotations
 
 import enum
+import itertools
+import threading
 import warnings
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,8 +39,10 @@ import numpy as np
 from .common import HorovodInternalError
 
 __all__ = ["HorovodInternalError", "ReduceOp", "SERVER_OPS", "GATHERED_OPS", "resolve_op",
-           "check_op", "cross_layout", "offsets", "reducescatter_counts", "even_splits",
-           "check_splits", "alltoall_plan", "exchange_counts", "gather_by_sum"]
+           "check_op", "cross_layout", "host_layout", "timeline_path", "AutoNames", "offsets",
+           "reducescatter_counts", "even_splits", "check_splits", "alltoall_plan",
+           "exchange_counts", "as_bytes", "from_bytes", "gather_rows", "gather_by_sum", "scaled",
+           "floor_average", "reduce_slots", "allreduce_by_gather", "alltoall_by_sum"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -91,6 +96,56 @@ def cross_layout(firsts: Sequence[int], size: int, rank: int) -> tuple[int, int]
     local_rank = rank - firsts[host]
     with_slot = [i for i in range(len(firsts)) if ends[i] - firsts[i] > local_rank]
     return with_slot.index(host), len(with_slot)
+
+
+def host_layout(rank: int, size: int, local_rank: int, local_size: int,
+                push_pull_sum: SumFn) -> tuple[int, int, bool]:
+    """(cross rank, cross size, homogeneous) of ``rank``. Ranks on a host are contiguous, as
+    ``bpsctl run`` places them; when ``size`` is a multiple of this host's worker count, every
+    host is taken to hold that many (the intra-node stage assumes the same). Otherwise the
+    ranks exchange which of them is first on its host (one push_pull, named ``cross_rank``:
+    collective)."""
+    if size % local_size == 0:
+        return rank // local_size, size // local_size, True
+    flags = exchange_counts(int(local_rank == 0), rank, size, push_pull_sum, "cross_rank")
+    firsts = [r for r in range(size) if flags[r]]
+    return (*cross_layout(firsts, size, rank), False)
+
+
+def timeline_path(file_path: str | Path, rank: int) -> Path:
+    """Where rank ``rank`` writes the timeline Horovod's ``start_timeline(file_path)`` asks
+    for: rank 0 at ``file_path``, rank ``r`` beside it as ``<stem>.rank<r><suffix>``."""
+    path = Path(file_path)
+    return path.with_name(f"{path.stem}.rank{rank}{path.suffix}") if rank else path
+
+
+Release = Callable[[], None]
+
+
+class AutoNames:
+    """Names for collectives called without one. Horovod counts them; here an engine name is
+    a key that the scheduler declares (a round trip) and the servers keep for the whole job,
+    so a count that only grows would declare a new key at every call of a training loop.
+    Instead a collective takes the lowest index not held by another collective of the same
+    kind, dtype and shape that has not finished yet, and gives it back when it finishes:
+    names come back, bounded by how many such collectives are ever outstanding at once.
+    Every rank picks the same index, since what it holds depends only on the order of its
+    calls (the order Horovod needs anyway), not on timing."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[int]] = {}
+        self.lock = threading.Lock()
+
+    def take(self, key: str) -> tuple[str, Release]:
+        with self.lock:
+            held = self.held.setdefault(key, set())
+            index = next(i for i in itertools.count() if i not in held)
+            held.add(index)
+
+        def release() -> None:
+            with self.lock:
+                held.discard(index)
+        return f"{key}.{index}", release
 
 
 def check_op(op: ReduceOp, allowed: Sequence[ReduceOp], what: str) -> None:
@@ -170,6 +225,21 @@ def exchange_counts(mine: int, rank: int, size: int, push_pull_sum: SumFn,
     return [int(c) for c in push_pull_sum(vector, name)]
 
 
+def gather_rows(array: np.ndarray, rank: int, size: int, push_pull_sum: SumFn,
+                name: str) -> tuple[np.ndarray, list[int]]:
+    """:func:`gather_by_sum`, and every rank's count of rows."""
+    array = np.ascontiguousarray(array)
+    if array.ndim == 0:
+        raise ValueError("allgather: a tensor of at least one dimension is needed; reshape a "
+                         "scalar to shape (1,)")
+    counts = exchange_counts(array.shape[0], rank, size, push_pull_sum, f"{name}.counts")
+    wire = as_bytes(array)
+    buffer = np.zeros((sum(counts), *wire.shape[1:]), wire.dtype)
+    start = offsets(counts)[rank]
+    buffer[start:start + array.shape[0]] = wire
+    return from_bytes(push_pull_sum(buffer, f"{name}.rows.{sum(counts)}"), array.dtype), counts
+
+
 def gather_by_sum(array: np.ndarray, rank: int, size: int, push_pull_sum: SumFn,
                   name: str) -> np.ndarray:
     """Every rank's ``array`` concatenated along the first dimension in rank order (ranks
@@ -177,13 +247,81 @@ def gather_by_sum(array: np.ndarray, rank: int, size: int, push_pull_sum: SumFn,
     are exchanged first (under ``<name>.counts``), then each rank writes its rows at its
     offset into a zeroed buffer and sums it (under ``<name>.rows.<total rows>``: a name is
     bound to one shape), see the module docstring. The NumPy form of the plugins'
-    allgather."""
+    allgather. Bool arrays travel as their bytes."""
+    return gather_rows(array, rank, size, push_pull_sum, name)[0]
+
+
+def as_bytes(array: np.ndarray) -> np.ndarray:
+    """A bool array's bytes as uint8 (the wire has no bool); other arrays as they are."""
+    return array.view(np.uint8) if array.dtype == np.bool_ else array
+
+
+def from_bytes(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return array.view(np.bool_) if dtype == np.bool_ else array
+
+
+def scaled(array: np.ndarray, factor: float) -> np.ndarray:
+    """``array * factor`` in its own dtype (integers: scaled in float64, truncated toward
+    zero, as the torch plugin does); ``array`` itself for a factor of 1."""
+    if factor == 1.0:
+        return array
+    if array.dtype.kind == "f":
+        return (array * array.dtype.type(factor)).astype(array.dtype, copy=False)
+    return (array.astype(np.float64) * factor).astype(array.dtype)
+
+
+def floor_average(total: np.ndarray, size: int) -> np.ndarray:
+    """Horovod's average of integers: the floor division of their sum by ``size``."""
+    return np.floor_divide(total, size).astype(total.dtype, copy=False)
+
+
+def reduce_slots(op: ReduceOp, slots: np.ndarray) -> np.ndarray:
+    """Min, Max or Product of gathered ``slots`` along the first dimension (one slot per
+    rank), in their dtype; for bool, Min is all and Max any (Product: all)."""
+    if slots.dtype == np.bool_:
+        return slots.any(axis=0) if op is ReduceOp.Max else slots.all(axis=0)
+    if op is ReduceOp.Min:
+        return slots.min(axis=0)
+    if op is ReduceOp.Max:
+        return slots.max(axis=0)
+    if op is ReduceOp.Product:
+        return slots.prod(axis=0, dtype=slots.dtype)
+    raise ValueError(f"reduce_slots: op=hvd.{op.name} is not gathered; use one of "
+                     + ", ".join(f"hvd.{o.name}" for o in GATHERED_OPS))
+
+
+def allreduce_by_gather(array: np.ndarray, op: ReduceOp, rank: int, size: int,
+                        push_pull_sum: SumFn, name: str) -> np.ndarray:
+    """Min, Max or Product of ``array`` over every rank: every rank's array gathered in a
+    slot of its own (one push_pull of ``size`` times its bytes, under ``name``), then
+    reduced here (:func:`reduce_slots`); every rank computes the same result."""
+    check_op(op, GATHERED_OPS, "allreduce_by_gather")
+    array = np.asarray(array)
+    slots = np.zeros((size, *array.shape), array.dtype)
+    slots[rank] = array
+    return reduce_slots(op, from_bytes(push_pull_sum(as_bytes(slots), name), array.dtype))
+
+
+def alltoall_by_sum(array: np.ndarray, counts: Sequence[int], rank: int, size: int,
+                    push_pull_sum: SumFn, name: str) -> tuple[np.ndarray, list[int]]:
+    """An alltoall (``counts[d]`` rows of ``array`` to rank ``d``, checked with
+    :func:`check_splits`) done as a gather of every rank's whole array: every rank's counts
+    are exchanged first (one push_pull of ``size`` x ``size`` int64s under
+    ``<name>.counts``), then the rows (``<name>.rows.<total rows>``); returns the rows sent
+    to this rank in sender order, and how many came from each sender."""
     array = np.ascontiguousarray(array)
     if array.ndim == 0:
-        raise ValueError("allgather: a tensor of at least one dimension is needed; reshape a "
-                         "scalar to shape (1,)")
-    counts = exchange_counts(array.shape[0], rank, size, push_pull_sum, f"{name}.counts")
-    buffer = np.zeros((sum(counts), *array.shape[1:]), array.dtype)
-    start = offsets(counts)[rank]
-    buffer[start:start + array.shape[0]] = array
-    return push_pull_sum(buffer, f"{name}.rows.{sum(counts)}")
+        raise ValueError("alltoall: a tensor of at least one dimension is needed")
+    counts = check_splits(counts, array.shape[0], size)
+    table = np.zeros((size, size), np.int64)
+    table[rank] = counts
+    matrix = push_pull_sum(table, f"{name}.counts")
+    spans, received = alltoall_plan(matrix, rank)
+    senders = [int(row.sum()) for row in matrix]
+    wire = as_bytes(array)
+    buffer = np.zeros((sum(senders), *wire.shape[1:]), wire.dtype)
+    start = offsets(senders)[rank]
+    buffer[start:start + array.shape[0]] = wire
+    gathered = from_bytes(push_pull_sum(buffer, f"{name}.rows.{sum(senders)}"), array.dtype)
+    output = np.concatenate([gathered[s:s + c] for s, c in spans]) if spans else gathered[:0]
+    return output, received

@@ -9,11 +9,11 @@ reducescatter sums the whole tensor and keeps this rank's rows. Handles are inte
 :func:`poll` and :func:`synchronize`, as push_pull's.
 
 Rules Horovod has too: every rank calls the same collectives in the same order, with the
-same names (a name left out is made the same way on every rank: :class:`_AutoNames`), and
-the same shapes where Horovod needs them. The ``*_async`` forms of allgather and alltoall
-wait for the exchange of row counts (one small push_pull) before returning; the data
-travels in the background. A failed collective raises :class:`HorovodInternalError` at
-:func:`synchronize`.
+same names (a name left out is made the same way on every rank:
+:class:`~bpsctl.engine.collectives.AutoNames`), and the same shapes where Horovod needs
+them. The ``*_async`` forms of allgather and alltoall wait for the exchange of row counts
+(one small push_pull) before returning; the data travels in the background. A failed
+collective raises :class:`HorovodInternalError` at :func:`synchronize`.
 
 Not carried: Adasum (ValueError naming ``op=hvd.Average``), process sets other than the
 global one (:mod:`.process_sets`), and ``join`` lets no rank go on alone (see
@@ -23,9 +23,7 @@ host layout, timelines) and :mod:`.process_sets`, and re-exported here as in Hor
 from __future__ import annotations
 
 import contextlib
-import itertools
 import pickle
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -96,36 +94,11 @@ __all__: list[str] = [
 
 # --------------------------------------------------------------------------- common pieces
 
-Release = Callable[[], None]
+Release = K.Release
 
 
-class _AutoNames:
-    """Names for collectives called without one. Horovod counts them; here an engine name is
-    a key that the scheduler declares (a round trip) and the servers keep for the whole job,
-    so a count that only grows would declare a new key at every call of a training loop.
-    Instead a collective takes the lowest index not held by another collective of the same
-    kind, dtype and shape that has not been synchronized yet, and gives it back at its
-    :func:`synchronize`: names come back, bounded by how many such collectives are ever
-    outstanding at once. Every rank picks the same index, since what it holds depends only
-    on the order of its calls (the order Horovod needs anyway), not on timing."""
-
-    def __init__(self) -> None:
-        self.held: dict[str, set[int]] = {}
-        self.lock = threading.Lock()
-
-    def take(self, key: str) -> tuple[str, Release]:
-        with self.lock:
-            held = self.held.setdefault(key, set())
-            index = next(i for i in itertools.count() if i not in held)
-            held.add(index)
-
-        def release() -> None:
-            with self.lock:
-                held.discard(index)
-        return f"{key}.{index}", release
-
-
-_auto_names = _AutoNames()
+#: names for collectives called without one (see :class:`~bpsctl.engine.collectives.AutoNames`)
+_auto_names = K.AutoNames()
 
 
 def _keep() -> None:
@@ -140,11 +113,11 @@ def _signature(tensor: torch.Tensor, first_dim: bool = True) -> str:
 
 def _name(kind: str, name: str | None, signature: str) -> tuple[str, Release]:
     """The engine name of a collective of ``kind`` (``<kind>.<name>``, or one of
-    :class:`_AutoNames` for the ``signature`` when ``name`` is None) and what to call when
-    it is synchronized. The engine binds a name to the dtype and shape of its first
-    push_pull: a named allreduce, broadcast or reducescatter keeps its shape (another one is
-    refused, naming it), while gathered buffers, whose rows change from call to call, are
-    named by their row count (:func:`_rows`)."""
+    :class:`~bpsctl.engine.collectives.AutoNames` for the ``signature`` when ``name`` is
+    None) and what to call when it is synchronized. The engine binds a name to the dtype and
+    shape of its first push_pull: a named allreduce, broadcast or reducescatter keeps its
+    shape (another one is refused, naming it), while gathered buffers, whose rows change
+    from call to call, are named by their row count (:func:`_rows`)."""
     if name is None:
         return _auto_names.take(f"{kind}.noname.{signature}")
     return f"{kind}.{name}", _keep

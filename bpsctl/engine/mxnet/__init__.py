@@ -1,4 +1,4 @@
-"""MXNet plugin: a drop-in for ``byteps.mxnet``.
+"""MXNet plugin: a drop-in for ``byteps.mxnet`` and ``horovod.mxnet``.
 
     import bpsctl.engine.mxnet as bps
     bps.init()
@@ -10,6 +10,14 @@
     # or, with the Module API / a hand-written loop:
     opt = bps.DistributedOptimizer(mx.optimizer.create("sgd", learning_rate=0.1))
     bps.broadcast_parameters(arg_params, root_rank=0)
+
+    # or as a Horovod script: every name of horovod.mxnet (its collectives are in .mpi_ops)
+    import bpsctl.engine.mxnet as hvd
+    hvd.init()
+    hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+    trainer = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1},
+                                     gradient_predivide_factor=1.0, prefix=None)
+    loss = hvd.allreduce(mx.nd.array([local_loss]), op=hvd.Average, name="loss")
 
 Where the bytes are copied: a CPU NDArray in the default (dense) storage enters the engine as
 a NumPy view of its own memory (``MXNDArrayGetData``), once MXNet's engine has finished every
@@ -51,26 +59,34 @@ except Exception as exc:        # noqa: BLE001 - under numpy>=1.24 it is an Attr
     raise ImportError("bpsctl.engine.mxnet needs mxnet 1.9.1, which needs numpy<1.24: "
                       f"pip install 'bpsctl[mxnet]' (import failed: {exc!r})") from exc
 
-from .. import engine as _engine
-from ..config import Config
-from . import compression as C
-from .common import EngineError
-from .trace import now_ns
-from .worker import Handle
+from ... import engine as _engine
+from ...config import Config
+from .. import compression as C
+from ..collectives import HorovodInternalError
+from ..common import EngineError
+from ..process_sets import ProcessSet, _check_init_sets, _check_set, global_process_set
+from ..trace import now_ns
+from ..worker import Handle
 
 __all__ = ["init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank",
            "byteps_declare_tensor", "byteps_push_pull", "broadcast_parameters", "Compression",
-           "DistributedOptimizer", "DistributedTrainer", "EngineError"]
+           "Compressor", "DistributedOptimizer", "DistributedTrainer", "EngineError",
+           "HorovodInternalError"]
 
 
 # --------------------------------------------------------------------------- lifecycle
 
-def init(config: Config | None = None) -> None:
+def init(config: Config | None = None, process_sets: Any = None, *, comm: Any = None) -> None:
     """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent.
-    A restarted worker cannot rejoin a running MXNet job (only the PyTorch plugin hands a
-    rejoining worker the model): it fails here, and the job goes on without it. Under
+    Horovod's ``init(comm=None, process_sets=None)`` is accepted too, as the PyTorch plugin
+    takes it: ``comm`` (first, or by name) as a list of ranks and ``process_sets`` must cover
+    every rank of the job (:class:`~bpsctl.engine.process_sets.ProcessSetUnsupported`
+    otherwise). A restarted worker cannot rejoin a running MXNet job (only the PyTorch plugin
+    hands a rejoining worker the model): it fails here, and the job goes on without it. Under
     asynchronous training (BPSCTL_ASYNC) ``DistributedTrainer`` trains with SGD on the
     servers; ``DistributedOptimizer`` is refused."""
+    if config is not None and not isinstance(config, Config):
+        config, comm = None, config         # Horovod's positional comm
     _engine.init(config)
     if _engine._w().config.staleness:
         _engine.shutdown()
@@ -80,6 +96,8 @@ def init(config: Config | None = None) -> None:
         _engine.shutdown()
         raise EngineError("a restarted worker cannot rejoin a running MXNet job (only the "
                           "PyTorch plugin hands over the model); the job goes on without it")
+    if comm is not None or process_sets is not None:
+        _check_init_sets(comm, process_sets)
 
 
 def shutdown() -> None:
@@ -321,35 +339,55 @@ def _broadcast_arrays(named: list[tuple[str, mx.nd.NDArray]], root_rank: int) ->
                         once=True)
 
 
-def _parameter_arrays(name: str, param: mx.gluon.Parameter) -> list[mx.nd.NDArray]:
-    if param._data is None:
-        raise ValueError(f"parameter {name!r} is not initialized (deferred shape?): call "
-                         "initialize() and run one forward pass before broadcasting it, or let "
-                         "DistributedTrainer broadcast it at its first step")
-    return param.list_data()
+def _broadcast_when_initialized(param: mx.gluon.Parameter, name: str, root_rank: int) -> None:
+    """Broadcast a parameter whose initialization is deferred (its shape known only at the
+    first forward pass) right after it is initialized, as Horovod does: that forward pass is
+    then collective (every rank runs it)."""
+    initialize = param._init_impl
+
+    def init_then_broadcast(*args: Any, **kwargs: Any) -> None:
+        initialize(*args, **kwargs)
+        arrays = param.list_data()
+        _broadcast_arrays([(name, arrays[0])], root_rank)
+        for other in arrays[1:]:
+            arrays[0].copyto(other)
+    param._init_impl = init_then_broadcast
 
 
-def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
+def broadcast_parameters(params: Any, root_rank: int = 0, prefix: str | None = None) -> None:
     """Copy ``params`` from ``root_rank`` to every rank, in place.
 
     ``params``: a dict of name -> NDArray (the Module API's ``arg_params``), or a Gluon
     ``ParameterDict`` / dict of name -> ``Parameter`` (every copy on every context is
-    overwritten). Names are taken in sorted order, so insertion order does not matter.
+    overwritten). Names are taken in sorted order, so insertion order does not matter. A
+    Gluon parameter whose initialization is deferred is broadcast when it is initialized (at
+    the first forward pass, which every rank must then run), as Horovod does. ``prefix``
+    (Horovod's) sets apart the names of several calls with parameters of the same names.
     """
     if isinstance(params, mx.gluon.ParameterDict) or isinstance(params, dict):
         named = sorted(params.items())
     else:
         raise ValueError(f"invalid params of type {type(params).__name__}: expected a dict of "
                          "NDArrays or a Gluon ParameterDict")
+    if prefix is not None and not isinstance(prefix, str):
+        raise ValueError(f"broadcast_parameters: prefix must be a str, got {prefix!r}")
+    prefix = prefix or ""
+    _check_root(root_rank)
     first: list[tuple[str, mx.nd.NDArray]] = []
     copies: list[tuple[mx.nd.NDArray, list[mx.nd.NDArray]]] = []
     for name, value in named:
         if isinstance(value, mx.gluon.Parameter):
-            arrays = _parameter_arrays(name, value)
-            first.append((name, arrays[0]))
+            if value._data is None:
+                if not value._deferred_init:
+                    raise ValueError(f"parameter {name!r} is not initialized: call "
+                                     "initialize() before broadcasting it")
+                _broadcast_when_initialized(value, prefix + name, root_rank)
+                continue
+            arrays = value.list_data()
+            first.append((prefix + name, arrays[0]))
             copies.append((arrays[0], arrays[1:]))
         elif isinstance(value, mx.nd.NDArray):
-            first.append((name, value))
+            first.append((prefix + name, value))
         else:
             raise ValueError(f"parameter {name!r} is a {type(value).__name__}, not an NDArray "
                              "or a Gluon Parameter")
@@ -361,21 +399,37 @@ def broadcast_parameters(params: Any, root_rank: int = 0) -> None:
 
 # --------------------------------------------------------------------------- optimizer
 
+def _check_factor(factor: float, what: str) -> float:
+    if not factor > 0:
+        raise ValueError(f"{what}: gradient_predivide_factor must be positive, got {factor!r}")
+    return float(factor)
+
+
 class DistributedOptimizer(mx.optimizer.Optimizer):
     """Wraps an ``mx.optimizer.Optimizer``: ``update`` first averages the gradient(s) across
     workers (in place), then lets the wrapped optimizer update. Every other attribute is the
-    wrapped optimizer's, read and written through."""
+    wrapped optimizer's, read and written through.
 
-    def __init__(self, optimizer: mx.optimizer.Optimizer):
+    Horovod's keywords: ``gradient_predivide_factor`` divides each gradient before the sum
+    and multiplies the sum by it, over ``size()`` (the average is the same; the sum is
+    smaller); ``num_groups`` is accepted (a call's gradients travel together anyway);
+    ``process_set`` must be the global set."""
+
+    def __init__(self, optimizer: mx.optimizer.Optimizer, gradient_predivide_factor: float = 1.0,
+                 num_groups: int = 0, process_set: ProcessSet = global_process_set):
         if not isinstance(optimizer, mx.optimizer.Optimizer):
             raise TypeError("DistributedOptimizer expects an mx.optimizer.Optimizer, got "
                             f"{type(optimizer).__name__}")
+        _check_set(process_set, "DistributedOptimizer")
+        factor = _check_factor(gradient_predivide_factor, "DistributedOptimizer")
         if _engine._w().config.async_mode:
             # it would average the gradients in synchronous rounds, which async has none of
             raise EngineError("DistributedOptimizer under asynchronous training (BPSCTL_ASYNC): "
                               "the servers run the optimizer, so use DistributedTrainer with "
                               "an mx.optimizer.SGD, or train synchronously")
         object.__setattr__(self, "_optimizer", optimizer)
+        object.__setattr__(self, "_gradient_predivide_factor", factor)
+        object.__setattr__(self, "_num_groups", num_groups)
 
     def __getattr__(self, item: str) -> Any:
         if item == "_optimizer":                # not set yet (copy, unpickling)
@@ -393,9 +447,15 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def _do_push_pull(self, index, grad) -> None:
         indices, grads = (index, grad) if isinstance(index, (tuple, list)) else ([index], [grad])
+        factor = self._gradient_predivide_factor
         with _Batch() as batch:
             for i, g in zip(indices, grads, strict=True):
+                if factor != 1.0:
+                    g /= factor
                 batch.start(g, f"DistributedOptimizer.grad.{i}", average=True, priority=-i)
+        if factor != 1.0:
+            for g in grads:
+                g *= factor
 
     def update(self, index, weight, grad, state):
         self._do_push_pull(index, grad)
@@ -441,6 +501,14 @@ class DistributedTrainer(mx.gluon.Trainer):
     the concatenated batch (as in BytePS). With several contexts per worker, the local
     copies of a gradient are summed before the push.
 
+    Horovod's signature is taken as well: ``gradient_predivide_factor`` divides each gradient
+    before the sum and multiplies the sum by it (the update is the same; the sum on the wire
+    is smaller), ``prefix`` goes in front of every engine name of the trainer (several
+    trainers over parameters of the same names), ``num_groups`` is accepted (a step's
+    gradients travel together anyway) and ``process_set`` must be the global set. Unlike
+    Horovod's, after ``allreduce_grads()`` the gradients hold the sum, not the average (the
+    ``1 / size()`` is in ``rescale_grad``), and the parameters are broadcast at construction.
+
     ``compression_params`` (BytePS's): ``{"compressor": "onebit"|"topk"|"randomk"|"dithering",
     "ef": "vanilla"|None, "scaling": bool, "k": ratio (topk, randomk) or levels (dithering),
     "seed": int, "partition": "linear"|"natural", "normalize": "max"|"l2"}``: floating-point
@@ -462,9 +530,19 @@ class DistributedTrainer(mx.gluon.Trainer):
     _params_to_init: list[Any]     # gluon.Trainer's: parameters it has not initialized yet
 
     def __init__(self, params: Any, optimizer: Any, optimizer_params: dict | None = None,
-                 compression: type[Compressor] = Compression.none, root_rank: int = 0,
-                 compression_params: dict[str, Any] | None = None, **kwargs: Any):
+                 compression: type[Compressor] = Compression.none,
+                 gradient_predivide_factor: float = 1.0, prefix: str | None = None,
+                 num_groups: int = 0, process_set: ProcessSet = global_process_set,
+                 root_rank: int = 0, compression_params: dict[str, Any] | None = None,
+                 **kwargs: Any):
         # checked first: a mistake there is the user's, and nothing has started yet
+        _check_set(process_set, "DistributedTrainer")
+        self._gradient_predivide_factor = _check_factor(gradient_predivide_factor,
+                                                        "DistributedTrainer")
+        if prefix is not None and not isinstance(prefix, str):
+            raise ValueError(f"DistributedTrainer: prefix must be a str, got {prefix!r}")
+        self._prefix = prefix or ""
+        self._num_groups = num_groups       # accepted: a step's gradients travel together
         self._engine_compression = (C.from_params(compression_params)
                                     if compression_params is not None else None)
         self._async = _engine._w().config.async_mode
@@ -476,6 +554,11 @@ class DistributedTrainer(mx.gluon.Trainer):
             raise ValueError(f"BPSCTL_ASYNC (asynchronous training) with {' and '.join(given)}: "
                              "gradients and parameters travel uncompressed (the servers apply "
                              "each gradient as it comes); drop it, or train synchronously")
+        if self._async and self._gradient_predivide_factor != 1.0:
+            raise ValueError("BPSCTL_ASYNC (asynchronous training) with gradient_predivide_factor="
+                             f"{gradient_predivide_factor:g}: there is no sum to split it "
+                             "around (the servers apply each worker's gradient as pushed); "
+                             "drop it, or train synchronously")
         self._async_initialised = False     # the init pushes are done (at the first update)
         if isinstance(optimizer, DistributedOptimizer):
             optimizer = optimizer._optimizer        # the trainer push_pulls the gradients itself
@@ -495,7 +578,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         deferred: list[Any] = []
         for param in self._params_to_init:
             (deferred if param._deferred_init else ready).append(param)
-        named = [(param.name, param.list_data()[0]) for param in ready]
+        named = [(self._prefix + param.name, param.list_data()[0]) for param in ready]
         _broadcast_arrays(named, self.root_rank)
         for param in ready:
             arrays = param.list_data()
@@ -516,6 +599,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         if self._async:
             return          # step(): the gradients go to the servers in _update
         started_ns = now_ns()
+        factor = self._gradient_predivide_factor
         pending = []
         with _Batch() as batch:
             for index, param in enumerate(self._params):
@@ -524,8 +608,10 @@ class DistributedTrainer(mx.gluon.Trainer):
                 grads = param.list_grad()
                 for other in grads[1:]:
                     grads[0] += other.as_in_context(grads[0].context)
+                if factor != 1.0:
+                    grads[0] /= factor
                 wire, ctx = self._compression.compress(grads[0])
-                name = _wire_name(f"DistributedTrainer.grad.{param.name}", wire, grads[0])
+                name = _wire_name(self._async_name(param), wire, grads[0])
                 engine = (self._engine_compression
                           if np.dtype(wire.dtype).kind == "f" else None)
                 if engine is not None:
@@ -535,6 +621,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         for wire, ctx, grads in pending:
             if wire is not grads[0]:
                 self._compression.decompress(wire, ctx).copyto(grads[0])
+            if factor != 1.0:
+                grads[0] *= factor
             for other in grads[1:]:
                 grads[0].copyto(other)
         # every gradient's push_pull happens here, after the backward pass: the wait for them
@@ -548,7 +636,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         _engine._w().mark_step()       # the step ends with the update (traces count steps)
 
     def _async_name(self, param: mx.gluon.Parameter) -> str:
-        return f"DistributedTrainer.grad.{param.name}"
+        """The engine name of a parameter's gradient (of its values too, asynchronously)."""
+        return f"DistributedTrainer.grad.{self._prefix}{param.name}"
 
     def _async_initialise(self) -> None:
         """Every trained parameter's init push: its values, under the name its gradients take;
@@ -631,3 +720,10 @@ def _check_async(optimizer: mx.optimizer.Optimizer) -> None:
         raise ValueError(f"BPSCTL_ASYNC (asynchronous training): SGD with clip_gradient="
                          f"{optimizer.clip_gradient:g} is not what the servers run (they apply "
                          "the gradient as pushed); drop clip_gradient, or train synchronously")
+
+
+# Horovod's names (``horovod.mxnet``): the collectives, the ops, the feature queries
+from .mpi_ops import *  # noqa: E402,F403
+from .mpi_ops import __all__ as _mpi_ops_all  # noqa: E402
+
+__all__ += _mpi_ops_all

@@ -1,0 +1,489 @@
+"""Horovod's MXNet collectives (``horovod.mxnet.mpi_ops`` and ``horovod.mxnet.functions``) on
+bpsctl's engine, for ``import bpsctl.engine.mxnet as hvd``.
+
+Every collective is built from the engine's one operation, the sum of an array over every
+worker, as :mod:`bpsctl.engine.collectives` describes (the arithmetic is there, shared with the
+PyTorch plugin): Sum and Average are summed by the servers (floating-point NDArrays in place,
+through :class:`bpsctl.engine.mxnet._Op`; integers as a sum, floor-divided for the average, as
+Horovod does); allgather, broadcast, alltoall, and Min, Max and Product gather through
+summation (each rank's rows at its offset in a zeroed buffer), the last three then reduced on
+every rank; reducescatter sums the whole tensor and keeps this rank's rows.
+
+Unlike Horovod's, which queue on MXNet's engine, these calls return once the result is in
+place (MXNet's pending writes to the input are waited for first). The rules are Horovod's:
+every rank calls the same collectives in the same order, with the same names (a name left out
+is made the same way on every rank, :class:`~bpsctl.engine.collectives.AutoNames`), and the
+same shapes where Horovod needs them. An engine failure is raised as
+:class:`HorovodInternalError`. Not carried: Adasum (ValueError naming ``op=hvd.Average``) and
+process sets other than the global one (:mod:`bpsctl.engine.process_sets`); ``priority`` is
+passed to the engine where the servers sum, and ignored elsewhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import mxnet as mx
+import numpy as np
+
+from ... import engine as _engine
+from .. import collectives as K
+from ..collectives import HorovodInternalError, ReduceOp
+from ..common import EngineError
+from ..process_sets import (  # noqa: F401 - Horovod's mpi_ops has these names
+    ProcessSet,
+    ProcessSetUnsupported,
+    _check_set,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from . import _check_root, _host_view, _Op, rank, size
+
+Average, Sum, Adasum = ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum
+Min, Max, Product = ReduceOp.Min, ReduceOp.Max, ReduceOp.Product
+
+__all__: list[str] = [
+    "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
+    "ProcessSet", "ProcessSetUnsupported", "global_process_set", "add_process_set",
+    "remove_process_set", "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built",
+    "gloo_enabled", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "cross_rank", "cross_size", "is_homogeneous", "start_timeline", "stop_timeline",
+    "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "allgather",
+    "grouped_allgather", "broadcast", "broadcast_", "alltoall", "reducescatter",
+    "grouped_reducescatter", "allgather_object", "broadcast_object", "barrier", "join"]
+
+
+# --------------------------------------------------------------------------- what bpsctl is
+
+def mpi_built() -> bool:
+    """False: bpsctl uses no MPI (its launcher is ``bpsctl run``)."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    """False: bpsctl uses no MPI."""
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """False: bpsctl uses no MPI (Horovod without MPI raises ValueError here; False lets a
+    script that only asks go on)."""
+    return False
+
+
+def gloo_built() -> bool:
+    """False: Horovod's gloo controller is not used."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: see :func:`gloo_built`."""
+    return False
+
+
+def nccl_built() -> int:
+    """0: the MXNet plugin has no NCCL path (GPU NDArrays are staged through host memory)."""
+    return 0
+
+
+def cuda_built() -> bool:
+    """Whether this MXNet was built with CUDA (GPU NDArrays are then carried, staged through
+    host memory)."""
+    return bool(mx.runtime.Features().is_enabled("CUDA"))
+
+
+def rocm_built() -> bool:
+    """False: bpsctl has no ROCm path."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: IBM DDL is not used."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: oneCCL is not used."""
+    return False
+
+
+_layouts: dict[int, tuple[int, int, bool]] = {}      # id(worker) -> its host layout
+
+
+def _hosts() -> tuple[int, int, bool]:
+    """(cross rank, cross size, homogeneous), found once per job
+    (:func:`bpsctl.engine.collectives.host_layout`)."""
+    worker = _engine._w()
+    if id(worker) not in _layouts:
+        with _internal():
+            _layouts[id(worker)] = K.host_layout(worker.rank, worker.size, worker.local_rank,
+                                                 worker.local_size, _sum)
+    return _layouts[id(worker)]
+
+
+def cross_rank() -> int:
+    """This host's index among the hosts that have a worker of this local rank (Horovod's
+    cross rank; with equal hosts, the host's index). When hosts hold different numbers of
+    workers the first call is collective (a small exchange): call it on every rank."""
+    return _hosts()[0]
+
+
+def cross_size() -> int:
+    """How many hosts have a worker of this local rank (with equal hosts: the host count)."""
+    return _hosts()[1]
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs as many workers (see :func:`cross_rank`)."""
+    return _hosts()[2]
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start recording this worker's timeline (bpsctl's Chrome trace) from now; rank 0 writes
+    it to ``file_path`` at :func:`stop_timeline` (or shutdown), rank ``r`` beside it as
+    ``<stem>.rank<r><suffix>``. ``mark_cycles`` is accepted and ignored."""
+    del mark_cycles
+    _engine._w().start_trace(K.timeline_path(Path(file_path), rank()))
+
+
+def stop_timeline() -> None:
+    """Stop the timeline :func:`start_timeline` started and write it."""
+    _engine._w().stop_trace()
+
+
+# --------------------------------------------------------------------------- common pieces
+
+_auto_names = K.AutoNames()
+
+
+def _sum(array: np.ndarray, name: str) -> np.ndarray:
+    """The engine's sum of ``array`` over every worker (a new array)."""
+    return _engine._w().push_pull(array, name=name, average=False)
+
+
+@contextlib.contextmanager
+def _internal() -> Iterator[None]:
+    """An engine failure (a worker or server lost, a deadline passed, ranks that disagree on
+    a tensor) raised as :class:`HorovodInternalError`, as Horovod raises it."""
+    try:
+        yield
+    except HorovodInternalError:
+        raise
+    except EngineError as exc:
+        raise HorovodInternalError(str(exc)) from exc
+
+
+@contextlib.contextmanager
+def _named(kind: str, name: str | None, signature: str) -> Iterator[str]:
+    """The engine name of a collective of ``kind`` while it runs: ``<kind>.<name>``, or an
+    automatic one for the dtype and shape ``signature`` (given back when it ends, whether it
+    succeeds or not, so that every rank's next one takes the same name)."""
+    if name is None:
+        wire, release = _auto_names.take(f"{kind}.noname.{signature}")
+    else:
+        wire, release = f"{kind}.{name}", None
+    try:
+        with _internal():
+            yield wire
+    finally:
+        if release is not None:
+            release()
+
+
+def _signature(tensor: mx.nd.NDArray, first_dim: bool = True) -> str:
+    dims = tensor.shape if first_dim else tensor.shape[1:]
+    return f"{np.dtype(tensor.dtype).name}:{'x'.join(map(str, dims))}"
+
+
+def _check_nd(tensor: Any, what: str) -> mx.nd.NDArray:
+    """``tensor`` if it is a dense NDArray (TypeError naming what it is otherwise)."""
+    if not isinstance(tensor, mx.nd.NDArray):
+        raise TypeError(f"{what} expects an mxnet NDArray, got {type(tensor).__name__}")
+    if tensor.stype != "default":
+        raise TypeError(f"{what}: {tensor.stype} NDArrays are not carried; use "
+                        "tensor.tostype('default')")
+    return tensor
+
+
+def _check_summable(tensor: mx.nd.NDArray, op: ReduceOp, what: str) -> None:
+    if np.dtype(tensor.dtype) == np.bool_ and op in K.SERVER_OPS:
+        raise TypeError(f"{what}: a bool tensor cannot be summed or averaged; use op=hvd.Max "
+                        "(any) or op=hvd.Min (all), or cast it to uint8")
+
+
+def _write(target: mx.nd.NDArray, values: np.ndarray) -> mx.nd.NDArray:
+    """``values`` copied into ``target``'s own memory; returns ``target``."""
+    view = _host_view(target, writable=True)
+    if view is not None:
+        view[...] = values
+    elif target.size:
+        target._sync_copyfrom(values)
+    return target
+
+
+def _new(values: np.ndarray, like: mx.nd.NDArray) -> mx.nd.NDArray:
+    """A new NDArray of ``values`` on ``like``'s context (an ``mx.np.ndarray`` if it is)."""
+    out = mx.nd.array(values, ctx=like.context, dtype=values.dtype)
+    return out.as_np_ndarray() if isinstance(like, mx.np.ndarray) else out
+
+
+def _ints(splits: Any) -> list[int]:
+    if isinstance(splits, mx.nd.NDArray):
+        splits = splits.asnumpy()
+    return [int(s) for s in np.asarray(splits).reshape(-1)]
+
+
+# --------------------------------------------------------------------------- allreduce
+
+def _reduce_into(target: mx.nd.NDArray, op: ReduceOp, wire: str, priority: int,
+                 prescale_factor: float, postscale_factor: float) -> mx.nd.NDArray:
+    """``target`` (a private copy, or the caller's tensor for the in-place forms) replaced by
+    its reduction over every rank."""
+    dtype = np.dtype(target.dtype)
+    if op in K.SERVER_OPS and dtype.kind == "f":
+        # in place, without a copy on the host (a GPU array is staged, see _Op)
+        if prescale_factor != 1.0:
+            target *= prescale_factor
+        _Op(target, wire, op is Average, priority).wait()
+        if postscale_factor != 1.0:
+            target *= postscale_factor
+        return target
+    values = K.scaled(target.asnumpy(), prescale_factor)
+    if op in K.SERVER_OPS:
+        total = _engine._w().push_pull(values, name=wire, average=False, priority=priority)
+        if op is Average:           # integers: Horovod's floor division of the sum
+            total = K.floor_average(total, size())
+    else:
+        total = K.allreduce_by_gather(values, op, rank(), size(), _sum, wire)
+    return _write(target, K.scaled(total, postscale_factor))
+
+
+def _allreduce(tensor: Any, inplace: bool, average: bool | None, name: str | None,
+               priority: int, prescale_factor: float, postscale_factor: float,
+               process_set: ProcessSet | None, op: Any, what: str) -> mx.nd.NDArray:
+    resolved = K.resolve_op(op, average, what)
+    _check_set(process_set, what)
+    _check_nd(tensor, what)
+    _check_summable(tensor, resolved, what)
+    kind = f"allreduce.{resolved.name}" if resolved in K.GATHERED_OPS else "allreduce"
+    target = tensor if inplace else tensor.copy()
+    with _named(kind, name, _signature(tensor)) as wire:
+        return _reduce_into(target, resolved, wire, priority, prescale_factor,
+                            postscale_factor)
+
+
+def allreduce(tensor: mx.nd.NDArray, average: bool | None = None, name: str | None = None,
+              priority: int = 0, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set, op: Any = None) -> mx.nd.NDArray:
+    """``tensor`` reduced over every rank, a new NDArray (``tensor`` is not modified). ``op``:
+    Average (the default), Sum, Min, Max or Product; ``average`` is Horovod's deprecated
+    form (True: Average, False: Sum). Integer averages are floor divisions of the sum, as
+    Horovod's. ``prescale_factor`` multiplies the input, ``postscale_factor`` the result.
+    Min, Max and Product gather every rank's tensor (``size()`` times its bytes each way)."""
+    return _allreduce(tensor, False, average, name, priority, prescale_factor,
+                      postscale_factor, process_set, op, "allreduce")
+
+
+def allreduce_(tensor: mx.nd.NDArray, average: bool | None = None, name: str | None = None,
+               priority: int = 0, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: ProcessSet = global_process_set, op: Any = None) -> mx.nd.NDArray:
+    """As :func:`allreduce`, in place; returns ``tensor``."""
+    return _allreduce(tensor, True, average, name, priority, prescale_factor,
+                      postscale_factor, process_set, op, "allreduce_")
+
+
+def _part(name: str | None, index: int) -> str | None:
+    """The name of a grouped collective's ``index``-th tensor (None: automatic)."""
+    return None if name is None else f"{name}.{index}"
+
+
+def grouped_allreduce(tensors: Sequence[mx.nd.NDArray], average: bool | None = None,
+                      name: str | None = None, priority: int = 0, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
+                      op: Any = None) -> list[mx.nd.NDArray]:
+    """:func:`allreduce` of each tensor; returns the list of results."""
+    return [_allreduce(t, False, average, _part(name, i), priority, prescale_factor,
+                       postscale_factor, process_set, op, "grouped_allreduce")
+            for i, t in enumerate(tensors)]
+
+
+def grouped_allreduce_(tensors: Sequence[mx.nd.NDArray], average: bool | None = None,
+                       name: str | None = None, priority: int = 0, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0,
+                       process_set: ProcessSet = global_process_set,
+                       op: Any = None) -> Sequence[mx.nd.NDArray]:
+    """:func:`allreduce_` of each tensor; returns ``tensors``."""
+    for i, t in enumerate(tensors):
+        _allreduce(t, True, average, _part(name, i), priority, prescale_factor,
+                   postscale_factor, process_set, op, "grouped_allreduce_")
+    return tensors
+
+
+# --------------------------------------------------------------------------- allgather
+
+def allgather(tensor: mx.nd.NDArray, name: str | None = None, priority: int = 0,
+              process_set: ProcessSet = global_process_set) -> mx.nd.NDArray:
+    """Every rank's ``tensor`` concatenated along the first dimension in rank order (ranks may
+    differ in that dimension only), a new NDArray. Each rank pushes and pulls every rank's
+    rows (:func:`bpsctl.engine.collectives.gather_by_sum`)."""
+    del priority
+    _check_set(process_set, "allgather")
+    _check_nd(tensor, "allgather")
+    if tensor.ndim == 0:
+        raise ValueError("allgather: a tensor of at least one dimension is needed; reshape a "
+                         "scalar to shape (1,)")
+    with _named("allgather", name, _signature(tensor, first_dim=False)) as wire:
+        return _new(K.gather_by_sum(tensor.asnumpy(), rank(), size(), _sum, wire), tensor)
+
+
+def grouped_allgather(tensors: Sequence[mx.nd.NDArray], name: str | None = None,
+                      priority: int = 0,
+                      process_set: ProcessSet = global_process_set) -> list[mx.nd.NDArray]:
+    """:func:`allgather` of each tensor; returns the list of results."""
+    return [allgather(t, _part(name, i), priority, process_set) for i, t in enumerate(tensors)]
+
+
+# --------------------------------------------------------------------------- broadcast
+
+def broadcast_(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None,
+               priority: int = 0,
+               process_set: ProcessSet = global_process_set) -> mx.nd.NDArray:
+    """``root_rank``'s ``tensor`` copied into ``tensor`` on every rank; returns it. Carried
+    as a sum to which every rank but the root adds zeros."""
+    del priority
+    _check_set(process_set, "broadcast")
+    _check_nd(tensor, "broadcast")
+    _check_root(root_rank)
+    values = tensor.asnumpy()
+    if rank() != root_rank:
+        values = np.zeros_like(values)
+    with _named("broadcast", name, _signature(tensor)) as wire:
+        got = K.from_bytes(_sum(K.as_bytes(values), wire), values.dtype)
+    return _write(tensor, got)
+
+
+def broadcast(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None,
+              priority: int = 0,
+              process_set: ProcessSet = global_process_set) -> mx.nd.NDArray:
+    """``root_rank``'s ``tensor`` on every rank, a new NDArray (``tensor`` is not
+    modified)."""
+    _check_nd(tensor, "broadcast")
+    return broadcast_(tensor.copy(), root_rank, name, priority, process_set)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+    """``root_rank``'s ``obj`` (pickled) on every rank. ``name`` defaults to the type's name,
+    as Horovod's."""
+    _check_root(root_rank)
+    key = f"broadcast_object.{name or type(obj).__name__}"
+    me = rank() == root_rank
+    data = np.frombuffer(pickle.dumps(obj), np.uint8) if me else np.zeros(0, np.uint8)
+    with _internal():
+        length = int(_sum(np.array([data.size], np.int64), f"{key}.length")[0])
+        payload = data if me else np.zeros(length, np.uint8)
+        got = _sum(payload, f"{key}.bytes{length}")
+    return obj if me else pickle.loads(got.tobytes())
+
+
+def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
+    """Every rank's ``obj`` (pickled), as a list in rank order. ``name`` defaults to the
+    type's name, as Horovod's."""
+    key = f"allgather_object.{name or type(obj).__name__}"
+    with _internal():
+        gathered, counts = K.gather_rows(np.frombuffer(pickle.dumps(obj), np.uint8), rank(),
+                                         size(), _sum, key)
+    data = gathered.tobytes()
+    return [pickle.loads(data[s:s + c])
+            for s, c in zip(K.offsets(counts), counts, strict=True)]
+
+
+# --------------------------------------------------------------------------- alltoall
+
+def alltoall(tensor: mx.nd.NDArray, splits: Any = None, name: str | None = None,
+             priority: int = 0, process_set: ProcessSet = global_process_set) -> Any:
+    """``splits[d]`` rows of ``tensor`` (in order) go to rank ``d`` (equal parts without
+    ``splits``); returns the rows received, in rank order, and with ``splits`` also how many
+    came from each rank (an int32 NDArray), as Horovod does. Carried as a gather of every
+    rank's whole tensor (:func:`bpsctl.engine.collectives.alltoall_by_sum`)."""
+    del priority
+    _check_set(process_set, "alltoall")
+    _check_nd(tensor, "alltoall")
+    if tensor.ndim == 0:
+        raise ValueError("alltoall: a tensor of at least one dimension is needed")
+    n = size()
+    counts = K.even_splits(tensor.shape[0], n) if splits is None else \
+        K.check_splits(_ints(splits), tensor.shape[0], n)
+    with _named("alltoall", name, _signature(tensor, first_dim=False)) as wire:
+        output, received = K.alltoall_by_sum(tensor.asnumpy(), counts, rank(), n, _sum, wire)
+    result = _new(output, tensor)
+    if splits is None:
+        return result
+    return result, mx.nd.array(received, dtype="int32")
+
+
+# --------------------------------------------------------------------------- reducescatter
+
+def _reducescatter(tensor: Any, op: Any, name: str | None, priority: int,
+                   process_set: ProcessSet | None, prescale_factor: float,
+                   postscale_factor: float, what: str) -> mx.nd.NDArray:
+    resolved = K.resolve_op(op, None, what)
+    K.check_op(resolved, K.SERVER_OPS, what)
+    _check_set(process_set, what)
+    _check_summable(_check_nd(tensor, what), resolved, what)
+    if tensor.ndim == 0:
+        raise ValueError(f"{what}: a tensor of at least one dimension is needed (Horovod does "
+                         "not take scalars either)")
+    with _named("reducescatter", name, _signature(tensor)) as wire:
+        whole = _reduce_into(tensor.copy(), resolved, wire, priority, prescale_factor,
+                             postscale_factor)
+    counts = K.reducescatter_counts(tensor.shape[0], size())
+    start = K.offsets(counts)[rank()]
+    return _new(whole.asnumpy()[start:start + counts[rank()]], tensor)
+
+
+def reducescatter(tensor: mx.nd.NDArray, op: Any = Average, name: str | None = None,
+                  priority: int = 0, process_set: ProcessSet = global_process_set,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> mx.nd.NDArray:
+    """This rank's rows of ``tensor`` reduced (Average or Sum) over every rank:
+    ``rows // size()`` each, one more for each of the first ``rows % size()`` ranks, as
+    Horovod splits. Every rank pushes and pulls the whole tensor (as an allreduce)."""
+    return _reducescatter(tensor, op, name, priority, process_set, prescale_factor,
+                          postscale_factor, "reducescatter")
+
+
+def grouped_reducescatter(tensors: Sequence[mx.nd.NDArray], op: Any = Average,
+                          name: str | None = None, priority: int = 0,
+                          process_set: ProcessSet = global_process_set,
+                          prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[mx.nd.NDArray]:
+    """:func:`reducescatter` of each tensor; returns the list of results."""
+    return [_reducescatter(t, op, _part(name, i), priority, process_set, prescale_factor,
+                           postscale_factor, "grouped_reducescatter")
+            for i, t in enumerate(tensors)]
+
+
+# --------------------------------------------------------------------------- barrier, join
+
+def barrier(process_set: ProcessSet = global_process_set) -> None:
+    """Wait until every rank has called barrier() (the scheduler's barrier; the engine's op
+    timeout bounds the wait). Not in ``horovod.mxnet``; as ``horovod.torch``'s."""
+    _check_set(process_set, "barrier")
+    with _internal():
+        _engine._w().barrier()
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data; returns the rank that joined last (by the clock of each
+    rank's call). Not in ``horovod.mxnet``; as ``bpsctl.engine.torch``'s: every rank must call
+    it at the same point (a collective that a joined rank does not take part in fails after
+    the op timeout). ``device`` is accepted and ignored."""
+    del device
+    stamps = np.zeros(size(), np.float64)
+    stamps[rank()] = time.time()
+    with _named("join", None, "") as wire:
+        return int(np.argmax(_sum(stamps, wire)))
