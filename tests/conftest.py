@@ -198,6 +198,8 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     "test_mxnet_plugin.py::test_a_traced_trainer_marks_its_steps_and_its_wait_for_the_gradients":
         {"slow"},
+    # a Horovod-MXNet script on 2 workers (about 3 s idle); on 1 worker it stays fast
+    "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_two_workers": {"slow"},
     # a job of two workers refused at init (3-4 s); the stage's sums stay fast
     "test_shm_local.py::test_an_arena_larger_than_dev_shm_is_refused_at_init_naming_the_knob":
         {"slow"},

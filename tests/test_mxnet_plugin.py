@@ -176,13 +176,18 @@ def broadcast_gluon_parameters():
         total = mine.copy()
         bps.byteps_push_pull(total, name=f"check.{name}", is_average=False)
         assert np.array_equal(total.asnumpy(), N * mine.asnumpy()), name   # same on all ranks
-    deferred = mx.gluon.nn.Dense(3, prefix="deferred_")
+    # a parameter whose shape is known at the first forward pass: broadcast then (Horovod's)
+    deferred = mx.gluon.nn.Dense(3, prefix="deferred_", weight_initializer=mx.init.Constant(R))
     deferred.initialize()
+    bps.broadcast_parameters(deferred.collect_params(), root_rank=2 % N)
+    deferred(mx.nd.ones((1, 2)))
+    assert np.all(deferred.weight.data().asnumpy() == 2 % N)
+    never = mx.gluon.Parameter("never_initialized", shape=(2,))
     try:
-        bps.broadcast_parameters(deferred.collect_params())
-        raise AssertionError("broadcast of a deferred parameter did not raise")
+        bps.broadcast_parameters({"never": never})
+        raise AssertionError("broadcast of a parameter never initialized did not raise")
     except ValueError as exc:
-        assert "deferred_weight" in str(exc) and "not initialized" in str(exc)
+        assert "'never'" in str(exc) and "not initialized" in str(exc)
 
 @check
 def trainer_parameter_order():

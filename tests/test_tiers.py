@@ -72,11 +72,13 @@ FAST_TEST_OF = {
     "engine/compression.py":
         "test_compression.py::test_each_compressor_sends_exactly_its_stated_size",
     "engine/intranode.py": "test_shm_local.py::test_sums_and_averages_are_exact",
-    "engine/mxnet.py":
+    "engine/mxnet/__init__.py":
         "test_mxnet_plugin.py::test_asynchronous_sgd_of_one_worker_is_mxnets_own_sgd",
+    "engine/mxnet/mpi_ops.py": "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_one_worker",
     "engine/partition.py": "test_engine.py::test_sizes_the_partition_size_does_not_divide",
     "engine/paths.py":
         "test_paths.py::test_one_worker_sends_nothing_unless_forced_and_gets_the_same_sums",
+    "engine/process_sets.py": HOROVOD_OF_ONE,
     "engine/protocol.py": "test_torch_bf16.py::test_round_and_widen_match_torch_conversions",
     "engine/scheduler.py": "test_engine.py::test_sum_is_exact_for_integer_valued_data",
     "engine/security.py": "test_security.py::test_a_worker_with_the_wrong_secret_cannot_register",
