@@ -177,7 +177,7 @@ def broadcast_gluon_parameters():
         bps.byteps_push_pull(total, name=f"check.{name}", is_average=False)
         assert np.array_equal(total.asnumpy(), N * mine.asnumpy()), name   # same on all ranks
     # a parameter whose shape is known at the first forward pass: broadcast then (Horovod's)
-    deferred = mx.gluon.nn.Dense(3, prefix="deferred_", weight_initializer=mx.init.Constant(R))
+    deferred = mx.gluon.nn.Dense(3, prefix="late_", weight_initializer=mx.init.Constant(R))
     deferred.initialize()
     bps.broadcast_parameters(deferred.collect_params(), root_rank=2 % N)
     deferred(mx.nd.ones((1, 2)))
