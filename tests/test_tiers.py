@@ -60,6 +60,7 @@ FAST_TEST_OF = {
     "cli.py": "test_cli.py::test_usage_errors_exit_2_and_name_the_flag",
     "cliutil.py": "test_cli.py::test_bad_environment_is_a_config_error",
     "config.py": "test_config.py::test_bpsctl_variables_are_parsed_by_kind",
+    "engine/basics.py": HOROVOD_OF_ONE,
     "engine/__init__.py":
         "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "engine/client.py":

@@ -24,7 +24,6 @@ import contextlib
 import pickle
 import time
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import mxnet as mx
@@ -32,6 +31,18 @@ import numpy as np
 
 from ... import engine as _engine
 from .. import collectives as K
+from ..basics import (  # noqa: F401 - Horovod's names, as its mxnet module has them
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    rocm_built,
+    start_timeline,
+    stop_timeline,
+)
 from ..collectives import HorovodInternalError, ReduceOp
 from ..common import EngineError
 from ..process_sets import (  # noqa: F401 - Horovod's mpi_ops has these names
@@ -60,32 +71,6 @@ __all__: list[str] = [
 
 # --------------------------------------------------------------------------- what bpsctl is
 
-def mpi_built() -> bool:
-    """False: bpsctl uses no MPI (its launcher is ``bpsctl run``)."""
-    return False
-
-
-def mpi_enabled() -> bool:
-    """False: bpsctl uses no MPI."""
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    """False: bpsctl uses no MPI (Horovod without MPI raises ValueError here; False lets a
-    script that only asks go on)."""
-    return False
-
-
-def gloo_built() -> bool:
-    """False: Horovod's gloo controller is not used."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """False: see :func:`gloo_built`."""
-    return False
-
-
 def nccl_built() -> int:
     """0: the MXNet plugin has no NCCL path (GPU NDArrays are staged through host memory)."""
     return 0
@@ -95,21 +80,6 @@ def cuda_built() -> bool:
     """Whether this MXNet was built with CUDA (GPU NDArrays are then carried, staged through
     host memory)."""
     return bool(mx.runtime.Features().is_enabled("CUDA"))
-
-
-def rocm_built() -> bool:
-    """False: bpsctl has no ROCm path."""
-    return False
-
-
-def ddl_built() -> bool:
-    """False: IBM DDL is not used."""
-    return False
-
-
-def ccl_built() -> bool:
-    """False: oneCCL is not used."""
-    return False
 
 
 _layouts: dict[int, tuple[int, int, bool]] = {}      # id(worker) -> its host layout
@@ -141,19 +111,6 @@ def cross_size() -> int:
 def is_homogeneous() -> bool:
     """Whether every host runs as many workers (see :func:`cross_rank`)."""
     return _hosts()[2]
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start recording this worker's timeline (bpsctl's Chrome trace) from now; rank 0 writes
-    it to ``file_path`` at :func:`stop_timeline` (or shutdown), rank ``r`` beside it as
-    ``<stem>.rank<r><suffix>``. ``mark_cycles`` is accepted and ignored."""
-    del mark_cycles
-    _engine._w().start_trace(K.timeline_path(Path(file_path), rank()))
-
-
-def stop_timeline() -> None:
-    """Stop the timeline :func:`start_timeline` started and write it."""
-    _engine._w().stop_trace()
 
 
 # --------------------------------------------------------------------------- common pieces

@@ -1,46 +1,30 @@
 """What bpsctl is, in Horovod's terms (``horovod.common.basics``): the feature queries, the
-host layout (``cross_rank``, ``cross_size``, ``is_homogeneous``) and timelines."""
+host layout (``cross_rank``, ``cross_size``, ``is_homogeneous``) and timelines; those that do
+not depend on the framework are :mod:`bpsctl.engine.basics`, shared with the MXNet plugin."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from .. import collectives as K
-from . import _p, rank
+from ..basics import (  # noqa: F401 - Horovod's names, as its torch module has them
+    ccl_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    rocm_built,
+    start_timeline,
+    stop_timeline,
+)
+from . import _p, synchronize
 
 __all__: list[str] = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",
     "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "cross_rank",
     "cross_size", "is_homogeneous", "start_timeline", "stop_timeline"]
-
-
-def mpi_built() -> bool:
-    """False: bpsctl uses no MPI (its launcher is ``bpsctl run``)."""
-    return False
-
-
-def mpi_enabled() -> bool:
-    """False: bpsctl uses no MPI."""
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    """False: bpsctl uses no MPI. (Horovod without MPI raises ValueError here; False lets a
-    script that only asks go on.)"""
-    return False
-
-
-def gloo_built() -> bool:
-    """False: Horovod's gloo controller is not used (the intra-node stage may run gloo through
-    torch.distributed with ``BPSCTL_LOCAL_SHM=0``, which is not this)."""
-    return False
-
-
-def gloo_enabled() -> bool:
-    """False: see :func:`gloo_built`."""
-    return False
 
 
 def nccl_built() -> int:
@@ -65,40 +49,23 @@ def cuda_built() -> bool:
     return torch.backends.cuda.is_built()
 
 
-def rocm_built() -> bool:
-    """False: bpsctl has no ROCm path of its own."""
-    return False
-
-
-def ddl_built() -> bool:
-    """False: IBM DDL is not used."""
-    return False
-
-
-def ccl_built() -> bool:
-    """False: oneCCL is not used."""
-    return False
-
-
 _layouts: dict[int, tuple[int, int, bool]] = {}      # id(plugin) -> what _hosts found
 
 
 def _hosts() -> tuple[int, int, bool]:
-    """(cross rank, cross size, homogeneous). Ranks on a host are contiguous, as ``bpsctl
-    run`` places them; when the job's size is a multiple of this host's worker count, every
-    host is taken to hold that many (the intra-node stage assumes the same). Otherwise the
-    ranks exchange which of them is first on its host (once per job)."""
+    """(cross rank, cross size, homogeneous), found once per job
+    (:func:`bpsctl.engine.collectives.host_layout`), the exchange it may need through the
+    plugin's own path (the intra-node stage, where there is one)."""
     plugin = _p()
-    worker = plugin.worker
-    if worker.size % worker.local_size == 0:
-        return worker.rank // worker.local_size, worker.size // worker.local_size, True
-    if id(plugin) in _layouts:
-        return _layouts[id(plugin)]
-    from .mpi_ops import _exchange_ints  # (mpi_ops imports this module)
-    table = _exchange_ints(np.array([worker.local_rank == 0], np.int64), "cross_rank")
-    firsts = [r for r in range(worker.size) if table[r, 0]]
-    found = _layouts[id(plugin)] = (*K.cross_layout(firsts, worker.size, worker.rank), False)
-    return found
+    if id(plugin) not in _layouts:
+        from .mpi_ops import _push_sum  # (mpi_ops imports this module)
+
+        def push_pull_sum(array: np.ndarray, name: str) -> np.ndarray:
+            return synchronize(_push_sum(torch.from_numpy(array.copy()), name)).numpy()
+        worker = plugin.worker
+        _layouts[id(plugin)] = K.host_layout(worker.rank, worker.size, worker.local_rank,
+                                             worker.local_size, push_pull_sum)
+    return _layouts[id(plugin)]
 
 
 def cross_rank() -> int:
@@ -117,22 +84,3 @@ def cross_size() -> int:
 def is_homogeneous() -> bool:
     """Whether every host runs as many workers (see :func:`cross_rank`)."""
     return _hosts()[2]
-
-
-def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start recording this worker's timeline (bpsctl's Chrome trace, :mod:`bpsctl.engine.trace`:
-    every push_pull, its partitions on the wire and the waits) from now; rank 0 writes it to
-    ``file_path`` at :func:`stop_timeline` (or shutdown), rank ``r`` beside it as
-    ``<stem>.rank<r><suffix>``. Unlike ``BPSCTL_TRACE_DIR``, the servers do not trace.
-    ``mark_cycles`` is accepted and ignored (bpsctl has no negotiation cycles)."""
-    del mark_cycles
-    path = Path(file_path)
-    me = rank()
-    if me:
-        path = path.with_name(f"{path.stem}.rank{me}{path.suffix}")
-    _p().worker.start_trace(path)
-
-
-def stop_timeline() -> None:
-    """Stop the timeline :func:`start_timeline` started and write it."""
-    _p().worker.stop_trace()
