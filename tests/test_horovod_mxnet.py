@@ -458,3 +458,34 @@ def test_a_horovod_mxnet_script_on_one_worker(one_worker, check):
 @pytest.mark.parametrize("check", CHECKS)
 def test_a_horovod_mxnet_script_on_two_workers(two_workers, check):
     _assert_ok(two_workers, check)
+
+
+LOST_PEER_SCRIPT = '''
+import time
+import bpsctl.engine.mxnet as hvd
+hvd.barrier()
+if R == 1:
+    with open(os.path.join(OUT, "rank1.json"), "w") as f:
+        json.dump({}, f)
+    os._exit(0)             # gone without leaving (and without failing the job)
+started = time.monotonic()
+try:
+    hvd.allreduce(mx.nd.ones(3), op=hvd.Sum, name="after")
+    RESULTS["lost_peer"] = "summed without the lost worker"
+except hvd.HorovodInternalError as exc:
+    RESULTS["lost_peer"] = "ok"
+    RESULTS["message"] = str(exc)
+    RESULTS["seconds"] = time.monotonic() - started
+'''
+
+
+@pytest.mark.timeout(120)
+def test_a_lost_peer_fails_the_collective_with_horovod_internal_error(tmp_path):
+    """Rank 1 vanishes; rank 0's next allreduce raises HorovodInternalError naming it, once its
+    heartbeats are overdue (not at the op timeout), as Horovod raises it."""
+    if MXNET_MISSING:
+        pytest.skip(MXNET_MISSING)
+    record = run_script(tmp_path, LOST_PEER_SCRIPT, 2, heartbeat_timeout_s=2.0)[0]
+    assert record["lost_peer"] == "ok", record
+    assert "lost worker 1" in record["message"], record["message"]
+    assert record["seconds"] < 15
