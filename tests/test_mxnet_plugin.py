@@ -469,6 +469,9 @@ def compression_is_refused():
     refused(ValueError, ["BPSCTL_ASYNC", "compression_params={'compressor': 'onebit'}"],
             lambda: bps.DistributedTrainer(net.collect_params(), "sgd",
                                            compression_params={"compressor": "onebit"}))
+    refused(ValueError, ["BPSCTL_ASYNC", "gradient_predivide_factor=2: there is no sum"],
+            lambda: bps.DistributedTrainer(net.collect_params(), "sgd",
+                                           gradient_predivide_factor=2.0))
 
 @check
 def allreduce_grads_is_refused():
