@@ -33,8 +33,9 @@ MXNet cannot schedule other work on the array meanwhile; the trainer, the optimi
 broadcasts start every push_pull of a step before waiting for any.
 
 Names are bound to one shape and dtype for the whole job: gradients travel as
-``DistributedTrainer.grad.<parameter name>`` / ``DistributedOptimizer.grad.<index>``,
-broadcasts as ``Parameter.<name>``; a compressed tensor gets its own name (``...:float16``).
+``DistributedTrainer.grad.<prefix><parameter name>`` / ``DistributedOptimizer.grad.<index>``,
+broadcasts as ``Parameter.<prefix><name>``; a compressed tensor gets its own name
+(``...:float16``). Horovod's collectives (:mod:`.mpi_ops`) are named ``<kind>.<name>``.
 
 Asynchronous training (``BPSCTL_ASYNC``, ``bpsctl run --async``): ``DistributedTrainer`` with
 MXNet's SGD lets the servers hold the parameters. Its first ``step()``/``update()`` pushes each
@@ -726,4 +727,4 @@ def _check_async(optimizer: mx.optimizer.Optimizer) -> None:
 from .mpi_ops import *  # noqa: E402,F403
 from .mpi_ops import __all__ as _mpi_ops_all  # noqa: E402
 
-__all__ += _mpi_ops_all
+__all__ += [name for name in _mpi_ops_all if name not in __all__]

@@ -53,6 +53,7 @@ from ..process_sets import (  # noqa: F401 - Horovod's mpi_ops has these names
     global_process_set,
     remove_process_set,
 )
+from ..trace import now_ns
 from . import _check_root, _host_view, _Op, rank, size
 
 Average, Sum, Adasum = ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum
@@ -139,17 +140,20 @@ def _internal() -> Iterator[None]:
 def _named(kind: str, name: str | None, signature: str) -> Iterator[str]:
     """The engine name of a collective of ``kind`` while it runs: ``<kind>.<name>``, or an
     automatic one for the dtype and shape ``signature`` (given back when it ends, whether it
-    succeeds or not, so that every rank's next one takes the same name)."""
+    succeeds or not, so that every rank's next one takes the same name). A collective that
+    completes is a ``collective`` span of the worker's trace (a timeline's)."""
     if name is None:
         wire, release = _auto_names.take(f"{kind}.noname.{signature}")
     else:
         wire, release = f"{kind}.{name}", None
+    started_ns = now_ns()
     try:
         with _internal():
             yield wire
     finally:
         if release is not None:
             release()
+    _engine._w().trace_span("collective", wire, started_ns, now_ns())
 
 
 def _signature(tensor: mx.nd.NDArray, first_dim: bool = True) -> str:
