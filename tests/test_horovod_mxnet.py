@@ -142,7 +142,7 @@ def test_timeline_paths_and_automatic_names():
 needs_mxnet = pytest.mark.skipif(bool(MXNET_MISSING), reason=MXNET_MISSING or "")
 
 #: horovod.mxnet 0.28's public names, as its __init__.py imports and defines them (read from
-#: the installed package where it is there: tests/test_horovod_mxnet.py::horovod_names)
+#: the installed package instead where it is there: :func:`horovod_names`)
 HOROVOD_MXNET_NAMES = [
     "Compression", "allgather_object", "broadcast_object", "allgather", "grouped_allgather",
     "allreduce", "allreduce_", "grouped_allreduce", "grouped_allreduce_", "alltoall",
@@ -206,8 +206,8 @@ def test_every_name_of_horovod_mxnet_is_there_with_its_parameters():
     for name, parameters in expected.items():
         ours = list(inspect.signature(getattr(hvd, name)).parameters)
         assert ours[:len(parameters)] == parameters, (name, ours)
-    assert hvd.global_process_set is __import__("bpsctl.engine.process_sets").engine \
-        .process_sets.global_process_set
+    from bpsctl.engine import process_sets
+    assert hvd.global_process_set is process_sets.global_process_set   # one, as in Horovod
 
 
 # --------------------------------------------------------------------------- on real workers
