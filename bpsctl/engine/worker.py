@@ -102,6 +102,14 @@ class Handle:
         self._news = threading.Event()
         self._decoding = threading.Lock()
 
+    def _set_done(self) -> None:
+        """The op is over (every sum arrived, or it failed). A compressed op's waiter sleeps on
+        ``_news``, so it is woken too: it may have taken the last sum already and be waiting
+        for news that no further sum would bring."""
+        self._done.set()
+        if self._news is not None:
+            self._news.set()
+
     def _result_arrived(self, job: tuple[Any, ...]) -> None:
         """On the I/O thread: one partition's compressed sum, for the waiter to decompress."""
         assert self._arrived is not None and self._news is not None
@@ -607,7 +615,7 @@ class Worker:
                 compression if src.nbytes >= self.config.min_compress_bytes else None)
             if handle.error is None and not np.shares_memory(src, out):
                 np.copyto(out, src)
-            handle._done.set()
+            handle._set_done()
             return handle
         with self._lock:
             if name in self._in_flight_names:
@@ -984,7 +992,7 @@ class Worker:
                 trace, self._trace = self._trace, None
                 if trace is not None:
                     trace.close()
-                payload._done.set()
+                payload._set_done()
             elif kind == "pin":
                 self._pinning = payload
                 for segments in self._shm_slots.values():
@@ -1170,7 +1178,7 @@ class Worker:
                         self.rank, len(state) / 2**20, rank)
         except EngineError as exc:
             handle.error = exc
-        handle._done.set()
+        handle._set_done()
 
     def _received_state(self, rounds: zmq.Frame, state: zmq.Frame) -> None:
         """This rejoining worker's state came: take the donor's rounds, start what waited."""
@@ -1311,7 +1319,7 @@ class Worker:
             handle.error = error
         with self._lock:
             self._in_flight_names.discard(task.name)
-        handle._done.set()
+        handle._set_done()
 
     def _drain_scheduler(self) -> None:
         while True:
@@ -1331,7 +1339,7 @@ class Worker:
                 handle = self._barriers.pop(msg["name"], None)
                 if handle is not None:
                     self._barriers_passed += 1      # one at a time: barrier() waits
-                    handle._done.set()
+                    handle._set_done()
             elif msg_type == P.MEMBER_LOST:
                 self._fail_all(EngineError(f"worker {self.rank}: {msg['message']}"))
             elif msg_type == P.SERVER_MOVED:
@@ -1496,7 +1504,7 @@ class Worker:
         for name, handle in self._barriers.items():
             handle.error = SchedulerGone(f"worker {self.rank}: {gone}: barrier {name!r} cannot "
                                          "complete")
-            handle._done.set()
+            handle._set_done()
         self._barriers.clear()
         if self._server_down:
             names = ", ".join(self._server_name(i) for i in self._server_down)
@@ -1648,5 +1656,5 @@ class Worker:
         self._inflight_bytes = 0
         for handle in self._barriers.values():
             handle.error = error
-            handle._done.set()
+            handle._set_done()
         self._barriers.clear()
