@@ -95,7 +95,6 @@ def test_servers_reduce_by_min_max_and_product_elementwise(job, dtype):
     # each rank's values differ per element, with negatives where signed: the servers must
     # combine elementwise, across partitions on both servers, not sum
     count = 999
-    wire = P.BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
     real = np.dtype(np.float32) if dtype == "bfloat16" else np.dtype(dtype)
 
     def values(rank: int) -> np.ndarray:
