@@ -51,12 +51,10 @@ def test_the_configuration_reference_is_generated_from_config():
 
 
 def test_every_knob_is_listed_once():
-    gen = _generator()
     from bpsctl.config import Config
-    table = gen.table()
-    for name, env, _, _ in Config.describe():
-        assert table.count(f"| `{env}`") == 1, env
-        assert (REPO / "docs" / "configuration.md").read_text().count(f"| `{env}`") == 1, env
+    page = _generator().PAGE.read_text()
+    for _, env, _, _ in Config.describe():
+        assert page.count(f"| `{env}`") == 1, f"{env} is not listed once in docs/configuration.md"
 
 
 def test_every_page_is_within_its_size():
@@ -77,7 +75,6 @@ def test_every_relative_link_names_a_file_of_the_repository_and_a_heading_there(
             target = (page.parent / path).resolve() if path else page
             assert target.is_relative_to(REPO) and target.exists(), (
                 f"{where} links to {link}, which is not a file of the repository")
-            assert ".." not in Path(path).parts or target.is_relative_to(REPO), link
             if anchor and target.suffix == ".md":
                 assert anchor in _anchors(target), (
                     f"{where} links to {link}: {target.name} has no heading #{anchor}")
