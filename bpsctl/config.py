@@ -339,14 +339,13 @@ class Config:
                           "allowed (1:0.25,1:cpu=0.5)",
                           "str")
 
-    # data path. Defaults chosen with ResNet50 on 4 x 4 emulated hosts at 1 Gbit, where they
-    # trained fastest; BytePS's 4096000 / 16384000 left uplinks idle waiting for ACKs (figures
-    # in docs/benchmarks.md)
+    # data path. Defaults chosen as the fastest for ResNet50 on 4 x 4 emulated hosts at 1 Gbit;
+    # BytePS's 4096000 / 16384000 leave uplinks idle waiting for ACKs (docs/benchmarks.md)
     partition_bytes: int = knob(2097152, "BPSCTL_PARTITION_BYTES",
                                 "largest piece a tensor is cut into for push/pull", "size",
                                 in_file=True)
-    # 16: bench comm's 64 MiB over 4 x 4 emulated hosts went from 0.86 to 0.94 of the NIC
-    # limit, and VGG16's step on the same cluster did not get slower (docs/benchmarks.md)
+    # 16: bench comm of 64 MiB over 4 x 4 emulated hosts comes closer to the NIC limit than
+    # with every piece at BPSCTL_PARTITION_BYTES, and VGG16's step is no slower (docs/benchmarks.md)
     partition_depth: int = knob(16, "BPSCTL_PARTITION_DEPTH",
                                 "above 0: a large tensor is cut smaller than "
                                 "BPSCTL_PARTITION_BYTES, so that every server gets this many of "

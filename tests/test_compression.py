@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+import zmq
 from conftest import gone, private_cluster, run_job, wait_until
 from typer.testing import CliRunner
 
@@ -306,6 +307,36 @@ def test_a_finished_compressed_push_pull_is_complete_even_if_its_name_is_pushed_
         assert np.array_equal(unwaited, x * 3)
         assert np.array_equal(waited, x * 3)
         assert np.array_equal(averaged, x * 15)
+
+
+def test_a_compressed_push_pull_whose_last_sum_is_taken_as_it_finishes_returns():
+    # The waiter decompresses each sum as it arrives. The I/O thread queues the last sum and
+    # then marks the op done; a waiter that took that sum in between must still be woken by
+    # the finish, not sleep until its deadline. Here the finish comes while the waiter is
+    # decompressing the last sum, the one interleaving that hung a 3-worker training job.
+    from bpsctl.engine.worker import Handle
+
+    decoding, finished = threading.Event(), threading.Event()
+
+    class SlowCodec:
+        def decode(self, payload, part_id, round_, dst, divisor):
+            decoding.set()
+            assert finished.wait(10), "the test's finish never came"
+            dst[:] = 1
+
+    out = np.zeros(4, np.float32)
+    handle = Handle("g", out)
+    handle._compressed()
+    handle._result_arrived((SlowCodec(), zmq.Frame(b""), 0, 0, out, None))
+    result: list = []
+    waiter = threading.Thread(target=lambda: result.append(handle.wait(5.0)), daemon=True)
+    waiter.start()
+    assert decoding.wait(10), "the waiter never decompressed the sum"
+    handle._set_done()              # as the I/O thread finishes the op
+    finished.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and result, "wait() slept past the op's end"
+    assert np.array_equal(result[0], np.ones(4, np.float32))
 
 
 # --------------------------------------------------------------------------- convergence

@@ -17,6 +17,8 @@ import zmq
 
 from bpsctl.config import Config, auto_io_threads
 from bpsctl.engine import EngineError, Worker
+from bpsctl.engine import compression as C
+from bpsctl.engine import protocol as P
 from bpsctl.engine.common import io_thread_affinity
 
 pytestmark = pytest.mark.timeout(120)
@@ -83,6 +85,77 @@ def test_an_unsupported_dtype_is_refused_with_the_supported_list(job, dtype):
             w.push_pull(np.zeros(3, dtype), name="x", average=False)
 
     job(1, 1, body)
+
+
+# --------------------------------------------------------------------------- min, max, product
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int8", "uint8", "int64",
+                                   "bfloat16"])
+def test_servers_reduce_by_min_max_and_product_elementwise(job, dtype):
+    # each rank's values differ per element, with negatives where signed: the servers must
+    # combine elementwise, across partitions on both servers, not sum
+    count = 999
+    real = np.dtype(np.float32) if dtype == "bfloat16" else np.dtype(dtype)
+
+    def values(rank: int) -> np.ndarray:
+        signed = real.kind != "u"
+        base = (np.arange(count) * (rank + 3)) % 7 - (3 if signed else 0)
+        return base.astype(real)
+
+    def on_wire(a: np.ndarray) -> np.ndarray:            # bfloat16: a float32's upper half
+        if dtype != "bfloat16":
+            return a
+        return (a.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(P.BFLOAT16)
+
+    def from_wire(a: np.ndarray) -> np.ndarray:
+        if dtype != "bfloat16":
+            return a
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+    def body(w: Worker):
+        mine = on_wire(values(w.rank))
+        return [from_wire(w.push_pull(mine, name=f"r{reduction}", average=False,
+                                      reduction=reduction))
+                for reduction in (P.REDUCE_MIN, P.REDUCE_MAX, P.REDUCE_PRODUCT)]
+
+    everyone = np.stack([values(r) for r in range(3)])
+    for low, high, product in job(3, 2, body, partition_bytes=256):
+        assert_same(low, everyone.min(axis=0))
+        assert_same(high, everyone.max(axis=0))
+        assert_same(product, np.prod(everyone, axis=0, dtype=real))
+
+
+def test_a_reduction_other_than_a_sum_refuses_averaging_and_compression(job):
+    def body(w: Worker):
+        for kwargs, why in [({"average": True}, "averaged"),
+                            ({"average": False, "compression": C.FP16()}, "compressed")]:
+            with pytest.raises(ValueError, match=rf"push_pull of 'x' by max cannot be {why}"):
+                w.push_pull(np.ones(4, np.float32), name="x", reduction=P.REDUCE_MAX,
+                            **kwargs)
+        with pytest.raises(ValueError, match=r"unknown reduction 9"):
+            w.push_pull(np.ones(4, np.float32), name="x", average=False, reduction=9)
+        # nothing was left behind: the name reduces by max, and then keeps that reduction
+        got = w.push_pull(np.full(4, w.rank, np.float32), name="x", average=False,
+                          reduction=P.REDUCE_MAX)
+        with pytest.raises(ValueError, match=r"tensor 'x' was reduced by max before, now by "
+                                             r"sum; use another name"):
+            w.push_pull(np.ones(4, np.float32), name="x", average=False)
+        return got
+
+    for result in job(2, 1, body):
+        assert_same(result, np.full(4, 1, np.float32))
+
+
+def test_ranks_reducing_a_name_by_different_ops_all_fail_naming_both(job):
+    def body(w: Worker):
+        with pytest.raises(EngineError, match=rf"^worker {w.rank}: workers disagree on tensor "
+                                              r"'m': rank \d has float32\(4,\)( reduced by max)?, "
+                                              r"rank \d has float32\(4,\)( reduced by max)?$"):
+            w.push_pull(np.ones(4, np.float32), name="m", average=False,
+                        reduction=P.REDUCE_MAX if w.rank == 0 else P.REDUCE_SUM)
+        return True
+
+    assert job(2, 1, body, op_timeout_s=30.0) == [True, True]
 
 
 # --------------------------------------------------------------------------- shapes and sizes

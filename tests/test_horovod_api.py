@@ -444,6 +444,20 @@ def the_numpy_api_gathers_too():
     assert got.dtype == np.int16 and np.array_equal(got, want), got
 
 @check
+def the_numpy_api_reduces_by_every_op_on_the_servers():
+    import numpy as np
+    import bpsctl.engine as engine
+    mine = (np.arange(12) * (ME + 2) % 5 - 2).astype(np.int32)       # negatives, ranks differ
+    everyone = np.stack([(np.arange(12) * (r + 2) % 5 - 2).astype(np.int32) for r in range(N)])
+    for op, want in [(engine.ReduceOp.Sum, everyone.sum(0)), (engine.ReduceOp.Min, everyone.min(0)),
+                     (engine.ReduceOp.Max, everyone.max(0)),
+                     (engine.ReduceOp.Product, everyone.prod(0))]:
+        got = engine.allreduce(mine, name=f"numpy.{op.name}", op=op)
+        assert got.dtype == np.int32 and np.array_equal(got, want.astype(np.int32)), (op, got)
+    avg = engine.allreduce(mine.astype(np.float64), name="numpy.avg")
+    assert np.allclose(avg, everyone.mean(0)), avg
+
+@check
 def a_timeline_is_written():
     path = os.path.join(sys.argv[1], "timeline.json")
     hvd.start_timeline(path)
@@ -577,6 +591,7 @@ CHECKS = ["sync_batch_norm_is_batch_norm_over_every_ranks_batch",
           "alltoall_with_and_without_splits_and_gradient",
           "reducescatter_uneven_sum_average_grouped_and_gradient",
           "barrier_join_process_sets_and_internal_errors", "the_numpy_api_gathers_too",
+          "the_numpy_api_reduces_by_every_op_on_the_servers",
           "a_timeline_is_written"]
 
 

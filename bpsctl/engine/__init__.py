@@ -19,13 +19,13 @@ from typing import Any, NoReturn
 
 from ..config import Config
 from . import cuda
-from .collectives import gather_by_sum
+from .collectives import SERVER_REDUCTIONS, ReduceOp, check_op, gather_by_sum
 from .common import EngineError, JobFinished
 from .worker import Handle, Worker
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "push_pull", "push_pull_async", "poll", "synchronize", "declare", "barrier",
-           "allgather",
+           "allgather", "allreduce", "allreduce_async", "ReduceOp",
            "Worker", "Handle", "EngineError", "Config"]
 
 _worker: Worker | None = None
@@ -114,6 +114,28 @@ def declare(name: str, shape: tuple[int, ...], dtype: Any) -> None:
 
 def barrier(timeout_s: float | None = None) -> None:
     _w().barrier(timeout_s)
+
+
+def allreduce_async(array: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+                    priority: int = 0, out: Any = None) -> Handle | cuda.CudaHandle:
+    """Start reducing ``array`` across workers by ``op`` (Horovod's ops): Average and Sum are
+    push_pull's; Min, Max and Product are applied elementwise by the servers, over the same
+    partitioned, prioritized path (neither averaged nor compressed). Floor division is not
+    applied to integers: Average of an integer array is refused, as push_pull refuses it."""
+    op = ReduceOp(op)
+    check_op(op, [ReduceOp.Average, ReduceOp.Sum, *SERVER_REDUCTIONS], "allreduce")
+    average = op is ReduceOp.Average
+    reduction = SERVER_REDUCTIONS.get(op, 0)
+    if cuda.is_cuda_array(array):
+        return cuda.push_pull_async(_w(), _staging, array, name, average, priority, out,
+                                    reduction=reduction)
+    return _w().push_pull_async(array, name, average, priority, out, reduction=reduction)
+
+
+def allreduce(array: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
+              priority: int = 0, out: Any = None) -> Any:
+    """:func:`allreduce_async`, waited for: the reduced array."""
+    return synchronize(allreduce_async(array, name, op, priority, out))
 
 
 def allgather(array: Any, name: str) -> Any:

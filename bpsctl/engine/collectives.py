@@ -36,13 +36,15 @@ from typing import Any
 
 import numpy as np
 
+from . import protocol as P
 from .common import HorovodInternalError
 
-__all__ = ["HorovodInternalError", "ReduceOp", "SERVER_OPS", "GATHERED_OPS", "resolve_op",
-           "check_op", "cross_layout", "host_layout", "timeline_path", "AutoNames", "offsets",
-           "reducescatter_counts", "even_splits", "check_splits", "alltoall_plan",
-           "exchange_counts", "as_bytes", "from_bytes", "gather_rows", "gather_by_sum", "scaled",
-           "floor_average", "reduce_slots", "allreduce_by_gather", "alltoall_by_sum"]
+__all__ = ["HorovodInternalError", "ReduceOp", "SERVER_OPS", "GATHERED_OPS",
+           "SERVER_REDUCTIONS", "resolve_op", "check_op", "cross_layout", "host_layout",
+           "timeline_path", "AutoNames", "offsets", "reducescatter_counts", "even_splits",
+           "check_splits", "alltoall_plan", "exchange_counts", "as_bytes", "from_bytes",
+           "gather_rows", "gather_by_sum", "scaled", "floor_average", "reduce_slots",
+           "allreduce_by_gather", "alltoall_by_sum"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -60,6 +62,9 @@ class ReduceOp(enum.IntEnum):
 SERVER_OPS = (ReduceOp.Average, ReduceOp.Sum)
 #: the ops computed on every rank after gathering every rank's tensor
 GATHERED_OPS = (ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
+#: how the servers reduce each op other than a sum (protocol.REDUCE_*)
+SERVER_REDUCTIONS = {ReduceOp.Min: P.REDUCE_MIN, ReduceOp.Max: P.REDUCE_MAX,
+                     ReduceOp.Product: P.REDUCE_PRODUCT}
 
 
 def resolve_op(op: Any, average: bool | None, what: str = "allreduce") -> ReduceOp:

@@ -75,7 +75,8 @@ class CudaHandle:
 
 def push_pull_async(worker: Any, staging: CudaStaging, array: Any, name: str | None,
                     average: bool, priority: int, out: Any = None,
-                    compression: Any = None, once: bool = False) -> CudaHandle:
+                    compression: Any = None, once: bool = False,
+                    reduction: int = 0) -> CudaHandle:
     """Start the push_pull of a CUDA ``array`` (see the module docstring); ``out`` (a CuPy
     array of the same shape and dtype, default a new one) receives the result. ``once``: a
     broadcast (see Worker.push_pull_async)."""
@@ -92,5 +93,6 @@ def push_pull_async(worker: Any, staging: CudaStaging, array: Any, name: str | N
     host_in, host_out = staging.buffers(name, device_in.shape, device_in.dtype)
     device_in.get(out=host_in)                      # after the stream's queued work
     handle = worker.push_pull_async(host_in, name=name, average=average, priority=priority,
-                                    out=host_out, compression=compression, once=once)
+                                    out=host_out, compression=compression, once=once,
+                                    reduction=reduction)
     return CudaHandle(handle, host_out, out)

@@ -101,6 +101,27 @@ DTYPE_CODES: dict[np.dtype, int] = {dt: code for code, dt in enumerate(DTYPES)}
 BFLOAT16_CODE = DTYPE_CODES[BFLOAT16]
 NO_DTYPE = 255
 
+#: a PUSH's dtype byte: the dtype code in the low 4 bits, how the server combines the round's
+#: pushes in the high 4 (0, a sum, is what every push without one means). The partition is
+#: bound to its first push's reduction, as to its dtype: a push with another is refused.
+REDUCE_SHIFT = 4
+REDUCE_SUM, REDUCE_MIN, REDUCE_MAX, REDUCE_PRODUCT = range(4)
+REDUCTIONS: dict[int, str] = {REDUCE_SUM: "sum", REDUCE_MIN: "min", REDUCE_MAX: "max",
+                              REDUCE_PRODUCT: "product"}
+#: how a server folds one push into the round's result, by reduction
+REDUCE_UFUNCS: dict[int, np.ufunc] = {REDUCE_SUM: np.add, REDUCE_MIN: np.minimum,
+                                      REDUCE_MAX: np.maximum, REDUCE_PRODUCT: np.multiply}
+
+
+def push_dtype(code: int, reduction: int = REDUCE_SUM) -> int:
+    """The dtype byte of a PUSH of dtype ``code`` combined by ``reduction``."""
+    return code | reduction << REDUCE_SHIFT
+
+
+def split_push_dtype(byte: int) -> tuple[int, int]:
+    """(dtype code, reduction) of a PUSH's dtype byte."""
+    return byte & ((1 << REDUCE_SHIFT) - 1), byte >> REDUCE_SHIFT
+
 #: control messages (JSON) larger than this are refused: the biggest real one, a DECLARE of
 #: every tensor of a large model, is a few hundred KiB
 MAX_CONTROL_BYTES = 4 * 1024 * 1024

@@ -638,7 +638,7 @@ class Scheduler:
         lost_servers = _ints(again, "lost_servers", len(job.servers) - 1)
         specs = again.get("tensors", [])
         checked = _checked_tensors({"tensors": specs}, job.partition_bytes)
-        for spec, (name, _, _, _) in zip(specs, checked, strict=True):
+        for spec, (name, *_) in zip(specs, checked, strict=True):
             parts = spec.get("parts")
             P.int_field(spec, "key", 0, 1 << 40)
             if not isinstance(parts, list) or len(parts) > P.MAX_PARTITIONS_PER_DECLARE or \
@@ -647,10 +647,11 @@ class Scheduler:
                         for p in parts):
                 raise P.ProtocolError(f"tensor {name!r}: parts are not [[id, server, offset, "
                                       "length]] of this job's servers")
-        for spec, (name, dtype, shape, _) in zip(specs, checked, strict=True):
+        for spec, (name, dtype, shape, _, reduce) in zip(specs, checked, strict=True):
             if name not in job.tensors:
                 job.tensors[name] = {"name": name, "key": spec["key"], "dtype": dtype,
-                                     "shape": shape, "rank": rank, "parts": spec["parts"]}
+                                     "shape": shape, "reduce": reduce, "rank": rank,
+                                     "parts": spec["parts"]}
         placement.lost.update(lost_servers)
         # the loads and counters the placement had, from where the partitions live now
         loads = [0] * len(job.servers)
@@ -743,7 +744,7 @@ class Scheduler:
             job.held.append((member, msg))
             return
         answers = []
-        for name, dtype, shape, nbytes in _checked_tensors(msg, job.partition_bytes):
+        for name, dtype, shape, nbytes, reduce in _checked_tensors(msg, job.partition_bytes):
             known = job.tensors.get(name)
             if known is None:
                 itemsize = np.dtype(dtype).itemsize
@@ -752,17 +753,17 @@ class Scheduler:
                 job.next_key += 1
                 known = job.tensors[name] = {
                     "name": name, "key": job.next_key - 1, "dtype": dtype, "shape": shape,
-                    "rank": member.rank,
+                    "reduce": reduce, "rank": member.rank,
                     "parts": [[p.part_id, p.server, p.offset, p.length] for p in parts]}
             elif "conflict" in known:
                 # a worker that reaches the tensor after the disagreement must not wait for
                 # pushes that will never come
                 self._send(member.rid, P.ERROR, {"message": known["conflict"], "name": name})
                 continue
-            elif known["dtype"] != dtype or known["shape"] != shape:
+            elif (known["dtype"], known["shape"], known["reduce"]) != (dtype, shape, reduce):
                 message = (f"workers disagree on tensor {name!r}: rank {known['rank']} has "
-                           f"{known['dtype']}{tuple(known['shape'])}, rank {member.rank} has "
-                           f"{dtype}{tuple(shape)}")
+                           f"{_described(known['dtype'], known['shape'], known['reduce'])}, "
+                           f"rank {member.rank} has {_described(dtype, shape, reduce)}")
                 self.log.warning(message)
                 known["conflict"] = message
                 for worker in job.workers.values():
@@ -1016,9 +1017,15 @@ def _check_worker_registration(msg: dict[str, Any]) -> None:
             raise P.ProtocolError(f"field {flag!r} must be true or false")
 
 
+def _described(dtype: str, shape: list[int], reduce: str) -> str:
+    """A declared tensor as a disagreement names it: ``float32(4, 2)``, ``... reduced by max``."""
+    return f"{dtype}{tuple(shape)}" + ("" if reduce == "sum" else f" reduced by {reduce}")
+
+
 def _checked_tensors(msg: dict[str, Any],
-                     partition_bytes: int) -> list[tuple[str, str, list[int], int]]:
-    """A DECLARE's tensors as (name, dtype, shape, nbytes), all checked before any is placed."""
+                     partition_bytes: int) -> list[tuple[str, str, list[int], int, str]]:
+    """A DECLARE's tensors as (name, dtype, shape, nbytes, reduction: "sum" unless the spec's
+    ``reduce`` says "min", "max" or "product"), all checked before any is placed."""
     specs = msg.get("tensors", [])
     if not isinstance(specs, list) or len(specs) > P.MAX_TENSORS_PER_DECLARE:
         raise P.ProtocolError(f"tensors: expected a list of at most {P.MAX_TENSORS_PER_DECLARE} "
@@ -1037,6 +1044,10 @@ def _checked_tensors(msg: dict[str, Any],
                 isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             raise P.ProtocolError(f"tensor {name!r}: shape {P.shown(shape)} is not a list of "
                                   "non-negative integers")
+        reduce = spec.get("reduce", "sum")
+        if reduce not in P.REDUCTIONS.values():
+            raise P.ProtocolError(f"tensor {name!r}: reduce {P.shown(reduce)} is not one of "
+                                  f"{', '.join(P.REDUCTIONS.values())}")
         itemsize = np.dtype(dtype).itemsize
         nbytes = math.prod(shape) * itemsize
         partitions += max(1, -(-nbytes // max(itemsize, partition_bytes // itemsize * itemsize)))
@@ -1044,7 +1055,7 @@ def _checked_tensors(msg: dict[str, Any],
             raise P.ProtocolError(f"tensor {name!r} of {nbytes} bytes takes this declaration "
                                   f"past {P.MAX_PARTITIONS_PER_DECLARE} partitions of "
                                   f"{partition_bytes} bytes (raise BPSCTL_PARTITION_BYTES)")
-        checked.append((name, dtype, shape, nbytes))
+        checked.append((name, dtype, shape, nbytes, reduce))
     return checked
 
 

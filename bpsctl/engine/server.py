@@ -89,11 +89,14 @@ class PartitionState:
                  "waiting", "summed", "first", "buffers", "result", "thread", "wide",
                  "first_push_ns", "traced", "adopted", "leaving", "widened", "codec", "rotation",
                  "backup", "late_waiting", "pushed_last", "owed", "held", "held_count",
-                 "deferred", "shm_alloc", "shm_refs", "first_ref", "copy_single")
+                 "deferred", "shm_alloc", "shm_refs", "first_ref", "copy_single",
+                 "reduction", "combine")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int,
-                 rotation: int = 2):
+                 rotation: int = 2, reduction: int = P.REDUCE_SUM):
         self.part, self.dtype_code, self.nbytes, self.thread = part, dtype_code, nbytes, thread
+        # how pushes combine (P.REDUCE_*): a sum, or an elementwise min, max or product
+        self.reduction, self.combine = reduction, P.REDUCE_UFUNCS[reduction]
         self.expected = expected        # pushes per round: workers, or hosts when host-reduced
         self.rotation = rotation        # sum buffers taken in turn (3 with backup workers)
         # backup workers (all on the I/O thread): pushes this round may lack; pushes that came
@@ -151,10 +154,10 @@ class PartitionState:
         else:
             out = self._buffer()
             if self.first is not None:          # the second push: first + second
-                np.add(self.first, arr, out=out)
+                self.combine(self.first, arr, out=out)
                 self.first = None
             else:
-                np.add(out, arr, out=out)
+                self.combine(out, arr, out=out)
         self.summed += 1
         return self.finish(num_workers)
 
@@ -198,7 +201,7 @@ class PartitionState:
         if self.summed == 0:
             P.bf16_widen(arr, total)
         else:
-            np.add(total, P.bf16_widen(arr, scratch), out=total)
+            self.combine(total, P.bf16_widen(arr, scratch), out=total)
         self.summed += 1
         return self.finish(num_workers)
 
@@ -627,6 +630,13 @@ class Server:
                                   "the cluster secret)")
         if rid in self.lost_peers:
             return          # sent before it was lost: the rounds already go on without it
+        dtype, reduction = P.split_push_dtype(dtype)
+        if reduction not in P.REDUCTIONS or (reduction != P.REDUCE_SUM and flags & (
+                P.FLAG_ASYNC | P.FLAG_COMPRESSED | P.FLAG_HOST_REDUCED | P.FLAG_BACKUP)):
+            raise P.ProtocolError(f"push of partition {part} asks for reduction {reduction}, "
+                                  "which is unknown or not allowed with its flags "
+                                  f"({flags:#x}): only sums are averaged, compressed, "
+                                  "host-reduced or asynchronous")
         if flags & P.FLAG_ASYNC:
             self._async_push(rid, rank, dtype, flags, part, round_, nbytes, frames)
             return
@@ -656,19 +666,22 @@ class Server:
             work = nbytes if codec is None else 4 * codec.count
             thread = part % len(self.queues) if work >= THREADED_SUM_BYTES else -1
             state = self.parts[part] = PartitionState(part, dtype, nbytes, thread, expected,
-                                                      rotation)
+                                                      rotation, reduction)
             state.codec = codec
             # a partition moved here from a lost server starts at the round its workers
             # (re-)push, with an empty sum: each of them pushes its own contribution again
             state.round, state.adopted = round_, round_ > 0
         elif (state.dtype_code != dtype or state.nbytes != nbytes
+              or state.reduction != reduction
               or (not self.lost_ranks and state.expected != expected)
               or (state.codec is not None) != compressed):
             raise P.ProtocolError(
                 f"partition {part}: rank {rank} pushed {nbytes} bytes of {P.DTYPES[dtype]} "
-                f"(host-reduced: {bool(flags & P.FLAG_HOST_REDUCED)}, compressed: {compressed}) "
-                f"but earlier pushes had {state.nbytes} bytes of {P.DTYPES[state.dtype_code]} "
-                f"from {state.expected} pushers (compressed: {state.codec is not None})")
+                f"(reduced by {P.REDUCTIONS[reduction]}, host-reduced: "
+                f"{bool(flags & P.FLAG_HOST_REDUCED)}, compressed: {compressed}) but earlier "
+                f"pushes had {state.nbytes} bytes of {P.DTYPES[state.dtype_code]} (reduced by "
+                f"{P.REDUCTIONS[state.reduction]}, from {state.expected} pushers, compressed: "
+                f"{state.codec is not None})")
         if state.codec is not None:
             state.codec.check(frames[2].buffer, part)
         if round_ != state.round:

@@ -102,6 +102,14 @@ class Handle:
         self._news = threading.Event()
         self._decoding = threading.Lock()
 
+    def _set_done(self) -> None:
+        """The op is over (every sum arrived, or it failed). A compressed op's waiter sleeps on
+        ``_news``, so it is woken too: it may have taken the last sum already and be waiting
+        for news that no further sum would bring."""
+        self._done.set()
+        if self._news is not None:
+            self._news.set()
+
     def _result_arrived(self, job: tuple[Any, ...]) -> None:
         """On the I/O thread: one partition's compressed sum, for the waiter to decompress."""
         assert self._arrived is not None and self._news is not None
@@ -175,7 +183,7 @@ class _Task:
 
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
                  "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec",
-                 "hyper", "once", "filled", "lend_results")
+                 "hyper", "once", "filled", "lend_results", "reduction")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
                  divisor: int | None, deadline: float, flags: int = 0,
@@ -198,6 +206,7 @@ class _Task:
         self.once = False           # pushed once (a broadcast): no shared-memory slot
         self.filled: Lease | None = None    # slots the caller filled (src was not)
         self.lend_results = False   # sums in shared memory stay there (Handle.lent)
+        self.reduction = P.REDUCE_SUM    # how servers combine the pushes (P.REDUCE_*)
 
 
 _WAKE = b"\0"
@@ -543,8 +552,14 @@ class Worker:
                         compression: C.Compressor | None = None,
                         async_update: tuple[float, float, float, float, bool] | None = None,
                         async_init: bool = False, once: bool = False,
-                        filled: Lease | None = None, lend_results: bool = False) -> Handle:
+                        filled: Lease | None = None, lend_results: bool = False,
+                        reduction: int = P.REDUCE_SUM) -> Handle:
         """Start summing ``array`` across all workers; the result lands in ``out``.
+
+        ``reduction`` (``P.REDUCE_MIN``, ``REDUCE_MAX``, ``REDUCE_PRODUCT``): the servers
+        combine the workers' arrays elementwise that way instead of summing them; such a
+        push_pull is neither averaged, compressed, host-reduced nor asynchronous, and a name
+        keeps the reduction of its first push_pull.
 
         ``once=True``: the name is pushed this once (a broadcast, whose names are new each
         time or never come again): to a server on this host it goes through TCP, not a
@@ -573,6 +588,9 @@ class Worker:
         """
         src = np.asarray(array)
         self.check_push(src.dtype, average, name)
+        if reduction != P.REDUCE_SUM:
+            self._check_reduction(reduction, name, average, host_reduced, compression,
+                                  async_update is not None or async_init)
         if not src.flags.c_contiguous:
             src = np.ascontiguousarray(src)
         if out is None:
@@ -607,7 +625,7 @@ class Worker:
                 compression if src.nbytes >= self.config.min_compress_bytes else None)
             if handle.error is None and not np.shares_memory(src, out):
                 np.copyto(out, src)
-            handle._done.set()
+            handle._set_done()
             return handle
         with self._lock:
             if name in self._in_flight_names:
@@ -616,7 +634,7 @@ class Worker:
             self._in_flight_names.add(name)
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s, flags, hyper)
-        task.once = once
+        task.once, task.reduction = once, reduction
         if compression is None and hyper is None:
             task.filled, task.lend_results = filled, lend_results
         elif filled is not None:
@@ -653,11 +671,27 @@ class Worker:
                   priority: int = 0, out: np.ndarray | None = None, *,
                   compression: C.Compressor | None = None,
                   async_update: tuple[float, float, float, float, bool] | None = None,
-                  async_init: bool = False) -> np.ndarray:
+                  async_init: bool = False, reduction: int = P.REDUCE_SUM) -> np.ndarray:
         return self.synchronize(self.push_pull_async(array, name, average, priority, out,
                                                      compression=compression,
                                                      async_update=async_update,
-                                                     async_init=async_init))
+                                                     async_init=async_init,
+                                                     reduction=reduction))
+
+    @staticmethod
+    def _check_reduction(reduction: int, name: str | None, average: bool, host_reduced: bool,
+                         compression: C.Compressor | None, asynchronous: bool) -> None:
+        """ValueError naming what a push_pull reduced other than by a sum cannot be."""
+        what = P.REDUCTIONS.get(reduction)
+        if what is None:
+            raise ValueError(f"push_pull of {name!r}: unknown reduction {reduction!r}; use one "
+                             f"of {sorted(P.REDUCTIONS)} ({', '.join(P.REDUCTIONS.values())})")
+        for wrong, why in [(average, "averaged"), (host_reduced, "host-reduced"),
+                           (compression is not None, f"compressed ({compression})"),
+                           (asynchronous, "asynchronous training")]:
+            if wrong:
+                raise ValueError(f"push_pull of {name!r} by {what} cannot be {why}: only sums "
+                                 "are; push it with average=False and no compression")
 
     def _async_flags(self, src: np.ndarray, name: str | None,
                      update: tuple[float, float, float, float, bool] | None, init: bool,
@@ -984,7 +1018,7 @@ class Worker:
                 trace, self._trace = self._trace, None
                 if trace is not None:
                     trace.close()
-                payload._done.set()
+                payload._set_done()
             elif kind == "pin":
                 self._pinning = payload
                 for segments in self._shm_slots.values():
@@ -1015,7 +1049,8 @@ class Worker:
         if info is None:
             pending = self._awaiting_declare.get(task.name)
             if pending is None:
-                spec = {"name": task.name, "dtype": str(task.dtype), "shape": task.shape}
+                spec = {"name": task.name, "dtype": str(task.dtype), "shape": task.shape,
+                        "reduce": P.REDUCTIONS[task.reduction]}
                 self._awaiting_declare[task.name] = pending = (spec, [])
                 declares.append(spec)
             pending[1].append(task)
@@ -1038,6 +1073,11 @@ class Worker:
                 f"tensor {task.name!r} was declared as {info['dtype']}{tuple(info['shape'])} but "
                 f"push_pull got {task.dtype}{tuple(task.shape)}; use another name for another "
                 "tensor"))
+            return
+        if info.get("reduce", "sum") != P.REDUCTIONS[task.reduction]:
+            self._finish(task, ValueError(
+                f"tensor {task.name!r} was reduced by {info.get('reduce', 'sum')} before, now "
+                f"by {P.REDUCTIONS[task.reduction]}; use another name for another reduction"))
             return
         task.parts = info["parts"]
         task.remaining = len(task.parts)
@@ -1099,7 +1139,8 @@ class Worker:
                            part_id, round_, length, server, task.priority)
                 flags |= P.FLAG_TRACED
             sock = self._server_socks[server]
-            sock.send(P.pack_header(P.PUSH, dtype=P.DTYPE_CODES[task.dtype], flags=flags,
+            sock.send(P.pack_header(P.PUSH, flags=flags,
+                                    dtype=P.push_dtype(P.DTYPE_CODES[task.dtype], task.reduction),
                                     rank=self.rank, part=part_id, round=round_, nbytes=length),
                       zmq.SNDMORE)
             if task.hyper is None:
@@ -1170,7 +1211,7 @@ class Worker:
                         self.rank, len(state) / 2**20, rank)
         except EngineError as exc:
             handle.error = exc
-        handle._done.set()
+        handle._set_done()
 
     def _received_state(self, rounds: zmq.Frame, state: zmq.Frame) -> None:
         """This rejoining worker's state came: take the donor's rounds, start what waited."""
@@ -1311,7 +1352,7 @@ class Worker:
             handle.error = error
         with self._lock:
             self._in_flight_names.discard(task.name)
-        handle._done.set()
+        handle._set_done()
 
     def _drain_scheduler(self) -> None:
         while True:
@@ -1331,7 +1372,7 @@ class Worker:
                 handle = self._barriers.pop(msg["name"], None)
                 if handle is not None:
                     self._barriers_passed += 1      # one at a time: barrier() waits
-                    handle._done.set()
+                    handle._set_done()
             elif msg_type == P.MEMBER_LOST:
                 self._fail_all(EngineError(f"worker {self.rank}: {msg['message']}"))
             elif msg_type == P.SERVER_MOVED:
@@ -1378,7 +1419,8 @@ class Worker:
         if spec is None:
             return                                  # failed meanwhile
         self._tensors[name] = {"key": info["key"], "parts": info["parts"],
-                               "dtype": spec["dtype"], "shape": spec["shape"]}
+                               "dtype": spec["dtype"], "shape": spec["shape"],
+                               "reduce": spec.get("reduce", "sum")}
         for part in info["parts"]:
             self._parts[part[0]] = part
         for task in waiting:
@@ -1439,7 +1481,8 @@ class Worker:
         now): nothing is placed again, nobody renumbered."""
         cfg = self.config
         tensors = [{"name": name, "key": info["key"], "dtype": info["dtype"],
-                    "shape": info["shape"], "parts": info["parts"]}
+                    "shape": info["shape"], "reduce": info.get("reduce", "sum"),
+                    "parts": info["parts"]}
                    for name, info in self._tensors.items()]
         return {
             "role": "worker", "rank": self.rank, "world_size": self._job_size,
@@ -1496,7 +1539,7 @@ class Worker:
         for name, handle in self._barriers.items():
             handle.error = SchedulerGone(f"worker {self.rank}: {gone}: barrier {name!r} cannot "
                                          "complete")
-            handle._done.set()
+            handle._set_done()
         self._barriers.clear()
         if self._server_down:
             names = ", ".join(self._server_name(i) for i in self._server_down)
@@ -1648,5 +1691,5 @@ class Worker:
         self._inflight_bytes = 0
         for handle in self._barriers.values():
             handle.error = error
-            handle._done.set()
+            handle._set_done()
         self._barriers.clear()
