@@ -56,28 +56,6 @@ def simulate(size: int, each: Callable[[int, K.SumFn], object]) -> list[object]:
     return results
 
 
-def test_min_max_product_by_gather_every_dtype_and_bool():
-    size = 3
-    for dtype in (np.uint8, np.int32, np.int64, np.float16, np.float32, np.float64):
-        inputs = [(np.arange(6).reshape(2, 3) * (r + 2) % 7).astype(dtype) for r in range(size)]
-        stacked = np.stack(inputs)
-        for op, want in [(K.ReduceOp.Min, stacked.min(0)), (K.ReduceOp.Max, stacked.max(0)),
-                         (K.ReduceOp.Product, stacked.prod(0, dtype=dtype))]:
-            got = simulate(size, lambda r, s, op=op, inputs=inputs:
-                           K.allreduce_by_gather(inputs[r], op, r, size, s, "x"))
-            for result in got:
-                assert result.dtype == dtype and np.array_equal(result, want), (dtype, op)
-    flags = [np.array([True, r == 0, False]) for r in range(size)]
-    anys = simulate(size, lambda r, s: K.allreduce_by_gather(flags[r], K.ReduceOp.Max, r,
-                                                             size, s, "b"))
-    alls = simulate(size, lambda r, s: K.allreduce_by_gather(flags[r], K.ReduceOp.Min, r,
-                                                             size, s, "b"))
-    assert all(a.tolist() == [True, True, False] for a in anys)
-    assert all(a.tolist() == [True, False, False] for a in alls)
-    with pytest.raises(ValueError, match="op=hvd.Sum is not supported; use hvd.Min or hvd.Max"):
-        K.allreduce_by_gather(np.ones(2), K.ReduceOp.Sum, 0, 1, lambda a, n: a, "x")
-
-
 def test_alltoall_by_sum_delivers_each_senders_rows_in_rank_order():
     size = 3
 
@@ -272,6 +250,12 @@ def metrics_averaged_and_summed():
     for op, want in [(hvd.Min, everyone.min(0)), (hvd.Max, everyone.max(0)),
                      (hvd.Product, everyone.prod(0))]:
         same(hvd.allreduce(mx.nd.array(everyone[ME], dtype="int64"), op=op), want)
+    signed = np.stack([np.array([-1.5, 2.0, 0.5], np.float32) * (r + 1) for r in range(SIZE)])
+    for op, want in [(hvd.Min, signed.min(0)), (hvd.Product, signed.prod(0))]:
+        same(hvd.allreduce(mx.nd.array(signed[ME]), op=op, name=f"signed.{int(op)}"), want)
+    flags = mx.nd.array([True, ME == 0, False], dtype="bool")
+    same(hvd.allreduce(flags, op=hvd.Max), np.array([True, True, False]))      # any
+    same(hvd.allreduce(flags, op=hvd.Min), np.array([True, SIZE == 1, False]))  # all
     best = hvd.allreduce(mx.nd.array([0.5 + 0.1 * ME]), op=hvd.Max, name="best")
     assert abs(best.asscalar() - (0.5 + 0.1 * (SIZE - 1))) < 1e-6
     group = [mx.nd.array([1.0, 2.0]) * (ME + 1), mx.nd.array([ME], dtype="int64")]

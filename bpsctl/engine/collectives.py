@@ -43,8 +43,7 @@ __all__ = ["HorovodInternalError", "ReduceOp", "SERVER_OPS", "GATHERED_OPS",
            "SERVER_REDUCTIONS", "resolve_op", "check_op", "cross_layout", "host_layout",
            "timeline_path", "AutoNames", "offsets", "reducescatter_counts", "even_splits",
            "check_splits", "alltoall_plan", "exchange_counts", "as_bytes", "from_bytes",
-           "gather_rows", "gather_by_sum", "scaled", "floor_average", "reduce_slots",
-           "allreduce_by_gather", "alltoall_by_sum"]
+           "gather_rows", "gather_by_sum", "scaled", "floor_average", "alltoall_by_sum"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -278,33 +277,6 @@ def scaled(array: np.ndarray, factor: float) -> np.ndarray:
 def floor_average(total: np.ndarray, size: int) -> np.ndarray:
     """Horovod's average of integers: the floor division of their sum by ``size``."""
     return np.floor_divide(total, size).astype(total.dtype, copy=False)
-
-
-def reduce_slots(op: ReduceOp, slots: np.ndarray) -> np.ndarray:
-    """Min, Max or Product of gathered ``slots`` along the first dimension (one slot per
-    rank), in their dtype; for bool, Min is all and Max any (Product: all)."""
-    if slots.dtype == np.bool_:
-        return slots.any(axis=0) if op is ReduceOp.Max else slots.all(axis=0)
-    if op is ReduceOp.Min:
-        return slots.min(axis=0)
-    if op is ReduceOp.Max:
-        return slots.max(axis=0)
-    if op is ReduceOp.Product:
-        return slots.prod(axis=0, dtype=slots.dtype)
-    raise ValueError(f"reduce_slots: op=hvd.{op.name} is not gathered; use one of "
-                     + ", ".join(f"hvd.{o.name}" for o in GATHERED_OPS))
-
-
-def allreduce_by_gather(array: np.ndarray, op: ReduceOp, rank: int, size: int,
-                        push_pull_sum: SumFn, name: str) -> np.ndarray:
-    """Min, Max or Product of ``array`` over every rank: every rank's array gathered in a
-    slot of its own (one push_pull of ``size`` times its bytes, under ``name``), then
-    reduced here (:func:`reduce_slots`); every rank computes the same result."""
-    check_op(op, GATHERED_OPS, "allreduce_by_gather")
-    array = np.asarray(array)
-    slots = np.zeros((size, *array.shape), array.dtype)
-    slots[rank] = array
-    return reduce_slots(op, from_bytes(push_pull_sum(as_bytes(slots), name), array.dtype))
 
 
 def alltoall_by_sum(array: np.ndarray, counts: Sequence[int], rank: int, size: int,

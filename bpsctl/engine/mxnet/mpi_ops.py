@@ -1,13 +1,14 @@
 """Horovod's MXNet collectives (``horovod.mxnet.mpi_ops`` and ``horovod.mxnet.functions``) on
 bpsctl's engine, for ``import bpsctl.engine.mxnet as hvd``.
 
-Every collective is built from the engine's one operation, the sum of an array over every
-worker, as :mod:`bpsctl.engine.collectives` describes (the arithmetic is there, shared with the
-PyTorch plugin): Sum and Average are summed by the servers (floating-point NDArrays in place,
-through :class:`bpsctl.engine.mxnet._Op`; integers as a sum, floor-divided for the average, as
-Horovod does); allgather, broadcast, alltoall, and Min, Max and Product gather through
-summation (each rank's rows at its offset in a zeroed buffer), the last three then reduced on
-every rank; reducescatter sums the whole tensor and keeps this rank's rows.
+Every collective is built from the engine's push_pull, as :mod:`bpsctl.engine.collectives`
+describes (the arithmetic is there, shared with the PyTorch plugin): Sum and Average are
+summed by the servers (floating-point NDArrays in place, through
+:class:`bpsctl.engine.mxnet._Op`; integers as a sum, floor-divided for the average, as
+Horovod does); Min, Max and Product are reduced elementwise by the servers
+(:func:`bpsctl.engine.allreduce`; bool as its bytes); allgather, broadcast and alltoall
+gather through summation (each rank's rows at its offset in a zeroed buffer);
+reducescatter sums the whole tensor and keeps this rank's rows.
 
 Unlike Horovod's, which queue on MXNet's engine, these calls return once the result is in
 place (MXNet's pending writes to the input are waited for first). The rules are Horovod's:
@@ -219,8 +220,9 @@ def _reduce_into(target: mx.nd.NDArray, op: ReduceOp, wire: str, priority: int,
         total = _engine._w().push_pull(values, name=wire, average=False, priority=priority)
         if op is Average:           # integers: Horovod's floor division of the sum
             total = K.floor_average(total, size())
-    else:
-        total = K.allreduce_by_gather(values, op, rank(), size(), _sum, wire)
+    else:       # Min, Max, Product: by the servers (bool as its bytes, 0 and 1: all, any)
+        total = K.from_bytes(_engine.allreduce(K.as_bytes(values), name=wire, op=op,
+                                               priority=priority), values.dtype)
     return _write(target, K.scaled(total, postscale_factor))
 
 
@@ -245,7 +247,8 @@ def allreduce(tensor: mx.nd.NDArray, average: bool | None = None, name: str | No
     Average (the default), Sum, Min, Max or Product; ``average`` is Horovod's deprecated
     form (True: Average, False: Sum). Integer averages are floor divisions of the sum, as
     Horovod's. ``prescale_factor`` multiplies the input, ``postscale_factor`` the result.
-    Min, Max and Product gather every rank's tensor (``size()`` times its bytes each way)."""
+    Min, Max and Product are reduced by the servers, as sums are (neither averaged nor
+    compressed)."""
     return _allreduce(tensor, False, average, name, priority, prescale_factor,
                       postscale_factor, process_set, op, "allreduce")
 
