@@ -139,7 +139,8 @@ def test_scancel_mid_run_leaves_no_process_on_any_node(slurm, job_dir):
 
 @pytest.mark.timeout(120)
 def test_sigusr1_before_the_time_limit_reaches_every_worker(slurm, job_dir):
-    # docs/slurm-kubernetes.md's recipe: the batch shell traps Slurm's warning and passes it to `bpsctl run`
+    # docs/slurm-kubernetes.md's recipe: the batch shell traps Slurm's warning and passes it
+    # to `bpsctl run`
     script = _script(job_dir, f"""
         $B up --slurm || exit 3
         trap 'kill -USR1 $run' USR1
