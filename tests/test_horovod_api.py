@@ -67,6 +67,21 @@ def test_cross_rank_and_size_follow_horovods_definition_on_uneven_hosts():
         [(0, 3), (0, 3), (1, 3), (1, 3), (2, 3), (2, 3)]
 
 
+def test_cross_rank_from_the_schedulers_host_map_needs_no_exchange_on_any_rank():
+    # hosts of 2 and 1 workers: the rank on the 1-worker host once skipped the exchange that
+    # the others waited on; with each rank's host from the scheduler, nobody exchanges
+    def no_exchange(array, name):
+        raise AssertionError("exchanged")
+    hosts = [0, 0, 1]
+    assert [K.host_layout(r, 3, [0, 1, 0][r], [2, 2, 1][r], no_exchange, hosts)
+            for r in range(3)] == [(0, 2, False), (0, 1, False), (1, 2, False)]
+    # agrees with the contiguous case's definition, and takes hosts in any order
+    assert [K.layout_of_hosts([0, 0, 1, 1, 2, 2], r)[:2] for r in range(6)] == \
+        [K.cross_layout([0, 2, 4], 6, r) for r in range(6)]
+    assert [K.layout_of_hosts([0, 1, 0, 1], r) for r in range(4)] == \
+        [(0, 2, True), (1, 2, True), (0, 2, True), (1, 2, True)]
+
+
 def test_engine_failures_of_a_collective_are_horovod_internal_errors():
     from bpsctl.engine.common import EngineError, SchedulerGone
     assert issubclass(K.HorovodInternalError, EngineError)

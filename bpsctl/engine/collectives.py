@@ -41,6 +41,7 @@ from .common import HorovodInternalError
 
 __all__ = ["HorovodInternalError", "ReduceOp", "SERVER_OPS", "GATHERED_OPS",
            "SERVER_REDUCTIONS", "resolve_op", "check_op", "cross_layout", "host_layout",
+           "layout_of_hosts",
            "timeline_path", "AutoNames", "offsets", "reducescatter_counts", "even_splits",
            "check_splits", "alltoall_plan", "exchange_counts", "as_bytes", "from_bytes",
            "gather_rows", "gather_by_sum", "scaled", "floor_average", "alltoall_by_sum"]
@@ -102,13 +103,31 @@ def cross_layout(firsts: Sequence[int], size: int, rank: int) -> tuple[int, int]
     return with_slot.index(host), len(with_slot)
 
 
+def layout_of_hosts(rank_hosts: Sequence[int], rank: int) -> tuple[int, int, bool]:
+    """(cross rank, cross size, homogeneous) of ``rank`` in a job whose rank ``r`` runs on
+    host ``rank_hosts[r]``: among the hosts that have a worker of this rank's local rank (its
+    index among its host's ranks), the index of its host and their count; homogeneous when
+    every host runs as many workers."""
+    seen: dict[int, int] = {}
+    local_ranks = []
+    for host in rank_hosts:
+        local_ranks.append(seen.get(host, 0))
+        seen[host] = local_ranks[-1] + 1
+    mine = local_ranks[rank]
+    with_slot = [host for host, count in seen.items() if count > mine]   # in order of first rank
+    return with_slot.index(rank_hosts[rank]), len(with_slot), len(set(seen.values())) == 1
+
+
 def host_layout(rank: int, size: int, local_rank: int, local_size: int,
-                push_pull_sum: SumFn) -> tuple[int, int, bool]:
-    """(cross rank, cross size, homogeneous) of ``rank``. Ranks on a host are contiguous, as
-    ``bpsctl run`` places them; when ``size`` is a multiple of this host's worker count, every
-    host is taken to hold that many (the intra-node stage assumes the same). Otherwise the
-    ranks exchange which of them is first on its host (one push_pull, named ``cross_rank``:
-    collective)."""
+                push_pull_sum: SumFn, rank_hosts: Sequence[int] | None = None
+                ) -> tuple[int, int, bool]:
+    """(cross rank, cross size, homogeneous) of ``rank``: from ``rank_hosts`` (each rank's
+    host, as the scheduler tells every worker) where given; else, ranks on a host being
+    contiguous as ``bpsctl run`` places them, when ``size`` is a multiple of this host's
+    worker count every host is taken to hold that many, and otherwise the ranks exchange which
+    of them is first on its host (one push_pull, named ``cross_rank``: collective)."""
+    if rank_hosts is not None and len(rank_hosts) == size:
+        return layout_of_hosts(rank_hosts, rank)
     if size % local_size == 0:
         return rank // local_size, size // local_size, True
     flags = exchange_counts(int(local_rank == 0), rank, size, push_pull_sum, "cross_rank")

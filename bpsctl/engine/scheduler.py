@@ -711,11 +711,12 @@ class Scheduler:
         job.placement = Placement(len(job.servers), spare=set(range(active, len(job.servers))),
                                   shares=shares)
         book = _address_book(job.servers, shares)
+        hosts = _rank_hosts(job.workers)
         for rank, worker in job.workers.items():
             self._send(worker.rid, P.REGISTERED, {"rank": rank, "servers": book,
                                                   "world_size": job.world_size,
                                                   "spares": sorted(job.placement.spare),
-                                                  **_clock(worker)})
+                                                  "hosts": hosts, **_clock(worker)})
         self.log.info("job %s started: %d workers, %d servers (%d spare), sharing the bytes %s",
                       job.id, job.world_size, len(job.servers), len(job.servers) - active,
                       " ".join(f"{share:.3f}" for share in shares[:active]))
@@ -1015,6 +1016,14 @@ def _check_worker_registration(msg: dict[str, Any]) -> None:
     for flag in ("rejoin", "attach"):
         if not isinstance(msg.get(flag, False), bool):
             raise P.ProtocolError(f"field {flag!r} must be true or false")
+
+
+def _rank_hosts(workers: dict[int, Member]) -> list[int]:
+    """Each rank's host, as an index (hosts numbered in the order of their first rank): what
+    Horovod's cross rank and cross size are computed from, the same on every rank."""
+    index: dict[tuple[str, str], int] = {}
+    return [index.setdefault((workers[rank].host, workers[rank].host_id), len(index))
+            for rank in sorted(workers)]
 
 
 def _described(dtype: str, shape: list[int], reduce: str) -> str:

@@ -244,6 +244,8 @@ class Worker:
         self.rank = self.config.rank
         self.size = self.config.world_size
         self.live_ranks: list[int] = list(range(self.size))   # fewer once a worker is lost
+        # each rank's host as an index, from the scheduler when the job starts (None: not told)
+        self.rank_hosts: list[int] | None = None
         self.membership_changes = 0                             # how many times it changed
         # joining a running job (a lost rank restarted by `bpsctl run --max-restarts`, or a
         # new rank from `bpsctl run --attach`): this process waits for a live worker's model
@@ -394,7 +396,7 @@ class Worker:
         where = f"the scheduler at {self.scheduler_address}"
         register = {
             "role": "worker", "rank": cfg.rank, "world_size": cfg.world_size, "job": cfg.job_id,
-            "host": cfg.host, "pid": os.getpid(),
+            "host": cfg.host, "host_id": shm.host_id(), "pid": os.getpid(),
             "version": __version__, "num_servers": cfg.num_servers,
             "cpu_share": cfg.cpu_share_value,
             "partition_bytes": cfg.partition_bytes, "partition_depth": cfg.partition_depth,
@@ -448,6 +450,9 @@ class Worker:
                 self.live_ranks = list(range(self.size))
                 self._servers = msg["servers"]
                 self._spare_servers = {int(i) for i in msg.get("spares", [])}
+                hosts = msg.get("hosts")
+                self.rank_hosts = [int(h) for h in hosts] if isinstance(hosts, list) and \
+                    len(hosts) == self.size else None
                 if msg.get("joining"):      # live ones, and this one once it is admitted
                     self.joining, self.incarnation = True, int(msg["incarnation"])
                     self.joined_running = True

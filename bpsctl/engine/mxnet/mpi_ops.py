@@ -94,7 +94,7 @@ def _hosts() -> tuple[int, int, bool]:
     if id(worker) not in _layouts:
         with _internal():
             _layouts[id(worker)] = K.host_layout(worker.rank, worker.size, worker.local_rank,
-                                                 worker.local_size, _sum)
+                                                 worker.local_size, _sum, worker.rank_hosts)
     return _layouts[id(worker)]
 
 

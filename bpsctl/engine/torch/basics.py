@@ -64,7 +64,8 @@ def _hosts() -> tuple[int, int, bool]:
             return synchronize(_push_sum(torch.from_numpy(array.copy()), name)).numpy()
         worker = plugin.worker
         _layouts[id(plugin)] = K.host_layout(worker.rank, worker.size, worker.local_rank,
-                                             worker.local_size, push_pull_sum)
+                                             worker.local_size, push_pull_sum,
+                                             worker.rank_hosts)
     return _layouts[id(plugin)]
 
 
