@@ -21,8 +21,8 @@ from bpsctl.config import (
     read_config_file,
     tomllib,
 )
+from bpsctl.model import guess_servers, round_seconds, summation_split
 from bpsctl.tune.api import PARTITION_SIZES, Space, TuneSettings
-from bpsctl.tune.model import guess_servers, round_seconds, summation_split
 from bpsctl.tune.report import tuned_file_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

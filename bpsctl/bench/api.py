@@ -28,9 +28,10 @@ from ..config import SECURITY_MODES, Config, ConfigError
 from ..engine.paths import solo_job
 from ..errors import BpsctlError
 from ..launch.local import host_command
-from ..tune.model import GOODPUT_SHARE as GOODPUT_SHARE  # (where bench and its tests find it)
-from ..tune.model import goodput_bytes_s, job_shares, round_seconds
-from .comm import RESULT_MARKER, zmq_pair_seconds
+from ..model import GOODPUT_SHARE as GOODPUT_SHARE  # (where bench and its tests find it)
+from ..model import goodput_bytes_s, job_shares, round_seconds
+from .comm import zmq_pair_seconds
+from .common import RESULT_MARKER
 from .gpu import HostGPUs, gpu_keys, last_json, probe_code, probe_here
 from .train import throughput
 
@@ -449,7 +450,7 @@ def _job_servers(config: Config, workers: int, servers: int
                  ) -> tuple[list[str], list[str], list[bool], list[float]]:
     """(each worker's host, each of the job's servers' host, whether it sits on a worker host,
     its share of the bytes) for a job of ``workers`` workers and ``servers`` servers on the
-    cluster named by ``config``, as the scheduler places it (tune/model.py's job_shares:
+    cluster named by ``config``, as the scheduler places it (bpsctl/model.py's job_shares:
     BPSCTL_CPU_SHARE, else the servers' registered shares, else evenly)."""
     cluster = launch.load_state(config.state_dir)
     if cluster is None:

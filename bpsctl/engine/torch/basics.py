@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .. import collectives as K
-from . import _p, rank
+from .plugin import _p, rank
 
 __all__: list[str] = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..common import EngineError
-from . import is_initialized, rank, size
+from .plugin import is_initialized, rank, size
 
 __all__: list[str] = ["ProcessSet", "ProcessSetUnsupported", "global_process_set",
                       "add_process_set", "remove_process_set"]
