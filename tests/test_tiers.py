@@ -43,6 +43,7 @@ FAST_TEST_OF = {
     "bench/api.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "bench/cli.py": "test_bench_comm.py::test_comm_bench_bad_flags_exit_2_naming_the_flag",
     "bench/codec.py": "test_small_parts.py::test_the_codec_benchmark_states_each_compressors_bytes",
+    "bench/common.py": "test_bench_train.py::test_horovod_env_follows_horovodruns_gloo_launcher",
     "bench/comm.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "bench/convergence.py":
         "test_stragglers.py::test_the_convergence_task_is_the_same_everywhere_and_learnable",
@@ -87,13 +88,20 @@ FAST_TEST_OF = {
         "test_shm_server.py::test_segments_are_0600_and_named_for_the_cluster_job_and_server",
     "engine/supervise.py": "test_launch.py::test_up_status_down_leaves_nothing",
     "engine/torch/__init__.py": "test_torch_plugin.py::test_api",
+    "engine/torch/compression.py": "test_torch_plugin.py::test_api",
+    "engine/torch/cuda_copies.py":
+        "test_staging.py::test_a_result_read_where_it_arrived_lands_whole_and_divided",
+    "engine/torch/functions.py": "test_torch_plugin.py::test_api",
+    "engine/torch/gradients.py": "test_torch_plugin.py::test_api",
+    "engine/torch/ops.py": "test_torch_plugin.py::test_api",
+    "engine/torch/plugin.py": "test_torch_plugin.py::test_api",
     "engine/torch/basics.py": HOROVOD_OF_ONE,
     "engine/torch/cross_barrier.py":
         "test_small_parts.py::test_cross_barrier_of_one_worker_is_the_wrapped_optimizer",
     "engine/torch/elastic.py":
         "test_small_parts.py::test_an_elastic_training_function_commits_and_resumes_from_its_state",
     "engine/torch/mpi_ops.py": HOROVOD_OF_ONE,
-    "engine/torch/optimizer.py": HOROVOD_OF_ONE,
+    "engine/torch/optimizer.py": "test_torch_plugin.py::test_api",
     "engine/torch/pinning.py":
         "test_staging.py::test_a_result_read_where_it_arrived_lands_whole_and_divided",
     "engine/torch/process_sets.py": HOROVOD_OF_ONE,
@@ -135,12 +143,13 @@ FAST_TEST_OF = {
     "launch/transport.py": "test_ship.py::test_a_host_with_everything_needs_nothing",
     "launch/types.py":
         "test_hostkeys.py::test_a_cluster_recorded_before_the_setting_uses_the_state_dirs_file",
+    "model.py": "test_tune.py::test_model_colocated_split_is_bytepss_optimum",
     "trace/api.py": "test_trace.py::test_bpsctl_trace_merges_and_summarises",
     "trace/cli.py": "test_trace.py::test_bpsctl_trace_refuses_what_is_not_a_trace_naming_the_file",
     "trace/plot.py": "test_small_parts.py::test_bpsctl_trace_draws_a_step_picture",
     "tune/api.py": "test_tune.py::test_space_covers_the_knobs_asked_for_and_keeps_the_rest",
     "tune/cli.py": "test_small_parts.py::test_tune_flag_mistakes_exit_2_naming_the_flag",
-    "tune/model.py": "test_tune.py::test_model_colocated_split_is_bytepss_optimum",
+    "tune/model.py": "test_tune.py::test_the_model_keeps_its_documented_name",
     "tune/report.py":
         "test_bench_output.py::test_tune_table_fits_80_columns_when_the_choice_is_the_current_config",
 }

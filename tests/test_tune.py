@@ -66,6 +66,17 @@ def test_model_dedicated_servers_match_the_workers_bandwidth():
     assert guess_servers(workers, servers[:2], 1000, 1e6).servers == 2   # fewer hosts: all
 
 
+def test_the_model_keeps_its_documented_name():
+    """bpsctl.model is the traffic model; bpsctl.tune.model, the name the design notes list
+    among the stable interfaces, gives the same objects."""
+    import bpsctl.model
+    import bpsctl.tune.model
+    for name in bpsctl.tune.model.__all__:
+        assert getattr(bpsctl.tune.model, name) is getattr(bpsctl.model, name), name
+    documented = {"optimal_shares", "plan_layout", "job_shares", "Layout"}
+    assert documented <= set(bpsctl.tune.model.__all__)
+
+
 def test_model_colocated_split_is_bytepss_optimum():
     n, k = 4, 2
     x, y, factor = summation_split(n, k)
