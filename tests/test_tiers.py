@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import conftest
 import pytest
 from conftest import MARKERS, NEEDS, TIERS
 
@@ -177,3 +178,48 @@ def test_each_modules_fast_test_exists_and_is_fast(module):
     assert name in _test_functions(test_module), f"{module}: {key} is not a test"
     tags = TIERS.get(test_module, set()) | TIERS.get(key, set())
     assert not tags & {"slow", "gpu"}, f"{module}: {key} is not in the fast tier ({tags})"
+
+
+class _Options:
+    def __init__(self, markexpr: str):
+        self.markexpr = markexpr
+
+    def getoption(self, name: str, default: object = None) -> object:
+        return self.markexpr if name == "markexpr" else default
+
+
+class _Reporter:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def write_sep(self, sep: str, title: str, **markup: object) -> None:
+        self.lines.append(f"== {title}")
+
+    def write_line(self, line: str) -> None:
+        self.lines.append(line)
+
+
+def _summary(markexpr: str, seconds: dict[str, float], monkeypatch) -> list[str]:
+    monkeypatch.setattr(conftest, "_fast_test_seconds", seconds)
+    reporter = _Reporter()
+    conftest.pytest_terminal_summary(reporter, 0, _Options(markexpr))  # type: ignore[arg-type]
+    return reporter.lines
+
+
+def test_a_fast_tier_run_ends_naming_its_ten_slowest_tests(monkeypatch):
+    seconds = {f"tests/test_x.py::test_{i}": i / 10 for i in range(30)}
+    lines = _summary(' not  slow ', seconds, monkeypatch)
+    assert lines[0] == f"== the {conftest.SLOWEST_SHOWN} slowest tests of the fast tier"
+    named = [line.split()[-1] for line in lines[1:]]
+    assert conftest.SLOWEST_SHOWN == 10
+    assert named == [f"tests/test_x.py::test_{i}" for i in range(29, 19, -1)]
+    assert lines[1] == "   2.9 s  tests/test_x.py::test_29"
+
+
+def test_other_runs_name_only_the_fast_tests_over_the_limit(monkeypatch):
+    seconds = {"tests/test_x.py::test_quick": 0.5, "tests/test_x.py::test_long": 7.0}
+    assert _summary("", seconds, monkeypatch) == [
+        f"== tests outside `slow` over {conftest.FAST_LIMIT_S:g} s",
+        "   7.0 s  tests/test_x.py::test_long",
+        "mark them slow in tests/conftest.py (TIERS), or make them cheaper"]
+    assert _summary("slow", {"tests/test_x.py::test_quick": 0.5}, monkeypatch) == []
