@@ -59,6 +59,7 @@ FAST_TEST_OF = {
     "bench/report.py":
         "test_bench_output.py::test_train_table_fits_80_columns_and_says_slower_on_loopback",
     "bench/train.py": "test_bench_train.py::test_horovod_env_follows_horovodruns_gloo_launcher",
+    "bench/training.py": "test_bench_train.py::test_unknown_baseline_is_a_usage_error",
     "cli.py": "test_cli.py::test_usage_errors_exit_2_and_name_the_flag",
     "cliutil.py": "test_cli.py::test_bad_environment_is_a_config_error",
     "config.py": "test_config.py::test_bpsctl_variables_are_parsed_by_kind",

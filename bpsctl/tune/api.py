@@ -29,15 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import launch
-from ..bench.api import (
-    BenchError,
-    CommSettings,
-    TrainSettings,
-    bench_cluster,
-    comm_point,
-    ssh_cluster,
-    train_system,
-)
+from ..bench.api import BenchError, CommSettings, bench_cluster, comm_point, ssh_cluster
+from ..bench.training import TrainSettings, train_system
 from ..config import Config, ConfigError, format_bytes
 from ..model import ServerGuess, guess_servers, plan_layout
 
