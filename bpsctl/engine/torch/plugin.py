@@ -126,6 +126,7 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
+    """Whether :func:`~bpsctl.engine.torch.init` has joined a job (and no shutdown since)."""
     return _plugin is not None
 
 
@@ -136,18 +137,22 @@ def _p() -> _Plugin:
 
 
 def size() -> int:
+    """The number of workers in the job."""
     return _p().worker.size
 
 
 def rank() -> int:
+    """This worker's rank in the job (0 .. size() - 1)."""
     return _p().worker.rank
 
 
 def local_size() -> int:
+    """The number of the job's workers on this host."""
     return _p().worker.local_size
 
 
 def local_rank() -> int:
+    """This worker's rank among the workers on its host."""
     return _p().worker.local_rank
 
 
