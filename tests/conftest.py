@@ -266,6 +266,26 @@ TIERS: dict[str, set[str]] = {
     "[randomk:0.1]": {"slow"},
     "test_bench_train.py::"
     "test_device_cuda_without_cuda_is_a_usage_error_naming_what_is_missing[resnet50]": {"slow"},
+    "test_workers_per_host.py::test_workers_per_host_without_emulated_hosts_exits_2_saying_what_to_do"
+    "[args1-only with --emulate]": {"slow"},
+    "test_workers_per_host.py::test_workers_per_host_without_emulated_hosts_exits_2_saying_what_to_do"
+    "[args2-only with --emulate]": {"slow"},
+    # more cluster shapes of two-way compression (a job each, 2-3 s); 1x1 and 2x3 stay fast
+    "test_compression.py::test_two_way_compression_through_real_servers[3-2]": {"slow"},
+    "test_compression.py::test_two_way_compression_through_real_servers[4-4]": {"slow"},
+    "test_compression.py::test_two_way_compression_through_real_servers[4-1]": {"slow"},
+    "test_compression.py::test_two_way_compression_through_real_servers[1-4]": {"slow"},
+    # 4000 rounds of stochastic rounding each (about 2 s); two levels' case stays fast
+    "test_compression.py::test_dithering_rounds_stochastically_without_bias[dithering:3:natural]":
+        {"slow"},
+    "test_compression.py::test_dithering_rounds_stochastically_without_bias[dithering:4:l2]":
+        {"slow"},
+    # a job through the CLI, failed or interrupted (3-4 s each); test_launch's first failure and
+    # test_cli's relayed output stay fast
+    "test_cli.py::test_run_exits_with_the_first_failure_and_stops_the_others": {"slow"},
+    "test_cli.py::test_ctrl_c_stops_every_worker": {"slow"},
+    # a server killed and replaced mid-job (about 5 s); a lost server's push counted once stays
+    "test_resilience.py::test_a_killed_server_is_replaced_and_every_sum_stays_exact": {"slow"},
     "test_staleness.py::test_bad_staleness_and_combinations_exit_2_naming_the_flags[async]":
         {"slow"},
     "test_staleness.py::test_bad_staleness_and_combinations_exit_2_naming_the_flags[backup]":
