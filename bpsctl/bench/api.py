@@ -1,4 +1,7 @@
-"""Benchmarks as functions: what `bpsctl bench` runs, and what tests call directly.
+"""Benchmarks as functions: what `bpsctl bench` runs, and what tests call directly. Here: the
+cluster a benchmark runs on, its workers' launch and result lines, the ideal times, and
+`bench comm`; the training benchmarks (`bench vgg16|resnet50`, `bench convergence`) are
+:mod:`bpsctl.bench.training`'s, on the same pieces.
 
 Every figure of one report comes from one run on one cluster: bpsctl's push_pull, the
 baselines (`--compare`) and the raw ZeroMQ limit are measured side by side, with the same
