@@ -386,6 +386,15 @@ def tags(item: pytest.Item) -> set[str]:
     return set().union(*(TIERS.get(key, set()) for key in keys))
 
 
+def tags_of_nodeid(nodeid: str) -> set[str]:
+    """The TIERS tags of the test a node id (``tests/test_x.py::name[case]``) names: what
+    :func:`tags` gives its item, for the pytest-xdist controller, which has ids, not items."""
+    path, _, name = nodeid.partition("::")
+    module = Path(path).name
+    keys = (module, f"{module}::{name.split('[')[0]}", f"{module}::{name}")
+    return set().union(*(TIERS.get(key, set()) for key in keys))
+
+
 @functools.cache
 def missing(need: str) -> str | None:
     return NEEDS[need]()
@@ -404,6 +413,32 @@ def xdist_group(item_tags: set[str], module: str) -> str:
     machine's for tests of :data:`MACHINE_TAGS`, else its module's, so that a module-scoped
     cluster is started once."""
     return MACHINE_GROUP if item_tags & MACHINE_TAGS else module
+
+
+def group_of_nodeid(nodeid: str) -> str:
+    """The group :func:`xdist_group` gives the test of ``nodeid``; a ``@group`` suffix (what
+    pytest-xdist adds to the ids of tests marked ``xdist_group``) is taken as it is."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        return nodeid.rsplit("@", 1)[1]
+    return xdist_group(tags_of_nodeid(nodeid), Path(nodeid.partition("::")[0]).name)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` grouped by :func:`group_of_nodeid`. pytest-xdist's own loadgroup
+    reads each test's group from a suffix it writes into the test's node id on the worker;
+    pytest 9.2 no longer lets a node id be rewritten, so the suffix never arrives and every
+    test is scheduled on its own (a module's cluster then starts on each worker). The groups
+    come from the ids themselves here, the same with any pytest."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of_nodeid(nodeid)
+
+    return ByGroup(config, log)
 
 
 def namespaces_left_behind(before: set[str]) -> list[str]:

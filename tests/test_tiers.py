@@ -224,3 +224,18 @@ def test_other_runs_name_only_the_fast_tests_over_the_limit(monkeypatch):
         "   7.0 s  tests/test_x.py::test_long",
         "mark them slow in tests/conftest.py (TIERS), or make them cheaper"]
     assert _summary("slow", {"tests/test_x.py::test_quick": 0.5}, monkeypatch) == []
+
+
+def test_tests_are_scheduled_by_module_and_the_machines_tests_together():
+    """Under ``--dist loadgroup`` a module's tests share a worker (its module-scoped cluster
+    starts once), and the tests that own the whole machine all share one; the groups come from
+    the node ids, so they hold whether or not pytest-xdist's id suffix arrives."""
+    assert conftest.group_of_nodeid("tests/test_engine.py::test_a[case-1]") == "test_engine.py"
+    assert conftest.group_of_nodeid("tests/test_engine.py::test_b") == "test_engine.py"
+    machine = [key for key, tags in TIERS.items() if tags & conftest.MACHINE_TAGS]
+    assert machine
+    for key in machine:
+        assert conftest.group_of_nodeid(f"tests/{key}") == conftest.MACHINE_GROUP, key
+    assert conftest.group_of_nodeid("tests/test_x.py::test_y@somewhere") == "somewhere"
+    assert conftest.group_of_nodeid("tests/test_x.py::test_y[a@b]") == "test_x.py"
+    assert hasattr(conftest, "pytest_xdist_make_scheduler")
