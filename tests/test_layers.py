@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,6 +69,15 @@ def _resolve(source: str, is_package: bool, node: ast.ImportFrom) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
+def _statements(nodes: list[ast.AST]) -> Iterator[ast.AST]:
+    """Every statement in ``nodes`` and in the blocks inside them (an import is a statement:
+    expressions need no visit)."""
+    for node in nodes:
+        yield node
+        for block in ("body", "orelse", "finalbody", "handlers", "cases"):
+            yield from _statements(getattr(node, block, None) or [])
+
+
 @functools.cache
 def imports_of(source: str) -> list[Import]:
     """Every import of a bpsctl module in ``source``, at any depth (functions, methods,
@@ -77,7 +87,7 @@ def imports_of(source: str) -> list[Import]:
     text = path.read_text()
     lines = text.splitlines()
     found = []
-    for node in ast.walk(ast.parse(text)):
+    for node in _statements(ast.parse(text).body):
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
