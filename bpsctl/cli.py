@@ -18,7 +18,7 @@ from bpsctl import launch
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, check_backup_workers, check_training_mode
 from bpsctl.engine.common import exit_on_sigterm
-from bpsctl.tune.model import Layout
+from bpsctl.model import Layout
 
 app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                   rich_markup_mode="markdown",              # re-flows docstring paragraphs

@@ -211,6 +211,92 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s
     "test_examples.py": {"slow"},
+    # the fast tier kept under a minute on 2 busy cores: what follows ran 2-8 s each there and
+    # has a cheaper sibling (another case, or a test of the same code) left in the fast tier.
+    # setuptools builds the wheel in a subprocess (about 7 s); the wheel's requirements stay fast
+    "test_ship.py::test_the_packed_wheel_is_the_one_setuptools_builds": {"slow"},
+    # pip installs the repacked wheel (about 3 s each); mdurl's case stays fast
+    "test_ship.py::test_a_repacked_wheel_installs_as_the_original[psutil]": {"slow"},
+    # a cluster up, a job crashed, `down` (about 6 s); the arena's own tests stay fast
+    "test_shm_local.py::test_down_removes_what_a_crashed_job_of_its_cluster_left_and_nothing_else":
+        {"slow"},
+    # a cluster and two hand-started servers, three workers, two placements (about 5 s)
+    "test_layout.py::test_the_scheduler_places_by_the_servers_shares_the_same_for_every_worker":
+        {"slow"},
+    # 100 MB through real servers (about 5 s); the exact sums of every dtype stay fast
+    "test_engine.py::test_a_100mb_tensor_averaged_over_two_workers": {"slow"},
+    # a second SGD variant on the servers (2-3 s); momentum's case stays fast
+    "test_async.py::test_the_server_steps_as_torch_sgd_does[nesterov]": {"slow"},
+    # `bpsctl up --security none` and a stranger's job (about 4 s); the refusals stay fast
+    "test_security.py::test_none_lets_anyone_in_and_up_warns_about_it": {"slow"},
+    # the module's cluster with a spare (about 4 s to start) and a server killed under it; the
+    # spare-count checks stay fast
+    "test_spare_servers.py::"
+    "test_a_spare_holds_nothing_until_it_takes_over_a_killed_servers_partitions": {"slow"},
+    "test_spare_servers.py::"
+    "test_a_server_lost_between_jobs_is_replaced_by_the_spare_for_the_next_job": {"slow"},
+    # a server killed while its memory is lent (about 3 s); lending on one worker stays fast
+    "test_lend.py::test_filled_slots_survive_a_lost_server_whose_memory_is_unpinned": {"slow"},
+    "test_lend.py::test_slots_the_caller_fills_and_sums_it_reads_in_place_are_exact[2-1]":
+        {"slow"},
+    "test_lend.py::test_slots_the_caller_fills_and_sums_it_reads_in_place_are_exact[2-2]":
+        {"slow"},
+    # waiting out a server's heartbeat deadline, a worker killed by a signal (about 3 s each);
+    # a dead server's report and the first failure stopping the others stay fast
+    "test_launch.py::test_status_reports_a_silent_server_lost": {"slow"},
+    "test_launch.py::test_a_worker_killed_by_a_signal_exits_128_plus_n": {"slow"},
+    # one case of each stays fast: 8 ranks in pods, the 8x4 manifests, more bad flags and
+    # values (a CLI process each, about 2 s on a busy machine)
+    "test_schedulers.py::test_hosts_per_node_runs_that_many_ranks_in_each_worker_pod[8-4]":
+        {"slow"},
+    "test_schedulers.py::test_manifests_validate_against_the_kubernetes_schemas[8-4]": {"slow"},
+    "test_schedulers.py::test_a_bad_flag_exits_2_before_anything_is_rendered"
+    "[args1---servers: expected a whole number of at least 1]": {"slow"},
+    "test_schedulers.py::test_a_bad_flag_exits_2_before_anything_is_rendered"
+    "[args2---worker-cpu: expected]": {"slow"},
+    "test_schedulers.py::test_a_bad_flag_exits_2_before_anything_is_rendered"
+    "[args3---name: expected]": {"slow"},
+    "test_schedulers.py::test_a_bad_flag_exits_2_before_anything_is_rendered"
+    "[args4---worker-node: expected]": {"slow"},
+    "test_schedulers.py::test_a_bad_hosts_per_node_exits_2_before_anything_is_rendered[-1]":
+        {"slow"},
+    "test_schedulers.py::test_a_bad_hosts_per_node_exits_2_before_anything_is_rendered[-4]":
+        {"slow"},
+    "test_spare_servers.py::test_a_spare_count_bpsctl_cannot_start_exits_2_naming_the_flag"
+    "[args2--message2]": {"slow"},
+    "test_spare_servers.py::test_a_spare_count_bpsctl_cannot_start_exits_2_naming_the_flag"
+    "[args3--message3]": {"slow"},
+    "test_compression.py::"
+    "test_a_compressed_partition_moved_off_a_lost_server_starts_its_error_feedback_empty"
+    "[randomk:0.1]": {"slow"},
+    "test_bench_train.py::"
+    "test_device_cuda_without_cuda_is_a_usage_error_naming_what_is_missing[resnet50]": {"slow"},
+    "test_workers_per_host.py::test_workers_per_host_without_emulated_hosts_exits_2_saying_what_to_do"
+    "[args1-only with --emulate]": {"slow"},
+    "test_workers_per_host.py::test_workers_per_host_without_emulated_hosts_exits_2_saying_what_to_do"
+    "[args2-only with --emulate]": {"slow"},
+    # more cluster shapes of two-way compression (a job each, 2-3 s); 1x1 and 2x3 stay fast
+    "test_compression.py::test_two_way_compression_through_real_servers[3-2]": {"slow"},
+    "test_compression.py::test_two_way_compression_through_real_servers[4-4]": {"slow"},
+    "test_compression.py::test_two_way_compression_through_real_servers[4-1]": {"slow"},
+    "test_compression.py::test_two_way_compression_through_real_servers[1-4]": {"slow"},
+    # 4000 rounds of stochastic rounding each (about 2 s); two levels' case stays fast
+    "test_compression.py::test_dithering_rounds_stochastically_without_bias[dithering:3:natural]":
+        {"slow"},
+    "test_compression.py::test_dithering_rounds_stochastically_without_bias[dithering:4:l2]":
+        {"slow"},
+    # a job through the CLI, failed or interrupted (3-4 s each); test_launch's first failure and
+    # test_cli's relayed output stay fast
+    "test_cli.py::test_run_exits_with_the_first_failure_and_stops_the_others": {"slow"},
+    "test_cli.py::test_ctrl_c_stops_every_worker": {"slow"},
+    # a server killed and replaced mid-job (about 5 s); a lost server's push counted once stays
+    "test_resilience.py::test_a_killed_server_is_replaced_and_every_sum_stays_exact": {"slow"},
+    "test_staleness.py::test_bad_staleness_and_combinations_exit_2_naming_the_flags[async]":
+        {"slow"},
+    "test_staleness.py::test_bad_staleness_and_combinations_exit_2_naming_the_flags[backup]":
+        {"slow"},
+    "test_staleness.py::test_bad_staleness_and_combinations_exit_2_naming_the_flags[restarts]":
+        {"slow"},
     # CUDA: every job of these takes 8-50 s on one H200 (worker processes, CUDA start-up),
     # so they are slow as well, and a GPU machine's fast tier stays fast
     "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu", "slow"},
@@ -305,6 +391,15 @@ def tags(item: pytest.Item) -> set[str]:
     return set().union(*(TIERS.get(key, set()) for key in keys))
 
 
+def tags_of_nodeid(nodeid: str) -> set[str]:
+    """The TIERS tags of the test a node id (``tests/test_x.py::name[case]``) names: what
+    :func:`tags` gives its item, for the pytest-xdist controller, which has ids, not items."""
+    path, _, name = nodeid.partition("::")
+    module = Path(path).name
+    keys = (module, f"{module}::{name.split('[')[0]}", f"{module}::{name}")
+    return set().union(*(TIERS.get(key, set()) for key in keys))
+
+
 @functools.cache
 def missing(need: str) -> str | None:
     return NEEDS[need]()
@@ -323,6 +418,32 @@ def xdist_group(item_tags: set[str], module: str) -> str:
     machine's for tests of :data:`MACHINE_TAGS`, else its module's, so that a module-scoped
     cluster is started once."""
     return MACHINE_GROUP if item_tags & MACHINE_TAGS else module
+
+
+def group_of_nodeid(nodeid: str) -> str:
+    """The group :func:`xdist_group` gives the test of ``nodeid``; a ``@group`` suffix (what
+    pytest-xdist adds to the ids of tests marked ``xdist_group``) is taken as it is."""
+    if nodeid.rfind("@") > nodeid.rfind("]"):
+        return nodeid.rsplit("@", 1)[1]
+    return xdist_group(tags_of_nodeid(nodeid), Path(nodeid.partition("::")[0]).name)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` grouped by :func:`group_of_nodeid`. pytest-xdist's own loadgroup
+    reads each test's group from a suffix it writes into the test's node id on the worker;
+    pytest 9.2 no longer lets a node id be rewritten, so the suffix never arrives and every
+    test is scheduled on its own (a module's cluster then starts on each worker). The groups
+    come from the ids themselves here, the same with any pytest."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return group_of_nodeid(nodeid)
+
+    return ByGroup(config, log)
 
 
 def namespaces_left_behind(before: set[str]) -> list[str]:
@@ -384,9 +505,28 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
             _fast_test_seconds.get(report.nodeid, 0.0) + report.duration
 
 
+#: how many of its slowest tests a run of the fast tier names at its end, so that a test that
+#: grows is seen the day it does (the fast tier's time is the sum of its slowest few)
+SLOWEST_SHOWN = 10
+
+
+def is_fast_tier(config: pytest.Config) -> bool:
+    """Whether this run leaves the slow tests out (``-m "not slow"``, alone or with more)."""
+    expression = " ".join(str(config.getoption("markexpr", "") or "").split())
+    return "not slow" in expression
+
+
+def slowest(seconds: dict[str, float], count: int = SLOWEST_SHOWN) -> list[tuple[float, str]]:
+    """The ``count`` largest of ``seconds`` (test id -> seconds), largest first."""
+    return sorted(((s, nodeid) for nodeid, s in seconds.items()), reverse=True)[:count]
+
+
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    over = sorted(((seconds, nodeid) for nodeid, seconds in _fast_test_seconds.items()
-                   if seconds > FAST_LIMIT_S), reverse=True)
+    """At the end of a run: tests outside ``slow`` over :data:`FAST_LIMIT_S`; and on a run of
+    the fast tier, its :data:`SLOWEST_SHOWN` slowest tests (setup, call and teardown)."""
+    over = [(seconds, nodeid)
+            for seconds, nodeid in slowest(_fast_test_seconds, count=len(_fast_test_seconds))
+            if seconds > FAST_LIMIT_S]
     if over:
         terminalreporter.write_sep("=", f"tests outside `slow` over {FAST_LIMIT_S:g} s",
                                    yellow=True)
@@ -394,6 +534,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
             terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
         terminalreporter.write_line("mark them slow in tests/conftest.py (TIERS), or make them "
                                     "cheaper")
+    if is_fast_tier(config) and _fast_test_seconds:
+        terminalreporter.write_sep("=", f"the {SLOWEST_SHOWN} slowest tests of the fast tier")
+        for seconds, nodeid in slowest(_fast_test_seconds):
+            terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
 
 
 # --------------------------------------------------------------------------- emulated leftovers

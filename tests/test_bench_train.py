@@ -14,8 +14,8 @@ from test_bench_output import assert_table_fits_80, sentence
 
 from bpsctl.bench import horovod as horovod_mod
 from bpsctl.bench.api import GOODPUT_SHARE, host_streams, ideal_step_seconds
+from bpsctl.bench.common import horovod_env
 from bpsctl.bench.models import build
-from bpsctl.bench.train import horovod_env
 from bpsctl.config import Config
 
 HOROVOD = horovod_mod.installed_version()

@@ -15,7 +15,7 @@ import zmq
 from conftest import gone, private_cluster, run_job, wait_until
 from typer.testing import CliRunner
 
-from bpsctl.bench.api import ConvergenceSettings, run_convergence
+from bpsctl.bench.training import ConvergenceSettings, run_convergence
 from bpsctl.cli import app
 from bpsctl.config import Config, ConfigError
 from bpsctl.engine import compression as C

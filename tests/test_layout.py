@@ -23,7 +23,7 @@ from bpsctl.launch.hosts import load_hosts, parse_hosts_yaml
 from bpsctl.launch.k8s import K8sJob, render_manifests
 from bpsctl.launch.plan import layout, plan
 from bpsctl.launch.slurm import Allocation, allocation_hosts
-from bpsctl.tune.model import (
+from bpsctl.model import (
     Layout,
     goodput_bytes_s,
     job_shares,

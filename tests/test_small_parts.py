@@ -293,7 +293,7 @@ def test_the_allreduce_baseline_checks_its_sum_and_reports_its_rounds(monkeypatc
     this process: it allreduces, checks the sum, and rank 0 prints the line bench reads."""
     pytest.importorskip("torch")
     from bpsctl.bench.allreduce import main
-    from bpsctl.bench.comm import RESULT_MARKER
+    from bpsctl.bench.common import RESULT_MARKER
     from bpsctl.launch.local import free_port
     for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(free_port())}.items():

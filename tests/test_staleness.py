@@ -90,13 +90,14 @@ def test_updates_are_the_averages_of_s_steps_ago_and_a_fast_worker_leads_by_at_m
     assert max(leads) == staleness, leads
 
 
-def test_bad_staleness_and_combinations_exit_2_naming_the_flags(tmp_path):
-    for flags, words in ((["--staleness", "-1"], ["--staleness", "0 (synchronous) or more"]),
-                         (["--staleness", "1", "--async"], ["--async", "--staleness"]),
-                         (["--async", "--backup-workers", "1"], ["--async", "--backup-workers"]),
-                         (["--staleness", "1", "--max-restarts", "1"],
-                          ["--staleness", "--max-restarts"])):
-        done = _run(tmp_path, *flags, steps=1, delay=0)
-        assert done.returncode == 2, (flags, done.stdout + done.stderr)
-        for word in words:
-            assert word in done.stderr, (flags, done.stderr)
+@pytest.mark.parametrize("flags, words", [
+    (["--staleness", "-1"], ["--staleness", "0 (synchronous) or more"]),
+    (["--staleness", "1", "--async"], ["--async", "--staleness"]),
+    (["--async", "--backup-workers", "1"], ["--async", "--backup-workers"]),
+    (["--staleness", "1", "--max-restarts", "1"], ["--staleness", "--max-restarts"]),
+], ids=["negative", "async", "backup", "restarts"])
+def test_bad_staleness_and_combinations_exit_2_naming_the_flags(tmp_path, flags, words):
+    done = _run(tmp_path, *flags, steps=1, delay=0)
+    assert done.returncode == 2, (flags, done.stdout + done.stderr)
+    for word in words:
+        assert word in done.stderr, (flags, done.stderr)

@@ -15,9 +15,9 @@ import pytest
 from conftest import cluster_config, gone, kill_pids, run_job, wait_until
 from typer.testing import CliRunner
 
-from bpsctl.bench.api import ConvergenceSettings, run_convergence
 from bpsctl.bench.convergence import make_task
 from bpsctl.bench.report import plot_convergence
+from bpsctl.bench.training import ConvergenceSettings, run_convergence
 from bpsctl.cli import app
 from bpsctl.config import Config, ConfigError, parse_straggler_spec
 from bpsctl.engine import protocol as P

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import conftest
 import pytest
 from conftest import MARKERS, NEEDS, TIERS
 
@@ -43,6 +44,7 @@ FAST_TEST_OF = {
     "bench/api.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "bench/cli.py": "test_bench_comm.py::test_comm_bench_bad_flags_exit_2_naming_the_flag",
     "bench/codec.py": "test_small_parts.py::test_the_codec_benchmark_states_each_compressors_bytes",
+    "bench/common.py": "test_bench_train.py::test_horovod_env_follows_horovodruns_gloo_launcher",
     "bench/comm.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "bench/convergence.py":
         "test_stragglers.py::test_the_convergence_task_is_the_same_everywhere_and_learnable",
@@ -57,6 +59,7 @@ FAST_TEST_OF = {
     "bench/report.py":
         "test_bench_output.py::test_train_table_fits_80_columns_and_says_slower_on_loopback",
     "bench/train.py": "test_bench_train.py::test_horovod_env_follows_horovodruns_gloo_launcher",
+    "bench/training.py": "test_bench_train.py::test_unknown_baseline_is_a_usage_error",
     "cli.py": "test_cli.py::test_usage_errors_exit_2_and_name_the_flag",
     "cliutil.py": "test_cli.py::test_bad_environment_is_a_config_error",
     "config.py": "test_config.py::test_bpsctl_variables_are_parsed_by_kind",
@@ -76,6 +79,7 @@ FAST_TEST_OF = {
     "engine/mxnet/__init__.py":
         "test_mxnet_plugin.py::test_asynchronous_sgd_of_one_worker_is_mxnets_own_sgd",
     "engine/mxnet/mpi_ops.py": "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_one_worker",
+    "engine/mxnet/ops.py": "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_one_worker",
     "engine/partition.py": "test_engine.py::test_sizes_the_partition_size_does_not_divide",
     "engine/paths.py":
         "test_paths.py::test_one_worker_sends_nothing_unless_forced_and_gets_the_same_sums",
@@ -90,13 +94,20 @@ FAST_TEST_OF = {
         "test_shm_server.py::test_segments_are_0600_and_named_for_the_cluster_job_and_server",
     "engine/supervise.py": "test_launch.py::test_up_status_down_leaves_nothing",
     "engine/torch/__init__.py": "test_torch_plugin.py::test_api",
+    "engine/torch/compression.py": "test_torch_plugin.py::test_api",
+    "engine/torch/cuda_copies.py":
+        "test_staging.py::test_a_result_read_where_it_arrived_lands_whole_and_divided",
+    "engine/torch/functions.py": "test_torch_plugin.py::test_api",
+    "engine/torch/gradients.py": "test_torch_plugin.py::test_api",
+    "engine/torch/ops.py": "test_torch_plugin.py::test_api",
+    "engine/torch/plugin.py": "test_torch_plugin.py::test_api",
     "engine/torch/basics.py": HOROVOD_OF_ONE,
     "engine/torch/cross_barrier.py":
         "test_small_parts.py::test_cross_barrier_of_one_worker_is_the_wrapped_optimizer",
     "engine/torch/elastic.py":
         "test_small_parts.py::test_an_elastic_training_function_commits_and_resumes_from_its_state",
     "engine/torch/mpi_ops.py": HOROVOD_OF_ONE,
-    "engine/torch/optimizer.py": HOROVOD_OF_ONE,
+    "engine/torch/optimizer.py": "test_torch_plugin.py::test_api",
     "engine/torch/pinning.py":
         "test_staging.py::test_a_result_read_where_it_arrived_lands_whole_and_divided",
     "engine/torch/process_sets.py": HOROVOD_OF_ONE,
@@ -138,12 +149,13 @@ FAST_TEST_OF = {
     "launch/transport.py": "test_ship.py::test_a_host_with_everything_needs_nothing",
     "launch/types.py":
         "test_hostkeys.py::test_a_cluster_recorded_before_the_setting_uses_the_state_dirs_file",
+    "model.py": "test_tune.py::test_model_colocated_split_is_bytepss_optimum",
     "trace/api.py": "test_trace.py::test_bpsctl_trace_merges_and_summarises",
     "trace/cli.py": "test_trace.py::test_bpsctl_trace_refuses_what_is_not_a_trace_naming_the_file",
     "trace/plot.py": "test_small_parts.py::test_bpsctl_trace_draws_a_step_picture",
     "tune/api.py": "test_tune.py::test_space_covers_the_knobs_asked_for_and_keeps_the_rest",
     "tune/cli.py": "test_small_parts.py::test_tune_flag_mistakes_exit_2_naming_the_flag",
-    "tune/model.py": "test_tune.py::test_model_colocated_split_is_bytepss_optimum",
+    "tune/model.py": "test_tune.py::test_the_model_keeps_its_documented_name",
     "tune/report.py":
         "test_bench_output.py::test_tune_table_fits_80_columns_when_the_choice_is_the_current_config",
 }
@@ -171,3 +183,63 @@ def test_each_modules_fast_test_exists_and_is_fast(module):
     assert name in _test_functions(test_module), f"{module}: {key} is not a test"
     tags = TIERS.get(test_module, set()) | TIERS.get(key, set())
     assert not tags & {"slow", "gpu"}, f"{module}: {key} is not in the fast tier ({tags})"
+
+
+class _Options:
+    def __init__(self, markexpr: str):
+        self.markexpr = markexpr
+
+    def getoption(self, name: str, default: object = None) -> object:
+        return self.markexpr if name == "markexpr" else default
+
+
+class _Reporter:
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def write_sep(self, sep: str, title: str, **markup: object) -> None:
+        self.lines.append(f"== {title}")
+
+    def write_line(self, line: str) -> None:
+        self.lines.append(line)
+
+
+def _summary(markexpr: str, seconds: dict[str, float], monkeypatch) -> list[str]:
+    monkeypatch.setattr(conftest, "_fast_test_seconds", seconds)
+    reporter = _Reporter()
+    conftest.pytest_terminal_summary(reporter, 0, _Options(markexpr))  # type: ignore[arg-type]
+    return reporter.lines
+
+
+def test_a_fast_tier_run_ends_naming_its_ten_slowest_tests(monkeypatch):
+    seconds = {f"tests/test_x.py::test_{i}": i / 10 for i in range(30)}
+    lines = _summary(' not  slow ', seconds, monkeypatch)
+    assert lines[0] == f"== the {conftest.SLOWEST_SHOWN} slowest tests of the fast tier"
+    named = [line.split()[-1] for line in lines[1:]]
+    assert conftest.SLOWEST_SHOWN == 10
+    assert named == [f"tests/test_x.py::test_{i}" for i in range(29, 19, -1)]
+    assert lines[1] == "   2.9 s  tests/test_x.py::test_29"
+
+
+def test_other_runs_name_only_the_fast_tests_over_the_limit(monkeypatch):
+    seconds = {"tests/test_x.py::test_quick": 0.5, "tests/test_x.py::test_long": 7.0}
+    assert _summary("", seconds, monkeypatch) == [
+        f"== tests outside `slow` over {conftest.FAST_LIMIT_S:g} s",
+        "   7.0 s  tests/test_x.py::test_long",
+        "mark them slow in tests/conftest.py (TIERS), or make them cheaper"]
+    assert _summary("slow", {"tests/test_x.py::test_quick": 0.5}, monkeypatch) == []
+
+
+def test_tests_are_scheduled_by_module_and_the_machines_tests_together():
+    """Under ``--dist loadgroup`` a module's tests share a worker (its module-scoped cluster
+    starts once), and the tests that own the whole machine all share one; the groups come from
+    the node ids, so they hold whether or not pytest-xdist's id suffix arrives."""
+    assert conftest.group_of_nodeid("tests/test_engine.py::test_a[case-1]") == "test_engine.py"
+    assert conftest.group_of_nodeid("tests/test_engine.py::test_b") == "test_engine.py"
+    machine = [key for key, tags in TIERS.items() if tags & conftest.MACHINE_TAGS]
+    assert machine
+    for key in machine:
+        assert conftest.group_of_nodeid(f"tests/{key}") == conftest.MACHINE_GROUP, key
+    assert conftest.group_of_nodeid("tests/test_x.py::test_y@somewhere") == "somewhere"
+    assert conftest.group_of_nodeid("tests/test_x.py::test_y[a@b]") == "test_x.py"
+    assert hasattr(conftest, "pytest_xdist_make_scheduler")

@@ -21,8 +21,8 @@ from bpsctl.config import (
     read_config_file,
     tomllib,
 )
+from bpsctl.model import guess_servers, round_seconds, summation_split
 from bpsctl.tune.api import PARTITION_SIZES, Space, TuneSettings
-from bpsctl.tune.model import guess_servers, round_seconds, summation_split
 from bpsctl.tune.report import tuned_file_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +64,17 @@ def test_model_dedicated_servers_match_the_workers_bandwidth():
     one = round_seconds(32 * 2**20, workers, servers[:1], 1000)
     assert one == pytest.approx(4 * guess.round_seconds)     # one server carries n·S
     assert guess_servers(workers, servers[:2], 1000, 1e6).servers == 2   # fewer hosts: all
+
+
+def test_the_model_keeps_its_documented_name():
+    """bpsctl.model is the traffic model; bpsctl.tune.model, the name the design notes list
+    among the stable interfaces, gives the same objects."""
+    import bpsctl.model
+    import bpsctl.tune.model
+    for name in bpsctl.tune.model.__all__:
+        assert getattr(bpsctl.tune.model, name) is getattr(bpsctl.model, name), name
+    documented = {"optimal_shares", "plan_layout", "job_shares", "Layout"}
+    assert documented <= set(bpsctl.tune.model.__all__)
 
 
 def test_model_colocated_split_is_bytepss_optimum():

@@ -13,7 +13,7 @@ import datetime
 import time
 
 from ..config import parse_size
-from .comm import print_result
+from .common import print_result
 from .gpu import add_device_arguments, use_gpu
 
 

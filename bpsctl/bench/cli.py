@@ -12,19 +12,7 @@ from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_con
 from bpsctl.config import ConfigError, check_backup_workers, check_training_mode, parse_size
 
 from .. import launch
-from .api import (
-    CommSettings,
-    ConvergenceSettings,
-    TrainSettings,
-    cluster_size,
-    hosts_cluster,
-    physical_hosts,
-    probe_gpus,
-    run_comm,
-    run_convergence,
-    run_sweep,
-    run_train,
-)
+from .api import CommSettings, cluster_size, hosts_cluster, run_comm, run_sweep
 from .gpu import TRAIN_DEFAULTS, baseline_backend, check_horovod_nccl, resolve_device
 from .report import (
     plot_comm,
@@ -33,6 +21,14 @@ from .report import (
     print_comm,
     print_convergence,
     print_train,
+)
+from .training import (
+    ConvergenceSettings,
+    TrainSettings,
+    physical_hosts,
+    probe_gpus,
+    run_convergence,
+    run_train,
 )
 
 WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on a live emulated cluster: "

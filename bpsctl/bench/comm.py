@@ -5,8 +5,9 @@ Two halves:
 * :func:`worker_main` runs inside each worker process (``python -m bpsctl.bench.comm``):
   declares the tensors, warms up, then times rounds of push_pull of every tensor,
   each round started together after a barrier. Rank 0 prints the round times as one
-  :data:`RESULT_MARKER` line (the launcher relays it from any host: no shared filesystem;
-  bench reads it from the relayed output and keeps it off the user's terminal).
+  :data:`~bpsctl.bench.common.RESULT_MARKER` line (the launcher relays it from any host: no
+  shared filesystem; bench reads it from the relayed output and keeps it off the user's
+  terminal).
 * :func:`zmq_pair_seconds` measures what this machine's ZeroMQ moves between two processes
   for the same bytes in the same message size: the limit the engine is judged against.
 """
@@ -25,20 +26,11 @@ import numpy as np
 import zmq
 
 from ..config import parse_size
+from .common import print_result
 from .gpu import add_device_arguments, use_gpu
 from .report import shm_shares
 
 # ----------------------------------------------------------------------------- worker side
-
-#: starts the one stdout line of rank 0 that holds a benchmark worker's result as JSON
-RESULT_MARKER = "BPSCTL_RESULT "
-
-
-def print_result(result: dict) -> None:
-    """Rank 0's result, as the line :func:`bpsctl.bench.api` looks for in the relayed output
-    (and takes out of it: the user sees the table, not this line)."""
-    print(RESULT_MARKER + json.dumps(result), flush=True)
-
 
 def tensor_sizes(size_bytes: int, tensors: int, itemsize: int = 4) -> list[int]:
     """Element counts of ``tensors`` float32 tensors adding up to ``size_bytes`` (near enough)."""

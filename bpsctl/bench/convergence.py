@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.nn.functional as F
 
-    from .comm import print_result
+    from .common import print_result
 
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)

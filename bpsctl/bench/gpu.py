@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import ConfigError
+from .common import rebuild_for_gpus_message
 
 DEVICES = ("auto", "cuda", "cpu")
 #: what a training benchmark defaults to on each device: Horovod's and BytePS's published
@@ -167,7 +168,6 @@ def baseline_backend(device: str, host_workers: Sequence[int],
 def check_horovod_nccl(hosts: Sequence[HostGPUs]) -> None:
     """Horovod on GPUs must allreduce CUDA tensors over NCCL, as its users run it: a
     ConfigError saying how to rebuild it where it does not."""
-    from .horovod import rebuild_for_gpus_message
     without = [host.host for host in hosts if host.horovod_nccl is not True]
     if without:
         raise ConfigError(f"{rebuild_for_gpus_message()} (on {', '.join(without)})")

@@ -5,7 +5,7 @@ Workers are started by bpsctl's own launcher, the way horovodrun's gloo launcher
 (horovod/runner/gloo_run.py): a RendezvousServer holds the host plan, and each worker gets
 HOROVOD_RANK/SIZE/LOCAL_*/CROSS_*, HOROVOD_HOSTNAME, HOROVOD_GLOO_RENDEZVOUS_ADDR/PORT,
 HOROVOD_CONTROLLER=gloo, HOROVOD_CPU_OPERATIONS=gloo and HOROVOD_GLOO_IFACE (see
-:func:`bpsctl.bench.train.horovod_env`). The rendezvous server runs in the first worker host's
+:func:`bpsctl.bench.common.horovod_env`). The rendezvous server runs in the first worker host's
 network namespace, since an emulated cluster's addresses exist only inside the namespaces; on
 a Slurm cluster it runs in the bench process itself (:func:`serve_rendezvous`), whose host
 every job step can reach.
@@ -30,8 +30,8 @@ from typing import IO, Any
 
 from bpsctl.errors import BpsctlError
 
-HOROVOD_VERSION = "0.28.1"
-INSTALL_COMMAND = "bpsctl install horovod"
+from .common import HOROVOD_VERSION, INSTALL_COMMAND, horovod_env
+
 BUILD_ENV = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1",
              "HOROVOD_WITHOUT_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1"}
 # the sdist asks for C++14; torch 2.13's headers need C++17 (fixed upstream, never released)
@@ -119,15 +119,6 @@ def build_env(cuda_home: str | None, nccl_home: str | None) -> dict[str, str]:
     return env
 
 
-def rebuild_for_gpus_message() -> str:
-    return (f"--compare horovod on GPUs: this Horovod was built without NCCL, so it cannot "
-            f"allreduce CUDA tensors as its GPU users do. Rebuild it on a machine with a CUDA "
-            f"toolkit (nvcc) and NCCL: `{INSTALL_COMMAND} --force` builds with "
-            "HOROVOD_GPU_OPERATIONS=NCCL when it finds both (set CUDA_HOME and NCCL_HOME if "
-            "they are not in the usual places); or drop horovod from --compare, or use "
-            "--device cpu")
-
-
 def missing_message() -> str:
     return (f"--compare horovod: Horovod is not installed (or does not load with torch here). "
             f"Build it with `{INSTALL_COMMAND}` (Horovod {HOROVOD_VERSION} with PyTorch and Gloo, "
@@ -205,8 +196,6 @@ def _slot_plan(hosts: list[tuple[str, int]]) -> list[Any]:
     """Horovod's SlotInfo of every rank of the plan [(host, slots)], as each worker's
     HOROVOD_* environment states it."""
     from horovod.runner.common.util.hosts import SlotInfo
-
-    from .train import horovod_env
 
     size = sum(count for _, count in hosts)
     plan = []

@@ -22,37 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.trace import interface_of, read_nic
+from .common import horovod_env, print_result
 from .gpu import add_device_arguments, use_gpu
 from .report import shm_shares
 
 SYSTEMS = ("bpsctl", "horovod", "ddp", "ddp-powersgd", "plain")
-
-
-def horovod_env(rank: int, hosts: list[tuple[str, int]], rendezvous_addr: str,
-                rendezvous_port: int, iface: str, timeout_s: float) -> dict[str, str]:
-    """What horovodrun's gloo launcher (horovod/runner/gloo_run.py: ``create_slot_env_vars``
-    and ``create_run_env_vars``) gives the worker of ``rank``; ``hosts`` lists (host, slots)
-    in rank order, ranks filling each host in turn, as ``get_host_assignments`` does."""
-    size = sum(count for _, count in hosts)
-    first = 0
-    for index, (host, count) in enumerate(hosts):
-        if rank < first + count:
-            local_rank = rank - first
-            # cross ranks: the hosts that have a slot at this local rank, in host order
-            crossing = [i for i, (_, c) in enumerate(hosts) if c > local_rank]
-            return {
-                "HOROVOD_HOSTNAME": host, "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size),
-                "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": str(count),
-                "HOROVOD_CROSS_RANK": str(crossing.index(index)),
-                "HOROVOD_CROSS_SIZE": str(len(crossing)),
-                "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr,
-                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
-                "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
-                "HOROVOD_GLOO_IFACE": iface, "NCCL_SOCKET_IFNAME": iface,
-                "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout_s)),
-            }
-        first += count
-    raise ValueError(f"rank {rank} is not in the host plan {hosts} ({size} slots)")
 
 
 def throughput(img_secs: list[float], workers: int, batch_size: int) -> dict[str, Any]:
@@ -218,7 +192,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     import torch.nn.functional as F
 
-    from .comm import print_result
     from .models import build
 
     cuda = args.device == "cuda"

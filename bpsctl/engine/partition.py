@@ -56,7 +56,7 @@ class Placement:
     the lowest index.
 
     ``shares`` weighs the servers (BytePS's layout of servers on the worker hosts and on CPU
-    hosts gives them unequal shares, see :func:`bpsctl.tune.model.optimal_shares`); none or
+    hosts gives them unequal shares, see :func:`bpsctl.model.optimal_shares`); none or
     equal weights is the even split by bytes. Weights need not sum to 1: each server's target
     is its weight over the sum of the serving servers' weights. A server of weight 0 gets
     nothing while another serving server has weight; if none has, the serving ones share

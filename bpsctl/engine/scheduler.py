@@ -19,7 +19,7 @@ import zmq
 
 from .. import __version__
 from ..config import Config
-from ..tune.model import job_shares
+from ..model import job_shares
 from . import protocol as P
 from .client import CLOCK_EXCHANGES
 from .common import bound_router, exit_on_sigterm, setup_process_logging, write_ready_file

@@ -41,7 +41,7 @@ from typing import Any
 
 from bpsctl.config import SECURITY_MODES, ConfigError
 from bpsctl.engine.security import new_secret
-from bpsctl.tune.model import plan_layout
+from bpsctl.model import plan_layout
 
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 # Kubernetes resource quantities: 500m, 2, 1.5, 4Gi, 512Mi, 1e3 ...

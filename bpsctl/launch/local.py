@@ -43,7 +43,7 @@ from bpsctl.launch.processes import (
 from bpsctl.launch.report import down_report, local_status
 from bpsctl.launch.runloop import STOP_GRACE_S, WorkerProcess
 from bpsctl.launch.types import ClusterState, DownReport, LaunchError, ProcessRecord
-from bpsctl.tune.model import Layout, plan_layout
+from bpsctl.model import Layout, plan_layout
 
 STATUS_TIMEOUT_S = 2.0          # how long `status` waits for the scheduler's answer
 _WATCH_INTERVAL_S = 0.2         # how often a run checks that the cluster's processes still run

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from bpsctl.config import Config, ConfigError
 from bpsctl.launch.types import LOCALHOST, ClusterState, HostSpec, HostsSpec, SshOptions
-from bpsctl.tune.model import Layout, plan_layout
+from bpsctl.model import Layout, plan_layout
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def layout(hosts: HostsSpec, config: Config | None = None) -> Layout:
     """The cluster's layout: the share of the bytes each (non-spare) server of ``hosts`` sums,
     in file order. ``BPSCTL_CPU_SHARE`` if the config gives one, else the entries' ``share:``,
     else the traffic model's optimum for servers on worker hosts and on CPU-only hosts at the
-    entries' ``nic:`` rates (equal rates without them; :func:`bpsctl.tune.model.plan_layout`).
+    entries' ``nic:`` rates (equal rates without them; :func:`bpsctl.model.plan_layout`).
     A server is on a worker host when its entry names a host a worker entry names."""
     config = config or Config()
     servers = [entry for entry in hosts.servers if not entry.spare]

@@ -177,7 +177,7 @@ class ClusterState:
     addresses: dict[str, str] = field(default_factory=dict)   # SSH target -> bound address
     # a Slurm cluster's allocation: {"job_id", "nodes": [...], "tasks_per_node": [...]}
     slurm: dict[str, Any] | None = None
-    # which hosts sum what share of the bytes, as planned at `up` (tune/model.py's
+    # which hosts sum what share of the bytes, as planned at `up` (bpsctl/model.py's
     # Layout.to_json); None for a cluster recorded before layouts were
     layout: dict[str, Any] | None = None
 

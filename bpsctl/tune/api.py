@@ -29,17 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import launch
-from ..bench.api import (
-    BenchError,
-    CommSettings,
-    TrainSettings,
-    bench_cluster,
-    comm_point,
-    ssh_cluster,
-    train_system,
-)
+from ..bench.api import BenchError, CommSettings, bench_cluster, comm_point, ssh_cluster
+from ..bench.training import TrainSettings, train_system
 from ..config import Config, ConfigError, format_bytes
-from .model import ServerGuess, guess_servers, plan_layout
+from ..model import ServerGuess, guess_servers, plan_layout
 
 KNOBS = ("partition_bytes", "servers", "credit", "layout")
 #: 64 KiB .. 64 MiB, ×4 steps
@@ -300,7 +293,7 @@ def _layout_facts(config: Config, workers: int, size_bytes: int, nic: float | No
                   ) -> tuple[tuple[float, ...], dict[str, Any] | None]:
     """(cpu_share values to search, the model's layout) when the job's servers sit on worker
     hosts and on CPU-only hosts at once; ((), None) otherwise. The model's layout is
-    tune/model.py's optimum at the NIC rates the cluster recorded (equal rates otherwise)."""
+    bpsctl/model.py's optimum at the NIC rates the cluster recorded (equal rates otherwise)."""
     state = launch.load_state(config.state_dir)
     if state is None:
         return (), None

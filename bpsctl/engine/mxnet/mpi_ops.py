@@ -55,7 +55,7 @@ from ..process_sets import (  # noqa: F401 - Horovod's mpi_ops has these names
     remove_process_set,
 )
 from ..trace import now_ns
-from . import _check_root, _host_view, _Op, rank, size
+from .ops import _check_root, _host_view, _Op, rank, size
 
 Average, Sum, Adasum = ReduceOp.Average, ReduceOp.Sum, ReduceOp.Adasum
 Min, Max, Product = ReduceOp.Min, ReduceOp.Max, ReduceOp.Product

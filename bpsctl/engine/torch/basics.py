@@ -19,7 +19,8 @@ from ..basics import (  # noqa: F401 - Horovod's names, as its torch module has 
     start_timeline,
     stop_timeline,
 )
-from . import _p, synchronize
+from .ops import synchronize
+from .plugin import _p
 
 __all__: list[str] = [
     "mpi_built", "mpi_enabled", "mpi_threads_supported", "gloo_built", "gloo_enabled",

@@ -57,19 +57,11 @@ from typing import Any
 import torch
 
 from ..common import EngineError
-from . import (
-    Compression,
-    CompressionArg,
-    _Bucket,
-    _check_rejoined,
-    _end_step,
-    _finish,
-    _GradientSync,
-    _load_received,
-    _named,
-    _p,
-    _tell_membership,
-)
+from .compression import Compression, CompressionArg
+from .gradients import _Bucket, _GradientSync
+from .ops import _finish, _tell_membership
+from .optimizer import _check_rejoined, _end_step, _load_received, _named
+from .plugin import _p
 
 __all__ = ["CrossBarrier"]
 

@@ -44,15 +44,15 @@ from typing import Any
 import torch
 
 from .. import common
-from . import (
+from .functions import (
     _donate,
-    _p,
     _received_state,
     broadcast_object,
     broadcast_optimizer_state,
     broadcast_parameters,
-    push_pull,
 )
+from .ops import push_pull
+from .plugin import _p
 
 __all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "TorchState", "run"]
 

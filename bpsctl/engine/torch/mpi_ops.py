@@ -36,20 +36,7 @@ from .. import protocol as P
 from ..collectives import HorovodInternalError, ReduceOp
 from ..common import EngineError
 from ..trace import now_ns
-from . import (
-    Compression,
-    CompressionArg,
-    _check_root,
-    _p,
-    _start,
-    _track_composite,
-    _wire_dtype,
-    basics,
-    process_sets,
-    rank,
-    size,
-    synchronize,
-)
+from . import basics, process_sets
 
 # Horovod's mpi_ops has these names too
 from .basics import (  # noqa: F401
@@ -69,6 +56,10 @@ from .basics import (  # noqa: F401
     start_timeline,
     stop_timeline,
 )
+from .compression import Compression, CompressionArg
+from .functions import _check_root
+from .ops import _start, _track_composite, synchronize
+from .plugin import _p, _wire_dtype, rank, size
 from .process_sets import (  # noqa: F401
     ProcessSet,
     ProcessSetUnsupported,

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from ..common import EngineError
+from .ops import _finish, synchronize
 
 
 class StaleGradients:
@@ -67,7 +68,6 @@ class StaleGradients:
         return True
 
     def _apply_oldest(self) -> None:
-        from . import synchronize
         slot, taken = self.pending.popleft()
         for bucket, handle in taken:
             synchronize(handle)
@@ -86,7 +86,6 @@ class StaleGradients:
     def drain(self) -> BaseException | None:
         """At shutdown: wait for the rounds in flight (the other workers need this worker's
         pushes of them to complete, and it theirs), without applying them."""
-        from . import _finish
         error: BaseException | None = None
         while self.pending:
             _, taken = self.pending.popleft()

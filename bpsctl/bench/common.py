@@ -1,0 +1,62 @@
+"""What the benchmarks' worker programs and the bench that starts them both use: the result
+line a worker prints and bench reads back, the environment each Horovod worker gets, and what
+to do about a Horovod built without NCCL.
+
+The worker programs (comm, train, allreduce, convergence), the device checks (gpu) and the
+Horovod baseline (horovod) all import from here and not from each other, so no benchmark
+module has to import the one that imports it.
+"""
+from __future__ import annotations
+
+import json
+
+#: the Horovod release `bpsctl install horovod` builds
+HOROVOD_VERSION = "0.28.1"
+#: the command that builds it
+INSTALL_COMMAND = "bpsctl install horovod"
+
+#: starts the one stdout line of rank 0 that holds a benchmark worker's result as JSON
+RESULT_MARKER = "BPSCTL_RESULT "
+
+
+def print_result(result: dict) -> None:
+    """Rank 0's result, as the line :func:`bpsctl.bench.api` looks for in the relayed output
+    (and takes out of it: the user sees the table, not this line)."""
+    print(RESULT_MARKER + json.dumps(result), flush=True)
+
+
+def horovod_env(rank: int, hosts: list[tuple[str, int]], rendezvous_addr: str,
+                rendezvous_port: int, iface: str, timeout_s: float) -> dict[str, str]:
+    """What horovodrun's gloo launcher (horovod/runner/gloo_run.py: ``create_slot_env_vars``
+    and ``create_run_env_vars``) gives the worker of ``rank``; ``hosts`` lists (host, slots)
+    in rank order, ranks filling each host in turn, as ``get_host_assignments`` does."""
+    size = sum(count for _, count in hosts)
+    first = 0
+    for index, (host, count) in enumerate(hosts):
+        if rank < first + count:
+            local_rank = rank - first
+            # cross ranks: the hosts that have a slot at this local rank, in host order
+            crossing = [i for i, (_, c) in enumerate(hosts) if c > local_rank]
+            return {
+                "HOROVOD_HOSTNAME": host, "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size),
+                "HOROVOD_LOCAL_RANK": str(local_rank), "HOROVOD_LOCAL_SIZE": str(count),
+                "HOROVOD_CROSS_RANK": str(crossing.index(index)),
+                "HOROVOD_CROSS_SIZE": str(len(crossing)),
+                "HOROVOD_GLOO_RENDEZVOUS_ADDR": rendezvous_addr,
+                "HOROVOD_GLOO_RENDEZVOUS_PORT": str(rendezvous_port),
+                "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+                "HOROVOD_GLOO_IFACE": iface, "NCCL_SOCKET_IFNAME": iface,
+                "HOROVOD_GLOO_TIMEOUT_SECONDS": str(int(timeout_s)),
+            }
+        first += count
+    raise ValueError(f"rank {rank} is not in the host plan {hosts} ({size} slots)")
+
+
+def rebuild_for_gpus_message() -> str:
+    """Why `--compare horovod` on GPUs cannot use this Horovod, and how to rebuild it."""
+    return (f"--compare horovod on GPUs: this Horovod was built without NCCL, so it cannot "
+            f"allreduce CUDA tensors as its GPU users do. Rebuild it on a machine with a CUDA "
+            f"toolkit (nvcc) and NCCL: `{INSTALL_COMMAND} --force` builds with "
+            "HOROVOD_GPU_OPERATIONS=NCCL when it finds both (set CUDA_HOME and NCCL_HOME if "
+            "they are not in the usual places); or drop horovod from --compare, or use "
+            "--device cpu")

@@ -1,0 +1,139 @@
+"""Broadcasts (Horovod's ``horovod.torch.functions``): parameters, optimizer state and
+picklable objects from one rank to all, and the state a live worker hands a rejoining one."""
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+
+from ... import engine as _engine
+from ..common import EngineError, JobFinished
+from .compression import Compression
+from .ops import _start, synchronize
+from .plugin import _p, _Plugin, rank, size
+from .process_sets import _check_set
+
+
+def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int, prefix: str) -> None:
+    """Broadcast by summation: every rank but the root contributes zeros (as BytePS does)."""
+    handles = []
+    with torch.no_grad():
+        for name, tensor in named:
+            if rank() != root_rank:
+                tensor.zero_()
+            handles.append(_start(tensor, False, f"{prefix}.{name}", 0, Compression.none,
+                                  inplace=True, once=True))
+    for handle in handles:
+        synchronize(handle)
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Copy ``params`` (a ``state_dict()`` or ``named_parameters()``) from ``root_rank`` to all.
+    In a rejoining worker: copy them from the state a live worker hands it instead."""
+    if isinstance(params, dict):
+        named = sorted(params.items())
+    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
+        named = list(params)
+    else:
+        raise ValueError(f"invalid params of type {type(params).__name__}: expected a dict "
+                         "(state_dict) or (name, tensor) pairs (named_parameters)")
+    tensors = []
+    for name, tensor in named:
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError(f"parameter {name!r} is a {type(tensor).__name__}, not a tensor")
+        if tensor.dtype == torch.bool:
+            raise TypeError(f"parameter {name!r}: bool tensors cannot be broadcast; "
+                            "use broadcast_object")
+        tensors.append((name, tensor))
+    _check_root(root_rank)
+    plugin = _p()
+    plugin.shared.update(tensors)
+    received = _received_state(plugin)
+    if received is None:
+        _broadcast_tensors(tensors, root_rank, "Parameter")
+        return
+    missing = [name for name, _ in tensors if name not in received["params"]]
+    if missing:
+        raise EngineError(f"rejoining: the live worker's model has no {missing[:3]} (workers run "
+                          "different scripts?)")
+    with torch.no_grad():
+        for name, tensor in tensors:
+            tensor.copy_(received["params"][name])
+
+
+def _received_state(plugin: _Plugin) -> dict[str, Any] | None:
+    """A rejoining worker's state from a live worker (waiting for it once), else None."""
+    if plugin.received is None and plugin.worker.joined_running:   # restarted, or attached
+        try:
+            payload = plugin.worker.receive_state()
+        except JobFinished as finished:
+            _engine.nothing_to_do(finished)
+        plugin.received = torch.load(io.BytesIO(payload), weights_only=False)
+        plugin.steps = plugin.received["steps"]
+        # the next broadcast_object pushes under the name the live workers' next one does
+        plugin.objects = plugin.received["objects"]
+        plugin.unloaded = set(range(len(plugin.received["optimizers"])))
+    return plugin.received
+
+
+def _pack_state(plugin: _Plugin, elastic: Any = None) -> memoryview:
+    """What a rejoining worker starts from (see :mod:`bpsctl.engine.torch`, "Rejoining")."""
+    buffer = io.BytesIO()
+    torch.save({"steps": plugin.steps, "objects": plugin.objects, "params": plugin.shared,
+                "optimizers": [opt.state_dict() for opt in plugin.optimizers],
+                "elastic": elastic}, buffer)
+    return buffer.getbuffer()           # sent without another copy
+
+
+def _donate(plugin: _Plugin, elastic: Any = None) -> None:
+    """At a step boundary: hand the state to every worker waiting to rejoin."""
+    worker = plugin.worker
+    if worker.pending_joins:
+        state = _pack_state(plugin, elastic)
+        for rank_, incarnation in list(worker.pending_joins):
+            worker.donate(rank_, incarnation, state)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
+                     process_set: Any = None) -> Any:
+    """Return ``obj`` from ``root_rank`` on every rank (pickled; all ranks must call it).
+    ``process_set``: Horovod's, the global one only."""
+    if process_set is not None:
+        _check_set(process_set, "broadcast_object")
+    _check_root(root_rank)
+    plugin = _p()
+    key = f"broadcast_object.{name or 'object'}.{plugin.objects}"
+    plugin.objects += 1
+    me = rank() == root_rank
+    data = pickle.dumps(obj) if me else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    _broadcast_tensors([("length", length)], root_rank, key)
+    payload = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if me:
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    _broadcast_tensors([("data", payload)], root_rank, key)
+    return obj if me else pickle.loads(payload.numpy().tobytes())
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              model: Any = None) -> None:
+    """Copy ``optimizer``'s state (and hyper-parameters) from ``root_rank`` to all ranks. In a
+    rejoining worker nothing happens here: a DistributedOptimizer's first ``step()`` loads the
+    state the live worker handed over. ``model`` (Horovod's, to find sparse parameters) is
+    not needed: the whole state travels pickled."""
+    del model
+    if _received_state(_p()) is not None:
+        return
+    buffer = io.BytesIO()
+    if rank() == root_rank:
+        torch.save(optimizer.state_dict(), buffer)
+    state = broadcast_object(buffer.getvalue(), root_rank, name="optimizer_state")
+    if rank() != root_rank:
+        optimizer.load_state_dict(torch.load(io.BytesIO(state), weights_only=False))
+
+
+def _check_root(root_rank: int) -> None:
+    if not 0 <= root_rank < size():
+        raise ValueError(f"root_rank {root_rank} is not a rank of this job (0..{size() - 1})")
