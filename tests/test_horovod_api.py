@@ -206,6 +206,19 @@ def allreduce_min_max_product_every_dtype():
     same(hvd.allreduce(flags, op=hvd.Min), torch.tensor([True, N == 1, False]))
 
 @check
+def allreduce_min_max_product_push_one_tensors_bytes():
+    # the servers reduce: each rank pushes its own tensor once, not every rank's slot
+    worker = hvd._p().worker
+    def pushed():
+        return sum(s["pushed_bytes"] for s in worker.stats()["servers"])
+    x = torch.full((2048,), float(ME), dtype=torch.float32)         # 8 KiB
+    before = pushed()
+    for op in (hvd.Min, hvd.Max, hvd.Product):
+        hvd.allreduce(x, op=op, name=f"bytes.{op.name}")
+    moved = pushed() - before
+    assert moved == (3 * x.numel() * 4 if N > 1 else 0), (moved, N)
+
+@check
 def allreduce_scales_in_place_async_grouped_and_deprecated_average():
     inputs = everyone((6,), torch.float64)
     total = sum(inputs)
@@ -599,6 +612,7 @@ CHECKS = ["sync_batch_norm_is_batch_norm_over_every_ranks_batch",
           "broadcast_optimizer_state_of_other_optimizers", "names_and_feature_queries",
           "allreduce_sum_and_average_every_dtype",
           "allreduce_min_max_product_every_dtype",
+          "allreduce_min_max_product_push_one_tensors_bytes",
           "allreduce_scales_in_place_async_grouped_and_deprecated_average",
           "allreduce_refusals_name_the_way_out", "allreduce_gradients_are_horovods",
           "allgather_uneven_rows_every_dtype_async_grouped", "allgather_object_and_gradient",

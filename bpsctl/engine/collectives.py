@@ -7,7 +7,9 @@ PyTorch plugin (:mod:`bpsctl.engine.torch.mpi_ops`), the NumPy API and the MXNet
 share it:
 
 * **allreduce, Sum and Average**: one push_pull (the servers sum; the engine divides).
-* **gather through summation** (allgather, broadcast, alltoall, and Min, Max, Product): every
+* **allreduce, Min, Max and Product**: one push_pull whose partitions the servers combine
+  elementwise by the op instead of summing (:data:`SERVER_REDUCTIONS`).
+* **gather through summation** (allgather, broadcast, alltoall): every
   rank writes its rows at its own offset into a zeroed buffer holding every rank's rows and
   push_pulls it; the others add zeros there, so the sum *is* the concatenation, exactly, for
   every dtype (``x + 0 == x``, integers and floats alike, no rounding; only a float's
@@ -16,8 +18,6 @@ share it:
   rank's rows when all ranks contribute alike (a broadcast pushes zeros from all but the
   root, as BytePS does). When ranks may contribute different numbers of rows, a small
   push_pull of one int64 per rank exchanges them first (:func:`gather_by_sum`).
-* **Min, Max, Product**: gathered as above, then reduced on each rank along the new first
-  dimension: every rank computes the same result from the same rows.
 * **reducescatter**: a push_pull of the whole tensor, each rank keeping its own rows
   (:func:`reducescatter_counts`, Horovod's split).
 
@@ -39,7 +39,7 @@ import numpy as np
 from . import protocol as P
 from .common import HorovodInternalError
 
-__all__ = ["HorovodInternalError", "ReduceOp", "SERVER_OPS", "GATHERED_OPS",
+__all__ = ["HorovodInternalError", "ReduceOp", "SERVER_OPS",
            "SERVER_REDUCTIONS", "resolve_op", "check_op", "cross_layout", "host_layout",
            "layout_of_hosts",
            "timeline_path", "AutoNames", "offsets", "reducescatter_counts", "even_splits",
@@ -60,8 +60,6 @@ class ReduceOp(enum.IntEnum):
 
 #: the ops the servers compute themselves (a sum, divided for the average)
 SERVER_OPS = (ReduceOp.Average, ReduceOp.Sum)
-#: the ops computed on every rank after gathering every rank's tensor
-GATHERED_OPS = (ReduceOp.Min, ReduceOp.Max, ReduceOp.Product)
 #: how the servers reduce each op other than a sum (protocol.REDUCE_*)
 SERVER_REDUCTIONS = {ReduceOp.Min: P.REDUCE_MIN, ReduceOp.Max: P.REDUCE_MAX,
                      ReduceOp.Product: P.REDUCE_PRODUCT}

@@ -233,7 +233,7 @@ def _allreduce(tensor: Any, inplace: bool, average: bool | None, name: str | Non
     _check_set(process_set, what)
     _check_nd(tensor, what)
     _check_summable(tensor, resolved, what)
-    kind = f"allreduce.{resolved.name}" if resolved in K.GATHERED_OPS else "allreduce"
+    kind = f"allreduce.{resolved.name}" if resolved in K.SERVER_REDUCTIONS else "allreduce"
     target = tensor if inplace else tensor.copy()
     with _named(kind, name, _signature(tensor)) as wire:
         return _reduce_into(target, resolved, wire, priority, prescale_factor,

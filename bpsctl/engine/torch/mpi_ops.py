@@ -2,10 +2,11 @@
 
 Every collective is one or two push_pulls through the plugin's own path (:func:`_start`: the
 servers, or the intra-node stage when workers share a host), built as
-:mod:`bpsctl.engine.collectives` describes: Sum and Average are summed by the servers;
-allgather, broadcast, alltoall, and Min, Max and Product gather through summation (each
-rank's rows at its offset in a zeroed buffer), the last three then reduced on every rank;
-reducescatter sums the whole tensor and keeps this rank's rows. Handles are integers for
+:mod:`bpsctl.engine.collectives` describes: Sum and Average are summed by the servers, and
+Min, Max and Product reduced by them elementwise (every rank pushing its own tensor, past the
+intra-node stage); allgather, broadcast and alltoall gather through summation (each rank's
+rows at its offset in a zeroed buffer); reducescatter sums the whole tensor and keeps this
+rank's rows. Handles are integers for
 :func:`poll` and :func:`synchronize`, as push_pull's.
 
 Rules Horovod has too: every rank calls the same collectives in the same order, with the
@@ -58,7 +59,7 @@ from .basics import (  # noqa: F401
 )
 from .compression import Compression, CompressionArg
 from .functions import _check_root
-from .ops import _start, _track_composite, synchronize
+from .ops import _start, _start_reduced, _track_composite, synchronize
 from .plugin import _p, _wire_dtype, rank, size
 from .process_sets import (  # noqa: F401
     ProcessSet,
@@ -212,9 +213,9 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
     """Start an allreduce of ``tensor``; the result lands in ``output`` (in-place forms) or a
     new tensor."""
     _check_set(process_set, kind)
-    _check_tensor(tensor, kind, bool_ok=op in K.GATHERED_OPS)
-    gathered = op in K.GATHERED_OPS     # its own buffer shape: a name of its own
-    wire_name, release = _name(f"{kind}.{op.name}" if gathered else kind, name,
+    _check_tensor(tensor, kind, bool_ok=op in K.SERVER_REDUCTIONS)
+    by_op = op in K.SERVER_REDUCTIONS     # a name bound to its op: a name of its own
+    wire_name, release = _name(f"{kind}.{op.name}" if by_op else kind, name,
                                _signature(tensor))
     detached = tensor.detach()
     source = _scaled(detached, prescale_factor)
@@ -238,32 +239,24 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
                 output.detach().copy_(result)
             return output
         return _then(wire_name, [handle], finish, release)
-    # Min, Max, Product: every rank's tensor gathered (one slot each), reduced here; the
-    # casts of Compression apply (the engine's compressors sum, which a gather cannot take)
+    # Min, Max, Product: reduced by the servers, elementwise, each rank pushing its own
+    # tensor; bool as its bytes (0 or 1: min is all, max any, product all); the casts of
+    # Compression apply (the engine's compressors sum)
     cast = compression if isinstance(compression, type) else Compression.none
     wire, ctx = cast.compress(source)
-    slots = torch.zeros((size(), *wire.shape), dtype=wire.dtype, device=wire.device)
-    slots[rank()] = wire
+    wire = _as_bytes(wire.contiguous())
+    reduced = torch.empty_like(wire)
     with _released_on_error(release):
-        handle = _push_sum(_as_bytes(slots), wire_name)
+        handle = _start_reduced(wire, reduced, wire_name, 0, K.SERVER_REDUCTIONS[op])
 
-    def reduce(_: list[torch.Tensor]) -> torch.Tensor:
-        # the gather landed in slots (through its bytes for bool)
-        reduced = _REDUCE[op][slots.dtype == torch.bool](slots)
-        result = _scaled(cast.decompress(reduced, ctx), postscale_factor)
+    def finish_reduced(_: list[torch.Tensor]) -> torch.Tensor:
+        values = reduced.view(torch.bool) if source.dtype == torch.bool else reduced
+        result = _scaled(cast.decompress(values, ctx), postscale_factor)
         if output is None:
             return result
         output.detach().copy_(result)
         return output
-    return _then(wire_name, [handle], reduce, release)
-
-
-#: how Min, Max and Product reduce the gathered slots (dimension 0): for numbers, and for bool
-_REDUCE: dict[ReduceOp, tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = {
-    Min: (lambda t: t.amin(dim=0), lambda t: t.all(dim=0)),
-    Max: (lambda t: t.amax(dim=0), lambda t: t.any(dim=0)),
-    Product: (lambda t: t.prod(dim=0, dtype=t.dtype), lambda t: t.all(dim=0)),
-}
+    return _then(wire_name, [handle], finish_reduced, release)
 
 
 def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str | None = None,
@@ -271,8 +264,8 @@ def allreduce_async(tensor: torch.Tensor, average: bool | None = None, name: str
                     process_set: ProcessSet = global_process_set) -> int:
     """Start reducing ``tensor`` across ranks (``op``: Average by default, Sum, Min, Max,
     Product); :func:`synchronize` returns a new tensor. Sum and Average are summed by the
-    servers; Min, Max and Product gather every rank's tensor (``size()`` times its bytes each
-    way) and reduce it on every rank. Integer averages are floor divisions of the sum, as
+    servers, Min, Max and Product reduced by them elementwise (bool: Min is all, Max any).
+    Integer averages are floor divisions of the sum, as
     Horovod's. ``prescale_factor`` multiplies the input, ``postscale_factor`` the result."""
     return _allreduce_start(tensor, None, name, K.resolve_op(op, average), prescale_factor,
                             postscale_factor, process_set)

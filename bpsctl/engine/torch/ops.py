@@ -306,6 +306,22 @@ def _start_async(source: torch.Tensor, output: torch.Tensor, name: str, priority
     land in ``output`` (contiguous, same shape, dtype and device); a handle for
     :func:`synchronize`. CUDA tensors are staged through pinned host buffers, as push_pulls
     are."""
+    return _start_direct(source, output, name, priority, async_update=update, async_init=init)
+
+
+def _start_reduced(source: torch.Tensor, output: torch.Tensor, name: str, priority: int,
+                   reduction: int) -> int:
+    """Reduce ``source`` across workers by ``reduction`` (``protocol.REDUCE_MIN``, ``MAX``,
+    ``PRODUCT``) on the servers, elementwise; the result lands in ``output`` (contiguous, same
+    shape, dtype and device). Every worker pushes its own tensor: the intra-node stage sums."""
+    return _start_direct(source, output, name, priority, reduction=reduction)
+
+
+def _start_direct(source: torch.Tensor, output: torch.Tensor, name: str, priority: int,
+                  **push: Any) -> int:
+    """A push of ``source`` straight to the servers, past the intra-node stage, with the
+    engine's ``push`` options; the answer lands in ``output``. CUDA tensors are staged through
+    pinned host buffers, as push_pulls are."""
     plugin = _p()
     op = _Op(name, output, output, None, Compression.none)
 
@@ -313,7 +329,7 @@ def _start_async(source: torch.Tensor, output: torch.Tensor, name: str, priority
               direct: _Direct | None = None) -> Downstream:
         handle = plugin.worker.push_pull_async(
             _as_array(host_in), name=name, average=False, priority=priority,
-            out=_as_array(host_out), async_update=update, async_init=init)
+            out=_as_array(host_out), **push)
         return handle.wait, handle.done
     if source.is_cuda:
         _stage_through_host(plugin, op, name, source, output, start, direct=False)
