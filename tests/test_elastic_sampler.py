@@ -1,0 +1,179 @@
+"""Horovod Elastic's data sampling: :class:`ElasticSampler` shards the epoch over the workers
+of the last commit and re-shards what is left when they change; ``TorchState`` keeps samplers
+(and other objects with ``state_dict``/``load_state_dict``) in place and syncs only their
+state. Pure tests of the sharding math first, then Horovod-style scripts under `bpsctl run`."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from bpsctl.engine.torch import elastic
+from bpsctl.engine.torch.elastic import ElasticSampler, epoch_order, shard_of
+
+
+class _Data:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _sampler(monkeypatch, n: int, rank: int, members: list[int], **kw) -> ElasticSampler:
+    monkeypatch.setattr(elastic, "_membership", lambda: (rank, list(members)))
+    return ElasticSampler(_Data(n), **kw)
+
+
+# --------------------------------------------------------------------------- pure: the math
+
+@pytest.mark.parametrize("length,members", [(12, [0, 1, 2]), (10, [0, 1, 2]), (1, [0, 3]),
+                                            (7, [5]), (0, [0, 1])])
+def test_shards_are_strided_equal_and_cover_what_is_left(length, members):
+    remaining = [100 + i for i in range(length)]
+    shards = [shard_of(remaining, members, r) for r in members]
+    assert len({len(s) for s in shards}) == 1                      # in step: equal lengths
+    assert set().union(*shards) == set(remaining)
+    per = len(shards[0])
+    assert per * len(members) - length < len(members)              # padding below one row
+    if length % len(members) == 0:
+        assert sorted(i for s in shards for i in s) == remaining    # no padding, no overlap
+    if length >= len(members):
+        assert shards[1 % len(members)][:1] == remaining[1 % len(members):][:1] or length == 0
+
+
+def test_a_rank_outside_the_members_has_no_shard():
+    with pytest.raises(ValueError, match="rank 4 is not among the members"):
+        shard_of([1, 2, 3], [0, 1], 4)
+
+
+def test_the_order_depends_on_seed_and_epoch_and_is_the_same_everywhere():
+    assert epoch_order(50, True, 3, 1) == epoch_order(50, True, 3, 1)
+    assert epoch_order(50, True, 3, 1) != epoch_order(50, True, 3, 2)
+    assert sorted(epoch_order(50, True, 3, 1)) == list(range(50))
+    assert epoch_order(5, False, 3, 9) == [0, 1, 2, 3, 4]
+
+
+def test_sampler_shards_by_the_members_and_set_epoch_clears_the_record(monkeypatch):
+    samplers = [_sampler(monkeypatch, 24, r, [0, 1, 2], seed=4) for r in range(3)]
+    shards = [list(s) for s in samplers]
+    assert sorted(i for s in shards for i in s) == list(range(24))
+    assert all(len(s) == 8 and s.num_replicas == 3 for s in samplers)
+    s0 = samplers[0]
+    assert s0.get_indices(1, 3) == shards[0][3:6]
+    s0.record_batch(1, 3)
+    assert s0.processed_indices == set(shards[0][3:6])
+    # the job's view: every member's batch 1, as all train in step
+    assert set(s0.state_dict()["processed_indices"]) == {i for s in shards for i in s[3:6]}
+    s0.set_epoch(1)
+    assert s0.epoch == 1 and s0.processed_indices == set() and list(s0) != shards[0]
+    assert sorted(list(s0)) == sorted(shard_of(epoch_order(24, True, 4, 1), [0, 1, 2], 0))
+
+
+def test_record_indices_and_bad_input(monkeypatch):
+    s = _sampler(monkeypatch, 10, 1, [0, 1], shuffle=False)
+    assert list(s) == [1, 3, 5, 7, 9]
+    s.record_indices([3, 7])
+    assert s.processed_indices == {3, 7}
+    with pytest.raises(ValueError, match=r"record_indices: \[2\] are not in this worker's "
+                                         "shard of epoch 0"):
+        s.record_indices([2])
+    with pytest.raises(ValueError, match="record_batch: batch_idx -1 and batch_size 2"):
+        s.record_batch(-1, 2)
+    with pytest.raises(ValueError, match="batch_size 0: expected"):
+        s.record_batch(0, 0)
+
+
+def test_load_state_dict_takes_epoch_and_processed_and_shards_the_rest(monkeypatch):
+    s = _sampler(monkeypatch, 20, 0, [0, 1])
+    s.load_state_dict({"epoch": 3, "processed_indices": list(range(0, 20, 2))})
+    assert s.epoch == 3 and s.processed_indices == set(range(0, 20, 2))
+    other = _sampler(monkeypatch, 20, 1, [0, 1])
+    other.load_state_dict(s.state_dict())
+    assert sorted([*s, *other]) == list(range(1, 20, 2))
+
+
+def _reset(samplers: dict[int, ElasticSampler], survivors: list[int],
+           previous: dict[int, set[int]]) -> set[int]:
+    """What ``ObjectState.on_reset`` does, its sum done by hand: every survivor adds what it
+    knows (its records, and the lost workers' up to the commit before); all re-shard."""
+    known: set[int] = set()
+    for r in survivors:
+        s = samplers[r]
+        gone = [m for m in s.members if m not in survivors]
+        known |= s._contribution(gone, previous[r])
+    for r in survivors:
+        samplers[r]._relayout(known, survivors)
+    return known
+
+
+def test_a_lost_worker_s_committed_batches_are_not_redone_and_its_later_ones_are(monkeypatch):
+    """3 workers, 48 samples, batches of 2, commits every 2 batches: worker 2 is lost after
+    recording batch 3 (the commit at batch 2 was its last). Survivors record batches 0-3 and
+    reset at the commit at batch 4: the 2 x 8 of theirs and worker 2's first 4 are done; the
+    other 28 are shared 14 and 14 and, processed, make every index exactly once."""
+    samplers = {r: _sampler(monkeypatch, 48, r, [0, 1, 2], seed=1) for r in range(3)}
+    done: list[int] = []
+    for batch in range(4):
+        for r in range(3):
+            samplers[r].record_batch(batch, 2)
+            if r < 2 or batch < 2:                      # worker 2's batches 2, 3: not committed
+                done += samplers[r].get_indices(batch, 2)
+    at_commit_2 = {r: set(range(4)) for r in range(2)}  # places recorded by the commit before
+    known = _reset(samplers, [0, 1], at_commit_2)
+    assert len(known) == 20 and sorted(known) == sorted(done)
+    shards = [list(samplers[r]) for r in (0, 1)]
+    assert [len(s) for s in shards] == [14, 14]
+    assert sorted(done + shards[0] + shards[1]) == list(range(48))
+    # a second loss before any commit of the new layout: nothing of worker 1's is known done
+    samplers[0].record_batch(0, 2)
+    known = _reset(samplers, [0], {0: set()})
+    assert len(list(samplers[0])) == 28 - 2 and not set(samplers[0]) & known
+
+
+def test_a_worker_new_to_the_members_goes_over_a_shard_without_recording(monkeypatch):
+    s = _sampler(monkeypatch, 12, 3, [0, 1, 2], shuffle=False)
+    assert list(s) == [0, 3, 6, 9] and s._guest
+    s.record_batch(0, 2)
+    assert s._contribution([], set()) == set()
+
+
+# --------------------------------------------------------------------------- TorchState rules
+
+class _FakeWorker:
+    rank, membership_changes, live_ranks = 0, 0, [0]
+
+
+def test_torch_state_keeps_objects_with_state_dict_in_place(monkeypatch):
+    """An LR scheduler and a sampler in a TorchState: restore and a received state load into
+    the same objects; plain values are copied and replaced."""
+    monkeypatch.setattr(elastic, "_p", lambda: SimpleNamespace(worker=_FakeWorker(),
+                                                               elastic=None, unloaded=set()))
+    monkeypatch.setattr(elastic, "_membership", lambda: (0, [0]))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    sampler = ElasticSampler(_Data(8))
+    state = elastic.TorchState(model, optimizer, scheduler=scheduler, train_sampler=sampler,
+                               epoch=0, history=[1])
+    assert state._objects == ["scheduler", "train_sampler"]
+    assert state._names == ["epoch", "history"]
+    packed = state._pack()
+    optimizer.step()
+    scheduler.step()
+    sampler.set_epoch(5)
+    state.epoch, state.history = 5, [1, 2]
+    state.restore()
+    assert state.scheduler is scheduler and state.train_sampler is sampler
+    assert scheduler.last_epoch == 0 and sampler.epoch == 0
+    assert state.epoch == 0 and state.history == [1]
+    packed["objects"]["train_sampler"] = {"epoch": 2, "processed_indices": [0, 1]}
+    state._unpack(packed)
+    assert state.train_sampler is sampler and sampler.epoch == 2
+    assert sampler.processed_indices == {0, 1} and sorted(sampler) == list(range(2, 8))
