@@ -177,3 +177,154 @@ def test_torch_state_keeps_objects_with_state_dict_in_place(monkeypatch):
     state._unpack(packed)
     assert state.train_sampler is sampler and sampler.epoch == 2
     assert sampler.processed_indices == {0, 1} and sorted(sampler) == list(range(2, 8))
+
+
+# --------------------------------------------------------------------------- under bpsctl run
+
+# in the shape of Horovod's examples/elastic/pytorch scripts; only the import line differs.
+# Each rank writes, per batch, the indices it trained on ("P epoch i,j,..."), after each
+# commit "C epoch" (a commit that raised counts: its records are kept), and after each epoch
+# the epoch its DataLoader's sampler is on and whether that sampler is the state's.
+SCRIPT = '''
+import os, signal, sys, time
+import torch
+import bpsctl.engine.torch as hvd          # was: import horovod.torch as hvd
+
+out_dir, epochs, n, batch_size, commit_every, kill = sys.argv[1:7]
+epochs, n, batch_size, commit_every = int(epochs), int(n), int(batch_size), int(commit_every)
+die_rank, die_epoch, die_batch = (int(x) for x in kill.split(":")) if kill else (-1, -1, -1)
+hvd.init()
+rank = hvd.rank()
+torch.manual_seed(rank)
+dataset = torch.utils.data.TensorDataset(torch.arange(n), torch.randn(n, 8), torch.randn(n, 1))
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                     named_parameters=model.named_parameters())
+scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+train_sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=11)
+train_loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=train_sampler)
+log = open(os.path.join(out_dir, f"log-{rank}"), "a")
+
+def commit(state):
+    try:
+        state.commit()
+    except hvd.elastic.HostsUpdatedInterrupt:
+        log.write(f"C {state.epoch}\\n"); log.flush()
+        raise
+    log.write(f"C {state.epoch}\\n"); log.flush()
+
+def train(state):
+    for batch_idx, (idx, x, y) in enumerate(train_loader):
+        state.batch = batch_idx
+        if state.batch % commit_every == 0:
+            commit(state)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        state.train_sampler.record_batch(batch_idx, batch_size)
+        log.write(f"P {state.epoch} {','.join(map(str, idx.tolist()))}\\n"); log.flush()
+        if (rank, state.epoch, batch_idx) == (die_rank, die_epoch, die_batch):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if hvd.size() < 3 and kill:
+            time.sleep(0.1)
+
+def end_epoch(state):
+    state.epoch += 1
+    state.batch = 0
+    state.train_sampler.set_epoch(state.epoch)
+    state.scheduler.step()
+    commit(state)
+
+@hvd.elastic.run
+def full_train(state):
+    while state.epoch < epochs:
+        train(state)
+        end_epoch(state)
+        with open(os.path.join(out_dir, f"epochs-{rank}"), "a") as f:
+            f.write(f"{state.epoch} {train_loader.sampler.epoch} "
+                    f"{train_loader.sampler is state.train_sampler} "
+                    f"{state.scheduler is scheduler} {scheduler.last_epoch}\\n")
+
+state = hvd.elastic.TorchState(model, optimizer, train_sampler=train_sampler,
+                               scheduler=scheduler, epoch=0, batch=0)
+full_train(state)
+hvd.shutdown()
+'''
+
+
+def _job(tmp_path: Path, np_: int, args: list[str], extra: list[str] = (),
+         timeout: float = 150) -> tuple[subprocess.CompletedProcess, Path]:
+    """`bpsctl run -np NP EXTRA -- python SCRIPT OUT ARGS` on a private cluster that declares
+    a silent worker lost within 1 s; on a timeout the whole process group is killed."""
+    script, out = tmp_path / "train.py", tmp_path / "out"
+    script.write_text(SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
+    cmd = [sys.executable, "-m", "bpsctl.cli", "run", "-np", str(np_), *extra, "--",
+           sys.executable, str(script), str(out), *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the job ran past {timeout} s:\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out
+
+
+def _committed(log: str) -> dict[int, list[int]]:
+    """Per epoch, the indices a rank trained on before one of its commits."""
+    done: dict[int, list[int]] = {}
+    pending: list[tuple[int, int]] = []
+    for line in log.splitlines():
+        kind, epoch, *rest = line.split()
+        if kind == "P":
+            pending += [(int(epoch), int(i)) for i in rest[0].split(",")]
+        else:
+            for e, i in pending:
+                done.setdefault(e, []).append(i)
+            pending = []
+    return done
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_horovod_elastic_script_keeps_every_rank_s_loader_on_the_state_s_sampler(
+        tmp_path, workers):
+    """Horovod's elastic example shape (ElasticSampler in the DataLoader and in TorchState,
+    set_epoch in end_epoch) on 2 and 3 workers: after every epoch each rank's DataLoader
+    holds the state's sampler, on the next epoch, and the LR scheduler is the state's too;
+    each epoch every index is trained on exactly once across the ranks."""
+    epochs, n = 3, 24 * workers
+    done, out = _job(tmp_path, workers, [str(epochs), str(n), "4", "2", ""])
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in range(workers):
+        rows = (out / f"epochs-{rank}").read_text().splitlines()
+        assert rows == [f"{e} {e} True True {e}" for e in range(1, epochs + 1)], (rank, rows)
+    per_rank = [_committed((out / f"log-{r}").read_text()) for r in range(workers)]
+    for epoch in range(epochs):
+        seen = sorted(i for done_ in per_rank for i in done_[epoch])
+        assert seen == list(range(n)), f"epoch {epoch}: {seen}"
+    orders = {tuple(done_[1]) for done_ in per_rank} | {tuple(per_rank[0][0])}
+    assert len(orders) == workers + 1          # the epochs' shards differ
+
+
+def test_a_lost_worker_s_samples_are_each_processed_exactly_once(tmp_path):
+    """`bpsctl run -np 3 --min-workers 2` over 48 indexed samples, batches of 2, a commit
+    every 2 batches: worker 2 dies in epoch 1 right after its batch 3 (its last commit was at
+    batch 2). Over that epoch every index is trained on and committed exactly once across
+    the ranks: worker 2's batches 0-1 are not redone, its batches 2-3 are, by the two others,
+    whose samplers then hold 14 each; epoch 2 goes on over the two."""
+    done, out = _job(tmp_path, 3, ["3", "48", "2", "2", "2:1:3"], ["--min-workers", "2"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    per_rank = [_committed((out / f"log-{r}").read_text()) for r in range(3)]
+    for epoch in range(3):
+        seen = sorted(i for done_ in per_rank for i in done_.get(epoch, []))
+        assert seen == list(range(48)), f"epoch {epoch}: {seen}"
+    assert len(per_rank[2][1]) == 4 and 2 not in per_rank[2]
+    assert [len(per_rank[r][1]) for r in (0, 1)] == [8 + 14, 8 + 14]     # 4 batches, then 7
+    assert "the job goes on with 2 workers" in done.stdout + done.stderr
+    for rank in (0, 1):
+        rows = (out / f"epochs-{rank}").read_text().splitlines()
+        assert rows == [f"{e} {e} True True {e}" for e in (1, 2, 3)], (rank, rows)
