@@ -137,6 +137,21 @@ def test_a_lost_worker_s_committed_batches_are_not_redone_and_its_later_ones_are
     assert len(list(samplers[0])) == 28 - 2 and not set(samplers[0]) & known
 
 
+def test_a_re_shard_that_does_not_divide_repeats_fewer_indices_than_workers(monkeypatch):
+    """Horovod's padding: 3 workers re-sharding 7 left each get 3, so 2 of the 7 are
+    processed twice (equal shards keep the workers in step)."""
+    samplers = {r: _sampler(monkeypatch, 9, r, [0, 1], shuffle=False) for r in (0, 1)}
+    samplers[0].record_batch(0, 1)
+    samplers[1].record_batch(0, 1)
+    samplers[2] = _sampler(monkeypatch, 9, 2, [0, 1], shuffle=False)
+    known = _reset(samplers, [0, 1, 2], {0: set(), 1: set(), 2: set()})
+    assert known == {0, 1}
+    shards = [list(samplers[r]) for r in range(3)]
+    assert [len(s) for s in shards] == [3, 3, 3]
+    together = sorted(i for s in shards for i in s)
+    assert set(together) == set(range(2, 9)) and len(together) - 7 == 2
+
+
 def test_a_worker_new_to_the_members_goes_over_a_shard_without_recording(monkeypatch):
     s = _sampler(monkeypatch, 12, 3, [0, 1, 2], shuffle=False)
     assert list(s) == [0, 3, 6, 9] and s._guest
@@ -204,6 +219,8 @@ scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
 train_sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=11)
 train_loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=train_sampler)
 log = open(os.path.join(out_dir, f"log-{rank}"), "a")
+log.write("S 0\\n"); log.flush()          # a (re)start: what came before it was lost
+rejoined = os.environ.get("BPSCTL_REJOIN") == "1"
 
 def commit(state):
     try:
@@ -223,16 +240,20 @@ def train(state):
         optimizer.step()
         state.train_sampler.record_batch(batch_idx, batch_size)
         log.write(f"P {state.epoch} {','.join(map(str, idx.tolist()))}\\n"); log.flush()
-        if (rank, state.epoch, batch_idx) == (die_rank, die_epoch, die_batch):
+        if (rank, state.epoch, batch_idx) == (die_rank, die_epoch, die_batch) and not rejoined:
             os.kill(os.getpid(), signal.SIGKILL)
-        if hvd.size() < 3 and kill:
-            time.sleep(0.1)
+        if hvd.size() < 3 and kill:         # slow down while one is missing
+            time.sleep(0.2)
 
 def end_epoch(state):
     state.epoch += 1
     state.batch = 0
     state.train_sampler.set_epoch(state.epoch)
     state.scheduler.step()
+    with open(os.path.join(out_dir, f"epochs-{rank}"), "a") as f:
+        f.write(f"{state.epoch} {train_loader.sampler.epoch} "
+                f"{train_loader.sampler is state.train_sampler} "
+                f"{state.scheduler is scheduler} {scheduler.last_epoch}\\n")
     commit(state)
 
 @hvd.elastic.run
@@ -240,10 +261,6 @@ def full_train(state):
     while state.epoch < epochs:
         train(state)
         end_epoch(state)
-        with open(os.path.join(out_dir, f"epochs-{rank}"), "a") as f:
-            f.write(f"{state.epoch} {train_loader.sampler.epoch} "
-                    f"{train_loader.sampler is state.train_sampler} "
-                    f"{state.scheduler is scheduler} {scheduler.last_epoch}\\n")
 
 state = hvd.elastic.TorchState(model, optimizer, train_sampler=train_sampler,
                                scheduler=scheduler, epoch=0, batch=0)
@@ -252,7 +269,7 @@ hvd.shutdown()
 '''
 
 
-def _job(tmp_path: Path, np_: int, args: list[str], extra: list[str] = (),
+def _job(tmp_path: Path, np_: int, args: list[str], extra: tuple[str, ...] = (),
          timeout: float = 150) -> tuple[subprocess.CompletedProcess, Path]:
     """`bpsctl run -np NP EXTRA -- python SCRIPT OUT ARGS` on a private cluster that declares
     a silent worker lost within 1 s; on a timeout the whole process group is killed."""
@@ -280,7 +297,9 @@ def _committed(log: str) -> dict[int, list[int]]:
     pending: list[tuple[int, int]] = []
     for line in log.splitlines():
         kind, epoch, *rest = line.split()
-        if kind == "P":
+        if kind == "S":
+            pending = []
+        elif kind == "P":
             pending += [(int(epoch), int(i)) for i in rest[0].split(",")]
         else:
             for e, i in pending:
@@ -316,7 +335,7 @@ def test_a_lost_worker_s_samples_are_each_processed_exactly_once(tmp_path):
     batch 2). Over that epoch every index is trained on and committed exactly once across
     the ranks: worker 2's batches 0-1 are not redone, its batches 2-3 are, by the two others,
     whose samplers then hold 14 each; epoch 2 goes on over the two."""
-    done, out = _job(tmp_path, 3, ["3", "48", "2", "2", "2:1:3"], ["--min-workers", "2"])
+    done, out = _job(tmp_path, 3, ["3", "48", "2", "2", "2:1:3"], ("--min-workers", "2"))
     assert done.returncode == 0, done.stdout + done.stderr
     per_rank = [_committed((out / f"log-{r}").read_text()) for r in range(3)]
     for epoch in range(3):
@@ -328,3 +347,29 @@ def test_a_lost_worker_s_samples_are_each_processed_exactly_once(tmp_path):
     for rank in (0, 1):
         rows = (out / f"epochs-{rank}").read_text().splitlines()
         assert rows == [f"{e} {e} True True {e}" for e in (1, 2, 3)], (rank, rows)
+
+
+def test_a_restarted_worker_rejoins_at_a_reset_and_every_index_is_still_processed_once(
+        tmp_path):
+    """`bpsctl run -np 3 --max-restarts 1`, worker 2 killed in epoch 1 after its batch 3 and
+    restarted: the live workers reset when it asks to join, it receives the state there, and
+    from the next commit the epoch's rest is shared by three; every epoch's indices are each
+    trained on and committed exactly once across the ranks, and after every epoch each rank's
+    DataLoader holds the state's sampler on the right epoch."""
+    # 72 samples in batches of 3: whenever the workers change, what is left (72 or 42 less
+    # 6 per step of two workers) divides by 2 and by 3, so no shard is padded with repeats
+    epochs, n = 8, 72
+    done, out = _job(tmp_path, 3, [str(epochs), str(n), "3", "2", "2:1:3"],
+                     ("--max-restarts", "1"), timeout=240)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text
+    assert "restarted worker 2" in text and "rejoined the job" in text, text
+    per_rank = [_committed((out / f"log-{r}").read_text()) for r in range(3)]
+    for epoch in range(epochs):
+        seen = sorted(i for done_ in per_rank for i in done_.get(epoch, []))
+        assert seen == list(range(n)), f"epoch {epoch}: {seen}"
+    assert per_rank[2].get(epochs - 1), "the restarted worker trained nothing in the last epoch"
+    rows = {r: (out / f"epochs-{r}").read_text().splitlines() for r in range(3)}
+    for rank in (0, 1):
+        assert rows[rank] == [f"{e} {e} True True {e}" for e in range(1, epochs + 1)], rows
+    assert rows[2][-1] == f"{epochs} {epochs} True True {epochs}", rows[2]

@@ -26,8 +26,11 @@ whether any of them saw the membership change since the last one; if either diff
 one raises :class:`HostsUpdatedInterrupt` at that same commit; ``run`` then re-shards the
 state's :class:`ElasticSampler` objects over the workers that took part, calls the reset
 callbacks and ``train(state)`` again, which resumes from the state's counters. A restarted
-worker (``bpsctl run --max-restarts``) starts ``train`` with ``state.sync()``, which receives
-the model, optimizer state and counters a live worker hands over at its next ``commit()``.
+worker (``bpsctl run --max-restarts``, or one attached with ``bpsctl run --attach``) starts
+``train`` with ``state.sync()``, which receives the model, optimizer state, samplers and
+counters a live worker hands over: the live workers' next ``commit()`` raises (as Horovod
+resets every worker when one is added), and the state travels at the reset, so the joiner
+and the others start the training function together.
 The first ``sync()`` of a fresh job broadcasts from rank 0, as Horovod's does. Live workers
 stay equal bit for bit without any later broadcast: they all apply the same averaged
 gradients.
@@ -280,11 +283,12 @@ class State:
             callback()
 
     def commit(self) -> None:
-        """Save the state (for ``restore``), raise :class:`HostsUpdatedInterrupt` on every
-        worker if the workers changed, else hand the state to rejoining workers."""
+        """Save the state (for ``restore``) and raise :class:`HostsUpdatedInterrupt` on every
+        worker if the workers changed or one waits to join: ``run`` then hands the state to
+        the joiner after the reset, so that it and the others start the training function
+        together."""
         self.save()
         self.check_host_updates()
-        _donate(_p(), self._pack())
 
     def check_host_updates(self) -> None:
         """All workers agree which of them take part in this commit and whether any saw the
@@ -294,7 +298,7 @@ class State:
         if not 0 <= worker.rank < VOTE_SLOTS:
             raise common.EngineError(f"elastic state: rank {worker.rank} has no slot in a "
                                      f"commit's vote (ranks 0-{VOTE_SLOTS - 1})")
-        changed = worker.membership_changes != self._seen
+        changed = worker.membership_changes != self._seen or bool(worker.pending_joins)
         self._seen = worker.membership_changes
         vote = torch.zeros(1 + VOTE_SLOTS)
         vote[0] = 1.0 if changed else 0.0
@@ -311,7 +315,8 @@ class State:
 
     def sync(self) -> None:
         """The first time: a rejoining worker takes the state a live worker hands it; the
-        workers of a fresh job take rank 0's. Later: hand the state to rejoining workers."""
+        workers of a fresh job take rank 0's. Later (after a reset): hand the state to workers
+        waiting to join."""
         plugin = _p()
         if self._synced:
             _donate(plugin, self._pack())
