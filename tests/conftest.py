@@ -72,6 +72,9 @@ TIERS: dict[str, set[str]] = {
     "test_elastic_sampler.py::"
     "test_a_restarted_worker_rejoins_at_a_reset_and_every_index_is_still_processed_once":
         {"slow"},
+    # ... and one attached mid-epoch with `bpsctl run --attach`: about 30 s
+    "test_elastic_sampler.py::test_a_worker_attached_mid_epoch_takes_a_share_of_what_is_left":
+        {"slow"},
     # faults the job survives on an emulated 4x4 cluster (1 run of each): about 3 minutes
     "test_fault_recovery.py": {"slow", "root"},
     # a worker killed and restarted under `bpsctl run --max-restarts`, or attached to a running

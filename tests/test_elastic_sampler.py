@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -244,6 +245,8 @@ def train(state):
             os.kill(os.getpid(), signal.SIGKILL)
         if hvd.size() < 3 and kill:         # slow down while one is missing
             time.sleep(0.2)
+        if hvd.size() < 3:                  # waiting for one to attach
+            time.sleep(float(os.environ.get("PACE", "0")))
 
 def end_epoch(state):
     state.epoch += 1
@@ -269,26 +272,41 @@ hvd.shutdown()
 '''
 
 
-def _job(tmp_path: Path, np_: int, args: list[str], extra: tuple[str, ...] = (),
-         timeout: float = 150) -> tuple[subprocess.CompletedProcess, Path]:
-    """`bpsctl run -np NP EXTRA -- python SCRIPT OUT ARGS` on a private cluster that declares
-    a silent worker lost within 1 s; on a timeout the whole process group is killed."""
+def _env(tmp_path: Path, **more: str) -> dict[str, str]:
+    """A private cluster that declares a silent worker lost within 1 s."""
+    return {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+            "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2", **more}
+
+
+def _start(tmp_path: Path, run_args: list[str], args: list[str],
+           **env: str) -> tuple[subprocess.Popen, Path]:
+    """`bpsctl run RUN_ARGS -- python SCRIPT OUT ARGS` in a new process group."""
     script, out = tmp_path / "train.py", tmp_path / "out"
-    script.write_text(SCRIPT)
-    out.mkdir()
-    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
-           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
-    cmd = [sys.executable, "-m", "bpsctl.cli", "run", "-np", str(np_), *extra, "--",
+    if not script.exists():
+        script.write_text(SCRIPT)
+        out.mkdir()
+    cmd = [sys.executable, "-m", "bpsctl.cli", "run", *run_args, "--",
            sys.executable, str(script), str(out), *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    return subprocess.Popen(cmd, env=_env(tmp_path, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True), out
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Its outcome; past ``timeout`` its whole process group is killed and the test fails."""
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        pytest.fail(f"the job ran past {timeout} s:\n{stdout}\n{stderr}")
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), out
+        pytest.fail(f"{proc.args} ran past {timeout} s:\n{stdout}\n{stderr}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _job(tmp_path: Path, np_: int, args: list[str], extra: tuple[str, ...] = (),
+         timeout: float = 150) -> tuple[subprocess.CompletedProcess, Path]:
+    """`bpsctl run -np NP EXTRA -- python SCRIPT OUT ARGS`, waited for."""
+    proc, out = _start(tmp_path, ["-np", str(np_), *extra], args)
+    return _finish(proc, timeout), out
 
 
 def _committed(log: str) -> dict[int, list[int]]:
@@ -373,3 +391,40 @@ def test_a_restarted_worker_rejoins_at_a_reset_and_every_index_is_still_processe
     for rank in (0, 1):
         assert rows[rank] == [f"{e} {e} True True {e}" for e in range(1, epochs + 1)], rows
     assert rows[2][-1] == f"{epochs} {epochs} True True {epochs}", rows[2]
+
+
+def test_a_worker_attached_mid_epoch_takes_a_share_of_what_is_left(tmp_path):
+    """`bpsctl run -np 2 --max-workers 3`, then `bpsctl run --attach -np 1` while it trains:
+    the two reset when it asks to join, it receives the state there and from the next commit
+    the epoch's rest is shared by three; every epoch's indices are each trained on and
+    committed exactly once across the ranks; the joiner's DataLoader holds the state's
+    sampler on the job's epoch."""
+    epochs, n = 30, 72          # 72 - 6 per step of two workers always divides by 3
+    args = [str(epochs), str(n), "3", "2", ""]
+    job, out = _start(tmp_path, ["-np", "2", "--max-workers", "3"], args, PACE="0.1")
+    attached = None
+    try:
+        deadline = time.monotonic() + 120
+        while "P 1 " not in ((out / "log-0").read_text() if (out / "log-0").exists() else ""):
+            assert job.poll() is None, job.communicate()
+            assert time.monotonic() < deadline, "the job did not reach epoch 1 within 120 s"
+            time.sleep(0.05)
+        attached = _finish(_start(tmp_path, ["--attach", "-np", "1"], args)[0], 180)
+        done = _finish(job, 180)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.communicate()
+    assert attached.returncode == 0, attached.stdout + attached.stderr
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "worker 2 joined" in done.stdout + done.stderr, done.stdout + done.stderr
+    per_rank = [_committed((out / f"log-{r}").read_text()) for r in range(3)]
+    for epoch in range(epochs):
+        seen = sorted(i for done_ in per_rank for i in done_.get(epoch, []))
+        assert seen == list(range(n)), f"epoch {epoch}: {seen}"
+    joined = min(per_rank[2])
+    assert 1 <= joined < epochs - 1 and per_rank[2].get(epochs - 1), sorted(per_rank[2])
+    rows = {r: (out / f"epochs-{r}").read_text().splitlines() for r in range(3)}
+    for rank in (0, 1):
+        assert rows[rank] == [f"{e} {e} True True {e}" for e in range(1, epochs + 1)], rows
+    assert rows[2] == [f"{e} {e} True True {e}" for e in range(joined + 1, epochs + 1)], rows
