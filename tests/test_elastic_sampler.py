@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from bpsctl.engine.common import EngineError
 from bpsctl.engine.torch import elastic
 from bpsctl.engine.torch.elastic import ElasticSampler, epoch_order, shard_of
 
@@ -89,6 +90,36 @@ def test_record_indices_and_bad_input(monkeypatch):
         s.record_batch(-1, 2)
     with pytest.raises(ValueError, match="batch_size 0: expected"):
         s.record_batch(0, 0)
+
+
+@pytest.mark.parametrize("n,members,batches", [(24, [0, 1, 2], 3), (10, [0, 1, 2], 2),
+                                                (5, [1, 4, 6, 7], 2), (3, [0, 1], 1)])
+def test_the_job_s_view_is_every_member_s_shard_at_the_places_recorded(monkeypatch, n, members,
+                                                                       batches):
+    s = _sampler(monkeypatch, n, members[0], members, seed=2)
+    for batch in range(batches):
+        s.record_batch(batch, 2)
+    expected = {i for r in members
+                for i in shard_of(epoch_order(n, True, 2, 0), members, r)[:2 * batches]}
+    assert set(s.state_dict()["processed_indices"]) == expected
+
+
+def test_a_sampler_before_init_says_to_call_init(monkeypatch):
+    from bpsctl.engine.torch import plugin
+    monkeypatch.setattr(plugin, "_plugin", None)
+    with pytest.raises(EngineError, match=r"bpsctl is not initialized: call "
+                                        r"bpsctl.engine.torch.init\(\) first"):
+        ElasticSampler(_Data(4))
+
+
+def test_a_rank_beyond_the_vote_s_slots_is_refused_at_commit(monkeypatch):
+    worker = SimpleNamespace(rank=elastic.VOTE_SLOTS, membership_changes=0, live_ranks=[0],
+                             pending_joins=[])
+    monkeypatch.setattr(elastic, "_p", lambda: SimpleNamespace(worker=worker, elastic=None))
+    state = elastic.ObjectState(epoch=0)
+    with pytest.raises(Exception, match=r"elastic state: rank 1024 has no slot in a commit's "
+                                        r"vote \(ranks 0-1023\)"):
+        state.commit()
 
 
 def test_load_state_dict_takes_epoch_and_processed_and_shards_the_rest(monkeypatch):

@@ -143,6 +143,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self._remaining: list[int] = []      # the epoch's order less _base
         self._shard: list[int] = []
         self._positions: set[int] = set()    # places in _shard recorded since the layout
+        self._places: dict[int, int] | None = None     # index -> place in _shard, when asked
+        self._guest = False
         self._layout = 0                     # changes whenever the shards do
         self._relayout(set(), self.members)
 
@@ -178,7 +180,10 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     def record_indices(self, indices: Iterable[int]) -> None:
         """Record ``indices`` (of this worker's shard) as processed."""
         wanted = set(indices)
-        places = {index: place for place, index in reversed(list(enumerate(self._shard)))}
+        if self._places is None:
+            self._places = {index: place
+                            for place, index in reversed(list(enumerate(self._shard)))}
+        places = self._places
         stray = wanted - places.keys()
         if stray:
             raise ValueError(f"record_indices: {sorted(stray)[:5]} are not in this worker's "
@@ -189,9 +194,10 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         """``epoch`` and ``processed_indices``: the indices the job processed this epoch, this
         worker's records standing for every worker's (they train in step)."""
         done = set(self._base)
-        for member in self.members:
-            shard = shard_of(self._remaining, self.members, member)
-            done.update(shard[p] for p in self._positions if p < len(shard))
+        count, left = len(self.members), len(self._remaining)
+        if left:       # place p of every member's shard: the padded order's p-th row
+            done.update(self._remaining[(p * count + j) % left]
+                        for p in self._positions for j in range(count))
         return {"epoch": self.epoch, "processed_indices": sorted(done)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -217,6 +223,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self._shard = shard_of(self._remaining, self.members,
                                self.members[0] if guest else self.rank) if self.members else []
         self._guest = guest
+        self._places = None
         self._positions = set()
         self._layout += 1
 
