@@ -117,7 +117,7 @@ def test_a_rank_beyond_the_vote_s_slots_is_refused_at_commit(monkeypatch):
                              pending_joins=[])
     monkeypatch.setattr(elastic, "_p", lambda: SimpleNamespace(worker=worker, elastic=None))
     state = elastic.ObjectState(epoch=0)
-    with pytest.raises(Exception, match=r"elastic state: rank 1024 has no slot in a commit's "
+    with pytest.raises(EngineError, match=r"elastic state: rank 1024 has no slot in a commit's "
                                         r"vote \(ranks 0-1023\)"):
         state.commit()
 
