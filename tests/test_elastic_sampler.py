@@ -66,7 +66,9 @@ def test_sampler_shards_by_the_members_and_set_epoch_clears_the_record(monkeypat
     samplers = [_sampler(monkeypatch, 24, r, [0, 1, 2], seed=4) for r in range(3)]
     shards = [list(s) for s in samplers]
     assert sorted(i for s in shards for i in s) == list(range(24))
-    assert all(len(s) == 8 and s.num_replicas == 3 for s in samplers)
+    assert all(len(s) == 8 and s.num_replicas == 3 and s.num_samples == 8 for s in samplers)
+    assert samplers[2].total_size == 24 and samplers[2].remaining_indices == epoch_order(
+        24, True, 4, 0)
     s0 = samplers[0]
     assert s0.get_indices(1, 3) == shards[0][3:6]
     s0.record_batch(1, 3)

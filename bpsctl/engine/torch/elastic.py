@@ -154,6 +154,21 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         return len(self.members)
 
     @property
+    def remaining_indices(self) -> list[int]:
+        """The epoch's indices not processed at the last re-shard, in the epoch's order."""
+        return list(self._remaining)
+
+    @property
+    def num_samples(self) -> int:
+        """The length of this worker's shard (every worker's is this long)."""
+        return len(self._shard)
+
+    @property
+    def total_size(self) -> int:
+        """The length of all shards together: ``remaining_indices`` with its padding."""
+        return len(self._shard) * len(self.members)
+
+    @property
     def processed_indices(self) -> set[int]:
         """Indices processed this epoch as far as this worker knows: by any worker before the
         last re-shard, and by this one since."""
