@@ -131,7 +131,12 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     state, and when the workers change the epoch's indices not yet processed are re-sharded
     over the new workers: what any worker recorded before the last commit all workers took
     part in is not processed again; what it recorded after is, by the remaining workers.
-    Every worker records the same batches between commits (they train in step)."""
+    Every worker records the same batches between commits (they train in step).
+
+    Each index is processed once per epoch when what is left at each re-shard divides by the
+    number of workers; otherwise the padding repeats fewer indices than there are workers.
+    A worker lost after an epoch's last commit: what it processed since is not redone (the
+    others have gone on to the next epoch)."""
 
     def __init__(self, dataset: Sized, shuffle: bool = True, seed: int = 0):
         self.dataset = dataset
