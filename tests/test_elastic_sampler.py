@@ -252,6 +252,9 @@ optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01
 scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
 train_sampler = hvd.elastic.ElasticSampler(dataset, shuffle=True, seed=11)
 train_loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=train_sampler)
+val_dataset = torch.utils.data.TensorDataset(torch.randn(10, 8), torch.randn(10, 1))
+val_sampler = hvd.elastic.ElasticSampler(val_dataset, shuffle=False)
+val_loader = torch.utils.data.DataLoader(val_dataset, batch_size=2, sampler=val_sampler)
 log = open(os.path.join(out_dir, f"log-{rank}"), "a")
 log.write("S 0\\n"); log.flush()          # a (re)start: what came before it was lost
 rejoined = os.environ.get("BPSCTL_REJOIN") == "1"
@@ -281,6 +284,11 @@ def train(state):
         if hvd.size() < 3:                  # waiting for one to attach
             time.sleep(float(os.environ.get("PACE", "0")))
 
+def validate():
+    with torch.no_grad():
+        for x, y in val_loader:
+            hvd.allreduce(torch.nn.functional.mse_loss(model(x), y), name="val_loss")
+
 def end_epoch(state):
     state.epoch += 1
     state.batch = 0
@@ -296,10 +304,11 @@ def end_epoch(state):
 def full_train(state):
     while state.epoch < epochs:
         train(state)
+        validate()
         end_epoch(state)
 
 state = hvd.elastic.TorchState(model, optimizer, train_sampler=train_sampler,
-                               scheduler=scheduler, epoch=0, batch=0)
+                               val_sampler=val_sampler, scheduler=scheduler, epoch=0, batch=0)
 full_train(state)
 hvd.shutdown()
 '''
