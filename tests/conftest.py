@@ -63,6 +63,18 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     "test_resilience.py::test_torch_training_goes_on_without_a_lost_worker_and_says_so":
         {"slow"},
+    # Horovod-style elastic scripts with an ElasticSampler on 2 and 3 workers, and one with a
+    # worker killed mid-epoch under --min-workers or restarted: 10-20 s each
+    "test_elastic_sampler.py::"
+    "test_a_horovod_elastic_script_keeps_every_rank_s_loader_on_the_state_s_sampler": {"slow"},
+    "test_elastic_sampler.py::test_a_lost_worker_s_samples_are_each_processed_exactly_once":
+        {"slow"},
+    "test_elastic_sampler.py::"
+    "test_a_restarted_worker_rejoins_at_a_reset_and_every_index_is_still_processed_once":
+        {"slow"},
+    # ... and one attached mid-epoch with `bpsctl run --attach`: 15-40 s
+    "test_elastic_sampler.py::test_a_worker_attached_mid_epoch_takes_a_share_of_what_is_left":
+        {"slow"},
     # faults the job survives on an emulated 4x4 cluster (1 run of each): about 3 minutes
     "test_fault_recovery.py": {"slow", "root"},
     # a worker killed and restarted under `bpsctl run --max-restarts`, or attached to a running
