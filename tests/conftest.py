@@ -309,6 +309,23 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     "test_staleness.py::test_bad_staleness_and_combinations_exit_2_naming_the_flags[restarts]":
         {"slow"},
+    # a cluster started and stopped each (about 1 s idle); the module's other launches
+    # (up/status/down, a stale state file, a private cluster, the first failure) stay fast
+    "test_launch.py::test_logs_roles": {"slow"},
+    "test_launch.py::test_up_refuses_a_second_cluster": {"slow"},
+    # a bench process each (about 2 s idle); the design keys' and bad flags' cases stay fast
+    "test_bench_comm.py::test_comm_bench_json_to_stdout_is_only_json": {"slow"},
+    "test_bench_train.py::"
+    "test_device_cuda_without_cuda_is_a_usage_error_naming_what_is_missing[comm]": {"slow"},
+    "test_bench_train.py::test_models_have_torchvisions_parameter_shapes[vgg16-138357544-32]":
+        {"slow"},
+    # more kinds of unreadable trace (about 1 s each); the missing trace's case stays fast
+    "test_trace.py::test_bpsctl_trace_refuses_what_is_not_a_trace_naming_the_file"
+    "[truncated-not JSON, or cut short]": {"slow"},
+    "test_trace.py::test_bpsctl_trace_refuses_what_is_not_a_trace_naming_the_file"
+    "[version-written by bpsctl 0.0.1]": {"slow"},
+    "test_trace.py::test_bpsctl_trace_refuses_what_is_not_a_trace_naming_the_file"
+    "[other-not a bpsctl trace]": {"slow"},
     # CUDA: every job of these takes 8-50 s on one H200 (worker processes, CUDA start-up),
     # so they are slow as well, and a GPU machine's fast tier stays fast
     "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu", "slow"},
