@@ -85,7 +85,7 @@ def _address_book(servers: list[Member], shares: list[float]) -> list[dict[str, 
 
 
 def _job_shares(servers: list[Member], cpu_share: float | None) -> list[float]:
-    """The share of the bytes each of a job's (non-spare) servers sums (tune/model.py's
+    """The share of the bytes each of a job's (non-spare) servers sums (bpsctl/model.py's
     job_shares rule: BPSCTL_CPU_SHARE, else the shares the servers registered with, else
     evenly)."""
     return job_shares([s.share for s in servers], [s.colocated for s in servers], cpu_share)
