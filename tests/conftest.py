@@ -115,6 +115,9 @@ TIERS: dict[str, set[str]] = {
     # Horovod's synthetic benchmark on 2 workers (where its examples are given): about 13 s
     "test_horovod_api.py::test_horovods_synthetic_benchmark_runs_with_only_its_import_changed":
         {"slow"},
+    # Horovod's three elastic PyTorch examples on 2 and 3 workers (where its examples are
+    # given): a job each, 6-10 s (about 50 s for the six on 2 busy cores)
+    "test_horovod_elastic_examples.py": {"slow"},
     # a Horovod-style MNIST script, 2 workers for 3 epochs; and on 2 emulated hosts
     "test_horovod_api.py::test_an_mnist_style_horovod_script_trains_with_only_its_import_changed":
         {"slow"},
