@@ -704,8 +704,7 @@ class Server:
             # sums (broadcasts: the root's values and everyone's zeros) wait for every worker
             state.backup = self.backup_workers if flags & P.FLAG_BACKUP and \
                 not flags & P.FLAG_HOST_REDUCED else 0
-        self.sock.send(rid, zmq.SNDMORE)
-        self.sock.send(P.pack_header(P.ACK, part=part, round=round_))
+        self._ack(rid, part, round_)
         if state.received >= state.quorum():
             # the round is complete without it: answered with its result, not summed
             state.late_waiting.append(rid)
@@ -799,6 +798,14 @@ class Server:
             return first[1]
         return None
 
+    def _ack(self, rid: bytes, part: int, round_: int) -> None:
+        """Acknowledge a push. A pusher that vanished since it pushed is as an ACK lost on its
+        way: its push counts as any other, and its loss is the scheduler's to tell."""
+        try:
+            self.sock.send_multipart([rid, P.pack_header(P.ACK, part=part, round=round_)])
+        except zmq.ZMQError:
+            pass
+
     def _send_result(self, rid: bytes, header: bytes, result: Any, ref: bytes | None) -> None:
         """A RESULT: its bytes zero-copy over TCP, or (``ref``) where they are in shared
         memory."""
@@ -853,8 +860,7 @@ class Server:
             raise P.ProtocolError(f"partition {part}: rank {rank} pushed {nbytes} bytes of "
                                   f"{P.DTYPES[dtype]}, but its parameters are {state.nbytes} "
                                   f"bytes of {state.dtype}")
-        self.sock.send(rid, zmq.SNDMORE)
-        self.sock.send(P.pack_header(P.ACK, part=part, round=round_))
+        self._ack(rid, part, round_)
         payload = None                  # nothing to apply: answered with the parameters
         if round_ > state.applied.get(rank, -1):
             state.applied[rank] = round_
