@@ -161,6 +161,11 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     # the intra-node stage on shared memory: a job of real workers each (5-10 s); the 2-worker
     # job on one host and the unit tests of the arena stay in the fast tier
+    # over 3 s each on an idle machine: two worker processes summing through the host's arena,
+    # and the per-tensor benchmark's 161 tensors through a cluster (their pure parts stay fast)
+    "test_shm_local.py::test_sums_and_averages_are_exact[2-local]": {"slow"},
+    "test_small_parts.py::test_the_per_tensor_overhead_benchmark_checks_its_sums_and_reports":
+        {"slow"},
     "test_shm_local.py::test_sums_and_averages_are_exact[1-local]": {"slow"},
     "test_shm_local.py::test_sums_and_averages_are_exact[2-servers]": {"slow"},
     "test_shm_local.py::test_sums_and_averages_are_exact[2-gloo]": {"slow"},

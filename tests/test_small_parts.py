@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -90,6 +91,14 @@ def test_the_codec_benchmark_states_each_compressors_bytes():
 
 
 @pytest.mark.timeout(120)
+def test_the_per_tensor_benchmark_pushes_resnet50s_tensors():
+    # torchvision's resnet50: 161 parameter tensors, 25,557,032 values
+    from bpsctl.bench.grads import resnet50_shapes
+    shapes = resnet50_shapes()
+    assert len(shapes) == 161 and sum(math.prod(s) for s in shapes) == 25_557_032
+    assert shapes[0] == (64, 3, 7, 7) and shapes[-2:] == [(1000, 2048), (1000,)]
+
+
 def test_the_per_tensor_overhead_benchmark_checks_its_sums_and_reports(tmp_path):
     out = tmp_path / "grads.json"
     done = subprocess.run([sys.executable, "-m", "bpsctl.bench.grads", "--workers", "2",
