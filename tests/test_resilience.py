@@ -219,15 +219,18 @@ import os, signal, sys, time
 import numpy as np
 import bpsctl.engine as bps
 
-def pushed_and_acknowledged(worker, timeout_s=20):
-    """Until every partition of the tasks in flight has left and been acknowledged (the
-    engine's own records, read from here; a change under our feet is simply read again)."""
+def pushed_and_acknowledged(worker, names, timeout_s=20):
+    """Until every partition of the push_pulls ``names`` has left and been acknowledged (the
+    engine's own records, read from here; a change under our feet is simply read again).
+    Each name must be among the tasks first: the I/O thread takes them up one by one, and
+    the pushes of those it has taken up may all be acknowledged before it takes up the next."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             tasks = list(worker._tasks)
-            if tasks and all(t.parts and all(p[0] in worker._active for p in t.parts)
-                             for t in tasks) and not worker._unacked:
+            if {t.name for t in tasks} >= set(names) and \
+                    all(t.parts and all(p[0] in worker._active for p in t.parts)
+                        for t in tasks) and not worker._unacked:
                 return
         except RuntimeError:
             pass
@@ -248,7 +251,7 @@ for step in range(steps):
     handles = [bps.push_pull_async(g, name=f"g{i}", average=True, out=g)
                for i, g in enumerate(grads)]
     if rank == 2 and step == die_at and when == "after":
-        pushed_and_acknowledged(bps._w())        # its pushes are with the servers
+        pushed_and_acknowledged(bps._w(), [f"g{i}" for i in range(len(grads))])
         os.kill(os.getpid(), signal.SIGKILL)
     for h in handles:
         bps.synchronize(h)
