@@ -536,10 +536,20 @@ FAST_LIMIT_S = 5.0
 _fast_test_seconds: dict[str, float] = {}
 
 
+_slow_test_seconds: dict[str, float] = {}
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    if "slow" not in report.keywords:
-        _fast_test_seconds[report.nodeid] = \
-            _fast_test_seconds.get(report.nodeid, 0.0) + report.duration
+    seconds = _fast_test_seconds if "slow" not in report.keywords else _slow_test_seconds
+    seconds[report.nodeid] = seconds.get(report.nodeid, 0.0) + report.duration
+
+
+def time_by_group(seconds: dict[str, float]) -> tuple[float, float]:
+    """The seconds of the machine's group (run one after another on one xdist worker) and of
+    every other test (spread over the workers): the suite's wall time is about the larger of
+    the first and the second's share, so this says which one to cut."""
+    machine = sum(s for nodeid, s in seconds.items() if group_of_nodeid(nodeid) == MACHINE_GROUP)
+    return machine, sum(seconds.values()) - machine
 
 
 #: how many of its slowest tests a run of the fast tier names at its end, so that a test that
@@ -559,8 +569,9 @@ def slowest(seconds: dict[str, float], count: int = SLOWEST_SHOWN) -> list[tuple
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
-    """At the end of a run: tests outside ``slow`` over :data:`FAST_LIMIT_S`; and on a run of
-    the fast tier, its :data:`SLOWEST_SHOWN` slowest tests (setup, call and teardown)."""
+    """At the end of a run: tests outside ``slow`` over :data:`FAST_LIMIT_S`; on a run of the
+    fast tier, its :data:`SLOWEST_SHOWN` slowest tests (setup, call and teardown); on a run
+    with slow tests, the time of the machine's group beside the rest, and the slowest tests."""
     over = [(seconds, nodeid)
             for seconds, nodeid in slowest(_fast_test_seconds, count=len(_fast_test_seconds))
             if seconds > FAST_LIMIT_S]
@@ -575,6 +586,16 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_sep("=", f"the {SLOWEST_SHOWN} slowest tests of the fast tier")
         for seconds, nodeid in slowest(_fast_test_seconds):
             terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
+    elif _slow_test_seconds:
+        every = {**_fast_test_seconds, **_slow_test_seconds}
+        machine, rest = time_by_group(every)
+        terminalreporter.write_sep("=", "where the whole suite's time went")
+        terminalreporter.write_line(f"{machine:7.1f} s  the machine's group (one after another, "
+                                    "on one worker)")
+        terminalreporter.write_line(f"{rest:7.1f} s  every other test (spread over the workers)")
+        for seconds, nodeid in slowest(every, count=2 * SLOWEST_SHOWN):
+            group = "machine" if group_of_nodeid(nodeid) == MACHINE_GROUP else "       "
+            terminalreporter.write_line(f"{seconds:6.1f} s  {group}  {nodeid}")
 
 
 # --------------------------------------------------------------------------- emulated leftovers
