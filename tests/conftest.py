@@ -586,7 +586,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         terminalreporter.write_sep("=", f"the {SLOWEST_SHOWN} slowest tests of the fast tier")
         for seconds, nodeid in slowest(_fast_test_seconds):
             terminalreporter.write_line(f"{seconds:6.1f} s  {nodeid}")
-    elif _slow_test_seconds:
+    elif _slow_test_seconds and \
+            len(_fast_test_seconds) + len(_slow_test_seconds) > 2 * SLOWEST_SHOWN:
         every = {**_fast_test_seconds, **_slow_test_seconds}
         machine, rest = time_by_group(every)
         terminalreporter.write_sep("=", "where the whole suite's time went")

@@ -254,3 +254,20 @@ def test_logs_roles(config, state_dir):
     assert [p.name for p in api.log_files(state_dir)] == [
         "scheduler-0.log", "server-0.log", "server-1.log"]
     assert [p.name for p in api.log_files(state_dir, "server:1")] == ["server-1.log"]
+
+
+def test_logs_of_the_last_cluster_stay_readable_after_a_failed_up(config, state_dir):
+    """A failed `up` (a host unreachable at preflight, say) has already moved the last
+    cluster's logs aside to start its own: `bpsctl logs` still prints them, saying whose they
+    are; a role that has no log names the ones that exist."""
+    api.up_local(config, servers=2)
+    api.down(state_dir)
+    from bpsctl.launch import state
+    state.rotate_logs(state_dir)            # what `up` does first, before its preflight
+    assert not api.log_files(state_dir)
+    text = api.logs(state_dir, "server:1")
+    assert text.startswith("(the previous cluster's logs, last written ")
+    assert "logs.previous/server-1.log" in text
+    with pytest.raises(api.LaunchError) as failed:
+        api.logs(state_dir, "server:5")
+    assert "logs there: scheduler, server:0, server:1" in str(failed.value)

@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,7 @@ def state_lock(state_dir: Path | str) -> Iterator[None]:
 
 def rotate_logs(state_dir: Path | str) -> None:
     """The previous cluster's logs stay readable (logs.previous/) until the next `up`."""
-    current, previous = logs_dir(state_dir), Path(state_dir) / "logs.previous"
+    current, previous = logs_dir(state_dir), previous_logs_dir(state_dir)
     if current.exists() and any(current.iterdir()):
         shutil.rmtree(previous, ignore_errors=True)
         current.rename(previous)
@@ -192,10 +193,17 @@ def parse_log_role(text: str | None) -> tuple[str | None, int | None]:
     return role, int(rank) if sep else None
 
 
-def log_files(state_dir: Path | str, role: str | None = None) -> list[Path]:
-    """The log files of ``role`` (``"server:1"``, ``"worker"``, None for all), in rank order."""
+def previous_logs_dir(state_dir: Path | str) -> Path:
+    """Where `up` moves the previous cluster's logs (:func:`rotate_logs`)."""
+    return Path(state_dir) / "logs.previous"
+
+
+def log_files(state_dir: Path | str, role: str | None = None,
+              directory: Path | None = None) -> list[Path]:
+    """The log files of ``role`` (``"server:1"``, ``"worker"``, None for all), in rank order,
+    in the state dir's logs (or ``directory``)."""
     wanted_role, wanted_rank = parse_log_role(role)
-    directory = logs_dir(state_dir)
+    directory = logs_dir(state_dir) if directory is None else directory
     found = []
     for each_role in LOG_ROLES:
         if wanted_role not in (None, each_role):
@@ -207,13 +215,35 @@ def log_files(state_dir: Path | str, role: str | None = None) -> list[Path]:
     return [path for _, _, path in sorted(found)]
 
 
+def _roles_of(paths: list[Path]) -> str:
+    """``scheduler, server:0, worker:1`` for these log files."""
+    return ", ".join(path.stem.replace("-", ":") if path.stem.rpartition("-")[0] != "scheduler"
+                     else "scheduler" for path in paths)
+
+
 def read_logs(state_dir: Path | str, role: str | None = None) -> str:
     """The logs of ``role`` in the state dir; several files are each headed ``==> path <==``,
-    as ``tail`` does."""
+    as ``tail`` does. Where the current logs have none (a failed `up` since, say), the
+    previous cluster's (:func:`previous_logs_dir`) are read, under a first line saying so:
+    the last run's logs are never out of reach."""
     paths = log_files(state_dir, role)
+    note = ""
     if not paths:
-        raise LaunchError(f"no {role or 'bpsctl'} logs in {logs_dir(state_dir)} "
-                          "(`bpsctl up` and `bpsctl run` write them there)")
-    if len(paths) == 1:
+        previous = previous_logs_dir(state_dir)
+        paths = log_files(state_dir, role, previous) if previous.is_dir() else []
+        if paths:
+            written = time.strftime("%Y-%m-%d %H:%M:%S",
+                                    time.localtime(max(p.stat().st_mtime for p in paths)))
+            note = (f"(the previous cluster's logs, last written {written}: the current "
+                    f"logs in {logs_dir(state_dir)} have none of {role or 'bpsctl'})\n")
+    if not paths:
+        there = log_files(state_dir) or (log_files(state_dir, None, previous_logs_dir(state_dir))
+                                         if previous_logs_dir(state_dir).is_dir() else [])
+        exist = (f"; logs there: {_roles_of(there)}" if there
+                 else " (`bpsctl up` and `bpsctl run` write them there)")
+        raise LaunchError(f"no {role or 'bpsctl'} logs in {logs_dir(state_dir)} or "
+                          f"{previous_logs_dir(state_dir)}{exist}")
+    if len(paths) == 1 and not note:
         return paths[0].read_text(errors="replace")
-    return "".join(f"==> {path} <==\n{path.read_text(errors='replace')}\n" for path in paths)
+    return note + "".join(f"==> {path} <==\n{path.read_text(errors='replace')}\n"
+                          for path in paths)
