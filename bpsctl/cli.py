@@ -15,12 +15,21 @@ from rich.markup import escape
 from rich.table import Table
 
 from bpsctl import launch
-from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
+from bpsctl.cliutil import (
+    LIBRARY_LOG,
+    build_config,
+    cli_errors,
+    config_file_option,
+    err_console,
+    knob_option,
+    route_library_logs,
+)
 from bpsctl.config import ConfigError, check_backup_workers, check_training_mode
 from bpsctl.engine.common import exit_on_sigterm
 from bpsctl.model import Layout
 
 app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   rich_markup_mode="markdown",              # re-flows docstring paragraphs
                   pretty_exceptions_show_locals=False,      # locals would show the secret
                   help="Launch, benchmark and tune data-parallel training around an embedded "
@@ -31,10 +40,31 @@ app = typer.Typer(name="bpsctl", no_args_is_help=True, add_completion=False,
                        "`bpsctl bench` measures push_pull and synthetic training against ring "
                        "allreduce, Horovod and torch DDP; `bpsctl tune` finds the partition size, "
                        "server count, credit and layout that are fastest on your hosts.")
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+        try:
+            number = version("bpsctl")
+        except PackageNotFoundError:
+            number = "unknown (not installed)"
+        print(f"bpsctl {number}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def root(ctx: typer.Context,
-         state_dir: Path | None = knob_option("state_dir", "--state-dir")) -> None:
-    ctx.obj = {"state_dir": state_dir}
+         state_dir: Path | None = knob_option("state_dir", "--state-dir"),
+         debug: bool = typer.Option(False, "--debug", envvar="BPSCTL_DEBUG", show_envvar=True,
+                                    help="Also print the log records of the libraries bpsctl "
+                                         "uses (paramiko, fabric, ...), tracebacks included; "
+                                         "without it they go to the state dir's "
+                                         f"{LIBRARY_LOG}."),
+         _version: bool = typer.Option(False, "--version", is_eager=True,
+                                       callback=_print_version,
+                                       help="Print bpsctl's version and exit."),
+         ) -> None:
+    ctx.obj = {"state_dir": state_dir, "debug": debug}
+    route_library_logs(state_dir, debug)
 
 
 # --------------------------------------------------------------------------- --hosts (SSH)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,51 @@ from bpsctl.errors import BpsctlError
 err_console = Console(stderr=True)
 
 _KNOBS = {f.name: f for f in dataclasses.fields(Config)}
+
+#: libraries whose log records would otherwise reach the terminal through logging's "last
+#: resort" (a paramiko transport thread's traceback for a host that does not speak SSH, say),
+#: ahead of bpsctl's own one-line error that already names the cause
+LIBRARY_LOGGERS = ("paramiko", "fabric", "invoke", "kubernetes", "urllib3")
+
+#: the file in the state dir that library log records go to (see :func:`route_library_logs`)
+LIBRARY_LOG = "bpsctl-libraries.log"
+
+
+class _StateDirLog(logging.FileHandler):
+    """Appends to a file in the state dir, made on the first record (most commands log none);
+    a record that cannot be written is dropped rather than disturb the command."""
+
+    def _open(self) -> Any:
+        Path(self.baseFilename).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return super()._open()
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
+
+
+def route_library_logs(state_dir: Path | None, debug: bool) -> Path:
+    """Send the records of :data:`LIBRARY_LOGGERS` to ``state_dir`` (None: the default
+    one)/:data:`LIBRARY_LOG` (and, with ``debug``, to stderr as well) instead of the
+    terminal; return that file's path."""
+    directory = Path(str(_KNOBS["state_dir"].default)) if state_dir is None else state_dir
+    path = Path(directory).expanduser() / LIBRARY_LOG
+    handlers: list[logging.Handler] = [_StateDirLog(path, delay=True)]
+    if debug:
+        handlers.append(logging.StreamHandler())
+    for handler in handlers:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    for name in LIBRARY_LOGGERS:
+        logger = logging.getLogger(name)
+        for old in list(logger.handlers):
+            if isinstance(old, _StateDirLog) or getattr(old, "_bpsctl", False):
+                logger.removeHandler(old)
+        for handler in handlers:
+            handler._bpsctl = True      # type: ignore[attr-defined]
+            logger.addHandler(handler)
+        logger.propagate = False
+        if debug:
+            logger.setLevel(logging.DEBUG)
+    return path
 
 
 def knob_option(knob_name: str, *flags: str, **option_kwargs: Any) -> Any:

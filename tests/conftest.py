@@ -132,6 +132,8 @@ TIERS: dict[str, set[str]] = {
     "test_tune.py::test_a_small_tuning_run_on_emulated_hosts": {"slow", "root"},
     "test_tune.py::test_run_and_up_use_the_tuned_file_unless_overridden": {"slow"},
     # SSH: a real sshd per emulated host
+    "test_cli.py::test_a_host_that_does_not_speak_ssh_fails_preflight_in_one_message_without_"
+    "tracebacks": {"ssh extra"},
     "test_ssh_cluster.py": {"slow", "root", "sshd", "ssh extra"},
     "test_bench_ssh.py": {"slow", "root", "sshd", "ssh extra"},
     # a real Slurm (slurmctld + one slurmd per emulated host): 5-15 s each; the bench jobs

@@ -208,3 +208,54 @@ def test_every_bpsctl_error_exits_with_its_code_and_its_message_verbatim(error, 
         raise cls("worker 1 at [bold]10.0.0.1[/bold] failed")
     assert exited.value.exit_code == exit_code
     assert "worker 1 at [bold]10.0.0.1[/bold] failed" in capsys.readouterr().err
+
+
+def test_a_host_that_does_not_speak_ssh_fails_preflight_in_one_message_without_tracebacks(
+        tmp_path):
+    """paramiko's transport thread logs a traceback when a host's port does not answer with
+    an SSH banner; the user sees bpsctl's one error naming the host, and the library's record
+    goes to the state dir's log (printed with --debug)."""
+    import socket
+    import threading
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_not_ssh() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return              # closed: the test is over
+            conn.sendall(b"HTTP/1.0 400 Bad Request\r\n\r\n")
+            conn.close()
+
+    threading.Thread(target=answer_not_ssh, daemon=True).start()
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(f"ssh: {{user: root, port: {port}, retries: 0, connect_timeout_s: 5}}\n"
+                     "scheduler: {host: 127.0.0.1}\nservers:\n  - {host: 127.0.0.1}\n"
+                     "workers:\n  - {host: 127.0.0.1, slots: 1}\n")
+    state = tmp_path / "state"
+    try:
+        done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "--state-dir", str(state),
+                               "up", "--hosts", str(hosts)], capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT_S, env={**os.environ, "COLUMNS": "200"})
+        debug = subprocess.run([sys.executable, "-m", "bpsctl.cli", "--state-dir", str(state),
+                                "--debug", "up", "--hosts", str(hosts)], capture_output=True,
+                               text=True, timeout=COMMAND_TIMEOUT_S)
+    finally:
+        listener.close()
+    assert done.returncode == 1, done.stderr
+    assert "preflight failed on 1 host(s)" in done.stderr and "127.0.0.1" in done.stderr
+    assert "Traceback" not in done.stderr and "Exception (client)" not in done.stderr, \
+        done.stderr
+    assert "Error reading SSH protocol banner" in (state / "bpsctl-libraries.log").read_text()
+    assert debug.returncode == 1 and "Traceback" in debug.stderr, debug.stderr
+
+
+def test_version_and_short_help():
+    runner = CliRunner()
+    version = runner.invoke(app, ["--version"])
+    assert version.exit_code == 0 and version.output.startswith("bpsctl "), version.output
+    for args in (["-h"], ["bench", "comm", "-h"], ["run", "-h"]):
+        shown = runner.invoke(app, args)
+        assert shown.exit_code == 0 and "Usage:" in shown.output, (args, shown.output)
