@@ -134,6 +134,8 @@ TIERS: dict[str, set[str]] = {
     # SSH: a real sshd per emulated host
     "test_cli.py::test_a_host_that_does_not_speak_ssh_fails_preflight_in_one_message_without_"
     "tracebacks": {"ssh extra"},
+    "test_cli.py::test_ctrl_c_on_a_benchmark_stops_it_as_an_interruption_not_a_crash":
+        {"slow"},
     "test_ssh_cluster.py": {"slow", "root", "sshd", "ssh extra"},
     "test_bench_ssh.py": {"slow", "root", "sshd", "ssh extra"},
     # a real Slurm (slurmctld + one slurmd per emulated host): 5-15 s each; the bench jobs

@@ -259,3 +259,49 @@ def test_version_and_short_help():
     for args in (["-h"], ["bench", "comm", "-h"], ["run", "-h"]):
         shown = runner.invoke(app, args)
         assert shown.exit_code == 0 and "Usage:" in shown.output, (args, shown.output)
+
+
+@pytest.mark.parametrize("bench", [["comm", "--workers", "2", "--size", "64MiB",
+                                    "--repeats", "100000"],
+                                   ["resnet50", "--iters", "100000", "--compare", "ddp"]],
+                         ids=["comm", "resnet50"])
+def test_ctrl_c_on_a_benchmark_stops_it_as_an_interruption_not_a_crash(tmp_path, bench):
+    """A real SIGINT while a benchmark's workers run: one line saying so, exit 130, every
+    process it started gone, and no folder of kept logs (nothing failed)."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "COLUMNS": "200",
+           "BPSCTL_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen([sys.executable, "-m", "bpsctl.cli", "bench", *bench], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started: list[psutil.Process] = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            started = psutil.Process(proc.pid).children(recursive=True)
+            workers = [p for p in started if _is_bench_worker(p)]
+            if len(workers) >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the benchmark's workers never started: {proc.communicate()}")
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, (out, err)
+    assert "interrupted (SIGINT); stopped what was started" in err, err
+    assert "failed" not in err, err
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not all(gone(p.pid) for p in started):
+        time.sleep(0.1)
+    assert all(gone(p.pid) for p in started), [p.pid for p in started if not gone(p.pid)]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("bpsctl")], \
+        list(tmp_path.iterdir())
+
+
+def _is_bench_worker(process: psutil.Process) -> bool:
+    try:
+        return any(arg.startswith("bpsctl.bench.") for arg in process.cmdline())
+    except psutil.Error:
+        return False

@@ -383,6 +383,10 @@ def _run_workers(config: Config, module: str, args: list[str], workers: int, ser
     python = cluster.hosts.python if cluster is not None and cluster.hosts else sys.executable
     result = launch.run([python, "-m", module, *args], job_config, workers=workers,
                         servers=servers, stdout=stream, stderr=stream)
+    if result.interrupted:
+        # the user's Ctrl-C (or a SIGTERM) stopped the workers: not their failure, and no
+        # logs to keep; the benchmark's clusters stop as this unwinds (cli_errors says so)
+        raise launch.Interrupted(result.interrupted)
     if result.exit_code != 0:
         detail = ""
         if result.failures:

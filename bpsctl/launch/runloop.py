@@ -76,7 +76,7 @@ def run_workers(spawner: Spawner, the_plan: Plan, config: Config, *,
         try:
             return _run(spawner, the_plan, config, stop_signals, lost_grace_s, stop_grace_s)
         except Interrupted as interrupted:
-            return RunResult(exit_code=128 + interrupted.signum)
+            return RunResult(exit_code=128 + interrupted.signum, interrupted=interrupted.signum)
 
 
 def _fatal_loss(gone: list[ProcessRecord], servers_lost: set[str], servers: int,

@@ -227,6 +227,8 @@ class RunResult:
     restarted: tuple[WorkerFailure, ...] = ()
     #: ranks of workers that `run --attach` started and that joined the job while it ran
     joined: tuple[int, ...] = ()
+    #: the signal (SIGINT, SIGTERM) that stopped the job, 0 if none did
+    interrupted: int = 0
 
 
 @dataclass(frozen=True)
