@@ -495,11 +495,37 @@ app.command(name="trace")(trace)
 
 
 
+#: options of ``bpsctl`` itself (before any command) that are also taken after the command
+#: (``bpsctl status --state-dir X``), as a user who reads one command's help expects
+GLOBAL_OPTIONS = {"--state-dir": 1, "--debug": 0}
+
+
+def hoist_global_options(argv: list[str]) -> list[str]:
+    """``argv`` with :data:`GLOBAL_OPTIONS` found after the command moved before it (their
+    values with them, ``--state-dir=X`` too); nothing after ``--`` (a worker's own command
+    line) is touched."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    hoisted: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < end:
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in GLOBAL_OPTIONS:
+            takes = 0 if "=" in arg else GLOBAL_OPTIONS[name]
+            hoisted.extend(argv[i:i + 1 + takes])
+            i += 1 + takes
+        else:
+            rest.append(arg)
+            i += 1
+    return hoisted + rest + argv[end:]
+
+
 def main() -> None:
     # SIGTERM (e.g. `timeout`, a job scheduler) unwinds like Ctrl-C, so a private cluster a
     # command started is stopped by its `finally` instead of left running
     exit_on_sigterm()
-    app(prog_name="bpsctl")
+    app(args=hoist_global_options(sys.argv[1:]), prog_name="bpsctl")
 
 
 if __name__ == "__main__":

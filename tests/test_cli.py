@@ -305,3 +305,21 @@ def _is_bench_worker(process: psutil.Process) -> bool:
         return any(arg.startswith("bpsctl.bench.") for arg in process.cmdline())
     except psutil.Error:
         return False
+
+
+def test_global_options_are_taken_after_the_command_too():
+    from bpsctl.cli import hoist_global_options
+    assert hoist_global_options(["status", "--state-dir", "/x", "--json"]) == \
+        ["--state-dir", "/x", "status", "--json"]
+    assert hoist_global_options(["run", "--debug", "-np", "2", "--", "python", "t.py",
+                                 "--state-dir", "y"]) == \
+        ["--debug", "run", "-np", "2", "--", "python", "t.py", "--state-dir", "y"]
+    assert hoist_global_options(["logs", "--state-dir=/x"]) == ["--state-dir=/x", "logs"]
+
+
+def test_status_takes_the_state_dir_after_the_command(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "status", "--state-dir",
+                           str(tmp_path / "s"), "--json"], capture_output=True, text=True,
+                          timeout=COMMAND_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr
+    assert str(tmp_path / "s") in done.stdout + done.stderr
