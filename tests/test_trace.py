@@ -363,3 +363,14 @@ def test_one_big_tensor_of_many_workers_completes_in_the_order_it_is_pushed(engi
             assert max(arrived[p] for p in order[:quarter]) < \
                 min(arrived[p] for p in order[-quarter:]), f"rank {rank}, server {server}"
     assert all(order == orders[0] for order in orders.values()), orders
+
+
+def test_the_summary_prints_the_first_and_last_steps_of_a_long_trace():
+    """49 traced steps print as 10 rows and one that says how many were left out (every step
+    is in --json)."""
+    from bpsctl.trace.cli import STEPS_SHOWN, shown_steps
+    rows = [{"step": i} for i in range(49)]
+    shown = shown_steps(rows)
+    assert len(shown) == STEPS_SHOWN + 1 and shown[3] is None
+    assert [r["step"] for r in shown if r is not None] == [0, 1, 2, *range(42, 49)]
+    assert shown_steps(rows[:STEPS_SHOWN]) == rows[:STEPS_SHOWN]

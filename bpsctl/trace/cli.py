@@ -47,13 +47,31 @@ def trace(directory: Path = typer.Argument(..., metavar="DIR",
             err_console.print(f"wrote {plot_file}", highlight=False)
 
 
+#: traced steps a summary prints (the first few, when things warm up, and the last ones,
+#: steady); ``--json`` has every step
+STEPS_SHOWN = 10
+
+
+def shown_steps(rows: list[dict[str, Any]], limit: int = STEPS_SHOWN
+                ) -> list[dict[str, Any] | None]:
+    """``rows``, or where there are more than ``limit`` its first 3 and last ``limit - 3``
+    with None where the others were left out."""
+    if len(rows) <= limit:
+        return list(rows)
+    return [*rows[:3], None, *rows[len(rows) - (limit - 3):]]
+
+
 def _print(summary: dict[str, Any]) -> None:
     if summary["steps"]:
         table = Table(title="steps (medians over workers, seconds)")
         phases = ("step_s", "forward_s", "backward_s", "wait_s", "optimizer_s")
         for column in ("step", "total", "forward", "backward", "wait", "optimizer"):
             table.add_column(column, justify="right")
-        for row in summary["steps"]:
+        for row in shown_steps(summary["steps"]):
+            if row is None:
+                left_out = len(summary["steps"]) - STEPS_SHOWN
+                table.add_row("…", f"{left_out} more", *[""] * (len(phases) - 1))
+                continue
             table.add_row(str(row["step"]), *(_s(row.get(phase)) for phase in phases))
         err_console.print(table)
     table = Table(title="workers (medians per step, seconds)")
