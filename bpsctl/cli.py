@@ -6,6 +6,7 @@ its first failing worker's code. Human output goes to stderr, ``--json`` output 
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -521,10 +522,34 @@ def hoist_global_options(argv: list[str]) -> list[str]:
     return hoisted + rest + argv[end:]
 
 
+#: narrower than this, help is click's plain layout (each option, then its help beside it,
+#: long words such as environment variable names kept whole) instead of rich's panels,
+#: whose help column shrinks to about 20 characters at 80 columns
+RICH_HELP_MIN_COLUMNS = 120
+
+
+def _typers(root_app: typer.Typer) -> list[typer.Typer]:
+    """``root_app`` and every command group under it."""
+    found = [root_app]
+    for group in root_app.registered_groups:
+        if group.typer_instance is not None:
+            found.extend(_typers(group.typer_instance))
+    return found
+
+
+def fit_help_to(columns: int) -> None:
+    """Help in rich's panels on a wide terminal, in click's plain layout on a narrow one
+    (:data:`RICH_HELP_MIN_COLUMNS`)."""
+    mode = "markdown" if columns >= RICH_HELP_MIN_COLUMNS else None
+    for each in _typers(app):
+        each.rich_markup_mode = mode    # type: ignore[assignment]
+
+
 def main() -> None:
     # SIGTERM (e.g. `timeout`, a job scheduler) unwinds like Ctrl-C, so a private cluster a
     # command started is stopped by its `finally` instead of left running
     exit_on_sigterm()
+    fit_help_to(shutil.get_terminal_size().columns)
     app(args=hoist_global_options(sys.argv[1:]), prog_name="bpsctl")
 
 

@@ -323,3 +323,35 @@ def test_status_takes_the_state_dir_after_the_command(tmp_path):
                           timeout=COMMAND_TIMEOUT_S)
     assert done.returncode == 0, done.stderr
     assert str(tmp_path / "s") in done.stdout + done.stderr
+
+
+def _commands(command, path=()):
+    """Every (path, click command) under ``command``, groups included."""
+    yield path, command
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from _commands(sub, (*path, name))
+
+
+def test_every_help_fits_80_columns_with_each_variable_name_whole():
+    """At 80 columns every command's --help keeps its lines within 80 characters and shows
+    each option's environment variable whole (rich's panels cut them to fit)."""
+    import typer.main
+
+    from bpsctl.cli import RICH_HELP_MIN_COLUMNS, fit_help_to
+    fit_help_to(80)
+    try:
+        runner = CliRunner()
+        checked = 0
+        for path, command in _commands(typer.main.get_command(app)):
+            shown = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "80"})
+            assert shown.exit_code == 0, (path, shown.output)
+            too_wide = [line for line in shown.output.splitlines() if len(line) > 80]
+            assert not too_wide, (path, too_wide)
+            flat = " ".join(shown.output.split())
+            for param in command.params:
+                if getattr(param, "show_envvar", False) and param.envvar and not param.hidden:
+                    assert f"env var: {param.envvar}" in flat, (path, param.envvar)
+                    checked += 1
+        assert checked > 20
+    finally:
+        fit_help_to(RICH_HELP_MIN_COLUMNS)
