@@ -75,7 +75,8 @@ class CommSettings:
 
     def __post_init__(self) -> None:
         check_per_host_split(self.workers, self.workers_per_host)
-        check_ops(self.ops, self.compare, self.device, self.security, reduce=self.reduce)
+        check_ops(self.ops, self.compare, self.device, self.security,
+                  reduce=self.reduce if self.collectives else None)
         wrong = [m for m in self.security if m not in SECURITY_MODES]
         if wrong or len(set(self.security)) != len(self.security):
             raise ConfigError(f"--security: expected distinct modes among "
@@ -127,7 +128,7 @@ def check_ops(ops: Sequence[str], compare: Sequence[str], device: str = "cpu",
             raise ConfigError("--compare horovod: bench comm compares Horovod on Horovod's "
                               "collectives; add --op allreduce (or allgather, alltoall, "
                               "reducescatter, comma-separated)")
-        if reduce is not None and reduce != "average":
+        if reduce is not None:
             raise ConfigError("--reduce: applies to --op's allreduce and reducescatter; add "
                               "--op allreduce (push_pull alone always sums)")
         return
