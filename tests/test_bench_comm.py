@@ -292,14 +292,17 @@ def test_every_collective_against_horovod_on_the_embedded_default(tmp_path):
 @pytest.mark.timeout(300)
 def test_collectives_against_horovod_on_two_emulated_hosts(tmp_path):
     """--op on an emulated cluster: Horovod's workers run in the worker hosts' namespaces,
-    their rendezvous in the first one's, as the training benchmark runs them (no figures)."""
+    their rendezvous in the first one's, as the training benchmark runs them (no figures);
+    the plot draws each (op, system)."""
     _horovod_or_skip()
     ops = ("allreduce", "allgather")
     result = _bpsctl(["bench", "comm", "--emulate", "--nic", "1gbit", "--workers", "2",
                       "--servers", "2", "--op", ",".join(ops), "--compare", "horovod",
                       "--size", "256KiB", "--tensors", "2", "--repeats", "1", "--warmup", "0",
-                      "--json", "-"], tmp_path / "state", timeout_s=280)
+                      "--json", "-", "--plot", str(tmp_path / "ops.png")], tmp_path / "state",
+                     timeout_s=280)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["nic_mbit"] == 1000 and report["worker_hosts"] == [1, 1]
     _assert_ops_report(report, ops, 2, 256 * 1024)
+    assert (tmp_path / "ops.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

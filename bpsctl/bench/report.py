@@ -387,7 +387,7 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
         if scaling:
             cells.append(_fmt(row.get("scaling_efficiency"), ".2f"))
         if report["speedup"]:
-            cells.append("" if speedup is None else f"{speedup:.2f}x")
+            cells.append("" if speedup is None else f"bpsctl {speedup:.2f}x")
         table.add_row(*cells)
     console.print(table)
     ours = report["results"][0]
