@@ -9,14 +9,14 @@ systems (Horovod's workers get the environment horovodrun's gloo launcher gives,
 over ``--tensors`` tensors, ``--warmup`` untimed rounds, then ``--repeats`` timed ones, each
 round started together after a barrier and ended when every tensor's result is back. The
 first round's results are checked on every rank against what that rank must get (the data are
-integer-valued, so every expected value is exact); a wrong result ends the worker with an
-error, so the run fails rather than report a fast wrong collective. Rank 0 prints the round
-times (:func:`~bpsctl.bench.common.print_result`).
+integer-valued, so every sum is exact, an average within float32's rounding); a wrong result
+ends the worker with an error, so the run fails rather than report a fast wrong collective.
+Rank 0 prints the round times (:func:`~bpsctl.bench.common.print_result`).
 
 The bytes of an op are nccl-tests': allreduce, reducescatter and alltoall move ``--size`` bytes
 of input per rank; allgather gathers ``--size`` bytes of output per rank (each rank
 contributes ``--size``/N). Every tensor's element count is a multiple of the N ranks, so
-each splits evenly; the bytes reported are those, a little under ``--size`` at most.
+each splits evenly; the bytes reported are those (within N elements a tensor of ``--size``).
 """
 from __future__ import annotations
 
@@ -198,7 +198,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--ops: {', '.join(unknown)} is not an op of {args.system}")
 
     # a hang (a peer gone, a rendezvous never answered) ends in a traceback and exit
-    faulthandler.dump_traceback_later(args.timeout, exit=True)
+    faulthandler.dump_traceback_later(args.timeout, exit=True, file=2)     # fd 2: stderr
+    try:
+        _run(args, ops)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _run(args: argparse.Namespace, ops: list[str]) -> None:
+    """Every op of ``ops`` in turn on ``args.system`` (see the module's docstring)."""
     import torch
     torch.set_num_threads(1)        # several workers share this machine's cores (both systems)
     average = args.reduce == "average"
@@ -222,8 +230,6 @@ def main(argv: list[str] | None = None) -> None:
         print_result({"system": args.system, "version": system.version, "workers": size,
                       "tensors": len(counts), "reduce": args.reduce, "ops": results})
     shutdown()
-    faulthandler.cancel_dump_traceback_later()
-
 
 if __name__ == "__main__":
     main()
