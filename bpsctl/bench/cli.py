@@ -212,7 +212,8 @@ def comm(ctx: typer.Context,
                   "gathered output (allgather: each rank gives --size/N)."),
          reduce: str | None = typer.Option(
              None, "--reduce", metavar="average|sum", show_default="average",
-             help="The op of --op's allreduce and reducescatter (Horovod's default: average)."),
+             help="The op of --op's allreduce and reducescatter, and of the push_pull beside "
+                  "allreduce (Horovod's default: average)."),
          emulate: bool | None = knob_option("emulate", "--emulate"),
          nic: str | None = knob_option("nic", "--nic"),
          straggler: str | None = knob_option("straggler", "--straggler"),
