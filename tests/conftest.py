@@ -49,6 +49,11 @@ TIERS: dict[str, set[str]] = {
     # engine faults: processes killed or silent, deadlines running out (2-4 s each, 25 s in all)
     "test_engine_faults.py": {"slow"},
     "test_bench_comm.py::test_a_lost_server_fails_the_bench_and_its_logs_are_kept": {"slow"},
+    # bench comm --op against Horovod: two jobs of 2 workers through the CLI (every collective
+    # checked and timed), on the embedded default and on 2 emulated hosts
+    "test_bench_comm.py::test_every_collective_against_horovod_on_the_embedded_default": {"slow"},
+    "test_bench_comm.py::test_collectives_against_horovod_on_two_emulated_hosts":
+        {"slow", "root"},
     # a throwaway virtualenv with the newest allowed dependencies, and a smoke subset in it
     "test_fresh_install.py::test_the_newest_allowed_dependencies_pass_a_smoke_subset": {"slow"},
     # hypothesis against live sockets: 2-5 s each

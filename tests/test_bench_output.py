@@ -256,3 +256,46 @@ def test_comm_says_the_layout_it_ran_on_beside_the_pure_layouts():
     assert "modelled round 1.346 s (servers on the 4 worker hosts only 1.683 s, on the 2 CPU " \
            "hosts only 2.244 s); measured 1.05x the model" in said
     assert "theory t_allreduce/t_layout = 1.25×" in said
+
+
+def ops_report(size: int = 64 * MiB, nic: float | None = None, horovod: bool = True) -> dict:
+    """A `bench comm --op` report of the four collectives (and push_pull beside allreduce)."""
+    rows = []
+    speedup = {}
+    for op, ratio in (("allreduce", 1.25), ("push_pull", None), ("allgather", 0.5),
+                      ("alltoall", 0.4), ("reducescatter", 1.1)):
+        for system in ("bpsctl", "horovod") if horovod and ratio else ("bpsctl",):
+            seconds = 0.5 * (ratio if system == "horovod" else 1.0)
+            rows.append({"op": op, "system": system, "version": system, "seconds": seconds,
+                         "seconds_all": [seconds], "bytes": size,
+                         "bytes_of": "output" if op == "allgather" else "input",
+                         "algbw_MBps": size / seconds / 1e6,
+                         "busbw_MBps": size / seconds / 1e6 * 1.5, "checked": True})
+        if horovod and ratio:
+            speedup[op] = ratio
+    return {"kind": "comm", "ops": ["allreduce", "allgather", "alltoall", "reducescatter"],
+            "reduce": "average", "workers": 4, "servers": 4, "nic_mbit": nic,
+            "size_bytes": size, "workers_per_host": 1, "worker_hosts": [1, 1, 1, 1],
+            "tensors": 8, "warmup": 3, "repeats": 10, "host": "h", "device": "cpu",
+            "results": rows, "speedup": speedup}
+
+
+def test_ops_table_has_a_row_per_op_and_system_and_says_the_ratio_bpsctl_over_horovod():
+    several = {"kind": "comm", "ops": ["allreduce"], "workers": 4, "servers": 4,
+               "nic_mbit": 1000, "sizes": [ops_report(s, nic=1000) for s in (MiB, 256 * MiB)]}
+    assert_table_fits_80(render(print_comm, several), rows=18)            # the widest
+    text = render(print_comm, ops_report(nic=1000))
+    assert_table_fits_80(text, rows=9)
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in table_rows(text)]
+    assert [row[:2] for row in rows[:3]] == [["allreduce", "bpsctl"], ["allreduce", "horovod"],
+                                             ["push_pull", "bpsctl"]]
+    assert rows[1][-1] == "1.25x" and rows[0][-1] == "" and rows[4][-1] == "0.50x"
+    said = sentence(text)
+    assert ("bpsctl/Horovod for 64.0 MiB with 4 workers through emulated 1000 Mbit/s NICs, on "
+            "hosts that share this machine's CPU cores: allreduce 1.25×, allgather 0.50×, "
+            "alltoall 0.40×, reducescatter 1.10× (Horovod's time over bpsctl's; above 1, bpsctl "
+            "is faster).") in said
+    assert "allgather: each rank's gathered output" in said
+    alone = sentence(render(print_comm, ops_report(horovod=False)))
+    assert "bpsctl's collectives of 64.0 MiB with 4 workers on loopback" in alone
+    assert "add --compare horovod" in alone

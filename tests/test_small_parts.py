@@ -312,3 +312,43 @@ def test_the_allreduce_baseline_checks_its_sum_and_reports_its_rounds(monkeypatc
     result = json.loads(line[len(RESULT_MARKER):])
     assert result["size_bytes"] == 64 * 1024 and len(result["seconds"]) == 3
     assert result["version"].endswith(" gloo")
+
+
+def test_the_collectives_program_checks_every_result_and_a_wrong_one_fails_it(
+        engine_cluster, monkeypatch, capsys):
+    """`bench comm --op`'s per-worker program as the one worker of a job in this process,
+    through the module's servers: every op is timed and rank 0 prints the line bench reads;
+    fed data its check does not expect (as a wrong collective would give), it exits naming
+    the op, the tensor and the element."""
+    pytest.importorskip("torch")
+    import bpsctl.engine.torch as bps
+    from bpsctl.bench import collectives
+    from bpsctl.bench.common import RESULT_MARKER
+    for key, value in {"BPSCTL_SCHEDULER": engine_cluster.scheduler,
+                       "BPSCTL_SECRET": engine_cluster.secret, "BPSCTL_RANK": "0",
+                       "BPSCTL_WORLD_SIZE": "1", "BPSCTL_FORCE_DISTRIBUTED": "1"}.items():
+        monkeypatch.setenv(key, value)
+    args = ["--system", "bpsctl", "--ops", "allreduce,push_pull,allgather,alltoall,reducescatter",
+            "--size", "64KiB", "--tensors", "2", "--warmup", "0", "--repeats", "2",
+            "--timeout", "60"]
+    monkeypatch.setenv("BPSCTL_JOB_ID", f"ops-{os.getpid()}")
+    collectives.main(args)
+    line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith(RESULT_MARKER)]
+    result = json.loads(line[len(RESULT_MARKER):])
+    assert list(result["ops"]) == ["allreduce", "push_pull", "allgather", "alltoall",
+                                   "reducescatter"]
+    for op in result["ops"].values():
+        assert op == {"seconds": op["seconds"], "bytes": 64 * 1024, "checked": True}
+        assert len(op["seconds"]) == 2 and min(op["seconds"]) > 0
+    assert result["version"].startswith("bpsctl ") and result["reduce"] == "average"
+
+    real = collectives.inputs
+    monkeypatch.setattr(collectives, "inputs",
+                        lambda op, *a: [t + 1 for t in real(op, *a)])
+    monkeypatch.setenv("BPSCTL_JOB_ID", f"ops-wrong-{os.getpid()}")
+    try:
+        with pytest.raises(SystemExit, match=r"^rank 0: bpsctl allreduce: rank 0's tensor 0 is "
+                                             r"wrong at element 0: 2\.0, expected 1\.0$"):
+            collectives.main(args)
+    finally:
+        bps.shutdown()

@@ -45,6 +45,8 @@ FAST_TEST_OF = {
     "bench/cli.py": "test_bench_comm.py::test_comm_bench_bad_flags_exit_2_naming_the_flag",
     "bench/codec.py": "test_small_parts.py::test_the_codec_benchmark_states_each_compressors_bytes",
     "bench/common.py": "test_bench_train.py::test_horovod_env_follows_horovodruns_gloo_launcher",
+    "bench/collectives.py": "test_bench_comm.py::"
+        "test_each_collectives_result_is_checked_against_what_each_rank_must_get",
     "bench/comm.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "bench/convergence.py":
         "test_stragglers.py::test_the_convergence_task_is_the_same_everywhere_and_learnable",

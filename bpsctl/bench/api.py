@@ -5,7 +5,8 @@ cluster a benchmark runs on, its workers' launch and result lines, the ideal tim
 
 Every figure of one report comes from one run on one cluster: bpsctl's push_pull, the
 baselines (`--compare`) and the raw ZeroMQ limit are measured side by side, with the same
-bytes, hosts, warm-up and repeats.
+bytes, hosts, warm-up and repeats. `bench comm --op` (:func:`run_ops`) does the same for
+Horovod's collectives: bpsctl's (the torch plugin's) beside Horovod's own.
 """
 from __future__ import annotations
 
@@ -32,11 +33,12 @@ from ..engine.paths import solo_job
 from ..errors import BpsctlError
 from ..model import GOODPUT_SHARE as GOODPUT_SHARE  # (where bench and its tests find it)
 from ..model import goodput_bytes_s, job_shares, round_seconds
+from .collectives import BYTES_OF, OPS, REDUCES, bus_factor
 from .comm import zmq_pair_seconds
 from .common import RESULT_MARKER
 from .gpu import gpu_keys
 
-COMM_BASELINES = ("allreduce",)
+COMM_BASELINES = ("allreduce", "horovod")
 #: interleaved passes over the security modes when `bench comm --security` compares several
 SECURITY_PASSES = 3
 
@@ -65,9 +67,16 @@ class CommSettings:
     backend: str = "gloo"                # the allreduce baseline's
     backend_why: str = ""
     gpus: tuple[Any, ...] = ()           # bench.gpu.HostGPUs of the worker hosts (on CUDA)
+    #: what is measured (bench.collectives.OPS): push_pull alone is today's bench comm; any
+    #: other op measures Horovod's collectives instead (:func:`run_ops`)
+    ops: tuple[str, ...] = ("push_pull",)
+    reduce: str = "average"              # allreduce's and reducescatter's op with --op
+    timeout_s: float = 900.0             # per job of --op; a hung worker exits after it
 
     def __post_init__(self) -> None:
         check_per_host_split(self.workers, self.workers_per_host)
+        check_ops(self.ops, self.compare, self.device, self.security,
+                  reduce=self.reduce if self.collectives else None)
         wrong = [m for m in self.security if m not in SECURITY_MODES]
         if wrong or len(set(self.security)) != len(self.security):
             raise ConfigError(f"--security: expected distinct modes among "
@@ -75,14 +84,70 @@ class CommSettings:
         unknown = [c for c in self.compare if c not in COMM_BASELINES]
         if unknown:
             raise ConfigError(f"--compare: {', '.join(unknown)} is not a baseline of bench comm; "
-                              f"choose from {', '.join(COMM_BASELINES)} (horovod and ddp are "
-                              "baselines of the training benchmarks)")
+                              f"choose from {', '.join(COMM_BASELINES)} (horovod with --op; ddp "
+                              "is a baseline of the training benchmarks)")
         if "allreduce" in self.compare:
             try:
                 import torch.distributed  # noqa: F401
             except ImportError:
                 raise ConfigError("--compare allreduce needs torch: pip install torch==2.13.0 (the "
                                   "CPU build; a plain `pip install torch` pulls CUDA)") from None
+
+    @property
+    def collectives(self) -> bool:
+        """Whether Horovod's collectives are measured (any op but push_pull)."""
+        return is_collectives(self.ops)
+
+
+def is_collectives(ops: Sequence[str]) -> bool:
+    """Whether ``ops`` (of `--op`) name any of Horovod's collectives, not push_pull alone."""
+    return any(op != "push_pull" for op in ops)
+
+
+def check_ops(ops: Sequence[str], compare: Sequence[str], device: str = "cpu",
+              security: Sequence[str] = (), sweep: bool = False,
+              reduce: str | None = None) -> None:
+    """A ConfigError, saying what to do instead, for `--op` values bench comm cannot measure:
+    an unknown or repeated op, or Horovod's collectives with what only push_pull has (the gloo
+    ring allreduce baseline, CUDA tensors, a sweep, security modes side by side); and
+    `--compare horovod` or `--reduce` without them. ``reduce`` None: not given."""
+    if not ops:
+        raise ConfigError(f"--op: expected ops such as allreduce,allgather; choose from "
+                          f"{', '.join(OPS)}")
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise ConfigError(f"--op: {', '.join(unknown)} is not an op of bench comm; choose from "
+                          f"{', '.join(OPS)} (comma-separated for several)")
+    twice = sorted({op for op in ops if ops.count(op) > 1})
+    if twice:
+        raise ConfigError(f"--op: {', '.join(twice)} is given twice; give each op once")
+    if reduce is not None and reduce not in REDUCES:
+        raise ConfigError(f"--reduce: expected {' or '.join(REDUCES)}, got {reduce!r}")
+    if not is_collectives(ops):
+        if "horovod" in compare:
+            raise ConfigError("--compare horovod: bench comm compares Horovod on Horovod's "
+                              "collectives; add --op allreduce (or allgather, alltoall, "
+                              "reducescatter, comma-separated)")
+        if reduce is not None:
+            raise ConfigError("--reduce: applies to --op's allreduce and reducescatter; add "
+                              "--op allreduce (push_pull alone always sums)")
+        return
+    what = f"--op {','.join(ops)}"
+    if "allreduce" in compare:
+        raise ConfigError(f"--compare allreduce with {what}: the gloo ring allreduce is "
+                          "push_pull's baseline; compare the collectives with --compare horovod, "
+                          "or drop --op")
+    if device == "cuda":
+        raise ConfigError(f"--device cuda with {what}: the collectives are measured on CPU "
+                          "float32 tensors; drop --device cuda (or --op, for push_pull of CUDA "
+                          "tensors)")
+    if sweep:
+        raise ConfigError(f"--sweep with {what}: the sweep measures push_pull against ring "
+                          "allreduce; run one worker count at a time (--workers), or drop --op")
+    if security:
+        raise ConfigError(f"--security with {what}: security modes are compared on push_pull; "
+                          "drop --security (BPSCTL_SECURITY sets the mode of the collectives' "
+                          "run), or drop --op")
 
 
 def ideal_seconds(system: str, size_bytes: int, host_workers: Sequence[int], servers: int,
@@ -571,6 +636,8 @@ def run_comm(config: Config, settings: CommSettings, output: IO[str] | None = No
              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The comm benchmark on one cluster. One size gives the JSON of docs/design.md
     (``kind: comm``); several give ``{"kind": "comm", "sizes": [that, ...]}``."""
+    if settings.collectives:
+        return run_ops(config, settings, output, progress)
     output = output if output is not None else sys.stderr
     progress = progress or (lambda message: None)
     modes = settings.security or (config.security,)
@@ -606,6 +673,99 @@ def run_comm(config: Config, settings: CommSettings, output: IO[str] | None = No
     return {"kind": "comm", "workers": settings.workers, "servers": settings.servers,
             "workers_per_host": settings.workers_per_host,
             "nic_mbit": reports[0]["nic_mbit"], "sizes": reports}
+
+
+def run_ops(config: Config, settings: CommSettings, output: IO[str] | None = None,
+            progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`bench comm --op`: bpsctl's Horovod collectives of ``settings.ops`` (and its push_pull
+    on the same bytes beside allreduce), then with ``--compare horovod`` Horovod's own, on one
+    cluster, each size a report (:func:`ops_point`); one size gives its report, several
+    ``{"kind": "comm", "ops", ..., "sizes": [reports]}``. Horovod missing where its workers
+    would run is a ConfigError before anything starts."""
+    output = output if output is not None else sys.stderr
+    progress = progress or (lambda message: None)
+    if "horovod" in settings.compare:
+        from .horovod import check_installed
+        check_installed(config)
+    with bench_cluster(config, settings.workers, settings.servers,
+                       workers_per_host=settings.workers_per_host) as (cluster_config, nic):
+        reports = [ops_point(cluster_config, settings, size, nic, output, progress)
+                   for size in settings.sizes]
+    if len(reports) == 1:
+        return reports[0]
+    return {"kind": "comm", "ops": list(settings.ops), "reduce": settings.reduce,
+            "workers": settings.workers, "servers": settings.servers,
+            "workers_per_host": settings.workers_per_host,
+            "nic_mbit": reports[0]["nic_mbit"], "sizes": reports}
+
+
+def _measured_ops(ops: Sequence[str]) -> list[str]:
+    """The rows of an --op report in order: each op, and bpsctl's push_pull on allreduce's
+    bytes right after allreduce (unless push_pull is asked for itself)."""
+    rows = []
+    for op in ops:
+        rows.append(op)
+        if op == "allreduce" and "push_pull" not in ops:
+            rows.append("push_pull")
+    return rows
+
+
+def ops_point(config: Config, settings: CommSettings, size: int, nic_mbit: float | None,
+              output: IO[str], progress: Callable[[str], None]) -> dict[str, Any]:
+    """One size of `bench comm --op` on the cluster named by ``config``: a job of
+    :mod:`bpsctl.bench.collectives` workers for bpsctl (every op, through the servers even
+    with one worker), then one for Horovod (its rendezvous and workers as the training
+    benchmarks start them: :func:`bpsctl.bench.horovod.horovod_rendezvous`). A row per (op,
+    system): the median round, algbw (the op's bytes per worker, as nccl-tests counts them,
+    over it) and busbw (nccl-tests' factor); ``speedup`` per op: Horovod's time over
+    bpsctl's."""
+    n, k = settings.workers, settings.servers
+    host_workers = worker_hosts(config, n)
+    measured = _measured_ops(settings.ops)
+    common = ["--size", str(size), "--tensors", str(settings.tensors),
+              "--warmup", str(settings.warmup), "--repeats", str(settings.repeats),
+              "--reduce", settings.reduce, "--timeout", str(settings.timeout_s)]
+    progress(f"{size} bytes, bpsctl's {', '.join(measured)}")
+    runs = {"bpsctl": _run_workers(config.replace(force_distributed=True),
+                                   "bpsctl.bench.collectives",
+                                   ["--system", "bpsctl", "--ops", ",".join(measured), *common],
+                                   n, k, output)}
+    if "horovod" in settings.compare:
+        from .horovod import horovod_rendezvous, worker_args
+        theirs = [op for op in settings.ops if op != "push_pull"]
+        progress(f"{size} bytes, Horovod's {', '.join(theirs)}")
+        plain = config.replace(trace_dir="")            # --trace is bpsctl's timeline only
+        with horovod_rendezvous(plain, n) as (hosts, address, port):
+            runs["horovod"] = _run_workers(
+                plain, "bpsctl.bench.collectives",
+                ["--system", "horovod", "--ops", ",".join(theirs), *common,
+                 *worker_args(hosts, address, port)], n, k, output)
+    results: list[dict[str, Any]] = []
+    speedup: dict[str, float] = {}
+    for op in measured:
+        rows: dict[str, dict[str, Any]] = {}
+        for system, run in runs.items():
+            if op in run["ops"]:
+                got = run["ops"][op]
+                median = statistics.median(got["seconds"])
+                algbw = got["bytes"] / median / 1e6
+                rows[system] = {"op": op, "system": system, "version": run["version"],
+                                "seconds": median, "seconds_all": got["seconds"],
+                                "bytes": got["bytes"], "bytes_of": BYTES_OF[op],
+                                "algbw_MBps": algbw, "busbw_MBps": algbw * bus_factor(op, n),
+                                "checked": got["checked"]}
+        results += rows.values()
+        if len(rows) == 2:
+            speedup[op] = rows["horovod"]["seconds"] / rows["bpsctl"]["seconds"]
+    ours = runs["bpsctl"]
+    return {"kind": "comm", "ops": list(settings.ops), "reduce": settings.reduce, "workers": n,
+            "servers": k, "nic_mbit": nic_mbit,
+            "size_bytes": next(iter(ours["ops"].values()))["bytes"],
+            "workers_per_host": settings.workers_per_host, "worker_hosts": host_workers,
+            "tensors": ours["tensors"], "partition_bytes": config.partition_bytes,
+            "credit_bytes": config.credit_bytes, "warmup": settings.warmup,
+            "repeats": settings.repeats, "host": socket.gethostname(), "device": "cpu",
+            "results": results, "speedup": speedup, **_cluster_keys(config)}
 
 
 def _with_security_modes(points: list[list[dict[str, Any]]], modes: tuple[str, ...],

@@ -12,7 +12,15 @@ from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_con
 from bpsctl.config import ConfigError, check_backup_workers, check_training_mode, parse_size
 
 from .. import launch
-from .api import CommSettings, cluster_size, hosts_cluster, run_comm, run_sweep
+from .api import (
+    CommSettings,
+    check_ops,
+    cluster_size,
+    hosts_cluster,
+    is_collectives,
+    run_comm,
+    run_sweep,
+)
 from .gpu import TRAIN_DEFAULTS, baseline_backend, check_horovod_nccl, resolve_device
 from .report import (
     plot_comm,
@@ -191,7 +199,21 @@ def comm(ctx: typer.Context,
                                      help="Timed rounds (the median is reported)."),
          compare: str | None = typer.Option(None, "--compare",
                                             help="Baselines in the same run: allreduce "
-                                                 "(torch.distributed gloo ring allreduce)."),
+                                                 "(torch.distributed gloo ring allreduce, "
+                                                 "beside push_pull), horovod (Horovod's own "
+                                                 "collectives over Gloo, beside --op's)."),
+         op: str = typer.Option(
+             "push_pull", "--op", metavar="OP[,OP]",
+             help="What to measure: push_pull, or Horovod's collectives through bpsctl's torch "
+                  "plugin (allreduce, allgather, alltoall, reducescatter; several "
+                  "comma-separated) on CPU float32 tensors, each result checked; allreduce "
+                  "adds push_pull of the same bytes. Bytes per op as nccl-tests counts them: "
+                  "--size is each rank's input (allreduce, alltoall, reducescatter) or "
+                  "gathered output (allgather: each rank gives --size/N)."),
+         reduce: str | None = typer.Option(
+             None, "--reduce", metavar="average|sum", show_default="average",
+             help="The op of --op's allreduce and reducescatter, and of the push_pull beside "
+                  "allreduce (Horovod's default: average)."),
          emulate: bool | None = knob_option("emulate", "--emulate"),
          nic: str | None = knob_option("nic", "--nic"),
          straggler: str | None = knob_option("straggler", "--straggler"),
@@ -209,7 +231,7 @@ def comm(ctx: typer.Context,
                   "curve, none (default: BPSCTL_SECURITY's mode only)."),
          raw: bool = typer.Option(True, "--raw/--no-raw",
                                   help="Also measure raw ZeroMQ for the same bytes (loopback "
-                                       "only)."),
+                                       "only; not with --op)."),
          device: str = typer.Option(
              "cpu", "--device", metavar="cpu|cuda|auto",
              help="Where the tensors are: host memory, or CUDA (the copies to and from the GPU "
@@ -222,11 +244,16 @@ def comm(ctx: typer.Context,
          trace_dir: Path | None = _trace_option(),
          config_file: Path | None = config_file_option(),
          ) -> None:
-    """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce."""
+    """push_pull throughput of N workers and K servers, beside raw ZeroMQ and ring allreduce;
+    or (--op) Horovod's collectives through bpsctl, beside Horovod's own (--compare horovod)."""
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
                                  trace_dir, straggler, backup_workers,
                                  colocated_servers=colocated_servers, cpu_share=cpu_share)
+        ops = _names(op)
+        check_ops(ops, _names(compare), device, _names(security), sweep is not None, reduce)
+        if is_collectives(ops):
+            device = "cpu"          # (auto: the collectives are measured on CPU tensors)
         n, k = cluster_size(config, workers, servers, "--sweep" if sweep is not None else "",
                             workers_per_host)
         worker_counts = _sweep(sweep)
@@ -245,7 +272,7 @@ def comm(ctx: typer.Context,
                                 compare=_names(compare), security=_names(security),
                                 workers_per_host=workers_per_host, device=device,
                                 gpu_by=gpu_by, backend=backend, backend_why=backend_why,
-                                gpus=tuple(gpus))
+                                gpus=tuple(gpus), ops=ops, reduce=reduce or "average")
         too_small = [s for s in settings.sizes if s < 4 * tensors]
         if too_small:
             raise ConfigError(f"--size: {too_small[0]} bytes is too small for {tensors} float32 "

@@ -2,13 +2,15 @@
 line a worker prints and bench reads back, the environment each Horovod worker gets, and what
 to do about a Horovod built without NCCL.
 
-The worker programs (comm, train, allreduce, convergence), the device checks (gpu) and the
-Horovod baseline (horovod) all import from here and not from each other, so no benchmark
-module has to import the one that imports it.
+The worker programs (comm, collectives, train, allreduce, convergence), the device checks (gpu)
+and the Horovod baseline (horovod) all import from here and not from each other, so no
+benchmark module has to import the one that imports it.
 """
 from __future__ import annotations
 
+import argparse
 import json
+import os
 
 #: the Horovod release `bpsctl install horovod` builds
 HOROVOD_VERSION = "0.28.1"
@@ -50,6 +52,33 @@ def horovod_env(rank: int, hosts: list[tuple[str, int]], rendezvous_addr: str,
             }
         first += count
     raise ValueError(f"rank {rank} is not in the host plan {hosts} ({size} slots)")
+
+
+def add_horovod_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags by which bench tells a Horovod worker its host plan and rendezvous server
+    (:func:`bpsctl.bench.horovod.worker_args` writes them)."""
+    parser.add_argument("--horovod-hosts", default="", help="addr:slots,... in rank order")
+    parser.add_argument("--rendezvous-addr", default="")
+    parser.add_argument("--rendezvous-port", type=int, default=0)
+
+
+def parse_hosts(text: str) -> list[tuple[str, int]]:
+    """``addr:slots,addr:slots`` (Horovod's -H) into [(addr, slots)]."""
+    hosts = []
+    for part in text.split(","):
+        host, _, count = part.rpartition(":")
+        hosts.append((host, int(count)))
+    return hosts
+
+
+def use_horovod_env(args: argparse.Namespace, timeout_s: float) -> None:
+    """Give this worker process (rank ``$RANK`` of bpsctl's launcher) the environment
+    horovodrun's gloo launcher would (:func:`horovod_env`), from the flags of
+    :func:`add_horovod_arguments`; Gloo binds the interface the launcher named for this host
+    (``GLOO_SOCKET_IFNAME``; loopback on the embedded default). Call before ``hvd.init()``."""
+    iface = os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
+    os.environ.update(horovod_env(int(os.environ["RANK"]), parse_hosts(args.horovod_hosts),
+                                  args.rendezvous_addr, args.rendezvous_port, iface, timeout_s))
 
 
 def rebuild_for_gpus_message() -> str:

@@ -8,7 +8,9 @@ HOROVOD_CONTROLLER=gloo, HOROVOD_CPU_OPERATIONS=gloo and HOROVOD_GLOO_IFACE (see
 :func:`bpsctl.bench.common.horovod_env`). The rendezvous server runs in the first worker host's
 network namespace, since an emulated cluster's addresses exist only inside the namespaces; on
 a Slurm cluster it runs in the bench process itself (:func:`serve_rendezvous`), whose host
-every job step can reach.
+every job step can reach. :func:`check_installed` and :func:`horovod_rendezvous` are what a
+benchmark with a Horovod baseline calls (`bench vgg16|resnet50 --compare horovod`, `bench comm
+--op ... --compare horovod`): both run Horovod's workers the same way, on the same hosts.
 """
 from __future__ import annotations
 
@@ -26,11 +28,15 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from bpsctl.errors import BpsctlError
 
 from .common import HOROVOD_VERSION, INSTALL_COMMAND, horovod_env
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..launch import ClusterState
 
 BUILD_ENV = {"HOROVOD_WITH_PYTORCH": "1", "HOROVOD_WITH_GLOO": "1", "HOROVOD_WITHOUT_MPI": "1",
              "HOROVOD_WITHOUT_TENSORFLOW": "1", "HOROVOD_WITHOUT_MXNET": "1"}
@@ -282,6 +288,137 @@ def rendezvous(hosts: list[tuple[str, int]], prefix: tuple[str, ...] = (),
             process.wait()
         stdout.close()
         stderr.close()
+
+
+# --------------------------------------------------------------------------- on a cluster
+
+def _grouped(hosts: list[str]) -> list[tuple[str, int]]:
+    """Each rank's host in rank order -> [(host, consecutive ranks on it)]."""
+    plan: list[tuple[str, int]] = []
+    for host in hosts:
+        if plan and plan[-1][0] == host:
+            plan[-1] = (host, plan[-1][1] + 1)
+        else:
+            plan.append((host, 1))
+    return plan
+
+
+def _host_plan(config: Config, workers: int) -> tuple[list[tuple[str, int]], tuple[str, ...]]:
+    """Worker hosts with their slot counts in rank order (Horovod's -H), and how to run a
+    command on the first of them (on this machine)."""
+    from .. import launch
+    from ..launch.local import host_command
+    cluster = launch.load_state(config.state_dir)
+    if cluster is None:
+        raise HorovodError(f"no cluster recorded in {config.state_dir}")
+    slots = launch.worker_slots(cluster, workers)
+    return (_grouped([slot.address for slot in slots]),
+            tuple(host_command(cluster, slots[0].address)))
+
+
+def _ssh_cluster(config: Config) -> ClusterState | None:
+    from .. import launch
+    cluster = launch.load_state(config.state_dir)
+    return cluster if cluster is not None and cluster.kind == "ssh" else None
+
+
+@contextlib.contextmanager
+def horovod_rendezvous(config: Config, workers: int
+                       ) -> Iterator[tuple[list[tuple[str, int]], str, int]]:
+    """Horovod's rendezvous server for a job of ``workers`` workers on the cluster named by
+    ``config``: on the first worker host (over SSH on an SSH cluster, in its namespace on an
+    emulated one), or in this process on a Slurm cluster (every step reaches the host that
+    launches them, as srun itself needs). Yields the host plan it serves, and the address and
+    port the workers reach it at (:func:`worker_args` makes them flags)."""
+    from .. import launch
+    recorded = launch.load_state(config.state_dir)
+    if recorded is not None and recorded.kind == "slurm":
+        hosts = _grouped([a.address for a in launch.worker_slots(recorded)])
+        with serve_rendezvous(hosts) as port:
+            yield hosts, address_towards(hosts[0][0]), port
+        return
+    cluster = _ssh_cluster(config)
+    if cluster is None:
+        hosts, prefix = _host_plan(config, workers)
+        with rendezvous(hosts, prefix) as port:
+            yield hosts, hosts[0][0], port
+        return
+    from ..launch.transport import remote_service
+    assert cluster.hosts is not None
+    slots = launch.worker_slots(cluster)
+    hosts = _grouped([a.address for a in slots])
+    argv = [cluster.hosts.python, "-m", "bpsctl.bench.horovod", "rendezvous", json.dumps(hosts)]
+    try:
+        with remote_service(cluster.hosts, slots[0].host, argv) as line:
+            yield hosts, hosts[0][0], int(line)
+    except launch.LaunchError as exc:
+        raise HorovodError(f"Horovod's rendezvous server: {exc}") from None
+
+
+def worker_args(hosts: list[tuple[str, int]], address: str, port: int) -> list[str]:
+    """The flags of :func:`bpsctl.bench.common.add_horovod_arguments` for what
+    :func:`horovod_rendezvous` yielded: each worker's way to its rendezvous."""
+    return ["--horovod-hosts", ",".join(f"{h}:{c}" for h, c in hosts),
+            "--rendezvous-addr", address, "--rendezvous-port", str(port)]
+
+
+def check_installed(config: Config) -> None:
+    """Horovod loads where its workers will run (every worker host of an SSH cluster, every
+    worker node of a Slurm cluster, else this machine), and on an SSH cluster every worker
+    host names the NIC its Gloo binds; a ConfigError otherwise, raised before anything
+    starts: there is no silent substitute."""
+    from .. import launch
+    from ..config import ConfigError
+    recorded = launch.load_state(config.state_dir)
+    if recorded is not None and recorded.kind == "slurm":
+        _check_on_nodes(recorded)
+        return
+    cluster = _ssh_cluster(config)
+    if cluster is None:
+        if installed_version() is None:
+            raise ConfigError(missing_message())
+        return
+    assert cluster.hosts is not None
+    unnamed = [entry.host for entry in cluster.hosts.workers if not entry.interface]
+    if unnamed:
+        raise ConfigError(f"--compare horovod: worker host {', '.join(unnamed)} in "
+                          f"{cluster.hosts.source} has no `interface:`; Horovod's Gloo binds a "
+                          "named NIC (e.g. interface: eth0)")
+    from ..launch.transport import run_on_hosts
+    python = cluster.hosts.python
+    worker_hosts = list(dict.fromkeys(entry.host for entry in cluster.hosts.workers))
+    answers = run_on_hosts(cluster.hosts, worker_hosts, [
+        python, "-c", "import horovod, horovod.torch; print(horovod.__version__)"], timeout_s=60)
+    missing = [f"{host} ({why})" for host, (ok, why) in answers.items() if not ok]
+    if missing:
+        raise ConfigError(f"--compare horovod: Horovod does not load with torch for {python} "
+                          f"on worker host {'; '.join(missing)}. Build it there "
+                          f"(`{INSTALL_COMMAND}` on that host), or drop horovod from --compare")
+
+
+def _check_on_nodes(cluster: ClusterState) -> None:
+    """Horovod loads with torch on every worker node of a Slurm cluster (one step on them
+    all), or a ConfigError naming the nodes where it does not."""
+    from ..config import ConfigError
+    from ..launch import slurm
+    assert cluster.hosts is not None and cluster.slurm is not None
+    nodes = list(dict.fromkeys(entry.host for entry in cluster.hosts.workers))
+    probe = ("import json, os\nanswer = {'node': os.environ.get('SLURMD_NODENAME')}\n"
+             "try:\n    import horovod, horovod.torch\n"
+             "    answer['version'] = horovod.__version__\n"
+             "except Exception as exc:\n    answer['error'] = f'{type(exc).__name__}: {exc}'\n"
+             "print(json.dumps(answer))")
+    answers, why = slurm.ask_nodes(str(cluster.slurm["job_id"]), nodes,
+                                   [cluster.hosts.python, "-c", probe], "bpsctl-horovod-check",
+                                   timeout_s=120.0)
+    missing = [f"{node} ({answers[node].get('error')})" if node in answers
+               else f"{node} (no answer{why})"
+               for node in nodes if node not in answers or "version" not in answers[node]]
+    if missing:
+        raise ConfigError(f"--compare horovod: Horovod does not load with torch for "
+                          f"{cluster.hosts.python} on worker node {'; '.join(missing)}. Build it "
+                          f"there (`{INSTALL_COMMAND}` on that node), or drop horovod from "
+                          "--compare")
 
 
 if __name__ == "__main__":

@@ -158,8 +158,66 @@ def comm_summary(report: dict[str, Any]) -> str:
                      _TRY_NETWORK if network else "")
 
 
+#: how the line under an --op table says what each op's bytes are (nccl-tests' counting)
+_OP_BYTES = ("allreduce, alltoall, reducescatter: each rank's input; allgather: each rank's "
+             "gathered output")
+
+
+def ops_summary(report: dict[str, Any]) -> str:
+    """One sentence on what an --op result means: each op's ratio bpsctl/Horovod (Horovod's
+    time over bpsctl's) at the largest size, or bpsctl's algbw per op without Horovod."""
+    r = max(comm_reports(report), key=lambda r: r["size_bytes"])
+    what = f"{format_bytes(r['size_bytes'])} with {_workers(r['workers'])}"
+    speedup = r["speedup"]
+    slower = any(x < 0.95 for x in speedup.values())
+    where = _where(r, slower)
+    if speedup:
+        ratios = ", ".join(f"{op} {x:.2f}×" for op, x in speedup.items())
+        text = (f"bpsctl/Horovod for {what} {where}: {ratios} (Horovod's time over bpsctl's; "
+                "above 1, bpsctl is faster)")
+    else:
+        text = f"bpsctl's collectives of {what} {where}: " + ", ".join(
+            f"{row['op']} {row['algbw_MBps']:.0f} MB/s" for row in r["results"]) + " algbw"
+    network = not r["nic_mbit"] and not _machines(r)
+    return _sentence(text, "" if speedup else "add --compare horovod",
+                     _TRY_NETWORK if network else "")
+
+
+def _print_ops(console: Console, report: dict[str, Any]) -> None:
+    """`bench comm --op`: a row per (op, system), the ratio bpsctl/Horovod (Horovod's time over
+    bpsctl's) on Horovod's row."""
+    reports = comm_reports(report)
+    first = reports[0]
+    several = len(reports) > 1
+    ratio = any(r["speedup"] for r in reports)
+    columns = ((["size"] if several else []) + ["op", "system", "seconds", "algbw\nMB/s",
+                                                 "busbw\nMB/s"]
+               + (["bpsctl/\nHorovod"] if ratio else []))
+    table = _table(f"bench comm --op: {_worker_shape(first)} x {first['servers']} servers, "
+                   f"{_network(first)}", columns, ("op", "system"))
+    for r in reports:
+        for row in r["results"]:
+            speedup = r["speedup"].get(row["op"]) if row["system"] == "horovod" else None
+            cells = ([format_bytes(r["size_bytes"])] if several else []) + [
+                row["op"], row["system"], f"{row['seconds']:.4f}", f"{row['algbw_MBps']:.0f}",
+                f"{row['busbw_MBps']:.0f}"]
+            if ratio:
+                cells.append("" if speedup is None else f"{speedup:.2f}x")
+            table.add_row(*cells)
+    console.print(table)
+    size = "each size" if several else format_bytes(first["size_bytes"])
+    console.print(f"{size} per op per worker ({_OP_BYTES}) in {first['tensors']} float32 "
+                  f"tensors; median of {first['repeats']} rounds after {first['warmup']} "
+                  f"warm-up; allreduce and reducescatter {first['reduce']}; every op's first "
+                  "round checked on every rank", highlight=False)
+    console.print(ops_summary(report), highlight=False)
+
+
 def print_comm(console: Console, report: dict[str, Any]) -> None:
     reports = comm_reports(report)
+    if "ops" in reports[0]:
+        _print_ops(console, report)
+        return
     first = reports[0]
     sweep = report["kind"] == "comm_sweep"
     several = len(reports) > 1 and not sweep
@@ -222,7 +280,8 @@ def _pyplot():
 
 
 def plot_comm(report: dict[str, Any], path: Path) -> None:
-    """algbw per system against size; for a sweep, speedup against workers with the theory."""
+    """algbw per system against size (with --op, per op and system); for a sweep, speedup
+    against workers with the theory."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     if report["kind"] == "comm_sweep":
@@ -237,6 +296,20 @@ def plot_comm(report: dict[str, Any], path: Path) -> None:
         nic = report.get("nic_mbit")
         ax.set_title(f"bpsctl vs gloo allreduce, {format_bytes(report['size_bytes'])}"
                      + (f", NIC {nic:g} Mbit/s" if nic else ""))
+    elif "ops" in comm_reports(report)[0]:
+        reports = comm_reports(report)
+        sizes = [r["size_bytes"] / 2**20 for r in reports]
+        for op, system in [(row["op"], row["system"]) for row in reports[0]["results"]]:
+            values = [next(row["algbw_MBps"] for row in r["results"]
+                           if (row["op"], row["system"]) == (op, system)) for r in reports]
+            ax.plot(sizes, values, "o-" if system == "bpsctl" else "s--",
+                    label=f"{op} ({system})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per op per worker (MiB)")
+        ax.set_ylabel("algbw (MB/s)")
+        first = reports[0]
+        ax.set_title(f"bench comm --op: {first['workers']} workers x {first['servers']} servers"
+                     + (f", NIC {first['nic_mbit']:g} Mbit/s" if first["nic_mbit"] else ""))
     else:
         reports = comm_reports(report)
         systems = [row["system"] for row in reports[0]["results"]]

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..engine.trace import interface_of, read_nic
-from .common import horovod_env, print_result
+from .common import add_horovod_arguments, print_result, use_horovod_env
 from .gpu import add_device_arguments, use_gpu
 from .report import shm_shares
 
@@ -84,15 +84,6 @@ def _host_nic() -> str | None:
     return None if name in (None, "lo") else name
 
 
-def parse_hosts(text: str) -> list[tuple[str, int]]:
-    """``addr:slots,addr:slots`` (Horovod's -H) into [(addr, slots)]."""
-    hosts = []
-    for part in text.split(","):
-        host, _, count = part.rpartition(":")
-        hosts.append((host, int(count)))
-    return hosts
-
-
 def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
            ) -> tuple[Any, Any, int, int, str, Callable[[], None]]:
     """Initialise ``system``; returns (model, optimizer, rank, size, version, shutdown)."""
@@ -144,10 +135,7 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
         return (model, optimizer, dist.get_rank(), dist.get_world_size(), version,
                 dist.destroy_process_group)
     if system == "horovod":
-        rank = int(os.environ["RANK"])
-        iface = os.environ.get("GLOO_SOCKET_IFNAME") or "lo"
-        os.environ.update(horovod_env(rank, parse_hosts(args.horovod_hosts), args.rendezvous_addr,
-                                      args.rendezvous_port, iface, args.timeout))
+        use_horovod_env(args, args.timeout)
         import horovod
         import horovod.torch as hvd
         hvd.init()
@@ -177,9 +165,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="bpsctl: CrossBarrier instead of DistributedOptimizer")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds the whole run may take; a hung worker exits after it")
-    parser.add_argument("--horovod-hosts", default="")
-    parser.add_argument("--rendezvous-addr", default="")
-    parser.add_argument("--rendezvous-port", type=int, default=0)
+    add_horovod_arguments(parser)
     add_device_arguments(parser)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
                         help="DDP's torch.distributed backend")

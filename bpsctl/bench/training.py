@@ -6,22 +6,18 @@ DDP and PowerSGD on the same hosts, each a job of :mod:`bpsctl.bench.train` work
 """
 from __future__ import annotations
 
-import contextlib
-import json
 import socket
 import statistics
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
 from .. import launch
 from ..config import Config, ConfigError
-from ..launch.local import host_command
 from ..model import GOODPUT_SHARE as GOODPUT_SHARE  # (where bench and its tests find it)
 from ..model import round_seconds
 from .api import (
-    BenchError,
     _cluster_keys,
     _job_servers,
     _run_workers,
@@ -30,10 +26,10 @@ from .api import (
     host_streams,
     hosts_cluster,
     ideal_step_seconds,
-    ssh_cluster,
     worker_hosts,
 )
 from .gpu import HostGPUs, gpu_keys, last_json, probe_code, probe_here
+from .horovod import check_installed, horovod_rendezvous, worker_args
 from .train import throughput
 
 TRAIN_BASELINES = ("horovod", "ddp", "ddp-powersgd")
@@ -91,118 +87,6 @@ class TrainSettings:
                 raise ConfigError(f"{name}: expected at least {least}, got {value}"
                                   + (" (the warm-up declares every tensor before timing)"
                                      if name == "--warmup" else ""))
-
-
-def _host_plan(config: Config, workers: int) -> tuple[list[tuple[str, int]], tuple[str, ...]]:
-    """Worker hosts with their slot counts in rank order (Horovod's -H), and how to run a
-    command on the first of them (on this machine)."""
-    cluster = launch.load_state(config.state_dir)
-    if cluster is None:
-        raise BenchError(f"no cluster recorded in {config.state_dir}")
-    slots = launch.worker_slots(cluster, workers)
-    return (_grouped([slot.address for slot in slots]),
-            tuple(host_command(cluster, slots[0].address)))
-
-
-def _grouped(hosts: list[str]) -> list[tuple[str, int]]:
-    """Each rank's host in rank order -> [(host, consecutive ranks on it)]."""
-    plan: list[tuple[str, int]] = []
-    for host in hosts:
-        if plan and plan[-1][0] == host:
-            plan[-1] = (host, plan[-1][1] + 1)
-        else:
-            plan.append((host, 1))
-    return plan
-
-
-@contextlib.contextmanager
-def _horovod_rendezvous(config: Config, workers: int
-                        ) -> Iterator[tuple[list[tuple[str, int]], str, int]]:
-    """Horovod's rendezvous server: on the first worker host (over SSH on an SSH cluster, in
-    its namespace on an emulated one), or in this process on a Slurm cluster (every step
-    reaches the host that launches them, as srun itself needs). Yields the host plan it
-    serves, and the address and port the workers reach it at."""
-    recorded = launch.load_state(config.state_dir)
-    if recorded is not None and recorded.kind == "slurm":
-        from .horovod import address_towards, serve_rendezvous
-        hosts = _grouped([a.address for a in launch.worker_slots(recorded)])
-        with serve_rendezvous(hosts) as port:
-            yield hosts, address_towards(hosts[0][0]), port
-        return
-    cluster = ssh_cluster(config.state_dir)
-    if cluster is None:
-        from .horovod import rendezvous
-        hosts, prefix = _host_plan(config, workers)
-        with rendezvous(hosts, prefix) as port:
-            yield hosts, hosts[0][0], port
-        return
-    from ..launch.transport import remote_service
-    assert cluster.hosts is not None
-    slots = launch.worker_slots(cluster)
-    hosts = _grouped([a.address for a in slots])
-    argv = [cluster.hosts.python, "-m", "bpsctl.bench.horovod", "rendezvous", json.dumps(hosts)]
-    try:
-        with remote_service(cluster.hosts, slots[0].host, argv) as line:
-            yield hosts, hosts[0][0], int(line)
-    except launch.LaunchError as exc:
-        raise BenchError(f"Horovod's rendezvous server: {exc}") from None
-
-
-def _check_horovod(config: Config) -> None:
-    """Horovod loads where its workers will run (every worker host of an SSH cluster, every
-    worker node of a Slurm cluster), and on an SSH cluster every worker host names the NIC its
-    Gloo binds; a ConfigError otherwise."""
-    from .horovod import INSTALL_COMMAND, installed_version, missing_message
-    recorded = launch.load_state(config.state_dir)
-    if recorded is not None and recorded.kind == "slurm":
-        _check_horovod_on_nodes(recorded)
-        return
-    cluster = ssh_cluster(config.state_dir)
-    if cluster is None:
-        if installed_version() is None:
-            raise ConfigError(missing_message())
-        return
-    assert cluster.hosts is not None
-    unnamed = [entry.host for entry in cluster.hosts.workers if not entry.interface]
-    if unnamed:
-        raise ConfigError(f"--compare horovod: worker host {', '.join(unnamed)} in "
-                          f"{cluster.hosts.source} has no `interface:`; Horovod's Gloo binds a "
-                          "named NIC (e.g. interface: eth0)")
-    from ..launch.transport import run_on_hosts
-    python = cluster.hosts.python
-    worker_hosts = list(dict.fromkeys(entry.host for entry in cluster.hosts.workers))
-    answers = run_on_hosts(cluster.hosts, worker_hosts, [
-        python, "-c", "import horovod, horovod.torch; print(horovod.__version__)"], timeout_s=60)
-    missing = [f"{host} ({why})" for host, (ok, why) in answers.items() if not ok]
-    if missing:
-        raise ConfigError(f"--compare horovod: Horovod does not load with torch for {python} "
-                          f"on worker host {'; '.join(missing)}. Build it there "
-                          f"(`{INSTALL_COMMAND}` on that host), or drop horovod from --compare")
-
-
-def _check_horovod_on_nodes(cluster: launch.ClusterState) -> None:
-    """Horovod loads with torch on every worker node of a Slurm cluster (one step on them
-    all), or a ConfigError naming the nodes where it does not."""
-    from ..launch import slurm
-    from .horovod import INSTALL_COMMAND
-    assert cluster.hosts is not None and cluster.slurm is not None
-    nodes = list(dict.fromkeys(entry.host for entry in cluster.hosts.workers))
-    probe = ("import json, os\nanswer = {'node': os.environ.get('SLURMD_NODENAME')}\n"
-             "try:\n    import horovod, horovod.torch\n"
-             "    answer['version'] = horovod.__version__\n"
-             "except Exception as exc:\n    answer['error'] = f'{type(exc).__name__}: {exc}'\n"
-             "print(json.dumps(answer))")
-    answers, why = slurm.ask_nodes(str(cluster.slurm["job_id"]), nodes,
-                                   [cluster.hosts.python, "-c", probe], "bpsctl-horovod-check",
-                                   timeout_s=120.0)
-    missing = [f"{node} ({answers[node].get('error')})" if node in answers
-               else f"{node} (no answer{why})"
-               for node in nodes if node not in answers or "version" not in answers[node]]
-    if missing:
-        raise ConfigError(f"--compare horovod: Horovod does not load with torch for "
-                          f"{cluster.hosts.python} on worker node {'; '.join(missing)}. Build it "
-                          f"there (`{INSTALL_COMMAND}` on that node), or drop horovod from "
-                          "--compare")
 
 
 def probe_gpus(config: Config, horovod: bool = False) -> list[HostGPUs]:
@@ -271,10 +155,9 @@ def train_system(config: Config, settings: TrainSettings, system: str,
         config = config.replace(trace_dir="")       # --trace is bpsctl's timeline only
     if system != "horovod":
         return _run_workers(config, "bpsctl.bench.train", args, n, k, output)
-    with _horovod_rendezvous(config, n) as (hosts, address, port):
-        args += ["--horovod-hosts", ",".join(f"{h}:{c}" for h, c in hosts),
-                 "--rendezvous-addr", address, "--rendezvous-port", str(port)]
-        return _run_workers(config, "bpsctl.bench.train", args, n, k, output)
+    with horovod_rendezvous(config, n) as (hosts, address, port):
+        return _run_workers(config, "bpsctl.bench.train",
+                            [*args, *worker_args(hosts, address, port)], n, k, output)
 
 
 def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = None,
@@ -287,7 +170,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     output = output if output is not None else sys.stderr
     progress = progress or (lambda message: None)
     if "horovod" in settings.compare:
-        _check_horovod(config)
+        check_installed(config)
     from .models import build
     model = build(settings.model, settings.num_classes)
     params = [p.numel() for p in model.parameters()]
