@@ -225,9 +225,10 @@ def _described(row: np.ndarray, width: int) -> str:
     return "nothing (it did not take part)"
 
 
-def _agree(kind: int, ps_id: int, ranks: Sequence[int], what: str) -> None:
+def _agree(kind: int, ps_id: int, ranks: Sequence[int], what: str, why: str = "") -> None:
     """Every live rank's request, summed into one table (collective); ValueError on every
-    rank, naming each rank's request, unless they all asked for the same."""
+    rank, naming each rank's request, unless they all asked for the same (``why``: what is
+    wrong with this rank's own request, said too)."""
     worker = _w()
     width = max(worker.config.world_size, worker.config.max_workers, size())
     table = np.zeros((width, _HEAD + (width + 7) // 8), np.uint8)
@@ -248,7 +249,7 @@ def _agree(kind: int, ps_id: int, ranks: Sequence[int], what: str) -> None:
         asked = "; ".join(f"rank {r} asked to {_described(agreed[r], width)}" for r in live)
         raise ValueError(f"{what}: the ranks disagree: {asked}. Every rank must call "
                          "add_process_set and remove_process_set in the same order with the "
-                         "same arguments")
+                         "same arguments" + (f" (this rank's: {why})" if why else ""))
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -267,7 +268,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     ranks = list(process_set.ranks)
     width = max(worker.config.world_size, worker.config.max_workers, size())
     why = _invalid(ranks, width)
-    _agree(_INVALID if why else _ADD, registry.next_id, ranks, "add_process_set")
+    _agree(_INVALID if why else _ADD, registry.next_id, ranks, "add_process_set", why)
     if why:
         raise ValueError(f"add_process_set({ranks}): {why}")
     if ranks == list(range(size())) or tuple(ranks) in registry.sets.values():
