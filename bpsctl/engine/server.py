@@ -1188,7 +1188,7 @@ class Server:
             raise P.ProtocolError(f"partition {part} of process set {sorted(scope)}: a "
                                   "host-reduced push sums every worker of its host; push it "
                                   "from each rank of the set")
-        return len(scope - self.lost_ranks)
+        return len(scope - self.lost_ranks) if self.lost_ranks else len(scope)
 
     def _peer(self, rank: int, incarnation: int) -> bytes | None:
         """The connection of worker ``rank``'s process of that incarnation, if it said HELLO."""
