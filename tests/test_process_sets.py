@@ -224,6 +224,8 @@ def every_collective_of_a_set_runs_among_its_ranks_only():
         z = of(ME, (3,)).requires_grad_()
         hvd.allreduce(z, op=hvd.Sum, process_set=ps).sum().backward()
         same(z.grad, torch.full((3,), 2.0), "gradient")
+        got = hvd.broadcast_object({"from": ME}, root_rank=2, process_set=ps)
+        assert got == {"from": 2}, got
         hvd.barrier(process_set=ps)
     # rank 1 waits here for ranks 0 and 2, which come once all of the set's work is done:
     # had any of it waited for rank 1, this would never complete

@@ -40,8 +40,8 @@ _HEAD = 8
 
 
 class ProcessSetUnsupported(EngineError, NotImplementedError):
-    """A process set where bpsctl takes the global one only (``DistributedOptimizer``,
-    ``broadcast_object``, ``init(comm=...)``)."""
+    """A process set where bpsctl takes the global one only (``DistributedOptimizer``, MXNet's
+    ``DistributedTrainer``, ``init(comm=...)``)."""
 
 
 class ProcessSet:
@@ -174,7 +174,7 @@ def _check_set(process_set: ProcessSet | None, what: str) -> None:
     raise ProcessSetUnsupported(
         f"{what}: process set {process_set.ranks} is not the global set, and {what} runs over "
         "every rank here; leave process_set out (a process set carries hvd's collectives: "
-        "allreduce, allgather, broadcast, alltoall, reducescatter, barrier)")
+        "allreduce, allgather, broadcast, alltoall, reducescatter, barrier, broadcast_object)")
 
 
 def _check_init_sets(comm: Any, process_sets: Any) -> None:
