@@ -690,12 +690,13 @@ class Worker:
                   priority: int = 0, out: np.ndarray | None = None, *,
                   compression: C.Compressor | None = None,
                   async_update: tuple[float, float, float, float, bool] | None = None,
-                  async_init: bool = False, reduction: int = P.REDUCE_SUM) -> np.ndarray:
+                  async_init: bool = False, reduction: int = P.REDUCE_SUM,
+                  ranks: tuple[int, ...] | None = None) -> np.ndarray:
         return self.synchronize(self.push_pull_async(array, name, average, priority, out,
                                                      compression=compression,
                                                      async_update=async_update,
                                                      async_init=async_init,
-                                                     reduction=reduction))
+                                                     reduction=reduction, ranks=ranks))
 
     @staticmethod
     def _check_reduction(reduction: int, name: str | None, average: bool, host_reduced: bool,
