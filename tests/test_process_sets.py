@@ -342,3 +342,61 @@ def torch_results(request, tmp_path_factory):
 def test_process_sets_of_the_torch_plugin(torch_results, check):
     from test_torch_plugin import assert_ok
     assert_ok(torch_results, check)
+
+
+# --------------------------------------------------------------------------- a lost worker
+
+LOST_WORKER_SCRIPT = '''
+import os, signal, sys
+import torch
+import bpsctl.engine.torch as hvd
+
+out_dir, steps, die_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+hvd.init()
+rank = hvd.rank()
+low, high = hvd.add_process_set([0, 1]), hvd.add_process_set([1, 2])
+for step in range(steps):
+    if rank == 2 and step == die_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    mine = torch.full((5000,), float(6 * (rank + 1) + step))
+    got = []
+    if rank in (0, 1):
+        got.append(hvd.allreduce(mine, name="low", process_set=low)[0].item())
+    if rank in (1, 2):
+        got.append(hvd.allreduce(mine, name="high", process_set=high)[0].item())
+    got.append(hvd.allreduce(mine, name="everyone")[0].item())
+    with open(os.path.join(out_dir, f"r{rank}"), "a") as f:
+        f.write(" ".join(map(str, got)) + "\\n")
+hvd.shutdown()
+'''
+
+
+@pytest.mark.timeout(180)
+def test_a_lost_worker_leaves_only_its_own_sets_short(tmp_path):
+    """`bpsctl run -np 3 --min-workers 2`, sets [0, 1] and [1, 2], worker 2 killed before its
+    pushes of step 3: the set [0, 1] it is not in still averages over both of its ranks (its
+    rounds were not shortened), the set [1, 2] goes on with rank 1 alone, and the job's
+    averages go from 3 workers to 2."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    steps, die_at = 6, 3
+    script, out = tmp_path / "job.py", tmp_path / "out"
+    script.write_text(LOST_WORKER_SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2"}
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
+                           "--min-workers", "2", "--", sys.executable, str(script), str(out),
+                           str(steps), str(die_at)],
+                          env=env, capture_output=True, text=True, timeout=150)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {rank: [list(map(float, line.split()))
+                   for line in (out / f"r{rank}").read_text().splitlines()] for rank in (0, 1)}
+    for step in range(steps):
+        low = (6 + 12) / 2 + step
+        high = (12 + 18) / 2 + step if step < die_at else 12 + step
+        everyone = (6 + 12 + 18) / 3 + step if step < die_at else (6 + 12) / 2 + step
+        assert rows[0][step] == [low, everyone], (step, rows[0][step])
+        assert rows[1][step] == [low, high, everyone], (step, rows[1][step])
