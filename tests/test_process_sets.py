@@ -98,6 +98,18 @@ def test_two_disjoint_sets_sum_at_once(job):
     np.testing.assert_array_equal(results[2], np.full(3, 100.0))
 
 
+def test_a_rank_in_two_overlapping_sets_sums_in_both_at_once(job):
+    """Rank 1 is in the sets [0, 1] and [1, 2] and has both sums in flight together; ranks 0
+    and 2 each wait only for it."""
+    def body(w: Worker):
+        mine = np.full(1000, 10.0 ** w.rank)
+        handles = [w.push_pull_async(mine, name=f"ps{index}/x", average=False, ranks=ranks)
+                   for index, ranks in ((1, (0, 1)), (2, (1, 2))) if w.rank in ranks]
+        return [w.synchronize(h)[0] for h in handles]
+
+    assert job(3, 2, body, partition_bytes=1024) == [[11.0], [11.0, 110.0], [110.0]]
+
+
 def test_a_rank_outside_the_set_is_refused_before_anything_is_sent(job):
     def body(w: Worker):
         if w.rank == 1:
