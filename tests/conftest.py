@@ -232,6 +232,14 @@ TIERS: dict[str, set[str]] = {
     "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_two_workers": {"slow"},
     "test_horovod_mxnet.py::test_a_lost_peer_fails_the_collective_with_horovod_internal_error":
         {"slow"},
+    # process sets on 3 workers: a torch job through the intra-node stage and one through the
+    # servers, each running every check (5-10 s each), and an MXNet job; the engine's scoped
+    # sums on worker threads stay fast
+    "test_process_sets.py::test_process_sets_of_the_torch_plugin": {"slow"},
+    # a worker of one of two process sets killed under `--min-workers` (1 s of missed
+    # heartbeats; a 3-worker torch job, about 10 s)
+    "test_process_sets.py::test_a_lost_worker_leaves_only_its_own_sets_short": {"slow"},
+    "test_horovod_mxnet.py::test_process_sets_on_three_workers": {"slow"},
     # a job of two workers refused at init (3-4 s); the stage's sums stay fast
     "test_shm_local.py::test_an_arena_larger_than_dev_shm_is_refused_at_init_naming_the_knob":
         {"slow"},

@@ -80,7 +80,7 @@ def _still_serving(cluster: api.ClusterState) -> None:
 
 FIELDS = ("role", "rank", "world_size", "job", "host", "port", "pid", "version", "num_servers",
           "partition_bytes", "start_timeout_s", "tensors", "name", "nonce", "proof", "hosts",
-          "secret", "message")
+          "secret", "message", "parts", "ranks")
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner,

@@ -392,10 +392,13 @@ def refusals_name_the_way_out():
                                               gradient_predivide_factor=0.0))]:
         refused(error, words, call)
     if SIZE > 1:        # (with one rank, [0] is every rank: the global set)
-        refused(hvd.ProcessSetUnsupported, "process set [0] is a subset",
+        refused(ValueError, "is not a registered process set",
                 lambda: hvd.allreduce(mx.nd.ones(2), process_set=hvd.ProcessSet([0])))
         refused(hvd.ProcessSetUnsupported, "DistributedTrainer: process set [0]",
                 lambda: hvd.DistributedTrainer([], "sgd", process_set=hvd.ProcessSet([0])))
+    refused(ValueError, "duplicate process set", lambda: hvd.add_process_set(range(SIZE)))
+    refused(ValueError, f"ranks [{SIZE}] are not ranks of this job",
+            lambda: hvd.add_process_set([0, SIZE]))
 
 @check
 def a_timeline_is_written():
@@ -477,3 +480,73 @@ def test_a_lost_peer_fails_the_collective_with_horovod_internal_error(tmp_path):
     assert record["lost_peer"] == "ok", record
     assert "lost worker 1" in record["message"], record["message"]
     assert record["seconds"] < 15
+
+
+PROCESS_SETS_SCRIPT = '''
+import bpsctl.engine.mxnet as hvd
+ME = hvd.rank()
+SET = [0, 2]
+
+def same(got, want, what=""):
+    got = got.asnumpy() if isinstance(got, mx.nd.NDArray) else np.asarray(got)
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got, want)
+    assert np.array_equal(got, want), (what, got, want)
+
+def of(r, shape, dtype="float32"):
+    return ((np.arange(int(np.prod(shape))).reshape(shape) * 3 + 5 * r + 1) % 13).astype(dtype)
+
+EVEN = hvd.add_process_set([0, 2])
+
+@check
+def collectives_on_a_set_while_the_rank_outside_it_waits():
+    if ME != 1:
+        me = SET.index(ME)
+        ins = [of(r, (4, 3)) for r in SET]
+        same(hvd.allreduce(mx.nd.array(ins[me]), op=hvd.Sum, process_set=EVEN), ins[0] + ins[1])
+        same(hvd.allreduce(mx.nd.array(ins[me]), process_set=EVEN), (ins[0] + ins[1]) / 2)
+        x = mx.nd.array(ins[me], dtype="float64")
+        hvd.allreduce_(x, op=hvd.Sum, name="inplace", process_set=EVEN)
+        same(x, (ins[0] + ins[1]).astype("float64"))
+        ints = [a.astype("int64") for a in ins]
+        same(hvd.allreduce(mx.nd.array(ints[me], dtype="int64"), op=hvd.Average,
+                           process_set=EVEN), (ints[0] + ints[1]) // 2)
+        same(hvd.allreduce(mx.nd.array(ins[me]), op=hvd.Min, process_set=EVEN),
+             np.minimum(*ins))
+        got = hvd.grouped_allreduce([mx.nd.array(ins[me]), mx.nd.array(ints[me], dtype="int64")],
+                                    op=hvd.Sum, process_set=EVEN)
+        same(got[1], ints[0] + ints[1])
+        rows = [of(r, (r + 1, 2), "int32") for r in SET]
+        same(hvd.allgather(mx.nd.array(rows[me], dtype="int32"), process_set=EVEN),
+             np.concatenate(rows))
+        same(hvd.broadcast(mx.nd.array(of(ME, (3,))), root_rank=2, process_set=EVEN), of(2, (3,)))
+        splits = {0: [1, 2], 2: [2, 0]}
+        sent = {r: of(r, (sum(splits[r]), 2)) for r in SET}
+        out, received = hvd.alltoall(mx.nd.array(sent[ME]), splits=splits[ME], process_set=EVEN)
+        want = np.concatenate([sent[r][sum(splits[r][:me]):sum(splits[r][:me + 1])] for r in SET])
+        same(out, want)
+        same(received, np.array([splits[r][me] for r in SET], np.int32))
+        whole = [of(r, (5, 2), "float64") for r in SET]
+        start, count = [(0, 3), (3, 2)][me]
+        same(hvd.reducescatter(mx.nd.array(whole[me], dtype="float64"), op=hvd.Sum,
+                               process_set=EVEN), (whole[0] + whole[1])[start:start + count])
+        hvd.barrier(process_set=EVEN)
+    else:
+        try:
+            hvd.allreduce(mx.nd.ones(2), process_set=EVEN)
+            raise AssertionError("a rank outside the set was accepted")
+        except ValueError as exc:
+            assert "rank 1 is not a member of the provided process set" in str(exc), str(exc)
+    same(hvd.allreduce(mx.nd.ones(1), op=hvd.Sum, name="after"), np.full(1, 3.0, np.float32))
+    assert hvd.remove_process_set(EVEN) is True
+'''
+
+
+@pytest.mark.timeout(120)
+def test_process_sets_on_three_workers(tmp_path):
+    """A process set [0, 2] of a 3-worker MXNet job: every collective on it gives the set's
+    exact result while rank 1 waits in a global allreduce the others join afterwards."""
+    if MXNET_MISSING:
+        pytest.skip(MXNET_MISSING)
+    for rank, results in enumerate(run_script(tmp_path, PROCESS_SETS_SCRIPT, 3)):
+        assert results.get("collectives_on_a_set_while_the_rank_outside_it_waits") == "ok", \
+            f"rank {rank}:\n{results}"

@@ -84,6 +84,9 @@ ADMIT = 24          # donor -> each server: {rank, rounds: {part id: round}} (co
 STATE = 25          # donor -> a server -> the joiner: header (rank = the joiner, round = its
                     #   incarnation), the rounds {part id: round} as JSON, then the model and
                     #   optimizer state the joiner starts from (the server only relays them)
+SCOPE = 40          # worker -> server, before its first push of these partitions on that
+                    #   connection: {parts: [part ids], ranks: [ranks]} (the partitions of a
+                    #   process set's tensor: a round completes once those ranks pushed it)
 
 TYPE_NAMES = {v: k for k, v in dict(globals()).items() if isinstance(v, int) and k.isupper()
               and k not in ("PROTOCOL_VERSION", "HEADER_SIZE")}

@@ -306,6 +306,8 @@ class Server:
         self.late_pushes = 0                        # the job's pushes that came too late
         self.parts: dict[int, PartitionState] = {}
         self.async_parts: dict[int, AsyncPartition] = {}   # asynchronous training: parameters
+        # partitions of a process set's tensors (SCOPE): part id -> the ranks that push them
+        self.scopes: dict[int, frozenset[int]] = {}
         # the job's timeline, when its workers trace (their HELLO names the directory); the
         # summation threads record into it too
         self.trace: Trace | None = None
@@ -508,6 +510,9 @@ class Server:
                 elif msg_type == P.ADMIT:
                     _, body = P.parse_control([frame.buffer for frame in frames[1:]])
                     self._admit(rid, body)
+                elif msg_type == P.SCOPE:
+                    _, body = P.parse_control([frame.buffer for frame in frames[1:]])
+                    self._scope(rid, body)
                 elif msg_type in (P.HELLO, P.AUTH, P.PROOF):
                     _, body = P.parse_control([frame.buffer for frame in frames[1:]])
                     if msg_type == P.HELLO:
@@ -602,6 +607,7 @@ class Server:
         self.incarnations = {}
         self.parts = {}
         self.async_parts = {}
+        self.scopes = {}
         # ranks the job may grow into (`bpsctl run --attach`) count as lost until a donor
         # admits them: a new worker joins exactly as a restarted one rejoins
         self.lost_ranks = set(range(num_workers, max_workers))
@@ -654,6 +660,8 @@ class Server:
             raise P.ProtocolError(f"push of partition {part} has a bad dtype code {dtype} for "
                                   f"{nbytes} bytes")
         expected = self.num_hosts if flags & P.FLAG_HOST_REDUCED else self.num_workers
+        if self.scopes and part in self.scopes:
+            expected = self._scoped_pushers(rank, part, flags)
         state = self.parts.get(part)
         if state is None:
             if part in self.async_parts:
@@ -1078,6 +1086,8 @@ class Server:
         self.num_workers = live
         finished = 0
         for state in list(self.parts.values()):
+            if self.scopes and rank not in self.scopes.get(state.part, (rank,)):
+                continue        # a process set's partition without that rank: unchanged
             if rid is not None and (rid in state.waiting or rid in state.late_waiting):
                 state.leaving.append(rank)      # in this round's sum; not in the next
                 continue
@@ -1126,10 +1136,59 @@ class Server:
         self.lost_ranks.discard(rank)
         self.num_workers += 1
         for state in self.parts.values():
-            state.expected += 1
+            if not self.scopes or rank in self.scopes.get(state.part, (rank,)):
+                state.expected += 1
         self.log.warning("worker %d (%s) joined: rounds go on with %d workers", rank,
                          f"restart {incarnation}" if incarnation else "a new rank",
                          self.num_workers)
+
+    def _scope(self, rid: bytes, msg: dict[str, Any]) -> None:
+        """A worker's SCOPE, sent before its first push of these partitions: they belong to
+        a process set's tensor (Horovod's ``process_set=``), and a round of each completes once
+        every live rank of ``ranks`` pushed it, not every worker of the job. Refused if a
+        partition was summed over another set (or over every worker) already."""
+        rank = self.peers.get(rid)
+        if rank is None:
+            raise P.ProtocolError("SCOPE from a connection that has not said HELLO")
+        parts, ranks = msg.get("parts"), msg.get("ranks")
+        if not isinstance(parts, list) or len(parts) > P.MAX_PARTITIONS_PER_DECLARE or \
+                not all(isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 1 << 32
+                        for p in parts):
+            raise P.ProtocolError("SCOPE: parts must be a list of partition ids")
+        if not isinstance(ranks, list) or not ranks or len(ranks) > P.MAX_WORKERS or \
+                not all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < P.MAX_WORKERS
+                        for r in ranks):
+            raise P.ProtocolError("SCOPE: ranks must be a non-empty list of worker ranks")
+        scope = frozenset(ranks)
+        if rank not in scope:
+            raise P.ProtocolError(f"SCOPE of partitions {parts[:4]} from rank {rank}, which is "
+                                  f"not one of their process set's ranks {sorted(scope)}")
+        for part in parts:
+            known = self.scopes.get(part)
+            if (known is None and part in self.parts) or part in self.async_parts:
+                raise P.ProtocolError(f"partition {part}: rank {rank} says it belongs to process "
+                                      f"set {sorted(scope)}, but it was pushed by every worker "
+                                      "of the job before; use another name")
+            if known is not None and known != scope:
+                raise P.ProtocolError(f"partition {part}: rank {rank} says it belongs to process "
+                                      f"set {sorted(scope)}, another rank said {sorted(known)}; "
+                                      "a tensor is bound to one process set")
+        for part in parts:
+            self.scopes[part] = scope
+
+    def _scoped_pushers(self, rank: int, part: int, flags: int) -> int:
+        """Pushes per round of a process set's partition ``part`` (its live ranks);
+        ProtocolError for a push from a rank outside the set, or one reduced over a host
+        (the intra-node stage sums over every local worker, not a set's)."""
+        scope = self.scopes[part]
+        if rank not in scope:
+            raise P.ProtocolError(f"partition {part}: rank {rank} pushed it, but it belongs to "
+                                  f"process set {sorted(scope)}, which rank {rank} is not in")
+        if flags & P.FLAG_HOST_REDUCED:
+            raise P.ProtocolError(f"partition {part} of process set {sorted(scope)}: a "
+                                  "host-reduced push sums every worker of its host; push it "
+                                  "from each rank of the set")
+        return len(scope - self.lost_ranks) if self.lost_ranks else len(scope)
 
     def _peer(self, rank: int, incarnation: int) -> bytes | None:
         """The connection of worker ``rank``'s process of that incarnation, if it said HELLO."""

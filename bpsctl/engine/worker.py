@@ -183,7 +183,8 @@ class _Task:
 
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
                  "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec",
-                 "hyper", "once", "filled", "lend_results", "reduction")
+                 "hyper", "once", "filled", "lend_results", "reduction",
+                 "scope")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
                  divisor: int | None, deadline: float, flags: int = 0,
@@ -207,6 +208,7 @@ class _Task:
         self.filled: Lease | None = None    # slots the caller filled (src was not)
         self.lend_results = False   # sums in shared memory stay there (Handle.lent)
         self.reduction = P.REDUCE_SUM    # how servers combine the pushes (P.REDUCE_*)
+        self.scope: tuple[int, ...] | None = None   # a process set's ranks (None: every worker)
 
 
 _WAKE = b"\0"
@@ -328,6 +330,8 @@ class Worker:
         self._inflight_bytes = 0
         self._unacked: dict[int, int] = {}                     # part id -> bytes
         self._active: dict[int, tuple[_Task, list[int]]] = {}  # part id -> (task, part)
+        # (server index, part id) of a process set's partitions whose SCOPE that server has
+        self._scoped: set[tuple[int, int]] = set()
         self._rounds: dict[int, int] = {}                      # part id -> round
         self._parts: dict[int, list[int]] = {}                 # part id -> [id, server, ...]
         # servers whose connection dropped: index -> when to give up waiting for the
@@ -558,8 +562,14 @@ class Worker:
                         async_update: tuple[float, float, float, float, bool] | None = None,
                         async_init: bool = False, once: bool = False,
                         filled: Lease | None = None, lend_results: bool = False,
-                        reduction: int = P.REDUCE_SUM) -> Handle:
+                        reduction: int = P.REDUCE_SUM,
+                        ranks: tuple[int, ...] | None = None) -> Handle:
         """Start summing ``array`` across all workers; the result lands in ``out``.
+
+        ``ranks`` (sorted, this worker's among them): a process set's push_pull, summed over
+        those workers only (the others do not take part and are not waited for); its name
+        is bound to that set (a process set's names are its own, see
+        :mod:`bpsctl.engine.process_sets`). Not host-reduced, asynchronous or backed up.
 
         ``reduction`` (``P.REDUCE_MIN``, ``REDUCE_MAX``, ``REDUCE_PRODUCT``): the servers
         combine the workers' arrays elementwise that way instead of summing them; such a
@@ -610,6 +620,10 @@ class Worker:
         flags = (P.FLAG_HOST_REDUCED if host_reduced
                  # averages may go without the backup workers' pushes; sums may not
                  else P.FLAG_BACKUP if average and self.config.backup_workers else 0)
+        if ranks is not None:
+            ranks = tuple(ranks)
+            self._check_scope(ranks, name, host_reduced, async_update is not None or async_init)
+            divisor, flags = (len(ranks) if average else None), 0
         hyper = None
         if async_update is not None or async_init:
             flags, hyper = self._async_flags(src, name, async_update, async_init, host_reduced,
@@ -639,7 +653,7 @@ class Worker:
             self._in_flight_names.add(name)
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s, flags, hyper)
-        task.once, task.reduction = once, reduction
+        task.once, task.reduction, task.scope = once, reduction, ranks
         if compression is None and hyper is None:
             task.filled, task.lend_results = filled, lend_results
         elif filled is not None:
@@ -676,12 +690,13 @@ class Worker:
                   priority: int = 0, out: np.ndarray | None = None, *,
                   compression: C.Compressor | None = None,
                   async_update: tuple[float, float, float, float, bool] | None = None,
-                  async_init: bool = False, reduction: int = P.REDUCE_SUM) -> np.ndarray:
+                  async_init: bool = False, reduction: int = P.REDUCE_SUM,
+                  ranks: tuple[int, ...] | None = None) -> np.ndarray:
         return self.synchronize(self.push_pull_async(array, name, average, priority, out,
                                                      compression=compression,
                                                      async_update=async_update,
                                                      async_init=async_init,
-                                                     reduction=reduction))
+                                                     reduction=reduction, ranks=ranks))
 
     @staticmethod
     def _check_reduction(reduction: int, name: str | None, average: bool, host_reduced: bool,
@@ -697,6 +712,17 @@ class Worker:
             if wrong:
                 raise ValueError(f"push_pull of {name!r} by {what} cannot be {why}: only sums "
                                  "are; push it with average=False and no compression")
+
+    def _check_scope(self, ranks: tuple[int, ...], name: str | None, host_reduced: bool,
+                     asynchronous: bool) -> None:
+        """ValueError naming what a process set's push_pull (``ranks``) cannot be."""
+        if self.rank not in ranks:
+            raise ValueError(f"push_pull of {name!r}: this worker (rank {self.rank}) is not one "
+                             f"of the process set's ranks {list(ranks)}")
+        if host_reduced or asynchronous:
+            raise ValueError(f"push_pull of {name!r} over process set {list(ranks)} cannot be "
+                             f"{'host-reduced' if host_reduced else 'asynchronous training'}: "
+                             "each rank of the set pushes its own tensor")
 
     def _async_flags(self, src: np.ndarray, name: str | None,
                      update: tuple[float, float, float, float, bool] | None, init: bool,
@@ -1143,6 +1169,8 @@ class Worker:
                 trace.span(STAGE["queued"], trace.name_id(task.name), task.queued_ns, now,
                            part_id, round_, length, server, task.priority)
                 flags |= P.FLAG_TRACED
+            if task.scope is not None and (server, part_id) not in self._scoped:
+                self._send_scope(server, task)
             sock = self._server_socks[server]
             sock.send(P.pack_header(P.PUSH, flags=flags,
                                     dtype=P.push_dtype(P.DTYPE_CODES[task.dtype], task.reduction),
@@ -1158,6 +1186,16 @@ class Worker:
             self._active[part_id] = (task, part)
             self._pushed_bytes[server] += part[3]
         return False
+
+    def _send_scope(self, server: int, task: _Task) -> None:
+        """Tell server ``server`` which ranks push ``task``'s partitions there (a process
+        set's), on the connection its pushes take, so it hears before the first one (also a
+        server that took partitions over from a lost one)."""
+        assert task.scope is not None
+        parts = [p[0] for p in task.parts if p[1] == server and (server, p[0]) not in self._scoped]
+        self._server_socks[server].send_multipart(
+            P.control(P.SCOPE, {"parts": parts, "ranks": list(task.scope)}))
+        self._scoped.update((server, part) for part in parts)
 
     def _drain_server(self, sock: zmq.Socket) -> None:
         # at most half a heartbeat interval at a time (decompressing results can be slow):

@@ -15,8 +15,9 @@ place (MXNet's pending writes to the input are waited for first). The rules are 
 every rank calls the same collectives in the same order, with the same names (a name left out
 is made the same way on every rank, :class:`~bpsctl.engine.collectives.AutoNames`), and the
 same shapes where Horovod needs them. An engine failure is raised as
-:class:`HorovodInternalError`. Not carried: Adasum (ValueError naming ``op=hvd.Average``) and
-process sets other than the global one (:mod:`bpsctl.engine.process_sets`); ``priority`` is
+:class:`HorovodInternalError`. ``process_set=``: a collective on a process set runs among its
+ranks only, under names of its own (:mod:`bpsctl.engine.process_sets`; float sums go through
+host memory then). Not carried: Adasum (ValueError naming ``op=hvd.Average``); ``priority`` is
 passed to the engine where the servers sum, and ignored elsewhere.
 """
 from __future__ import annotations
@@ -49,7 +50,10 @@ from ..common import EngineError
 from ..process_sets import (  # noqa: F401 - Horovod's mpi_ops has these names
     ProcessSet,
     ProcessSetUnsupported,
+    Scope,
+    _barrier,
     _check_set,
+    _scope,
     add_process_set,
     global_process_set,
     remove_process_set,
@@ -120,9 +124,16 @@ def is_homogeneous() -> bool:
 _auto_names = K.AutoNames()
 
 
-def _sum(array: np.ndarray, name: str) -> np.ndarray:
-    """The engine's sum of ``array`` over every worker (a new array)."""
-    return _engine._w().push_pull(array, name=name, average=False)
+def _sum(array: np.ndarray, name: str, scope: Scope | None = None) -> np.ndarray:
+    """The engine's sum of ``array`` over every worker (over a process set's ranks, for
+    ``scope``), a new array."""
+    return _engine._w().push_pull(array, name=name, average=False,
+                                  ranks=None if scope is None else scope.ranks)
+
+
+def _summer(scope: Scope) -> K.SumFn:
+    """:func:`_sum` over ``scope``, for the gathers of :mod:`bpsctl.engine.collectives`."""
+    return lambda array, name: _sum(array, name, scope)
 
 
 @contextlib.contextmanager
@@ -138,15 +149,18 @@ def _internal() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _named(kind: str, name: str | None, signature: str) -> Iterator[str]:
+def _named(kind: str, name: str | None, signature: str,
+           scope: Scope | None = None) -> Iterator[str]:
     """The engine name of a collective of ``kind`` while it runs: ``<kind>.<name>``, or an
     automatic one for the dtype and shape ``signature`` (given back when it ends, whether it
     succeeds or not, so that every rank's next one takes the same name). A collective that
-    completes is a ``collective`` span of the worker's trace (a timeline's)."""
+    completes is a ``collective`` span of the worker's trace (a timeline's). A process set's
+    names start with its prefix (``ps<id>/``)."""
+    prefix = "" if scope is None else scope.prefix
     if name is None:
-        wire, release = _auto_names.take(f"{kind}.noname.{signature}")
+        wire, release = _auto_names.take(f"{prefix}{kind}.noname.{signature}")
     else:
-        wire, release = f"{kind}.{name}", None
+        wire, release = f"{prefix}{kind}.{name}", None
     started_ns = now_ns()
     try:
         with _internal():
@@ -203,10 +217,15 @@ def _ints(splits: Any) -> list[int]:
 # --------------------------------------------------------------------------- allreduce
 
 def _reduce_into(target: mx.nd.NDArray, op: ReduceOp, wire: str, priority: int,
-                 prescale_factor: float, postscale_factor: float) -> mx.nd.NDArray:
+                 prescale_factor: float, postscale_factor: float,
+                 scope: Scope | None = None) -> mx.nd.NDArray:
     """``target`` (a private copy, or the caller's tensor for the in-place forms) replaced by
-    its reduction over every rank."""
+    its reduction over every rank (over a process set's, for ``scope``)."""
     dtype = np.dtype(target.dtype)
+    if scope is not None and scope.ranks is not None:
+        return _write(target, K.scaled(_reduced_in_set(
+            K.scaled(target.asnumpy(), prescale_factor), op, wire, priority, scope),
+            postscale_factor))
     if op in K.SERVER_OPS and dtype.kind == "f":
         # in place, without a copy on the host (a GPU array is staged, see _Op)
         if prescale_factor != 1.0:
@@ -226,18 +245,32 @@ def _reduce_into(target: mx.nd.NDArray, op: ReduceOp, wire: str, priority: int,
     return _write(target, K.scaled(total, postscale_factor))
 
 
+def _reduced_in_set(values: np.ndarray, op: ReduceOp, wire: str, priority: int,
+                    scope: Scope) -> np.ndarray:
+    """``values`` reduced by ``op`` over a process set's ranks (through host memory)."""
+    worker = _engine._w()
+    if op in K.SERVER_OPS:
+        floating = values.dtype.kind == "f"
+        total = worker.push_pull(values, name=wire, average=op is Average and floating,
+                                 priority=priority, ranks=scope.ranks)
+        return K.floor_average(total, scope.size) if op is Average and not floating else total
+    return K.from_bytes(worker.push_pull(K.as_bytes(values), name=wire, average=False,
+                                         priority=priority, reduction=K.SERVER_REDUCTIONS[op],
+                                         ranks=scope.ranks), values.dtype)
+
+
 def _allreduce(tensor: Any, inplace: bool, average: bool | None, name: str | None,
                priority: int, prescale_factor: float, postscale_factor: float,
                process_set: ProcessSet | None, op: Any, what: str) -> mx.nd.NDArray:
     resolved = K.resolve_op(op, average, what)
-    _check_set(process_set, what)
+    scope = _scope(process_set, what)
     _check_nd(tensor, what)
     _check_summable(tensor, resolved, what)
     kind = f"allreduce.{resolved.name}" if resolved in K.SERVER_REDUCTIONS else "allreduce"
     target = tensor if inplace else tensor.copy()
-    with _named(kind, name, _signature(tensor)) as wire:
+    with _named(kind, name, _signature(tensor), scope) as wire:
         return _reduce_into(target, resolved, wire, priority, prescale_factor,
-                            postscale_factor)
+                            postscale_factor, scope)
 
 
 def allreduce(tensor: mx.nd.NDArray, average: bool | None = None, name: str | None = None,
@@ -296,13 +329,14 @@ def allgather(tensor: mx.nd.NDArray, name: str | None = None, priority: int = 0,
     differ in that dimension only), a new NDArray. Each rank pushes and pulls every rank's
     rows (:func:`bpsctl.engine.collectives.gather_by_sum`)."""
     del priority
-    _check_set(process_set, "allgather")
+    scope = _scope(process_set, "allgather")
     _check_nd(tensor, "allgather")
     if tensor.ndim == 0:
         raise ValueError("allgather: a tensor of at least one dimension is needed; reshape a "
                          "scalar to shape (1,)")
-    with _named("allgather", name, _signature(tensor, first_dim=False)) as wire:
-        return _new(K.gather_by_sum(tensor.asnumpy(), rank(), size(), _sum, wire), tensor)
+    with _named("allgather", name, _signature(tensor, first_dim=False), scope) as wire:
+        return _new(K.gather_by_sum(tensor.asnumpy(), scope.rank, scope.size, _summer(scope),
+                                    wire), tensor)
 
 
 def grouped_allgather(tensors: Sequence[mx.nd.NDArray], name: str | None = None,
@@ -320,14 +354,18 @@ def broadcast_(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None,
     """``root_rank``'s ``tensor`` copied into ``tensor`` on every rank; returns it. Carried
     as a sum to which every rank but the root adds zeros."""
     del priority
-    _check_set(process_set, "broadcast")
+    scope = _scope(process_set, "broadcast")
     _check_nd(tensor, "broadcast")
     _check_root(root_rank)
+    if scope.ranks is not None and root_rank not in scope.ranks:
+        raise ValueError(f"broadcast: root_rank {root_rank} is not in the process set "
+                         f"{list(scope.ranks)}; root_rank is a global rank (hvd.rank()) of one "
+                         "of its members")
     values = tensor.asnumpy()
     if rank() != root_rank:
         values = np.zeros_like(values)
-    with _named("broadcast", name, _signature(tensor)) as wire:
-        got = K.from_bytes(_sum(K.as_bytes(values), wire), values.dtype)
+    with _named("broadcast", name, _signature(tensor), scope) as wire:
+        got = K.from_bytes(_sum(K.as_bytes(values), wire, scope), values.dtype)
     return _write(tensor, got)
 
 
@@ -375,15 +413,16 @@ def alltoall(tensor: mx.nd.NDArray, splits: Any = None, name: str | None = None,
     came from each rank (an int32 NDArray), as Horovod does. Carried as a gather of every
     rank's whole tensor (:func:`bpsctl.engine.collectives.alltoall_by_sum`)."""
     del priority
-    _check_set(process_set, "alltoall")
+    scope = _scope(process_set, "alltoall")
     _check_nd(tensor, "alltoall")
     if tensor.ndim == 0:
         raise ValueError("alltoall: a tensor of at least one dimension is needed")
-    n = size()
+    n = scope.size
     counts = K.even_splits(tensor.shape[0], n) if splits is None else \
         K.check_splits(_ints(splits), tensor.shape[0], n)
-    with _named("alltoall", name, _signature(tensor, first_dim=False)) as wire:
-        output, received = K.alltoall_by_sum(tensor.asnumpy(), counts, rank(), n, _sum, wire)
+    with _named("alltoall", name, _signature(tensor, first_dim=False), scope) as wire:
+        output, received = K.alltoall_by_sum(tensor.asnumpy(), counts, scope.rank, n,
+                                             _summer(scope), wire)
     result = _new(output, tensor)
     if splits is None:
         return result
@@ -397,17 +436,17 @@ def _reducescatter(tensor: Any, op: Any, name: str | None, priority: int,
                    postscale_factor: float, what: str) -> mx.nd.NDArray:
     resolved = K.resolve_op(op, None, what)
     K.check_op(resolved, K.SERVER_OPS, what)
-    _check_set(process_set, what)
+    scope = _scope(process_set, what)
     _check_summable(_check_nd(tensor, what), resolved, what)
     if tensor.ndim == 0:
         raise ValueError(f"{what}: a tensor of at least one dimension is needed (Horovod does "
                          "not take scalars either)")
-    with _named("reducescatter", name, _signature(tensor)) as wire:
+    with _named("reducescatter", name, _signature(tensor), scope) as wire:
         whole = _reduce_into(tensor.copy(), resolved, wire, priority, prescale_factor,
-                             postscale_factor)
-    counts = K.reducescatter_counts(tensor.shape[0], size())
-    start = K.offsets(counts)[rank()]
-    return _new(whole.asnumpy()[start:start + counts[rank()]], tensor)
+                             postscale_factor, scope)
+    counts = K.reducescatter_counts(tensor.shape[0], scope.size)
+    start = K.offsets(counts)[scope.rank]
+    return _new(whole.asnumpy()[start:start + counts[scope.rank]], tensor)
 
 
 def reducescatter(tensor: mx.nd.NDArray, op: Any = Average, name: str | None = None,
@@ -434,11 +473,15 @@ def grouped_reducescatter(tensors: Sequence[mx.nd.NDArray], op: Any = Average,
 # --------------------------------------------------------------------------- barrier, join
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every rank has called barrier() (the scheduler's barrier; the engine's op
-    timeout bounds the wait). Not in ``horovod.mxnet``; as ``horovod.torch``'s."""
-    _check_set(process_set, "barrier")
+    """Wait until every rank (of ``process_set``) has called barrier() (the scheduler's
+    barrier; a process set's: a one-element sum over its ranks); the engine's op timeout
+    bounds the wait. Not in ``horovod.mxnet``; as ``horovod.torch``'s."""
+    scope = _scope(process_set, "barrier")
     with _internal():
-        _engine._w().barrier()
+        if scope.ranks is None:
+            _engine._w().barrier()
+        else:
+            _barrier(scope)
 
 
 def join(device: int = -1) -> int:

@@ -28,10 +28,11 @@ from ..worker import Handle
 def init(config: Config | None = None, process_sets: Any = None, *, comm: Any = None) -> None:
     """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent.
     Horovod's ``init(comm=None, process_sets=None)`` is accepted too, as the PyTorch plugin
-    takes it: ``comm`` (first, or by name) as a list of ranks and ``process_sets`` must cover
-    every rank of the job (:class:`~bpsctl.engine.process_sets.ProcessSetUnsupported`
-    otherwise). A restarted worker cannot rejoin a running MXNet job (only the PyTorch plugin
-    hands a rejoining worker the model): it fails here, and the job goes on without it. Under
+    takes it: ``comm`` (first, or by name) as a list of ranks must cover every rank of the
+    job (:class:`~bpsctl.engine.process_sets.ProcessSetUnsupported` otherwise), and each of
+    ``process_sets`` is added as ``add_process_set`` adds it (the same list on every rank).
+    A restarted worker cannot rejoin a running MXNet job (only the PyTorch plugin hands a
+    rejoining worker the model): it fails here, and the job goes on without it. Under
     asynchronous training (BPSCTL_ASYNC) ``DistributedTrainer`` trains with SGD on the
     servers; ``DistributedOptimizer`` is refused."""
     if config is not None and not isinstance(config, Config):

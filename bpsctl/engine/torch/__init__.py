@@ -103,9 +103,10 @@ def init(config: Config | None = None, process_sets: Any = None, *, comm: Any = 
     """Join the job (default: from the environment, as set by ``bpsctl run``). Idempotent.
 
     Horovod's ``init(comm=None, process_sets=None)`` is accepted too: ``comm`` (first, or by
-    name) as a list of ranks and ``process_sets`` must cover every rank of the job (see
-    :class:`~bpsctl.engine.torch.mpi_ops.ProcessSetUnsupported`); ``process_sets="dynamic"``
-    is accepted (``add_process_set`` then says what it can do)."""
+    name) as a list of ranks must cover every rank of the job (see
+    :class:`~bpsctl.engine.torch.mpi_ops.ProcessSetUnsupported`); each of ``process_sets``
+    is added as ``add_process_set`` adds it (collective: the same list on every rank), and
+    ``process_sets="dynamic"`` is accepted (sets are always dynamic here)."""
     if config is not None and not isinstance(config, Config):
         config, comm = None, config         # Horovod's positional comm
     join_job(config)

@@ -13,18 +13,24 @@ from ..common import EngineError, JobFinished
 from .compression import Compression
 from .ops import _start, synchronize
 from .plugin import _p, _Plugin, rank, size
-from .process_sets import _check_set
+from .process_sets import _scope
+
+#: broadcast_object calls on each process set (its prefix), counted apart from the global ones:
+#: ranks outside a set do not make them
+_set_objects: dict[tuple[int, str], int] = {}
 
 
-def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int, prefix: str) -> None:
-    """Broadcast by summation: every rank but the root contributes zeros (as BytePS does)."""
+def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int, prefix: str,
+                       ranks: tuple[int, ...] | None = None) -> None:
+    """Broadcast by summation: every rank but the root contributes zeros (as BytePS does);
+    over a process set's ``ranks`` where given."""
     handles = []
     with torch.no_grad():
         for name, tensor in named:
             if rank() != root_rank:
                 tensor.zero_()
             handles.append(_start(tensor, False, f"{prefix}.{name}", 0, Compression.none,
-                                  inplace=True, once=True))
+                                  inplace=True, once=True, ranks=ranks))
     for handle in handles:
         synchronize(handle)
 
@@ -98,22 +104,29 @@ def _donate(plugin: _Plugin, elastic: Any = None) -> None:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = None) -> Any:
-    """Return ``obj`` from ``root_rank`` on every rank (pickled; all ranks must call it).
-    ``process_set``: Horovod's, the global one only."""
-    if process_set is not None:
-        _check_set(process_set, "broadcast_object")
+    """Return ``obj`` from ``root_rank`` on every rank (pickled; all ranks must call it), or on
+    every rank of ``process_set`` (Horovod's; ``root_rank`` a global rank in it)."""
+    scope = _scope(process_set, "broadcast_object")
     _check_root(root_rank)
     plugin = _p()
-    key = f"broadcast_object.{name or 'object'}.{plugin.objects}"
-    plugin.objects += 1
+    if scope.ranks is None:
+        key = f"broadcast_object.{name or 'object'}.{plugin.objects}"
+        plugin.objects += 1
+    else:
+        if root_rank not in scope.ranks:
+            raise ValueError(f"broadcast_object: root_rank {root_rank} is not in the process "
+                             f"set {list(scope.ranks)}")
+        count = _set_objects.get((id(plugin), scope.prefix), 0)
+        _set_objects[(id(plugin), scope.prefix)] = count + 1
+        key = f"{scope.prefix}broadcast_object.{name or 'object'}.{count}"
     me = rank() == root_rank
     data = pickle.dumps(obj) if me else b""
     length = torch.tensor([len(data)], dtype=torch.int64)
-    _broadcast_tensors([("length", length)], root_rank, key)
+    _broadcast_tensors([("length", length)], root_rank, key, scope.ranks)
     payload = torch.zeros(int(length.item()), dtype=torch.uint8)
     if me:
         payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    _broadcast_tensors([("data", payload)], root_rank, key)
+    _broadcast_tensors([("data", payload)], root_rank, key, scope.ranks)
     return obj if me else pickle.loads(payload.numpy().tobytes())
 
 

@@ -16,10 +16,12 @@ them. The ``*_async`` forms of allgather and alltoall wait for the exchange of r
 (one small push_pull) before returning; the data travels in the background. A failed
 collective raises :class:`HorovodInternalError` at :func:`synchronize`.
 
-Not carried: Adasum (ValueError naming ``op=hvd.Average``), process sets other than the
-global one (:mod:`.process_sets`), and ``join`` lets no rank go on alone (see
-:func:`join`). Horovod's other names of this module are in :mod:`.basics` (feature queries,
-host layout, timelines) and :mod:`.process_sets`, and re-exported here as in Horovod.
+Process sets (``process_set=``): a collective on one runs among its ranks only, under
+engine names of its own, with ranks and sizes within the set
+(:mod:`bpsctl.engine.process_sets`). Not carried: Adasum (ValueError naming
+``op=hvd.Average``), and ``join`` lets no rank go on alone (see :func:`join`). Horovod's other
+names of this module are in :mod:`.basics` (feature queries, host layout, timelines) and
+:mod:`.process_sets`, and re-exported here as in Horovod.
 """
 from __future__ import annotations
 
@@ -64,7 +66,10 @@ from .plugin import _p, _wire_dtype, rank, size
 from .process_sets import (  # noqa: F401
     ProcessSet,
     ProcessSetUnsupported,
+    Scope,
+    _barrier,
     _check_set,
+    _scope,
     add_process_set,
     global_process_set,
     remove_process_set,
@@ -103,16 +108,20 @@ def _signature(tensor: torch.Tensor, first_dim: bool = True) -> str:
     return f"{str(tensor.dtype).replace('torch.', '')}:{'x'.join(map(str, dims))}"
 
 
-def _name(kind: str, name: str | None, signature: str) -> tuple[str, Release]:
+def _name(kind: str, name: str | None, signature: str,
+          scope: Scope | None = None) -> tuple[str, Release]:
     """The engine name of a collective of ``kind`` (``<kind>.<name>``, or one of
     :class:`~bpsctl.engine.collectives.AutoNames` for the ``signature`` when ``name`` is
     None) and what to call when it is synchronized. The engine binds a name to the dtype and
     shape of its first push_pull: a named allreduce, broadcast or reducescatter keeps its
     shape (another one is refused, naming it), while gathered buffers, whose rows change
-    from call to call, are named by their row count (:func:`_rows`)."""
+    from call to call, are named by their row count (:func:`_rows`). A process set's names
+    start with its prefix (``ps<id>/``), automatic ones counted apart from the others'
+    (ranks outside the set do not make them)."""
+    prefix = "" if scope is None else scope.prefix
     if name is None:
-        return _auto_names.take(f"{kind}.noname.{signature}")
-    return f"{kind}.{name}", _keep
+        return _auto_names.take(f"{prefix}{kind}.noname.{signature}")
+    return f"{prefix}{kind}.{name}", _keep
 
 
 def _rows(name: str, buffer: torch.Tensor) -> str:
@@ -159,18 +168,21 @@ def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return (tensor.double() * factor).to(tensor.dtype)
 
 
-def _push_sum(tensor: torch.Tensor, name: str) -> int:
-    """Start the push_pull (a sum) of ``tensor``, a private buffer: the result lands in it."""
-    return _start(tensor, False, name, 0, Compression.none, inplace=True)
+def _push_sum(tensor: torch.Tensor, name: str, scope: Scope | None = None) -> int:
+    """Start the push_pull (a sum) of ``tensor``, a private buffer: the result lands in it
+    (over the ranks of ``scope``, a process set, where given)."""
+    return _start(tensor, False, name, 0, Compression.none, inplace=True,
+                  ranks=None if scope is None else scope.ranks)
 
 
-def _exchange_ints(mine: np.ndarray, name: str) -> np.ndarray:
+def _exchange_ints(mine: np.ndarray, name: str, scope: Scope | None = None) -> np.ndarray:
     """Every rank's ``mine`` (a small int64 vector, the same length on every rank), as a
-    ``size() x len(mine)`` array: one push_pull, waited for here."""
-    n, me = size(), rank()
+    ``size() x len(mine)`` array (the set's ranks in set order, for ``scope``): one
+    push_pull, waited for here."""
+    n, me = (size(), rank()) if scope is None else (scope.size, scope.rank)
     table = torch.zeros((n, len(mine)), dtype=torch.int64)
     table[me] = torch.from_numpy(np.asarray(mine, np.int64))
-    synchronize(_push_sum(table, f"{name}.counts"))
+    synchronize(_push_sum(table, f"{name}.counts", scope))
     return table.numpy()
 
 
@@ -212,11 +224,11 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
                      kind: str = "allreduce") -> int:
     """Start an allreduce of ``tensor``; the result lands in ``output`` (in-place forms) or a
     new tensor."""
-    _check_set(process_set, kind)
+    scope = _scope(process_set, kind)
     _check_tensor(tensor, kind, bool_ok=op in K.SERVER_REDUCTIONS)
     by_op = op in K.SERVER_REDUCTIONS     # a name bound to its op: a name of its own
     wire_name, release = _name(f"{kind}.{op.name}" if by_op else kind, name,
-                               _signature(tensor))
+                               _signature(tensor), scope)
     detached = tensor.detach()
     source = _scaled(detached, prescale_factor)
     if op in K.SERVER_OPS:
@@ -225,13 +237,14 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
         inplace = output is not None and not private
         with _released_on_error(release):
             handle = _start(tensor if inplace else source, op is Average and floating,
-                            wire_name, 0, compression, inplace=inplace or private)
+                            wire_name, 0, compression, inplace=inplace or private,
+                            ranks=scope.ranks)
         divide = op is Average and not floating
 
         def finish(results: list[torch.Tensor]) -> torch.Tensor:
             result = results[0]
             if divide:              # integers: Horovod's floor division of the sum
-                result = torch.div(result, size(), rounding_mode="floor")
+                result = torch.div(result, scope.size, rounding_mode="floor")
             result = _scaled(result, postscale_factor)
             if output is None:
                 return result
@@ -247,7 +260,8 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
     wire = _as_bytes(wire.contiguous())
     reduced = torch.empty_like(wire)
     with _released_on_error(release):
-        handle = _start_reduced(wire, reduced, wire_name, 0, K.SERVER_REDUCTIONS[op])
+        handle = _start_reduced(wire, reduced, wire_name, 0, K.SERVER_REDUCTIONS[op],
+                                ranks=scope.ranks)
 
     def finish_reduced(_: list[torch.Tensor]) -> torch.Tensor:
         values = reduced.view(torch.bool) if source.dtype == torch.bool else reduced
@@ -403,7 +417,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: Any,
     def wait() -> torch.Tensor:
         v, i = synchronize(values), synchronize(indices)
         if resolved is Average:
-            v = v / size()
+            v = v / _scope(process_set, "sparse_allreduce_async").size
         return torch.sparse_coo_tensor(i.transpose(0, 1), v, t.size())
     return wait
 
@@ -417,16 +431,17 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
     counts (waited for) for all of them, then a push_pull of each gathered buffer. Returns
     the handles (each gives its buffer), every tensor's counts per rank, the base name and
     what gives it back (for :func:`_then`)."""
-    _check_set(process_set, kind)
+    scope = _scope(process_set, kind)
     for t in tensors:
         _check_tensor(t, kind)
         if t.dim() == 0:
             raise ValueError(f"{kind}: a tensor of at least one dimension is needed; reshape "
                              "a scalar with tensor.reshape(1)")
-    base, release = _name(kind, name, ";".join(_signature(t, first_dim=False) for t in tensors))
+    base, release = _name(kind, name, ";".join(_signature(t, first_dim=False) for t in tensors),
+                          scope)
     with _released_on_error(release):
-        table = _exchange_ints(np.array([t.shape[0] for t in tensors], np.int64), base)
-        me = rank()
+        table = _exchange_ints(np.array([t.shape[0] for t in tensors], np.int64), base, scope)
+        me = scope.rank
         handles, all_counts = [], []
         for i, t in enumerate(tensors):
             counts = [int(c) for c in table[:, i]]
@@ -434,7 +449,7 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
             start = K.offsets(counts)[me]
             buffer[start:start + counts[me]] = t.detach()
             member = f"{base}.{i}" if len(tensors) > 1 else base
-            handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer)))
+            handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer), scope))
             all_counts.append(counts)
     return handles, all_counts, base, release
 
@@ -480,7 +495,7 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad = allreduce(grad_output.contiguous(), op=Average, process_set=ctx.process_set)
-        me = rank()
+        me = _scope(ctx.process_set, "allgather").rank
         return grad.narrow(0, K.offsets(ctx.counts)[me], ctx.counts[me]), None, None
 
 
@@ -509,7 +524,7 @@ class _GroupedAllgather(torch.autograd.Function):
     def backward(ctx, *grads):
         reduced = grouped_allreduce([g.contiguous() for g in grads], op=Average,
                                     process_set=ctx.process_set)
-        me = rank()
+        me = _scope(ctx.process_set, "grouped_allgather").rank
         return (None, None, *[g.narrow(0, K.offsets(c)[me], c[me])
                               for g, c in zip(reduced, ctx.counts, strict=True)])
 
@@ -531,14 +546,24 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 
 # --------------------------------------------------------------------------- broadcast
 
+def _check_set_root(root_rank: int, scope: Scope, what: str) -> None:
+    """ValueError for a process set's broadcast whose root (a global rank, as Horovod's)
+    is not in the set."""
+    if scope.ranks is not None and root_rank not in scope.ranks:
+        raise ValueError(f"{what}: root_rank {root_rank} is not in the process set "
+                         f"{list(scope.ranks)}; root_rank is a global rank (hvd.rank()) of one "
+                         "of its members")
+
+
 def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_rank: int,
                      name: str | None, process_set: ProcessSet | None) -> int:
     """Start copying the root's ``tensor`` to every rank, by summation with zeros from the
     others (as broadcast_parameters does); into ``output`` (in place) or a new tensor."""
-    _check_set(process_set, "broadcast")
+    scope = _scope(process_set, "broadcast")
     _check_tensor(tensor, "broadcast")
     _check_root(root_rank)
-    wire_name, release = _name("broadcast", name, _signature(tensor))
+    _check_set_root(root_rank, scope, "broadcast")
+    wire_name, release = _name("broadcast", name, _signature(tensor), scope)
     buffer = output if output is not None else \
         torch.empty_like(tensor.detach(), memory_format=torch.contiguous_format)
     with torch.no_grad():
@@ -547,7 +572,7 @@ def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_ran
         elif buffer is not tensor:
             buffer.copy_(tensor)
     with _released_on_error(release):
-        handle = _push_sum(_as_bytes(buffer), wire_name)
+        handle = _push_sum(_as_bytes(buffer), wire_name, scope)
     return _then(wire_name, [handle], lambda _: buffer, release)
 
 
@@ -600,27 +625,27 @@ def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
     """Start an alltoall as an allgather of every rank's whole tensor (the splits of every
     rank exchanged first), from which each rank keeps the rows sent to it; its
     :func:`synchronize` gives ``(output, received_splits)``."""
-    _check_set(process_set, "alltoall")
+    scope = _scope(process_set, "alltoall")
     _check_tensor(tensor, "alltoall")
     if tensor.dim() == 0:
         raise ValueError("alltoall: a tensor of at least one dimension is needed")
-    n, me = size(), rank()
+    n, me = scope.size, scope.rank
     rows = tensor.shape[0]
     if splits is None:
         counts = K.even_splits(rows, n)
     else:
         values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
         counts = K.check_splits(values, rows, n)
-    base, release = _name("alltoall", name, _signature(tensor, first_dim=False))
+    base, release = _name("alltoall", name, _signature(tensor, first_dim=False), scope)
     with _released_on_error(release):
-        matrix = _exchange_ints(np.array(counts, np.int64), base)
+        matrix = _exchange_ints(np.array(counts, np.int64), base, scope)
         spans, received = K.alltoall_plan(matrix, me)
         senders = [int(row.sum()) for row in matrix]
         buffer = torch.zeros((sum(senders), *tensor.shape[1:]), dtype=tensor.dtype,
                              device=tensor.device)
         start = K.offsets(senders)[me]
         buffer[start:start + rows] = tensor.detach()
-        handle = _push_sum(_as_bytes(buffer), _rows(base, buffer))
+        handle = _push_sum(_as_bytes(buffer), _rows(base, buffer), scope)
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
 
     def pick(_: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -678,8 +703,9 @@ def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: ReduceOp,
         raise ValueError("reducescatter: a tensor of at least one dimension is needed")
     handle = _allreduce_start(tensor, None, name, op, prescale_factor, postscale_factor,
                               process_set, compression, kind="reducescatter")
-    counts = K.reducescatter_counts(tensor.shape[0], size())
-    start, count = K.offsets(counts)[rank()], counts[rank()]
+    scope = _scope(process_set, "reducescatter")
+    counts = K.reducescatter_counts(tensor.shape[0], scope.size)
+    start, count = K.offsets(counts)[scope.rank], counts[scope.rank]
     return _then(f"reducescatter.{name or 'noname'}", [handle],
                  lambda results: results[0].narrow(0, start, count).clone())
 
@@ -716,7 +742,8 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         op, process_set, pre, post = ctx.args
-        grad = _reducescatter_grad(grad_output.contiguous(), op, size(), pre, post)
+        grad = _reducescatter_grad(grad_output.contiguous(), op,
+                                   _scope(process_set, "reducescatter").size, pre, post)
         return allgather(grad, process_set=process_set), None, None, None, None, None, None
 
 
@@ -752,7 +779,8 @@ class _GroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         op, process_set, pre, post = ctx.args
-        scaled = [_reducescatter_grad(g.contiguous(), op, size(), pre, post) for g in grads]
+        n = _scope(process_set, "grouped_reducescatter").size
+        scaled = [_reducescatter_grad(g.contiguous(), op, n, pre, post) for g in grads]
         return (None,) * 6 + tuple(grouped_allgather(scaled, process_set=process_set))
 
 
@@ -771,11 +799,15 @@ def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = No
 # --------------------------------------------------------------------------- barrier, join
 
 def barrier(process_set: ProcessSet = global_process_set) -> None:
-    """Wait until every rank has called barrier() (the scheduler's barrier; the engine's op
-    timeout bounds the wait)."""
-    _check_set(process_set, "barrier")
+    """Wait until every rank (of ``process_set``) has called barrier() (the scheduler's
+    barrier; a process set's: a one-element sum over its ranks); the engine's op timeout
+    bounds the wait."""
+    scope = _scope(process_set, "barrier")
     try:
-        _p().worker.barrier()
+        if scope.ranks is None:
+            _p().worker.barrier()
+        else:
+            _barrier(scope)
     except EngineError as exc:
         raise HorovodInternalError(str(exc)) from exc
 

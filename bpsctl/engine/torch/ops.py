@@ -21,8 +21,11 @@ from .staging import Downstream, StagedOp
 
 
 def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
-           compression: CompressionArg, inplace: bool, once: bool = False) -> int:
-    """Start a push_pull (``once``: a broadcast's, see Worker.push_pull_async)."""
+           compression: CompressionArg, inplace: bool, once: bool = False,
+           ranks: tuple[int, ...] | None = None) -> int:
+    """Start a push_pull (``once``: a broadcast's, see Worker.push_pull_async; ``ranks``: a
+    process set's, over those ranks only, straight to the servers: the intra-node stage
+    sums over every worker of the host)."""
     plugin = _p()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"push_pull expects a torch.Tensor, got {type(tensor).__name__}")
@@ -47,7 +50,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         plugin.worker.check_push(_wire_dtype(source.dtype), average, name)
         return _solo(plugin, name, source, output)
     op = _Op(name, output, wire, ctx, compression)
-    stage = plugin.stage
+    stage = plugin.stage if ranks is None else None
     nccl = wire.is_cuda and stage is not None and stage.cuda_path(wire.device)
     if wire.is_cuda and not plugin.announced:
         _announce(plugin, cuda=True)
@@ -75,7 +78,8 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         handle = plugin.worker.push_pull_async(
             _as_array(host_in), name=name, average=average, priority=priority,
             out=_as_array(host_out), compression=engine, once=once,
-            filled=None if direct is None else direct.lease, lend_results=direct is not None)
+            filled=None if direct is None else direct.lease, lend_results=direct is not None,
+            ranks=ranks)
         if direct is not None:
             direct.handle = handle
         return handle.wait, handle.done
@@ -310,11 +314,12 @@ def _start_async(source: torch.Tensor, output: torch.Tensor, name: str, priority
 
 
 def _start_reduced(source: torch.Tensor, output: torch.Tensor, name: str, priority: int,
-                   reduction: int) -> int:
-    """Reduce ``source`` across workers by ``reduction`` (``protocol.REDUCE_MIN``, ``MAX``,
-    ``PRODUCT``) on the servers, elementwise; the result lands in ``output`` (contiguous, same
-    shape, dtype and device). Every worker pushes its own tensor: the intra-node stage sums."""
-    return _start_direct(source, output, name, priority, reduction=reduction)
+                   reduction: int, ranks: tuple[int, ...] | None = None) -> int:
+    """Reduce ``source`` across workers (``ranks``: a process set's) by ``reduction``
+    (``protocol.REDUCE_MIN``, ``MAX``, ``PRODUCT``) on the servers, elementwise; the result
+    lands in ``output`` (contiguous, same shape, dtype and device). Every worker pushes its
+    own tensor: the intra-node stage sums."""
+    return _start_direct(source, output, name, priority, reduction=reduction, ranks=ranks)
 
 
 def _start_direct(source: torch.Tensor, output: torch.Tensor, name: str, priority: int,
