@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -123,6 +122,19 @@ _auto_names = K.AutoNames()
 def _sum(array: np.ndarray, name: str) -> np.ndarray:
     """The engine's sum of ``array`` over every worker (a new array)."""
     return _engine._w().push_pull(array, name=name, average=False)
+
+
+def _joinless(kind: str) -> K.SumFn:
+    """:func:`_sum` for a ``kind`` collective that a joined rank cannot add zeros to:
+    Horovod's error now if a rank has joined (:func:`bpsctl.engine.collectives.check_joined`),
+    or from the sum if one joins before it completes."""
+    worker = _engine._w()
+    message = K.check_joined(kind, worker.joined_ranks)
+
+    def joinless_sum(array: np.ndarray, name: str) -> np.ndarray:
+        return worker.synchronize(worker.push_pull_async(array, name=name, average=False,
+                                                         join_error=message))
+    return joinless_sum
 
 
 @contextlib.contextmanager
@@ -301,8 +313,9 @@ def allgather(tensor: mx.nd.NDArray, name: str | None = None, priority: int = 0,
     if tensor.ndim == 0:
         raise ValueError("allgather: a tensor of at least one dimension is needed; reshape a "
                          "scalar to shape (1,)")
+    summed = _joinless("allgather")
     with _named("allgather", name, _signature(tensor, first_dim=False)) as wire:
-        return _new(K.gather_by_sum(tensor.asnumpy(), rank(), size(), _sum, wire), tensor)
+        return _new(K.gather_by_sum(tensor.asnumpy(), rank(), size(), summed, wire), tensor)
 
 
 def grouped_allgather(tensors: Sequence[mx.nd.NDArray], name: str | None = None,
@@ -323,11 +336,12 @@ def broadcast_(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None,
     _check_set(process_set, "broadcast")
     _check_nd(tensor, "broadcast")
     _check_root(root_rank)
+    summed = _joinless("broadcast")
     values = tensor.asnumpy()
     if rank() != root_rank:
         values = np.zeros_like(values)
     with _named("broadcast", name, _signature(tensor)) as wire:
-        got = K.from_bytes(_sum(K.as_bytes(values), wire), values.dtype)
+        got = K.from_bytes(summed(K.as_bytes(values), wire), values.dtype)
     return _write(tensor, got)
 
 
@@ -382,8 +396,10 @@ def alltoall(tensor: mx.nd.NDArray, splits: Any = None, name: str | None = None,
     n = size()
     counts = K.even_splits(tensor.shape[0], n) if splits is None else \
         K.check_splits(_ints(splits), tensor.shape[0], n)
+    summed = _joinless("alltoall")
     with _named("alltoall", name, _signature(tensor, first_dim=False)) as wire:
-        output, received = K.alltoall_by_sum(tensor.asnumpy(), counts, rank(), n, _sum, wire)
+        output, received = K.alltoall_by_sum(tensor.asnumpy(), counts, rank(), n, summed,
+                                             wire)
     result = _new(output, tensor)
     if splits is None:
         return result
@@ -402,6 +418,7 @@ def _reducescatter(tensor: Any, op: Any, name: str | None, priority: int,
     if tensor.ndim == 0:
         raise ValueError(f"{what}: a tensor of at least one dimension is needed (Horovod does "
                          "not take scalars either)")
+    K.check_joined("reducescatter", _engine._w().joined_ranks)
     with _named("reducescatter", name, _signature(tensor)) as wire:
         whole = _reduce_into(tensor.copy(), resolved, wire, priority, prescale_factor,
                              postscale_factor)
@@ -442,12 +459,12 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 
 def join(device: int = -1) -> int:
-    """This rank has no more data; returns the rank that joined last (by the clock of each
-    rank's call). Not in ``horovod.mxnet``; as ``bpsctl.engine.torch``'s: every rank must call
-    it at the same point (a collective that a joined rank does not take part in fails after
-    the op timeout). ``device`` is accepted and ignored."""
+    """This rank has no more data (Horovod's join, as ``horovod.torch``'s: not in
+    ``horovod.mxnet``): blocks until every rank has joined and returns the rank that joined
+    last, on every rank. Meanwhile the other ranks' allreduces (and DistributedTrainer's)
+    count this rank as zeros (Average divides by :func:`size`, joined ranks included);
+    their allgathers, broadcasts, alltoalls and reducescatters raise Horovod's errors
+    (:meth:`bpsctl.engine.Worker.join` carries it). ``device`` is accepted and ignored."""
     del device
-    stamps = np.zeros(size(), np.float64)
-    stamps[rank()] = time.time()
-    with _named("join", None, "") as wire:
-        return int(np.argmax(_sum(stamps, wire)))
+    with _internal():
+        return _engine._w().join()
