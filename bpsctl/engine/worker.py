@@ -54,6 +54,7 @@ from . import shm, shmlink
 from .client import measure_clock
 from .common import (
     EngineError,
+    HorovodInternalError,
     JobFinished,
     SchedulerGone,
     io_thread_affinity,
@@ -606,7 +607,8 @@ class Worker:
         rank has joined, at once or when the scheduler says so while it is in flight.
         """
         if join_error is not None and self.joined_ranks:
-            raise EngineError(join_error)
+            raise HorovodInternalError(f"{join_error} (rank(s) {sorted(self.joined_ranks)} "
+                                       "joined)")
         src = np.asarray(array)
         self.check_push(src.dtype, average, name)
         if reduction != P.REDUCE_SUM:
@@ -1107,7 +1109,8 @@ class Worker:
             return
         self._tasks.add(task)
         if task.join_error is not None and self.joined_ranks:
-            self._finish(task, EngineError(task.join_error))
+            self._finish(task, HorovodInternalError(
+                f"{task.join_error} (rank(s) {sorted(self.joined_ranks)} joined)"))
             return
         if self.joining:
             self._join_waiting.append(task)     # its rounds come with the model
@@ -1341,7 +1344,8 @@ class Worker:
         ranks = msg.get("ranks", [])
         self.joined_ranks = frozenset(int(r) for r in ranks if isinstance(r, int))
         for task in [t for t in self._tasks if t.join_error is not None]:
-            self._finish(task, EngineError(f"worker {self.rank}: {task.join_error}"))
+            self._finish(task, HorovodInternalError(
+                f"{task.join_error} (rank(s) {sorted(self.joined_ranks)} joined)"))
         self._to_scheduler(P.control(P.JOINED_ACK, {"epoch": epoch}))
 
     def _fail_hvd_join(self, error: EngineError) -> None:
