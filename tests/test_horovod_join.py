@@ -55,8 +55,9 @@ def test_joined_workers_add_zeros_until_all_joined_and_rounds_go_on_after(job):
             if step == 0:
                 # rank 2 joined before rank 1 could finish its first sum: known here
                 with pytest.raises(HorovodInternalError, match="not supported with Join"):
-                    w.push_pull(np.ones(2), name="gather", average=False,
-                                join_error="Allgather is not supported with Join at this time.")
+                    w.synchronize(w.push_pull_async(
+                        np.ones(2), name="gather", average=False,
+                        join_error="Allgather is not supported with Join at this time."))
                 seen.append("refused")
         last = w.join()
         assert not w.joined_ranks
@@ -127,6 +128,13 @@ def same_model(what):
     for got, want in zip(model.parameters(), ref.parameters()):
         assert torch.allclose(got, want, rtol=0, atol=1e-12), (what, got, want)
 
+def refused(call):
+    try:
+        call()
+        return "no error"
+    except hvd.HorovodInternalError as exc:
+        return str(exc)
+
 @check
 def live_ranks_collectives_count_joined_ranks_as_zeros():
     for step in range(STEPS[R]):
@@ -151,13 +159,6 @@ def live_ranks_collectives_count_joined_ranks_as_zeros():
                 lambda: hvd.allgather(torch.ones(2, 1), name="gather_while_joined"))
             RESULTS["broadcast_while_joined"] = refused(
                 lambda: hvd.broadcast(torch.ones(3), root_rank=0, name="bcast_while_joined"))
-
-def refused(call):
-    try:
-        call()
-        return "no error"
-    except hvd.HorovodInternalError as exc:
-        return str(exc)
 
 @check
 def join_returns_the_last_rank_to_join_everywhere():
