@@ -267,6 +267,34 @@ def test_a_rank_that_neither_joins_nor_makes_progress_fails_the_join_at_the_op_t
     assert joined["seconds"] < 8, joined
 
 
+LOST_SCRIPT = '''
+hvd = bps
+@check
+def lost_during_join():
+    hvd.allreduce(torch.ones(2), op=hvd.Sum, name="first")
+    if R == 1:
+        os._exit(0)             # gone without joining (and without failing the job)
+    started = time.monotonic()
+    RESULTS["last"] = hvd.join()
+    RESULTS["seconds"] = time.monotonic() - started
+    RESULTS["after"] = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after").tolist()
+'''
+
+
+def test_a_worker_lost_during_a_join_counts_as_joined(tmp_path):
+    """--min-workers 2: rank 1 vanishes while ranks 0 and 2 wait in join(); once its
+    heartbeats are overdue it counts as joined, the join ends on both, and they go on."""
+    pytest.importorskip("torch")
+    from test_torch_plugin import run_script
+    records = run_script(tmp_path, LOST_SCRIPT, np=3, ranks=[0, 2], local_reduce="off",
+                         min_workers=2, heartbeat_timeout_s=2.0)
+    results = [r["results"] for r in records]
+    assert [r["lost_during_join"] for r in results] == ["ok", "ok"], results
+    assert results[0]["last"] == results[1]["last"] in (0, 2), results
+    assert all(r["seconds"] < 15 for r in results), results
+    assert [r["after"] for r in results] == [[2.0, 2.0]] * 2, results
+
+
 # --------------------------------------------------------------------------- MXNet, a real job
 
 MXNET_JOIN_SCRIPT = '''
