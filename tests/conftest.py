@@ -113,7 +113,7 @@ TIERS: dict[str, set[str]] = {
     "test_horovod_api.py::test_a_lost_peer_fails_the_collective_with_horovod_internal_error":
         {"slow"},
     # Horovod's join with uneven data: a 3-rank torch job (its two tests share it), a 2-rank one
-    # held past a 3 s op timeout, a 2-rank MXNet job (about 5-12 s each); the engine's join on
+    # held past a 2 s op timeout, a 2-rank MXNet job (about 5-12 s each); the engine's join on
     # worker threads stays fast
     "test_horovod_join.py::test_uneven_data_with_join_on_three_ranks": {"slow"},
     "test_horovod_join.py::"
