@@ -122,6 +122,8 @@ TIERS: dict[str, set[str]] = {
     "test_a_rank_that_neither_joins_nor_makes_progress_fails_the_join_at_the_op_timeout":
         {"slow"},
     "test_horovod_join.py::test_mxnet_join_on_two_ranks": {"slow"},
+    "test_horovod_join.py::"
+    "test_through_the_intra_node_stage_a_collective_after_a_join_says_how_to_go_on": {"slow"},
     "test_horovod_join.py::test_a_worker_lost_during_a_join_counts_as_joined": {"slow"},
     # Horovod's synthetic benchmark on 2 workers (where its examples are given): about 13 s
     "test_horovod_api.py::test_horovods_synthetic_benchmark_runs_with_only_its_import_changed":

@@ -295,6 +295,38 @@ def test_a_worker_lost_during_a_join_counts_as_joined(tmp_path):
     assert [r["after"] for r in results] == [[2.0, 2.0]] * 2, results
 
 
+STAGE_SCRIPT = '''
+hvd = bps
+@check
+def stage_after_join():
+    assert bps._p().stage is not None, "two ranks on one host: the intra-node stage"
+    hvd.allreduce(torch.ones(2), op=hvd.Sum, name="first")
+    if R == 0:
+        # past the stage, to the servers: rank 1's zero folded in
+        RESULTS["min"] = hvd.allreduce(torch.ones(2), op=hvd.Min, name="min").tolist()
+        try:
+            hvd.allreduce(torch.ones(2), op=hvd.Sum, name="through_the_stage")
+            RESULTS["sum"] = "summed"
+        except hvd.HorovodInternalError as exc:
+            RESULTS["sum"] = str(exc)
+    RESULTS["last"] = hvd.join()
+'''
+
+
+def test_through_the_intra_node_stage_a_collective_after_a_join_says_how_to_go_on(tmp_path):
+    """Two ranks on one host (the intra-node stage): rank 1 joins; rank 0's Min (past the
+    stage) folds its zero in, its Sum through the stage raises HorovodInternalError naming
+    BPSCTL_LOCAL_REDUCE=off, and both ranks' join() return 0."""
+    pytest.importorskip("torch")
+    from test_torch_plugin import run_script
+    records = run_script(tmp_path, STAGE_SCRIPT, np=2)
+    results = [r["results"] for r in records]
+    assert [r["stage_after_join"] for r in results] == ["ok", "ok"], results
+    assert results[0]["min"] == [0.0, 0.0], results
+    assert "BPSCTL_LOCAL_REDUCE=off" in results[0]["sum"], results
+    assert [r["last"] for r in results] == [0, 0], results
+
+
 # --------------------------------------------------------------------------- MXNet, a real job
 
 MXNET_JOIN_SCRIPT = '''
