@@ -74,6 +74,30 @@ def test_joined_workers_add_zeros_until_all_joined_and_rounds_go_on_after(job):
     assert [seen for _, seen in results] == [["refused"], ["refused"], []]
 
 
+def test_compressed_rounds_a_joined_worker_sat_out_decode_exactly_after_the_join(job):
+    """Random-k with every value (a permutation drawn from the partition and round): the
+    ranks that go on push three compressed rounds while rank 2 has joined; after the join its
+    pushes are drawn from the job's round, not its own, so every sum is exact."""
+    from bpsctl.engine import compression as C
+    randomk = C.RandomK(ratio=1.0)
+
+    def x(rank: int, step: int) -> np.ndarray:
+        return np.arange(8, dtype=np.float32) * (rank + 1) + step
+
+    def body(w: Worker) -> int:
+        steps = 0 if w.rank == 2 else 3
+        for step in range(steps):
+            got = w.push_pull(x(w.rank, step), name="c", average=False, compression=randomk)
+            assert np.array_equal(got, x(0, step) + x(1, step)), (w.rank, step, got)
+        last = w.join()
+        for step in range(3, 5):
+            got = w.push_pull(x(w.rank, step), name="c", average=False, compression=randomk)
+            assert np.array_equal(got, sum(x(r, step) for r in range(3))), (w.rank, step, got)
+        return last
+
+    assert job(3, 2, body, min_compress_bytes=0) in ([0, 0, 0], [1, 1, 1])
+
+
 def test_join_is_refused_with_backup_workers_naming_the_knob(job):
     def body(w: Worker) -> None:
         w.join()
