@@ -53,6 +53,11 @@ def test_joined_workers_add_zeros_until_all_joined_and_rounds_go_on_after(job):
             want = np.minimum.reduce([*(x(r, step) for r in live), np.zeros(6)])
             assert np.array_equal(got, want), (w.rank, step, got, want)
             if step == 0:
+                # bfloat16 bits: [1, -1] on rank 0, [2, -2] on rank 1, a zero from rank 2
+                bits = np.array([[0x3F80, 0xBF80], [0x4000, 0xC000]][w.rank], np.uint16)
+                got = w.push_pull(bits.view(P.BFLOAT16), name="bf16.min", average=False,
+                                  reduction=P.REDUCE_MIN)
+                assert got.view(np.uint16).tolist() == [0x0000, 0xC000], got.view(np.uint16)
                 # rank 2 joined before rank 1 could finish its first sum: known here
                 with pytest.raises(HorovodInternalError, match="not supported with Join"):
                     w.synchronize(w.push_pull_async(
