@@ -117,6 +117,19 @@ TIERS: dict[str, set[str]] = {
     # a worker vanishing under a Horovod collective: 2 s of missed heartbeats, about 6 s
     "test_horovod_api.py::test_a_lost_peer_fails_the_collective_with_horovod_internal_error":
         {"slow"},
+    # Horovod's join with uneven data: a 3-rank torch job (its two tests share it), a 2-rank one
+    # held past a 2 s op timeout, a 2-rank MXNet job (about 5-12 s each); the engine's join on
+    # worker threads stays fast
+    "test_horovod_join.py::test_uneven_data_with_join_on_three_ranks": {"slow"},
+    "test_horovod_join.py::"
+    "test_a_gather_or_broadcast_while_a_rank_has_joined_raises_horovods_error": {"slow"},
+    "test_horovod_join.py::"
+    "test_a_rank_that_neither_joins_nor_makes_progress_fails_the_join_at_the_op_timeout":
+        {"slow"},
+    "test_horovod_join.py::test_mxnet_join_on_two_ranks": {"slow"},
+    "test_horovod_join.py::"
+    "test_through_the_intra_node_stage_a_collective_after_a_join_says_how_to_go_on": {"slow"},
+    "test_horovod_join.py::test_a_worker_lost_during_a_join_counts_as_joined": {"slow"},
     # Horovod's synthetic benchmark on 2 workers (where its examples are given): about 13 s
     "test_horovod_api.py::test_horovods_synthetic_benchmark_runs_with_only_its_import_changed":
         {"slow"},

@@ -24,7 +24,7 @@ from .common import EngineError, JobFinished
 from .worker import Handle, Worker
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
-           "push_pull", "push_pull_async", "poll", "synchronize", "declare", "barrier",
+           "push_pull", "push_pull_async", "poll", "synchronize", "declare", "barrier", "join",
            "allgather", "allreduce", "allreduce_async", "ReduceOp",
            "Worker", "Handle", "EngineError", "Config"]
 
@@ -114,6 +114,12 @@ def declare(name: str, shape: tuple[int, ...], dtype: Any) -> None:
 
 def barrier(timeout_s: float | None = None) -> None:
     _w().barrier(timeout_s)
+
+
+def join() -> int:
+    """Horovod's join: this worker has no more data; the others' push_pulls count it as zeros
+    until every worker has joined. Returns the rank that joined last (see Worker.join)."""
+    return _w().join()
 
 
 def allreduce_async(array: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,

@@ -64,6 +64,26 @@ SERVER_OPS = (ReduceOp.Average, ReduceOp.Sum)
 SERVER_REDUCTIONS = {ReduceOp.Min: P.REDUCE_MIN, ReduceOp.Max: P.REDUCE_MAX,
                      ReduceOp.Product: P.REDUCE_PRODUCT}
 
+#: Horovod's errors (its controller's words) for the collectives a joined rank cannot add
+#: zeros to (hvd.join(): docs/horovod-api.md), by kind
+JOIN_ERRORS = {
+    "allgather": "Allgather is not supported with Join at this time. Specify "
+                 "sparse_to_dense=True if using DistributedOptimizer",
+    "alltoall": "Alltoall is not supported with Join at this time.",
+    "broadcast": "Broadcast is not supported with Join at this time.",
+    "reducescatter": "Reducescatter is not supported with Join at this time."}
+
+
+def check_joined(kind: str, joined: frozenset[int]) -> str:
+    """Horovod's error for a ``kind`` collective (a gather, a broadcast, a reducescatter)
+    while ranks ``joined`` have joined: raised now (HorovodInternalError) if any has; else
+    returned, for its push_pulls to fail with if a rank joins before they complete (a worker
+    hears of a join before any sum counts the joined rank as zeros)."""
+    message = JOIN_ERRORS[kind]
+    if joined:
+        raise HorovodInternalError(f"{message} (rank(s) {sorted(joined)} joined)")
+    return message
+
 
 def resolve_op(op: Any, average: bool | None, what: str = "allreduce") -> ReduceOp:
     """The op a Horovod call means: ``op`` if given, else the deprecated ``average`` (True:

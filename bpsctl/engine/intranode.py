@@ -413,6 +413,14 @@ class LocalStage:
             next_check = now + shm.PEER_CHECK_S
             self._check_engine()
             late = [r for r in range(self.local_size) if column[r] < seq]
+            joined = [self._rank_of(r) for r in late
+                      if self._rank_of(r) in self.worker.joined_ranks]
+            if joined:
+                self._shm_broken = EngineError(
+                    f"push_pull of {op.name!r}: worker(s) {joined} of this host joined "
+                    f"(hvd.join()), and the intra-node stage cannot count a rank as zeros; "
+                    f"{JOIN_WAY_OUT}")
+                raise self._shm_broken
             for r in late:
                 if not arena.peer_alive(r):
                     self._shm_broken = EngineError(
@@ -714,6 +722,11 @@ class _CudaBuffers:
                  gathered: torch.Tensor | None, host: torch.Tensor):
         self.numel, self.padded, self.own, self.gathered, self.host = (
             numel, padded, own, gathered, host)
+
+
+#: what a collective of the stage while a rank has joined (hvd.join()) does instead
+JOIN_WAY_OUT = ("set BPSCTL_LOCAL_REDUCE=off (every worker pushes to the servers on its own) to "
+                "go on with collectives after a rank joined")
 
 
 def chunk_layout(n: int, local_size: int, local_rank: int) -> tuple[int, int, int]:

@@ -64,6 +64,14 @@ SERVER_MOVED = 19   # scheduler -> workers: {index, rank, message, moves: [[part
 WORKER_JOINING = 31  # scheduler -> the donor (a live worker): {rank, incarnation}
 JOIN_DONE = 32      # donor -> scheduler: {rank} (servers admitted it, its state is on its way)
 WORKER_JOINED = 33  # scheduler -> job's workers: {rank, message, live: [ranks]}
+# --- Horovod's join (hvd.join(); docs/horovod-api.md): a rank out of data adds zeros to the
+# others' rounds until every rank has joined
+HVD_JOIN = 34       # worker -> scheduler: {rounds: {part id: round}, op_timeout_s} (this rank
+                    #   joined, with nothing in flight)
+JOINED = 35         # scheduler -> job's workers, once all acked -> its servers: {job, epoch,
+                    #   ranks: [joined]}; at the end -> servers {job, epoch, done: true}, once all
+                    #   acked -> workers {job, epoch, done: true, last, rounds: {part id: round}}
+JOINED_ACK = 36     # worker or server -> scheduler: {epoch} (JOINED taken in)
 # --- the hmac handshake that opens every connection (see security.py); the secret never travels
 AUTH = 15           # connecting -> bound: {version, nonce}
 CHALLENGE = 16      # bound -> connecting: {nonce, proof}

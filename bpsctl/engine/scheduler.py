@@ -55,6 +55,10 @@ class Member:
     # tells the two groups apart)
     share: float | None = None
     colocated: bool = False
+    # a worker's push_pulls completed, as its heartbeats say, and when that count last grew
+    # (a join waits while the workers that have not joined make progress: HvdJoin)
+    ops_done: int = 0
+    progress_at: float = 0.0
 
     def take_over(self, lost_rank: int) -> None:
         """This spare server takes lost server ``lost_rank``'s place: a server like the others
@@ -89,6 +93,24 @@ def _job_shares(servers: list[Member], cpu_share: float | None) -> list[float]:
     job_shares rule: BPSCTL_CPU_SHARE, else the shares the servers registered with, else
     evenly)."""
     return job_shares([s.share for s in servers], [s.colocated for s in servers], cpu_share)
+
+
+@dataclass
+class HvdJoin:
+    """Horovod's join in a job (hvd.join(); docs/horovod-api.md): the ranks that joined, in
+    order, with the highest round of each partition any of them had (the last to join has
+    them all: it never sat a round out); the latest announcement (``epoch``) and who has yet
+    to acknowledge it: the job's workers that have not joined (then the servers are told to
+    count zeros), or at the end its servers (then the workers go on); the largest op timeout
+    of the joiners, and the last time a worker joined."""
+    job_id: str
+    order: list[int] = field(default_factory=list)
+    rounds: dict[str, int] = field(default_factory=dict)
+    epoch: int = 0
+    pending: set[bytes] = field(default_factory=set)
+    ending: bool = False
+    op_timeout_s: float = 0.0
+    since: float = 0.0
 
 
 @dataclass
@@ -151,6 +173,7 @@ class Scheduler:
         # the last jobs that ended, and how: a worker restarted to rejoin one of them learns
         # that there is nothing left to rejoin (instead of starting a job of its own)
         self.ended: OrderedDict[str, str] = OrderedDict()
+        self.hvd_join: HvdJoin | None = None      # Horovod's join in the job, while it lasts
 
     @property
     def address(self) -> str:
@@ -173,6 +196,8 @@ class Scheduler:
                     self._drain()
                 self._check_liveness()
                 self._check_start_deadline()
+                if self.hvd_join is not None:
+                    self._check_join_progress()
                 if self.queued:
                     self._start_queued()
         finally:
@@ -227,7 +252,9 @@ class Scheduler:
             if msg_type not in (P.HEARTBEAT, P.LEAVE):     # late words of an ended job's worker
                 self._send(rid, P.ERROR, {"message": "not registered with the scheduler"})
         elif msg_type == P.HEARTBEAT:
-            pass
+            done = msg.get("done")
+            if isinstance(done, int) and done != member.ops_done:
+                member.ops_done, member.progress_at = done, time.monotonic()
         elif msg_type == P.DECLARE:
             self._declare(member, msg)
         elif msg_type == P.BARRIER:
@@ -236,6 +263,10 @@ class Scheduler:
             self._leave(member)
         elif msg_type == P.JOIN_DONE:
             self._join_done(member, msg)
+        elif msg_type == P.HVD_JOIN:
+            self._hvd_join(member, msg)
+        elif msg_type == P.JOINED_ACK:
+            self._joined_ack(member, msg)
         else:
             self._send(rid, P.ERROR, {"message": f"unexpected message type {msg_type}"})
 
@@ -472,6 +503,133 @@ class Scheduler:
                 self._send(worker.rid, P.WORKER_JOINED,
                            {"rank": rank, "incarnation": joiner.incarnation,
                             "message": message, "live": live})
+
+    # ------------------------------------------------------------------ Horovod's join
+
+    def _hvd_join(self, member: Member, msg: dict[str, Any]) -> None:
+        """Worker ``member`` joined (hvd.join(), with nothing in flight): the other workers
+        hear it first, then the servers, which count it as zeros from then on; once every
+        live worker has joined, the join ends (:meth:`_end_join`)."""
+        job = self.job
+        if job is None or not job.started or job.workers.get(member.rank) is not member:
+            self._send(member.rid, P.ERROR, {"message": "join() outside a running job"})
+            return
+        rounds = msg.get("rounds", {})
+        if not isinstance(rounds, dict) or len(rounds) > P.MAX_PARTITIONS_PER_DECLARE or \
+                not all(isinstance(k, str) and k.isdigit() and isinstance(v, int)
+                        and not isinstance(v, bool) and 0 <= v < 1 << 32
+                        for k, v in rounds.items()):
+            raise P.ProtocolError("rounds: expected {part id: round}")
+        timeout = P.float_field(msg, "op_timeout_s", 0, 1e9)
+        join = self.hvd_join
+        if join is None or join.job_id != job.id:
+            join = self.hvd_join = HvdJoin(job.id)
+        if member.rank in join.order:
+            raise P.ProtocolError(f"worker {member.rank} joined twice")
+        join.order.append(member.rank)
+        for part, round_ in rounds.items():
+            join.rounds[part] = max(join.rounds.get(part, 0), round_)
+        join.op_timeout_s = max(join.op_timeout_s, timeout)
+        join.since = time.monotonic()
+        self.log.info("worker %d joined (hvd.join()): %s of job %s joined", member.rank,
+                      sorted(join.order), job.id)
+        self._announce_join(job, join)
+
+    def _not_joined(self, job: Job, join: HvdJoin) -> list[Member]:
+        return [w for w in job.workers.values()
+                if w.state == "running" and w.rank not in join.order]
+
+    def _announce_join(self, job: Job, join: HvdJoin) -> None:
+        """Tell the workers that have not joined who has; the servers once they all heard.
+        With none left, the join ends instead."""
+        others = self._not_joined(job, join)
+        if not others:
+            self._end_join(job, join)
+            return
+        join.epoch += 1
+        join.pending = {w.rid for w in others}
+        body = {"job": job.id, "epoch": join.epoch, "ranks": sorted(join.order)}
+        for worker in others:
+            self._send(worker.rid, P.JOINED, body)
+
+    def _end_join(self, job: Job, join: HvdJoin) -> None:
+        """Every live worker has joined: the servers count every rank again, and once they all
+        said so the workers go on (:meth:`_joined_ack`)."""
+        join.ending = True
+        join.epoch += 1
+        servers = [s for s in job.servers if s.state == "running"]
+        join.pending = {s.rid for s in servers}
+        for server in servers:
+            self._send(server.rid, P.JOINED, {"job": job.id, "epoch": join.epoch, "done": True})
+        if not join.pending:
+            self._joined_ack(None, {"epoch": join.epoch})
+
+    def _joined_ack(self, member: Member | None, msg: dict[str, Any]) -> None:
+        """A worker or server took the latest JOINED in; when all have, the next step."""
+        join, job = self.hvd_join, self.job
+        if join is None or job is None or join.job_id != job.id or \
+                msg.get("epoch") != join.epoch:
+            return
+        if member is not None:
+            join.pending.discard(member.rid)
+        if join.pending:
+            return
+        if not join.ending:
+            body = {"job": job.id, "epoch": join.epoch, "ranks": sorted(join.order)}
+            for server in job.servers:
+                if server.state == "running":
+                    self._send(server.rid, P.JOINED, body)
+            return
+        last = join.order[-1] if join.order else -1
+        self.log.info("job %s: every worker joined (hvd.join()), the last %d; it goes on",
+                      job.id, last)
+        self.hvd_join = None
+        body = {"job": job.id, "epoch": join.epoch, "done": True, "last": last,
+                "rounds": join.rounds}
+        for worker in job.workers.values():
+            if worker.state == "running":
+                self._send(worker.rid, P.JOINED, body)
+
+    def _join_goes_on(self, member: Member) -> None:
+        """A member lost, or a worker gone, during a join: nobody waits for it (a worker
+        counts as joined)."""
+        join, job = self.hvd_join, self.job
+        if join is None or job is None or join.job_id != job.id:
+            self.hvd_join = None
+            return
+        join.pending.discard(member.rid)
+        if member.role == "worker" and not join.ending and not self._not_joined(job, join):
+            self._end_join(job, join)
+        elif not join.pending:
+            self._joined_ack(None, {"epoch": join.epoch})
+
+    def _check_join_progress(self) -> None:
+        """A join waits while the workers that have not joined make progress: when none of them
+        completed a push_pull for the joiners' op timeout (the deadline a push_pull waiting
+        for them would have), the job fails, naming them."""
+        join, job = self.hvd_join, self.job
+        if join is None or job is None or join.job_id != job.id:
+            self.hvd_join = None
+            return
+        if join.ending:
+            return
+        others = self._not_joined(job, join)
+        if not others:          # the last ones left (shut down) without joining
+            self._end_join(job, join)
+            return
+        now = time.monotonic()
+        latest = max([join.since, *(w.progress_at for w in others)])
+        if now - latest <= join.op_timeout_s:
+            return
+        message = (f"join(): worker(s) {sorted(w.rank for w in others)} of job {job.id!r} have "
+                   f"not joined, and none of them completed a collective for {now - latest:.0f} "
+                   f"s (BPSCTL_OP_TIMEOUT={join.op_timeout_s:g}), while {sorted(join.order)} "
+                   "waited in join(); every rank must call join() once out of data")
+        self.log.warning(message)
+        self.hvd_join = None
+        for worker in job.workers.values():
+            if worker.state == "running":
+                self._send(worker.rid, P.ERROR, {"message": message})
 
     # ------------------------------------------------------------------ a restarted scheduler
 
@@ -863,6 +1021,8 @@ class Scheduler:
         """``member`` is lost: the job goes on without it where it can, else it ends."""
         member.state = "lost"
         self.log.warning("lost %s: %s", member.describe(), reason)
+        if member.role == "server" and self.hvd_join is not None:
+            self._join_goes_on(member)
         lost = {"role": member.role, "rank": member.rank, "host": member.host,
                 "port": member.port, "pid": member.pid, "reason": reason,
                 "message": f"lost {member.describe()}: {reason}"}
@@ -904,6 +1064,8 @@ class Scheduler:
                 self._send(member.rid, P.WORKER_LOST, body)
         self.members.pop(worker.rid, None)
         self._release_barriers(job)
+        if self.hvd_join is not None:
+            self._join_goes_on(worker)      # it counts as joined: nobody waits for it
         job.donors.pop(worker.rank, None)
         for rank, donor in list(job.donors.items()):
             if donor == worker.rank:        # the donor is gone: another live worker hands it on

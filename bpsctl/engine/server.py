@@ -308,6 +308,10 @@ class Server:
         self.async_parts: dict[int, AsyncPartition] = {}   # asynchronous training: parameters
         # partitions of a process set's tensors (SCOPE): part id -> the ranks that push them
         self.scopes: dict[int, frozenset[int]] = {}
+        # Horovod's join (hvd.join()): ranks whose pushes every round counts as zeros; the
+        # host-reduced partitions, which count hosts and are left alone (_hvd_join)
+        self.joined: set[int] = set()
+        self.host_parts: set[int] = set()
         # the job's timeline, when its workers trace (their HELLO names the directory); the
         # summation threads record into it too
         self.trace: Trace | None = None
@@ -608,6 +612,7 @@ class Server:
         self.parts = {}
         self.async_parts = {}
         self.scopes = {}
+        self.joined, self.host_parts = set(), set()
         # ranks the job may grow into (`bpsctl run --attach`) count as lost until a donor
         # admits them: a new worker joins exactly as a restarted one rejoins
         self.lost_ranks = set(range(num_workers, max_workers))
@@ -636,6 +641,10 @@ class Server:
                                   "the cluster secret)")
         if rid in self.lost_peers:
             return          # sent before it was lost: the rounds already go on without it
+        if self.joined and rank in self.joined:
+            raise P.ProtocolError(f"rank {rank} pushed partition {part} while it has joined "
+                                  "(hvd.join()): a joined rank pushes nothing until every rank "
+                                  "has joined")
         dtype, reduction = P.split_push_dtype(dtype)
         if reduction not in P.REDUCTIONS or (reduction != P.REDUCE_SUM and flags & (
                 P.FLAG_ASYNC | P.FLAG_COMPRESSED | P.FLAG_HOST_REDUCED | P.FLAG_BACKUP)):
@@ -675,13 +684,15 @@ class Server:
             thread = part % len(self.queues) if work >= THREADED_SUM_BYTES else -1
             state = self.parts[part] = PartitionState(part, dtype, nbytes, thread, expected,
                                                       rotation, reduction)
+            if flags & P.FLAG_HOST_REDUCED:
+                self.host_parts.add(part)
             state.codec = codec
             # a partition moved here from a lost server starts at the round its workers
             # (re-)push, with an empty sum: each of them pushes its own contribution again
             state.round, state.adopted = round_, round_ > 0
         elif (state.dtype_code != dtype or state.nbytes != nbytes
               or state.reduction != reduction
-              or (not self.lost_ranks and state.expected != expected)
+              or (not self.lost_ranks and not self.joined and state.expected != expected)
               or (state.codec is not None) != compressed):
             raise P.ProtocolError(
                 f"partition {part}: rank {rank} pushed {nbytes} bytes of {P.DTYPES[dtype]} "
@@ -1009,12 +1020,15 @@ class Server:
             # waits for that push, so no worker falls more than one round behind
             state.deferred = True
             return
-        # the rank field says how many pushes the sum holds (averages divide by it)
+        # the rank field says how many pushes the sum holds (averages divide by it), joined
+        # ranks' zeros included (Horovod divides by every rank)
+        count, result = state.received, state.result
+        if self.joined and state.part not in self.host_parts:
+            count, result = self._with_zeros(state, result)
         header = P.pack_header(P.RESULT, dtype=state.dtype_code, part=state.part,
                                round=state.round, nbytes=state.nbytes,
-                               rank=state.received & 0xFFFF,
+                               rank=count & 0xFFFF,
                                flags=0 if state.codec is None else P.FLAG_COMPRESSED)
-        result = state.result
         start = now_ns() if state.traced else 0
         for rid in state.waiting:
             self._send_result(rid, header, result, self._shm_ref(state, result, state.round, rid))
@@ -1066,6 +1080,8 @@ class Server:
                 self.log.info("job %s ended; freeing its %d partitions", self.job_id,
                               len(self.parts))
                 self._reset(None, 0)
+            elif msg_type == P.JOINED:
+                self._hvd_joined(msg)
             elif msg_type == P.WORKER_LOST:
                 self._worker_lost(int(msg["rank"]), int(msg.get("incarnation", 0)),
                                   len(msg["live"]), str(msg["message"]))
@@ -1075,6 +1091,8 @@ class Server:
     def _worker_lost(self, rank: int, incarnation: int, live: int, message: str) -> None:
         """The job goes on without worker ``rank``: rounds it already pushed keep its
         contribution; the others complete without it, now if every other push is in."""
+        if rank in self.joined:
+            self._hvd_unjoin(rank)          # counted as zeros no longer: lost instead
         rid = self._peer(rank, incarnation)
         self.dead.add((rank, incarnation))
         self.mailbox.pop((rank, incarnation), None)
@@ -1086,7 +1104,7 @@ class Server:
         self.num_workers = live
         finished = 0
         for state in list(self.parts.values()):
-            if self.scopes and rank not in self.scopes.get(state.part, (rank,)):
+            if not self._counts_in(rank, state.part):
                 continue        # a process set's partition without that rank: unchanged
             if rid is not None and (rid in state.waiting or rid in state.late_waiting):
                 state.leaving.append(rank)      # in this round's sum; not in the next
@@ -1106,6 +1124,86 @@ class Server:
         self.log.warning("%s; rounds go on with %d workers (%d completed without it)", message,
                          live, finished)
 
+
+    def _hvd_joined(self, msg: dict[str, Any]) -> None:
+        """The scheduler says which ranks have joined (hvd.join(); every live worker knew it
+        before this came), or that the join is over: then every rank counts again, and the
+        scheduler hears so before any worker goes on (so no push of a rank that has come back
+        finds its zeros still counted)."""
+        if msg.get("job") != self.job_id:
+            ranks: list[int] = []
+        else:
+            ranks = [r for r in msg.get("ranks", []) if isinstance(r, int)]
+        if msg.get("done") is True:
+            for rank in sorted(self.joined):
+                self._hvd_unjoin(rank)
+            self.sched.send_multipart(P.control(P.JOINED_ACK, {"epoch": msg.get("epoch")}))
+            return
+        for rank in ranks:
+            if rank not in self.joined and rank not in self.lost_ranks:
+                self._hvd_join(rank)
+
+    def _hvd_join(self, rank: int) -> None:
+        """Worker ``rank`` has joined: every round counts it as zeros, without waiting for its
+        push (as for a lost worker: rounds that hold its push count it once, in the sum; the
+        others complete, now if every other push is in) until :meth:`_hvd_unjoin`. The
+        count in each RESULT still includes it (:meth:`_with_zeros`)."""
+        rid = next((rid for rid, peer in self.peers.items()
+                    if peer == rank and rid not in self.lost_peers), None)
+        self.joined.add(rank)
+        self.num_workers -= 1
+        finished = 0
+        for state in list(self.parts.values()):
+            if state.part in self.host_parts or not self._counts_in(rank, state.part):
+                continue
+            if rid is not None and rid in state.waiting:
+                state.leaving.append(rank)      # in this round's sum; zeros from the next
+                continue
+            quorum = state.quorum()
+            state.expected -= 1
+            if state.received and quorum > state.received >= state.quorum():
+                finished += 1
+                if state.thread < 0:
+                    if state.finish(state.quorum()):
+                        self._complete(state)
+                else:   # after the pushes already queued for its summation thread
+                    self.queues[state.thread].put((state, None, state.quorum(), rank, False))
+        self.log.info("worker %d joined (hvd.join()): rounds count it as zeros (%d completed "
+                      "at once)", rank, finished)
+
+    def _hvd_unjoin(self, rank: int) -> None:
+        """Worker ``rank`` counts again (the join is over, or it was lost): undoes
+        :meth:`_hvd_join`, partition by partition."""
+        self.joined.discard(rank)
+        self.num_workers += 1
+        for state in self.parts.values():
+            if state.part in self.host_parts or not self._counts_in(rank, state.part):
+                continue
+            if rank in state.leaving:
+                state.leaving.remove(rank)
+            else:
+                state.expected += 1
+
+    def _with_zeros(self, state: PartitionState, result: Any) -> tuple[int, Any]:
+        """A completed round's count and result with a zero for each joined rank whose push
+        it lacks: the count includes them (an average divides by every rank, as Horovod's);
+        Min, Max and Product fold a zero in, into the round's buffer (the result may be a
+        push's own bytes). Only while ranks have joined, so the extra work is off the usual
+        path."""
+        pushers = {self.peers.get(rid) for rid in state.waiting}
+        zeros = sum(rank not in pushers and self._counts_in(rank, state.part)
+                    for rank in self.joined)
+        if not zeros or state.reduction == P.REDUCE_SUM:
+            return state.received + zeros, result
+        out = state._buffer()
+        if state.dtype_code == P.BFLOAT16_CODE:
+            wide = P.bf16_widen(np.asarray(result, np.uint16), np.empty(len(out), np.float32))
+            state.combine(wide, np.float32(0), out=wide)
+            P.bf16_round(wide, np.empty(len(out), np.uint32), out)
+        else:
+            state.combine(result, state.dtype.type(0), out=out)
+        state.result = out
+        return state.received + zeros, out
 
     def _admit(self, rid: bytes, msg: dict[str, Any]) -> None:
         """A restarted worker rejoins, or a new one joins (its donor says so at a step
@@ -1136,7 +1234,7 @@ class Server:
         self.lost_ranks.discard(rank)
         self.num_workers += 1
         for state in self.parts.values():
-            if not self.scopes or rank in self.scopes.get(state.part, (rank,)):
+            if self._counts_in(rank, state.part):
                 state.expected += 1
         self.log.warning("worker %d (%s) joined: rounds go on with %d workers", rank,
                          f"restart {incarnation}" if incarnation else "a new rank",
@@ -1176,6 +1274,11 @@ class Server:
         for part in parts:
             self.scopes[part] = scope
 
+    def _counts_in(self, rank: int, part: int) -> bool:
+        """Whether worker ``rank`` pushes partition ``part``: every worker does, but a
+        process set's partition only its ranks (:meth:`_scope`)."""
+        return not self.scopes or rank in self.scopes.get(part, (rank,))
+
     def _scoped_pushers(self, rank: int, part: int, flags: int) -> int:
         """Pushes per round of a process set's partition ``part`` (its live ranks);
         ProtocolError for a push from a rank outside the set, or one reduced over a host
@@ -1188,7 +1291,7 @@ class Server:
             raise P.ProtocolError(f"partition {part} of process set {sorted(scope)}: a "
                                   "host-reduced push sums every worker of its host; push it "
                                   "from each rank of the set")
-        return len(scope - self.lost_ranks) if self.lost_ranks else len(scope)
+        return len(scope - self.lost_ranks - self.joined)
 
     def _peer(self, rank: int, incarnation: int) -> bytes | None:
         """The connection of worker ``rank``'s process of that incarnation, if it said HELLO."""

@@ -54,6 +54,7 @@ from . import shm, shmlink
 from .client import measure_clock
 from .common import (
     EngineError,
+    HorovodInternalError,
     JobFinished,
     SchedulerGone,
     io_thread_affinity,
@@ -184,7 +185,7 @@ class _Task:
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
                  "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec",
                  "hyper", "once", "filled", "lend_results", "reduction",
-                 "scope")
+                 "scope", "join_error")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
                  divisor: int | None, deadline: float, flags: int = 0,
@@ -209,6 +210,7 @@ class _Task:
         self.lend_results = False   # sums in shared memory stay there (Handle.lent)
         self.reduction = P.REDUCE_SUM    # how servers combine the pushes (P.REDUCE_*)
         self.scope: tuple[int, ...] | None = None   # a process set's ranks (None: every worker)
+        self.join_error: str | None = None  # fails it if a rank joins first (see join_error)
 
 
 _WAKE = b"\0"
@@ -355,6 +357,15 @@ class Worker:
         self._leaving = False                   # shutdown waits to say LEAVE to it
         self._left_ranks: set[int] = set()
         self._incarnations: dict[int, int] = {}
+        # Horovod's join (:meth:`join`): the ranks the scheduler said have joined (read by
+        # callers: a new frozenset each time), this worker's own join while it waits (to be
+        # sent once nothing is in flight, then answered), the last rank to join, and the
+        # push_pulls completed (heartbeats carry the count: the others' join waits on progress)
+        self.joined_ranks: frozenset[int] = frozenset()
+        self._hvd_join: Handle | None = None
+        self._hvd_join_sent = False
+        self._hvd_join_last = -1
+        self._ops_done = 0
         self._poller = zmq.Poller()
         self._handlers: dict[Any, Callable[[], None]] = {}
 
@@ -563,7 +574,8 @@ class Worker:
                         async_init: bool = False, once: bool = False,
                         filled: Lease | None = None, lend_results: bool = False,
                         reduction: int = P.REDUCE_SUM,
-                        ranks: tuple[int, ...] | None = None) -> Handle:
+                        ranks: tuple[int, ...] | None = None,
+                        join_error: str | None = None) -> Handle:
         """Start summing ``array`` across all workers; the result lands in ``out``.
 
         ``ranks`` (sorted, this worker's among them): a process set's push_pull, summed over
@@ -600,7 +612,14 @@ class Worker:
         step of ``torch.optim.SGD`` with these hyperparameters, whatever the other workers do;
         ``out`` gets the parameters after it. A push the servers have already applied (the
         same push sent again) is answered, not applied twice.
+
+        ``join_error``: the push_pull cannot take zeros for a rank that has joined (a gather,
+        a broadcast: Horovod refuses them after ``join()``); it fails with this message if a
+        rank has joined, at once or when the scheduler says so while it is in flight.
         """
+        if join_error is not None and self.joined_ranks:
+            raise HorovodInternalError(f"{join_error} (rank(s) {sorted(self.joined_ranks)} "
+                                       "joined)")
         src = np.asarray(array)
         self.check_push(src.dtype, average, name)
         if reduction != P.REDUCE_SUM:
@@ -654,6 +673,7 @@ class Worker:
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s, flags, hyper)
         task.once, task.reduction, task.scope = once, reduction, ranks
+        task.join_error = join_error
         if compression is None and hyper is None:
             task.filled, task.lend_results = filled, lend_results
         elif filled is not None:
@@ -856,6 +876,49 @@ class Worker:
         self._command("barrier", handle)
         handle.wait(timeout_s if timeout_s is not None else self.config.op_timeout_s)
 
+    def join(self) -> int:
+        """Horovod's join: this worker has no more data. Blocks until every live worker has
+        joined, and returns the rank that joined last (the same on every worker).
+
+        It first waits for this worker's push_pulls in flight (each within its op deadline),
+        then tells the scheduler, which tells the other workers and then the servers: from
+        then on every round counts this rank as zeros (an average still divides by every
+        rank, as Horovod's), so the others go on with push_pulls. Once every live worker has
+        joined, the servers stop, and each worker takes up the partitions' rounds where the
+        job is (rounds this one sat out included), so training goes on exactly.
+
+        Deadline: the scheduler fails the job (every worker's join() and push_pulls raise)
+        when no worker that has not joined completes a push_pull for ``BPSCTL_OP_TIMEOUT``,
+        the deadline a push_pull waiting for them would have; a lost worker counts as joined
+        (``--min-workers``) or ends the job. Refused (EngineError) under asynchronous
+        training, whose pushes are not rounds, and with backup workers, whose rounds may
+        complete without any worker's push."""
+        cfg = self.config
+        for wrong, why in [(cfg.async_mode, "asynchronous training (BPSCTL_ASYNC) has no "
+                            "rounds a joined rank could add zeros to"),
+                           (cfg.backup_workers > 0, f"backup workers "
+                            f"(BPSCTL_BACKUP_WORKERS={cfg.backup_workers}) already let rounds "
+                            "complete without some workers")]:
+            if wrong:
+                raise EngineError(f"worker {self.rank}: join(): {why}; train without it, or "
+                                  "give every rank the same number of batches")
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            if self._closed:
+                raise EngineError("the engine is shut down; call init() again")
+        if self.solo:
+            return self.rank
+        handle = Handle("join", np.empty(0))
+        self._command("hvd_join", handle)
+        # no deadline of its own: the scheduler's (see above) and losing it end the wait
+        while not handle._done.wait(1.0):
+            if not self._thread.is_alive():
+                raise EngineError(f"worker {self.rank}: the engine stopped during join()")
+        if handle.error is not None:
+            raise handle.error
+        return self._hvd_join_last
+
     def donate(self, rank: int, incarnation: int, state: bytes | memoryview,
                timeout_s: float | None = None) -> None:
         """Hand a rejoining worker (one of :attr:`pending_joins`) the job's state at a step
@@ -1000,6 +1063,8 @@ class Worker:
                     if handler is not None:
                         handler()
                 more = self._send_pushes()
+                if self._hvd_join is not None and not self._hvd_join_sent:
+                    self._send_hvd_join()
                 now = time.monotonic()
                 if self._tasks:
                     last_busy, kept = now, True
@@ -1009,7 +1074,7 @@ class Worker:
                     log.debug("worker %d: quiet for %g s: gave %.1f MiB of free memory back to "
                               "the system", self.rank, release_after, released / 2**20)
                 if now >= next_tick:
-                    self._to_scheduler(P.control(P.HEARTBEAT))
+                    self._to_scheduler(P.control(P.HEARTBEAT, {"done": self._ops_done}))
                     self._fail_overdue(now)
                     next_tick = now + interval
         except Exception as exc:    # a bug here must not leave callers waiting forever
@@ -1045,6 +1110,8 @@ class Worker:
                     self._trace.next_step(self._trace.name_id("step"), payload)
             elif kind == "donate":
                 self._donate(*payload)
+            elif kind == "hvd_join":
+                self._start_hvd_join(payload)
             elif kind == "stop_trace":
                 trace, self._trace = self._trace, None
                 if trace is not None:
@@ -1069,6 +1136,10 @@ class Worker:
             self._finish(task, self._broken)
             return
         self._tasks.add(task)
+        if task.join_error is not None and self.joined_ranks:
+            self._finish(task, HorovodInternalError(
+                f"{task.join_error} (rank(s) {sorted(self.joined_ranks)} joined)"))
+            return
         if self.joining:
             self._join_waiting.append(task)     # its rounds come with the model
             return
@@ -1273,6 +1344,56 @@ class Worker:
             self._to_scheduler(P.control(P.DECLARE, {"tensors": declares}))
         self._joined.set()
 
+    def _start_hvd_join(self, handle: Handle) -> None:
+        """join() was called: sent once nothing is in flight (see :meth:`_send_hvd_join`)."""
+        if self._broken is not None or self._hvd_join is not None:
+            handle.error = self._broken or EngineError(
+                f"worker {self.rank}: join() is already waiting on another thread")
+            handle._set_done()
+            return
+        self._hvd_join, self._hvd_join_sent = handle, False
+
+    def _send_hvd_join(self) -> None:
+        """Tell the scheduler this worker joined, with its rounds, once none of its push_pulls
+        is in flight: its rounds are then final, and no round waits for a push of it."""
+        if self._tasks or self._sched_gone is not None:
+            return
+        self._hvd_join_sent = True
+        self._to_scheduler(P.control(P.HVD_JOIN, {
+            "rounds": {str(part): round_ for part, round_ in self._rounds.items()},
+            "op_timeout_s": self.config.op_timeout_s}))
+
+    def _hvd_joined(self, msg: dict[str, Any]) -> None:
+        """The scheduler says who has joined: push_pulls that cannot take zeros fail, and the
+        scheduler hears it was heard (only then do the servers count the zeros, so no sum
+        holds them before this worker knows). At the end of the join: every partition's round
+        where the job is, and this worker's join() returns the last rank to join."""
+        epoch = P.int_field(msg, "epoch", 0, 1 << 62)
+        if msg.get("done") is True:
+            self.joined_ranks = frozenset()
+            rounds = msg.get("rounds", {})
+            if isinstance(rounds, dict):
+                for part, round_ in rounds.items():
+                    part_id = int(part)
+                    self._rounds[part_id] = max(self._rounds.get(part_id, 0), int(round_))
+            handle, self._hvd_join, self._hvd_join_sent = self._hvd_join, None, False
+            if handle is not None:
+                self._hvd_join_last = P.int_field(msg, "last", 0, P.MAX_WORKERS)
+                handle._set_done()
+            return
+        ranks = msg.get("ranks", [])
+        self.joined_ranks = frozenset(int(r) for r in ranks if isinstance(r, int))
+        for task in [t for t in self._tasks if t.join_error is not None]:
+            self._finish(task, HorovodInternalError(
+                f"{task.join_error} (rank(s) {sorted(self.joined_ranks)} joined)"))
+        self._to_scheduler(P.control(P.JOINED_ACK, {"epoch": epoch}))
+
+    def _fail_hvd_join(self, error: EngineError) -> None:
+        handle, self._hvd_join = self._hvd_join, None
+        if handle is not None:
+            handle.error = error
+            handle._set_done()
+
     def _shm_slot(self, server: int, part_id: int,
                   length: int) -> tuple[bytes, np.ndarray] | None:
         """This worker's slot for partition ``part_id`` on server ``server`` (placed on its
@@ -1393,6 +1514,8 @@ class Worker:
                        nbytes=task.src.nbytes, priority=task.priority)
         if handle.error is None:
             handle.error = error
+        if error is None:
+            self._ops_done += 1
         with self._lock:
             self._in_flight_names.discard(task.name)
         handle._set_done()
@@ -1425,6 +1548,8 @@ class Worker:
                 self._incarnations[lost[0]] = lost[1]
                 self.pending_joins = [j for j in self.pending_joins if j != lost]
                 self._membership([int(r) for r in msg["live"]], str(msg["message"]))
+            elif msg_type == P.JOINED:
+                self._hvd_joined(msg)
             elif msg_type == P.WORKER_JOINING:
                 self.pending_joins.append((int(msg["rank"]), int(msg["incarnation"])))
             elif msg_type == P.WORKER_JOINED:
@@ -1493,6 +1618,9 @@ class Worker:
         restarted in its place (``bpsctl up``'s supervisor restarts it on the same address)
         and says what it needs to go on with the job (see :meth:`_reregistration`)."""
         now = time.monotonic()
+        self._fail_hvd_join(SchedulerGone(
+            f"worker {self.rank}: join() lost the scheduler at {self.scheduler_address}, which "
+            "keeps the joined ranks (a join does not survive a scheduler restart)"))
         if self._sched_gone is None:
             self._sched_gone = now
             log.warning("worker %d: %s; training goes on, and this worker registers again once "
@@ -1736,3 +1864,4 @@ class Worker:
             handle.error = error
             handle._set_done()
         self._barriers.clear()
+        self._fail_hvd_join(error)

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -131,9 +130,18 @@ def _sum(array: np.ndarray, name: str, scope: Scope | None = None) -> np.ndarray
                                   ranks=None if scope is None else scope.ranks)
 
 
-def _summer(scope: Scope) -> K.SumFn:
-    """:func:`_sum` over ``scope``, for the gathers of :mod:`bpsctl.engine.collectives`."""
-    return lambda array, name: _sum(array, name, scope)
+def _joinless(kind: str, scope: Scope) -> K.SumFn:
+    """:func:`_sum` over ``scope`` for a ``kind`` collective that a joined rank cannot add
+    zeros to: Horovod's error now if a rank has joined
+    (:func:`bpsctl.engine.collectives.check_joined`), or from the sum if one joins before it
+    completes."""
+    worker = _engine._w()
+    message = K.check_joined(kind, worker.joined_ranks)
+
+    def joinless_sum(array: np.ndarray, name: str) -> np.ndarray:
+        return worker.synchronize(worker.push_pull_async(
+            array, name=name, average=False, join_error=message, ranks=scope.ranks))
+    return joinless_sum
 
 
 @contextlib.contextmanager
@@ -334,9 +342,10 @@ def allgather(tensor: mx.nd.NDArray, name: str | None = None, priority: int = 0,
     if tensor.ndim == 0:
         raise ValueError("allgather: a tensor of at least one dimension is needed; reshape a "
                          "scalar to shape (1,)")
+    summed = _joinless("allgather", scope)
     with _named("allgather", name, _signature(tensor, first_dim=False), scope) as wire:
-        return _new(K.gather_by_sum(tensor.asnumpy(), scope.rank, scope.size, _summer(scope),
-                                    wire), tensor)
+        return _new(K.gather_by_sum(tensor.asnumpy(), scope.rank, scope.size, summed, wire),
+                    tensor)
 
 
 def grouped_allgather(tensors: Sequence[mx.nd.NDArray], name: str | None = None,
@@ -361,11 +370,12 @@ def broadcast_(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None,
         raise ValueError(f"broadcast: root_rank {root_rank} is not in the process set "
                          f"{list(scope.ranks)}; root_rank is a global rank (hvd.rank()) of one "
                          "of its members")
+    summed = _joinless("broadcast", scope)
     values = tensor.asnumpy()
     if rank() != root_rank:
         values = np.zeros_like(values)
     with _named("broadcast", name, _signature(tensor), scope) as wire:
-        got = K.from_bytes(_sum(K.as_bytes(values), wire, scope), values.dtype)
+        got = K.from_bytes(summed(K.as_bytes(values), wire), values.dtype)
     return _write(tensor, got)
 
 
@@ -420,9 +430,10 @@ def alltoall(tensor: mx.nd.NDArray, splits: Any = None, name: str | None = None,
     n = scope.size
     counts = K.even_splits(tensor.shape[0], n) if splits is None else \
         K.check_splits(_ints(splits), tensor.shape[0], n)
+    summed = _joinless("alltoall", scope)
     with _named("alltoall", name, _signature(tensor, first_dim=False), scope) as wire:
-        output, received = K.alltoall_by_sum(tensor.asnumpy(), counts, scope.rank, n,
-                                             _summer(scope), wire)
+        output, received = K.alltoall_by_sum(tensor.asnumpy(), counts, scope.rank, n, summed,
+                                             wire)
     result = _new(output, tensor)
     if splits is None:
         return result
@@ -441,6 +452,7 @@ def _reducescatter(tensor: Any, op: Any, name: str | None, priority: int,
     if tensor.ndim == 0:
         raise ValueError(f"{what}: a tensor of at least one dimension is needed (Horovod does "
                          "not take scalars either)")
+    K.check_joined("reducescatter", _engine._w().joined_ranks)
     with _named("reducescatter", name, _signature(tensor), scope) as wire:
         whole = _reduce_into(tensor.copy(), resolved, wire, priority, prescale_factor,
                              postscale_factor, scope)
@@ -485,12 +497,12 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 
 def join(device: int = -1) -> int:
-    """This rank has no more data; returns the rank that joined last (by the clock of each
-    rank's call). Not in ``horovod.mxnet``; as ``bpsctl.engine.torch``'s: every rank must call
-    it at the same point (a collective that a joined rank does not take part in fails after
-    the op timeout). ``device`` is accepted and ignored."""
+    """This rank has no more data (Horovod's join, as ``horovod.torch``'s: not in
+    ``horovod.mxnet``): blocks until every rank has joined and returns the rank that joined
+    last, on every rank. Meanwhile the other ranks' allreduces (and DistributedTrainer's)
+    count this rank as zeros (Average divides by :func:`size`, joined ranks included);
+    their allgathers, broadcasts, alltoalls and reducescatters raise Horovod's errors
+    (:meth:`bpsctl.engine.Worker.join` carries it). ``device`` is accepted and ignored."""
     del device
-    stamps = np.zeros(size(), np.float64)
-    stamps[rank()] = time.time()
-    with _named("join", None, "") as wire:
-        return int(np.argmax(_sum(stamps, wire)))
+    with _internal():
+        return _engine._w().join()

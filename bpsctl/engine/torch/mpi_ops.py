@@ -19,15 +19,14 @@ collective raises :class:`HorovodInternalError` at :func:`synchronize`.
 Process sets (``process_set=``): a collective on one runs among its ranks only, under
 engine names of its own, with ranks and sizes within the set
 (:mod:`bpsctl.engine.process_sets`). Not carried: Adasum (ValueError naming
-``op=hvd.Average``), and ``join`` lets no rank go on alone (see :func:`join`). Horovod's other
-names of this module are in :mod:`.basics` (feature queries, host layout, timelines) and
+``op=hvd.Average``). :func:`join` is Horovod's for the global set. Horovod's other names of
+this module are in :mod:`.basics` (feature queries, host layout, timelines) and
 :mod:`.process_sets`, and re-exported here as in Horovod.
 """
 from __future__ import annotations
 
 import contextlib
 import pickle
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -168,22 +167,31 @@ def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     return (tensor.double() * factor).to(tensor.dtype)
 
 
-def _push_sum(tensor: torch.Tensor, name: str, scope: Scope | None = None) -> int:
+def _push_sum(tensor: torch.Tensor, name: str, scope: Scope | None = None,
+              join_error: str | None = None) -> int:
     """Start the push_pull (a sum) of ``tensor``, a private buffer: the result lands in it
-    (over the ranks of ``scope``, a process set, where given)."""
+    (over the ranks of ``scope``, a process set, where given; ``join_error``: it fails once a
+    rank has joined, see :func:`_check_joined`)."""
     return _start(tensor, False, name, 0, Compression.none, inplace=True,
-                  ranks=None if scope is None else scope.ranks)
+                  ranks=None if scope is None else scope.ranks, join_error=join_error)
 
 
-def _exchange_ints(mine: np.ndarray, name: str, scope: Scope | None = None) -> np.ndarray:
+def _exchange_ints(mine: np.ndarray, name: str, scope: Scope | None = None,
+                   join_error: str | None = None) -> np.ndarray:
     """Every rank's ``mine`` (a small int64 vector, the same length on every rank), as a
     ``size() x len(mine)`` array (the set's ranks in set order, for ``scope``): one
     push_pull, waited for here."""
     n, me = (size(), rank()) if scope is None else (scope.size, scope.rank)
     table = torch.zeros((n, len(mine)), dtype=torch.int64)
     table[me] = torch.from_numpy(np.asarray(mine, np.int64))
-    synchronize(_push_sum(table, f"{name}.counts", scope))
+    synchronize(_push_sum(table, f"{name}.counts", scope, join_error))
     return table.numpy()
+
+
+def _check_joined(kind: str) -> str:
+    """:func:`bpsctl.engine.collectives.check_joined` for this worker: Horovod's error for a
+    ``kind`` collective, raised if a rank has joined, else returned for its push_pulls."""
+    return K.check_joined(kind, _p().worker.joined_ranks)
 
 
 @contextlib.contextmanager
@@ -221,9 +229,9 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
                      op: ReduceOp, prescale_factor: float, postscale_factor: float,
                      process_set: ProcessSet | None,
                      compression: CompressionArg = Compression.none,
-                     kind: str = "allreduce") -> int:
+                     kind: str = "allreduce", join_error: str | None = None) -> int:
     """Start an allreduce of ``tensor``; the result lands in ``output`` (in-place forms) or a
-    new tensor."""
+    new tensor (``join_error``: a reducescatter's, see :func:`_check_joined`)."""
     scope = _scope(process_set, kind)
     _check_tensor(tensor, kind, bool_ok=op in K.SERVER_REDUCTIONS)
     by_op = op in K.SERVER_REDUCTIONS     # a name bound to its op: a name of its own
@@ -238,7 +246,7 @@ def _allreduce_start(tensor: torch.Tensor, output: torch.Tensor | None, name: st
         with _released_on_error(release):
             handle = _start(tensor if inplace else source, op is Average and floating,
                             wire_name, 0, compression, inplace=inplace or private,
-                            ranks=scope.ranks)
+                            ranks=scope.ranks, join_error=join_error)
         divide = op is Average and not floating
 
         def finish(results: list[torch.Tensor]) -> torch.Tensor:
@@ -437,10 +445,12 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
         if t.dim() == 0:
             raise ValueError(f"{kind}: a tensor of at least one dimension is needed; reshape "
                              "a scalar with tensor.reshape(1)")
+    join_error = _check_joined("allgather")
     base, release = _name(kind, name, ";".join(_signature(t, first_dim=False) for t in tensors),
                           scope)
     with _released_on_error(release):
-        table = _exchange_ints(np.array([t.shape[0] for t in tensors], np.int64), base, scope)
+        table = _exchange_ints(np.array([t.shape[0] for t in tensors], np.int64), base, scope,
+                               join_error)
         me = scope.rank
         handles, all_counts = [], []
         for i, t in enumerate(tensors):
@@ -449,7 +459,8 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
             start = K.offsets(counts)[me]
             buffer[start:start + counts[me]] = t.detach()
             member = f"{base}.{i}" if len(tensors) > 1 else base
-            handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer), scope))
+            handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer), scope,
+                                     join_error))
             all_counts.append(counts)
     return handles, all_counts, base, release
 
@@ -563,6 +574,7 @@ def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_ran
     _check_tensor(tensor, "broadcast")
     _check_root(root_rank)
     _check_set_root(root_rank, scope, "broadcast")
+    join_error = _check_joined("broadcast")
     wire_name, release = _name("broadcast", name, _signature(tensor), scope)
     buffer = output if output is not None else \
         torch.empty_like(tensor.detach(), memory_format=torch.contiguous_format)
@@ -572,7 +584,7 @@ def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_ran
         elif buffer is not tensor:
             buffer.copy_(tensor)
     with _released_on_error(release):
-        handle = _push_sum(_as_bytes(buffer), wire_name, scope)
+        handle = _push_sum(_as_bytes(buffer), wire_name, scope, join_error)
     return _then(wire_name, [handle], lambda _: buffer, release)
 
 
@@ -636,16 +648,17 @@ def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
     else:
         values = splits.tolist() if isinstance(splits, torch.Tensor) else list(splits)
         counts = K.check_splits(values, rows, n)
+    join_error = _check_joined("alltoall")
     base, release = _name("alltoall", name, _signature(tensor, first_dim=False), scope)
     with _released_on_error(release):
-        matrix = _exchange_ints(np.array(counts, np.int64), base, scope)
+        matrix = _exchange_ints(np.array(counts, np.int64), base, scope, join_error)
         spans, received = K.alltoall_plan(matrix, me)
         senders = [int(row.sum()) for row in matrix]
         buffer = torch.zeros((sum(senders), *tensor.shape[1:]), dtype=tensor.dtype,
                              device=tensor.device)
         start = K.offsets(senders)[me]
         buffer[start:start + rows] = tensor.detach()
-        handle = _push_sum(_as_bytes(buffer), _rows(base, buffer), scope)
+        handle = _push_sum(_as_bytes(buffer), _rows(base, buffer), scope, join_error)
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
 
     def pick(_: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -701,8 +714,10 @@ def _reducescatter_start(tensor: torch.Tensor, name: str | None, op: ReduceOp,
     K.check_op(op, K.SERVER_OPS, "reducescatter")
     if isinstance(tensor, torch.Tensor) and tensor.dim() == 0:
         raise ValueError("reducescatter: a tensor of at least one dimension is needed")
+    join_error = _check_joined("reducescatter")
     handle = _allreduce_start(tensor, None, name, op, prescale_factor, postscale_factor,
-                              process_set, compression, kind="reducescatter")
+                              process_set, compression, kind="reducescatter",
+                              join_error=join_error)
     scope = _scope(process_set, "reducescatter")
     counts = K.reducescatter_counts(tensor.shape[0], scope.size)
     start, count = K.offsets(counts)[scope.rank], counts[scope.rank]
@@ -813,21 +828,28 @@ def barrier(process_set: ProcessSet = global_process_set) -> None:
 
 
 def join(device: int = -1) -> int:
-    """This rank has no more data; returns the rank that joined last (by the clock of each
-    rank's call, compared as one exchange).
+    """This rank has no more data (Horovod's join): blocks until every rank has joined and
+    returns the rank that joined last, on every rank. Meanwhile the other ranks go on with
+    allreduces (and DistributedOptimizer's), to which this rank adds zeros: Sum and Average
+    over every rank (Average divides by :func:`size`, joined ranks included, as Horovod's),
+    Min, Max and Product with a zero folded in; their allgathers, broadcasts, alltoalls and
+    reducescatters raise Horovod's errors. Afterwards training goes on as before.
 
-    Unlike Horovod's, ranks do not go on with collectives while others have joined (Horovod
-    lets a joined rank contribute zeros to them, which needs a coordinator that tells it
-    their names and shapes; bpsctl's servers only sum what every worker pushes): every rank
-    must call join() at the same point, and a collective that a joined rank does not take
-    part in fails after the op timeout (``BPSCTL_OP_TIMEOUT``). ``device`` is accepted and
-    ignored."""
+    Carried by the servers (:meth:`bpsctl.engine.Worker.join`): ranks sharing a host through
+    the intra-node stage may all join, but a collective of the stage while one of them has
+    joined raises HorovodInternalError saying to set ``BPSCTL_LOCAL_REDUCE=off``. Refused
+    under bounded staleness, asynchronous training and backup workers. ``device`` is
+    accepted and ignored (no zero tensors are made)."""
     del device
-    stamps = torch.zeros(size(), dtype=torch.float64)
-    stamps[rank()] = time.time()
-    base, release = _name("join", None, "")
+    plugin = _p()
+    if plugin.config.staleness > 0:
+        raise HorovodInternalError(
+            f"join(): bounded staleness (BPSCTL_STALENESS={plugin.config.staleness}) keeps "
+            "steps of this rank in flight that the others would apply after it joined; train "
+            "without it, or give every rank the same number of batches")
     try:
-        synchronize(_push_sum(stamps, base))
-    finally:
-        release()
-    return int(torch.argmax(stamps).item())
+        return plugin.worker.join()
+    except HorovodInternalError:
+        raise
+    except EngineError as exc:
+        raise HorovodInternalError(str(exc)) from exc

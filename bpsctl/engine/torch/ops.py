@@ -13,7 +13,7 @@ import torch
 from .. import paths
 from ..collectives import HorovodInternalError
 from ..common import EngineError
-from ..intranode import LocalOp, LocalStage, _as_array
+from ..intranode import JOIN_WAY_OUT, LocalOp, LocalStage, _as_array
 from .compression import Compression, CompressionArg, EngineCompressor
 from .cuda_copies import _contiguous_output, _Direct, _stage_through_host
 from .plugin import _Op, _p, _Plugin, _wire_dtype
@@ -22,10 +22,11 @@ from .staging import Downstream, StagedOp
 
 def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
            compression: CompressionArg, inplace: bool, once: bool = False,
-           ranks: tuple[int, ...] | None = None) -> int:
+           ranks: tuple[int, ...] | None = None, join_error: str | None = None) -> int:
     """Start a push_pull (``once``: a broadcast's, see Worker.push_pull_async; ``ranks``: a
     process set's, over those ranks only, straight to the servers: the intra-node stage
-    sums over every worker of the host)."""
+    sums over every worker of the host; ``join_error``: one that fails once a rank has
+    joined)."""
     plugin = _p()
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"push_pull expects a torch.Tensor, got {type(tensor).__name__}")
@@ -51,6 +52,11 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
         return _solo(plugin, name, source, output)
     op = _Op(name, output, wire, ctx, compression)
     stage = plugin.stage if ranks is None else None
+    if stage is not None and plugin.worker.joined_ranks:
+        raise HorovodInternalError(
+            f"push_pull of {name!r}: worker(s) {sorted(plugin.worker.joined_ranks)} joined "
+            f"(hvd.join()), and the intra-node stage cannot count a rank as zeros; "
+            f"{JOIN_WAY_OUT}")
     nccl = wire.is_cuda and stage is not None and stage.cuda_path(wire.device)
     if wire.is_cuda and not plugin.announced:
         _announce(plugin, cuda=True)
@@ -79,7 +85,7 @@ def _start(tensor: torch.Tensor, average: bool, name: str | None, priority: int,
             _as_array(host_in), name=name, average=average, priority=priority,
             out=_as_array(host_out), compression=engine, once=once,
             filled=None if direct is None else direct.lease, lend_results=direct is not None,
-            ranks=ranks)
+            ranks=ranks, join_error=join_error)
         if direct is not None:
             direct.handle = handle
         return handle.wait, handle.done
