@@ -1084,13 +1084,15 @@ class Server:
                 self._hvd_joined(msg)
             elif msg_type == P.WORKER_LOST:
                 self._worker_lost(int(msg["rank"]), int(msg.get("incarnation", 0)),
-                                  len(msg["live"]), str(msg["message"]))
+                                  {int(r) for r in msg["live"]}, str(msg["message"]))
             elif msg_type == P.ERROR:
                 self.log.warning("scheduler: %s", msg.get("message"))
 
-    def _worker_lost(self, rank: int, incarnation: int, live: int, message: str) -> None:
+    def _worker_lost(self, rank: int, incarnation: int, live: set[int], message: str) -> None:
         """The job goes on without worker ``rank``: rounds it already pushed keep its
-        contribution; the others complete without it, now if every other push is in."""
+        contribution; the others complete without it, now if every other push is in. The
+        ``live`` workers that have joined (Horovod's join) are not counted until the join
+        ends, whichever of the two this server heard first."""
         if rank in self.joined:
             self._hvd_unjoin(rank)          # counted as zeros no longer: lost instead
         rid = self._peer(rank, incarnation)
@@ -1101,7 +1103,7 @@ class Server:
         if rank in self.lost_ranks:
             return          # a restarted worker lost before it was admitted: never counted
         self.lost_ranks.add(rank)
-        self.num_workers = live
+        self.num_workers = len(live - self.joined)
         finished = 0
         for state in list(self.parts.values()):
             if not self._counts_in(rank, state.part):
@@ -1122,7 +1124,7 @@ class Server:
                 else:   # after the pushes already queued for its summation thread
                     self.queues[state.thread].put((state, None, state.quorum(), rank, False))
         self.log.warning("%s; rounds go on with %d workers (%d completed without it)", message,
-                         live, finished)
+                         len(live), finished)
 
 
     def _hvd_joined(self, msg: dict[str, Any]) -> None:
