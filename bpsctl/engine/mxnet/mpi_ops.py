@@ -7,8 +7,9 @@ summed by the servers (floating-point NDArrays in place, through
 :class:`bpsctl.engine.mxnet._Op`; integers as a sum, floor-divided for the average, as
 Horovod does); Min, Max and Product are reduced elementwise by the servers
 (:func:`bpsctl.engine.allreduce`; bool as its bytes); allgather, broadcast and alltoall
-gather through summation (each rank's rows at its offset in a zeroed buffer);
-reducescatter sums the whole tensor and keeps this rank's rows.
+gather through summation (each rank's rows at its offset in a zeroed buffer), each rank
+pushing only its own bytes (a broadcast: the root's, the others' pushes naming the root, which
+the servers check agree); reducescatter sums the whole tensor and keeps this rank's rows.
 
 Unlike Horovod's, which queue on MXNet's engine, these calls return once the result is in
 place (MXNet's pending writes to the input are waited for first). The rules are Horovod's:
@@ -120,9 +121,16 @@ def is_homogeneous() -> bool:
 _auto_names = K.AutoNames()
 
 
-def _sum(array: np.ndarray, name: str) -> np.ndarray:
-    """The engine's sum of ``array`` over every worker (a new array)."""
-    return _engine._w().push_pull(array, name=name, average=False)
+def _sum(array: np.ndarray, name: str, mine: tuple[int, int] | None = None) -> np.ndarray:
+    """The engine's sum of ``array`` over every worker (a new array); ``mine``: the bytes of
+    ``array`` that are this rank's, the rest zeros (pushed as headers alone)."""
+    return _engine._w().push_pull(array, name=name, average=False, mine=mine)
+
+
+def _broadcast(array: np.ndarray, name: str, root_rank: int) -> np.ndarray:
+    """``root_rank``'s ``array`` on every worker (a new array): only the root pushes bytes;
+    ranks that name different roots all fail, naming them."""
+    return _engine._w().push_pull(array, name=name, average=False, root=root_rank)
 
 
 @contextlib.contextmanager
@@ -318,16 +326,16 @@ def broadcast_(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None,
                priority: int = 0,
                process_set: ProcessSet = global_process_set) -> mx.nd.NDArray:
     """``root_rank``'s ``tensor`` copied into ``tensor`` on every rank; returns it. Carried
-    as a sum to which every rank but the root adds zeros."""
+    as a sum in which only the root pushes bytes (the others' pushes name the root: ranks
+    that disagree all fail)."""
     del priority
     _check_set(process_set, "broadcast")
     _check_nd(tensor, "broadcast")
     _check_root(root_rank)
-    values = tensor.asnumpy()
-    if rank() != root_rank:
-        values = np.zeros_like(values)
+    values = tensor.asnumpy() if rank() == root_rank else \
+        np.empty(tensor.shape, np.dtype(tensor.dtype))         # not read
     with _named("broadcast", name, _signature(tensor)) as wire:
-        got = K.from_bytes(_sum(K.as_bytes(values), wire), values.dtype)
+        got = K.from_bytes(_broadcast(K.as_bytes(values), wire, root_rank), values.dtype)
     return _write(tensor, got)
 
 
@@ -348,9 +356,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     me = rank() == root_rank
     data = np.frombuffer(pickle.dumps(obj), np.uint8) if me else np.zeros(0, np.uint8)
     with _internal():
-        length = int(_sum(np.array([data.size], np.int64), f"{key}.length")[0])
-        payload = data if me else np.zeros(length, np.uint8)
-        got = _sum(payload, f"{key}.bytes{length}")
+        length = int(_broadcast(np.array([data.size], np.int64), f"{key}.length",
+                                root_rank)[0])
+        payload = data if me else np.empty(length, np.uint8)       # not read
+        got = _broadcast(payload, f"{key}.bytes{length}", root_rank)
     return obj if me else pickle.loads(got.tobytes())
 
 

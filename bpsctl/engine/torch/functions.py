@@ -10,23 +10,29 @@ import torch
 
 from ... import engine as _engine
 from ..common import EngineError, JobFinished
-from .compression import Compression
-from .ops import _start, synchronize
+from .ops import _start_direct, synchronize
 from .plugin import _p, _Plugin, rank, size
 from .process_sets import _check_set
 
 
 def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int, prefix: str) -> None:
-    """Broadcast by summation: every rank but the root contributes zeros (as BytePS does)."""
-    handles = []
-    with torch.no_grad():
-        for name, tensor in named:
-            if rank() != root_rank:
-                tensor.zero_()
-            handles.append(_start(tensor, False, f"{prefix}.{name}", 0, Compression.none,
-                                  inplace=True, once=True))
+    """Broadcast by summation in which only the root pushes bytes: every other rank's pushes
+    are headers naming the root it was given (Worker.push_pull_async's ``root``; ranks that
+    disagree all fail), straight to the servers (past the intra-node stage, whose local sums
+    would not know whose bytes are whose), pushed once (no shared-memory slot kept)."""
+    handles, copies = [], []
+    for name, tensor in named:
+        wire = tensor.detach()
+        if not wire.is_contiguous():
+            wire = wire.contiguous()        # (read on the root only)
+            copies.append((tensor, wire))
+        handles.append(_start_direct(wire, wire, f"{prefix}.{name}", 0, root=root_rank,
+                                     once=True))
     for handle in handles:
         synchronize(handle)
+    with torch.no_grad():
+        for tensor, wire in copies:
+            tensor.copy_(wire)
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:

@@ -5,8 +5,10 @@ servers, or the intra-node stage when workers share a host), built as
 :mod:`bpsctl.engine.collectives` describes: Sum and Average are summed by the servers, and
 Min, Max and Product reduced by them elementwise (every rank pushing its own tensor, past the
 intra-node stage); allgather, broadcast and alltoall gather through summation (each rank's
-rows at its offset in a zeroed buffer); reducescatter sums the whole tensor and keeps this
-rank's rows. Handles are integers for
+rows at its offset in a zeroed buffer), each rank pushing only its own bytes (a broadcast:
+the root's; the others push headers naming the root, which the servers check agree), past
+the intra-node stage too, whose local sums would not know whose bytes are whose;
+reducescatter sums the whole tensor and keeps this rank's rows. Handles are integers for
 :func:`poll` and :func:`synchronize`, as push_pull's.
 
 Rules Horovod has too: every rank calls the same collectives in the same order, with the
@@ -59,7 +61,7 @@ from .basics import (  # noqa: F401
 )
 from .compression import Compression, CompressionArg
 from .functions import _check_root
-from .ops import _start, _start_reduced, _track_composite, synchronize
+from .ops import _start, _start_direct, _start_reduced, _track_composite, synchronize
 from .plugin import _p, _wire_dtype, rank, size
 from .process_sets import (  # noqa: F401
     ProcessSet,
@@ -162,6 +164,16 @@ def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
 def _push_sum(tensor: torch.Tensor, name: str) -> int:
     """Start the push_pull (a sum) of ``tensor``, a private buffer: the result lands in it."""
     return _start(tensor, False, name, 0, Compression.none, inplace=True)
+
+
+def _push_own(buffer: torch.Tensor, name: str, start: int, count: int) -> int:
+    """Start the sum of a gathered ``buffer`` (contiguous, private: the result lands in it)
+    whose rows ``start .. start + count`` are this rank's and the rest zeros: straight to the
+    servers, the partitions without this rank's rows pushed as headers alone
+    (Worker.push_pull_async's ``mine``)."""
+    per_row = buffer.element_size() * (buffer[0].numel() if buffer.shape[0] else 0)
+    wire = _as_bytes(buffer)
+    return _start_direct(wire, wire, name, 0, mine=(start * per_row, (start + count) * per_row))
 
 
 def _exchange_ints(mine: np.ndarray, name: str) -> np.ndarray:
@@ -434,7 +446,7 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
             start = K.offsets(counts)[me]
             buffer[start:start + counts[me]] = t.detach()
             member = f"{base}.{i}" if len(tensors) > 1 else base
-            handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer)))
+            handles.append(_push_own(buffer, _rows(member, buffer), start, counts[me]))
             all_counts.append(counts)
     return handles, all_counts, base, release
 
@@ -463,7 +475,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     differ between ranks; the others must match), in rank order; :func:`synchronize` returns
     it. Gathered through summation: one push_pull of the row counts (waited for here), then
     one of the whole result, each rank's rows at its offset and zeros elsewhere (every rank
-    pushes and pulls the whole result)."""
+    pushes its own rows and pulls the whole result)."""
     return _allgather([tensor], name, "allgather", process_set, one=True)[0]
 
 
@@ -533,22 +545,30 @@ def allgather_object(obj: Any, name: str | None = None) -> list[Any]:
 
 def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_rank: int,
                      name: str | None, process_set: ProcessSet | None) -> int:
-    """Start copying the root's ``tensor`` to every rank, by summation with zeros from the
-    others (as broadcast_parameters does); into ``output`` (in place) or a new tensor."""
+    """Start copying the root's ``tensor`` to every rank, into ``output`` (in place) or a new
+    tensor: a sum in which only the root pushes bytes, the others' pushes headers naming the
+    root they were given (Worker.push_pull_async's ``root``: ranks that disagree all fail),
+    straight to the servers."""
     _check_set(process_set, "broadcast")
     _check_tensor(tensor, "broadcast")
     _check_root(root_rank)
     wire_name, release = _name("broadcast", name, _signature(tensor))
-    buffer = output if output is not None else \
-        torch.empty_like(tensor.detach(), memory_format=torch.contiguous_format)
-    with torch.no_grad():
-        if rank() != root_rank:
-            buffer.zero_()
-        elif buffer is not tensor:
-            buffer.copy_(tensor)
+    buffer = (output if output is not None else tensor).detach()
+    if output is None or not buffer.is_contiguous():
+        buffer = torch.empty_like(buffer, memory_format=torch.contiguous_format)
+    if rank() == root_rank and buffer.data_ptr() != tensor.data_ptr():
+        buffer.copy_(tensor.detach())               # (elsewhere it is not read)
     with _released_on_error(release):
-        handle = _push_sum(_as_bytes(buffer), wire_name)
-    return _then(wire_name, [handle], lambda _: buffer, release)
+        wire = _as_bytes(buffer)
+        handle = _start_direct(wire, wire, wire_name, 0, root=root_rank)
+
+    def finish(_: list[Any]) -> torch.Tensor:
+        if output is None:
+            return buffer
+        if buffer.data_ptr() != output.data_ptr():
+            output.detach().copy_(buffer)           # a non-contiguous output
+        return output
+    return _then(wire_name, [handle], finish, release)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -620,7 +640,7 @@ def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
                              device=tensor.device)
         start = K.offsets(senders)[me]
         buffer[start:start + rows] = tensor.detach()
-        handle = _push_sum(_as_bytes(buffer), _rows(base, buffer))
+        handle = _push_own(buffer, _rows(base, buffer), start, rows)
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
 
     def pick(_: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -634,7 +654,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """Start an alltoall: ``splits[d]`` rows of ``tensor`` (in order) go to rank ``d`` (equal
     parts without ``splits``); :func:`synchronize` returns ``(output, received_splits)``, the
     rows received in rank order and how many came from each rank. Carried as an allgather of
-    every rank's whole tensor (each rank pushes and pulls everything the job sends)."""
+    every rank's whole tensor (each rank pushes its own tensor and pulls everything the job
+    sends)."""
     return _alltoall_start(tensor, splits, name, process_set)
 
 
