@@ -676,7 +676,7 @@ class Worker:
         task = _Task(handle, src, out, priority, divisor,
                      time.monotonic() + self.config.op_timeout_s, flags, hyper)
         task.once, task.reduction = once, reduction
-        task.mine, task.claim = mine, self.rank if root is None else root
+        task.mine, task.claim = mine, self.rank if root is None else int(root)
         if compression is None and hyper is None:
             task.filled, task.lend_results = filled, lend_results
         elif filled is not None:

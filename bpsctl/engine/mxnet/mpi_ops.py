@@ -301,8 +301,8 @@ def grouped_allreduce_(tensors: Sequence[mx.nd.NDArray], average: bool | None = 
 def allgather(tensor: mx.nd.NDArray, name: str | None = None, priority: int = 0,
               process_set: ProcessSet = global_process_set) -> mx.nd.NDArray:
     """Every rank's ``tensor`` concatenated along the first dimension in rank order (ranks may
-    differ in that dimension only), a new NDArray. Each rank pushes and pulls every rank's
-    rows (:func:`bpsctl.engine.collectives.gather_by_sum`)."""
+    differ in that dimension only), a new NDArray. Each rank pushes its own rows and pulls
+    every rank's (:func:`bpsctl.engine.collectives.gather_by_sum`)."""
     del priority
     _check_set(process_set, "allgather")
     _check_nd(tensor, "allgather")

@@ -574,7 +574,9 @@ def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_ran
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start copying ``root_rank``'s ``tensor`` to every rank; :func:`synchronize` returns a
-    new tensor. Every rank but the root pushes zeros of the tensor's size."""
+    new tensor. Only the root pushes the tensor's bytes; every other rank pushes a header
+    per partition naming the root it was given (ranks that disagree all fail, naming the
+    roots)."""
     return _broadcast_start(tensor, None, root_rank, name, process_set)
 
 
