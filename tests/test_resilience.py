@@ -106,6 +106,42 @@ def test_a_push_the_lost_server_had_summed_is_not_counted_twice(cluster):
         assert np.all(result == 6), result[:4]
 
 
+def test_a_push_of_zeros_is_pushed_again_to_the_server_that_takes_over(cluster):
+    """A broadcast from rank 0 in one partition: rank 0 pushes the bytes, rank 1 a PUSH_ZERO
+    naming the root, both acknowledged by the partition's server, which is killed before rank
+    2 pushes its own: after the move all three push again as they did (a header again from
+    ranks 1 and 2, the new server learning the partition's size from whichever comes first),
+    and every rank gets rank 0's values, neither lost nor counted twice."""
+    acked = threading.Barrier(3, timeout=30)
+    workers = {}
+
+    def body(worker):
+        workers[worker.rank] = worker
+        grad = np.full(1024, worker.rank + 1, np.float32)
+        worker.push_pull(np.zeros(4, np.float32), name="warm-up", average=False)
+        if worker.rank < 2:
+            handle = worker.push_pull_async(grad, name="grad", average=False, out=grad, root=0)
+            wait_until(lambda: _acknowledged(worker, "grad"), 10,
+                       f"rank {worker.rank}'s push to be acknowledged")
+            acked.wait()
+        else:
+            acked.wait()
+            wait_until(lambda: all(w["port"] for w in worker._servers), 1, "the address book")
+            # (rank 0 declared it a broadcast: asked here as a sum, the ranks would disagree)
+            victim = _server(cluster, workers[0], _part_of(workers[0], "grad"))
+            os.kill(victim.pid, signal.SIGKILL)
+            wait_until(lambda: gone(victim.pid), 5, "the server to die")
+            handle = worker.push_pull_async(grad, name="grad", average=False, out=grad, root=0)
+        worker.synchronize(handle)
+        return grad.copy(), sum(s["pushed_bytes"] for s in worker.stats()["servers"])
+
+    results = run_job(cluster, 3, 3, body, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    for rank, (result, pushed) in enumerate(results):
+        assert np.all(result == 1), (rank, result[:4])
+        # (the warm-up's 16 bytes, then the root's 4 KiB once or twice, the headers none)
+        assert pushed == 16 if rank else pushed in (16 + 4096, 16 + 2 * 4096), (rank, pushed)
+
+
 def _part_of(worker, name: str) -> int:
     """The id of tensor ``name``'s one partition, declared by any rank (ask the scheduler)."""
     if name not in worker._tensors:
