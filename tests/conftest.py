@@ -61,6 +61,7 @@ TIERS: dict[str, set[str]] = {
     # a worker killed mid-job under --min-workers: 6 s each
     "test_resilience.py::test_a_killed_worker_leaves_the_job_going_with_averages_over_the_rest":
         {"slow"},
+    "test_resilience.py::test_a_killed_worker_leaves_a_gathers_rounds_of_zeros_going": {"slow"},
     "test_resilience.py::test_torch_training_goes_on_without_a_lost_worker_and_says_so":
         {"slow"},
     # Horovod-style elastic scripts with an ElasticSampler on 2 and 3 workers, and one with a

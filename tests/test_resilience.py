@@ -274,6 +274,7 @@ def pushed_and_acknowledged(worker, names, timeout_s=20):
     sys.exit("rank 2's pushes were never acknowledged")
 
 out_dir, steps, die_at, when = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+gather = sys.argv[5:] == ["gather"]     # a third of each tensor each, the rest zeros (mine=)
 bps.init()
 rank = bps.rank()
 grads = [np.zeros(n, np.float32) for n in (10, 70_000, 300_000)]   # 1, 2 and 5 partitions
@@ -284,8 +285,17 @@ for step in range(steps):
         time.sleep(1.0)                          # rank 2 pushes first, and dies
     for i, g in enumerate(grads):
         g[:] = 6 * (rank + 1) + step + i         # integers: every mean below is exact
-    handles = [bps.push_pull_async(g, name=f"g{i}", average=True, out=g)
-               for i, g in enumerate(grads)]
+    if gather:
+        thirds = [(len(g) * rank // 3, len(g) * (rank + 1) // 3) for g in grads]
+        for g, (a, b) in zip(grads, thirds):
+            g[:a] = 0
+            g[b:] = 0
+        handles = [bps._w().push_pull_async(g, name=f"g{i}", average=False, out=g,
+                                            mine=(4 * a, 4 * b))
+                   for i, (g, (a, b)) in enumerate(zip(grads, thirds))]
+    else:
+        handles = [bps.push_pull_async(g, name=f"g{i}", average=True, out=g)
+                   for i, g in enumerate(grads)]
     if rank == 2 and step == die_at and when == "after":
         pushed_and_acknowledged(bps._w(), [f"g{i}" for i in range(len(grads))])
         os.kill(os.getpid(), signal.SIGKILL)
@@ -337,6 +347,37 @@ def test_a_killed_worker_leaves_the_job_going_with_averages_over_the_rest(tmp_pa
     for rank in (0, 1):
         sizes = (out / f"size-{rank}").read_text().split()
         assert sizes[0] == "3" and sizes[-1] == "2", sizes
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_killed_worker_leaves_a_gathers_rounds_of_zeros_going(tmp_path, when):
+    """As above, each rank's third of each tensor pushed with ``mine`` (PUSH_ZERO for the
+    partitions without it: the last partition of the largest is rank 2's alone, the first
+    rank 0's): a round in which the lost worker had pushed nothing completes without it,
+    rounds of headers alone included, and its third comes back as zeros from then on."""
+    steps, die_at = 8, 3
+    script, out = tmp_path / "job.py", tmp_path / "out"
+    script.write_text(LOST_WORKER_SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2",
+           "BPSCTL_PARTITION_BYTES": "262144"}
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
+                           "--min-workers", "2", "--", sys.executable, str(script), str(out),
+                           str(steps), str(die_at), when, "gather"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text
+    sizes = (10, 70_000, 300_000)
+    for step in range(steps):
+        got = [np.load(out / f"r{rank}-s{step}.npy") for rank in (0, 1)]
+        assert np.array_equal(got[0], got[1]), f"step {step}: survivors differ"
+        with_rank_2 = step < die_at or (step == die_at and when == "after")
+        want = np.concatenate([np.concatenate([
+            np.full(n * (r + 1) // 3 - n * r // 3,
+                    6 * (r + 1) + step + i if r < 2 or with_rank_2 else 0, np.float32)
+            for r in range(3)]) for i, n in enumerate(sizes)])
+        assert np.array_equal(got[0], want), step
 
 
 TORCH_SCRIPT = '''
