@@ -28,6 +28,15 @@ straight from the slot, keeps the sum buffers of such partitions in shared segme
 and answers local workers with a reference to the round's buffer (``_shm_payload``,
 ``_shm_buffers``, ``_shm_ref``).
 
+A PUSH_ZERO (a header alone: the pusher's share of the round is zeros, as a gather's rank
+sends for partitions without its rows) counts as a push and is answered as one, with nothing
+folded in: a round of such pushes alone answers zeros, one of a single data push and zeros
+that push (copied first when it is a worker's slot in shared memory, which its pusher
+rewrites once answered). In a broadcast's partitions (``REDUCE_BROADCAST``) each push names
+a root (a data push its pusher, a PUSH_ZERO its rank field): a round whose pushes name
+different roots, or whose root pushed nothing, is answered with an ERROR to every pusher
+(``_refused_broadcast``).
+
 Under asynchronous training (``FLAG_ASYNC`` pushes, ``BPSCTL_ASYNC``) a partition holds the
 model's parameters instead (:class:`AsyncPartition`): there are no rounds across workers;
 each push is one SGD step, applied at once in arrival order (on the same thread a sum would

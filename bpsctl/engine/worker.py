@@ -23,6 +23,10 @@ own copy engine (a GPU) makes neither copy: it fills the slots itself (``lend``,
 ``push_pull_async(filled=...)``) and reads each sum where it is (``lend_results=True``:
 ``Handle.lent``), from memory it had page-locked (``pin_shared_memory``).
 
+A push_pull that says which bytes are this worker's (``mine``: a gather's rows; ``root``: a
+broadcast, the root's all, the others' none) sends each partition without them as a
+PUSH_ZERO, a header alone, which the server counts as a push of zeros.
+
 Under asynchronous training (``async_update``/``async_init``, ``BPSCTL_ASYNC``) the same path
 carries a gradient, with the optimizer's hyperparameters, to servers that hold the
 parameters; each partition's answer is its parameters, copied into the output.
