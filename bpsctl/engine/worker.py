@@ -1276,9 +1276,9 @@ class Worker:
             elif msg_type == P.ERROR:
                 _, msg = P.parse_control([frames[0].buffer, frames[1].buffer])
                 part = msg.get("part")
-                if isinstance(part, int) and part in self._active and \
-                        round_ == self._rounds.get(part, 0):
-                    self._part_refused(part, round_, str(msg.get("message")))
+                if isinstance(part, int):       # one partition's round, nothing else
+                    if part in self._active and round_ == self._rounds.get(part, 0):
+                        self._part_refused(part, round_, str(msg.get("message")))
                 else:
                     self._fail_all(EngineError(f"worker {self.rank}: {msg.get('message')}"))
 
