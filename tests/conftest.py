@@ -66,6 +66,7 @@ TIERS: dict[str, set[str]] = {
     # a worker killed mid-job under --min-workers: 6 s each
     "test_resilience.py::test_a_killed_worker_leaves_the_job_going_with_averages_over_the_rest":
         {"slow"},
+    "test_resilience.py::test_a_killed_worker_leaves_a_gathers_rounds_of_zeros_going": {"slow"},
     "test_resilience.py::test_torch_training_goes_on_without_a_lost_worker_and_says_so":
         {"slow"},
     # Horovod-style elastic scripts with an ElasticSampler on 2 and 3 workers, and one with a
@@ -341,6 +342,9 @@ TIERS: dict[str, set[str]] = {
     "test_cli.py::test_ctrl_c_stops_every_worker": {"slow"},
     # a server killed and replaced mid-job (about 5 s); a lost server's push counted once stays
     "test_resilience.py::test_a_killed_server_is_replaced_and_every_sum_stays_exact": {"slow"},
+    # a server killed between a broadcast's pushes (PUSH_ZERO pushed again): a private cluster
+    "test_resilience.py::test_a_push_of_zeros_is_pushed_again_to_the_server_that_takes_over":
+        {"slow"},
     "test_staleness.py::test_bad_staleness_and_combinations_exit_2_naming_the_flags[async]":
         {"slow"},
     "test_staleness.py::test_bad_staleness_and_combinations_exit_2_naming_the_flags[backup]":

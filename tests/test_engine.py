@@ -5,7 +5,9 @@ each job uses the first ``servers`` of them.
 """
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import signal
 import threading
 import time
@@ -15,11 +17,13 @@ import numpy as np
 import pytest
 import zmq
 
+import bpsctl
 from bpsctl.config import Config, auto_io_threads
 from bpsctl.engine import EngineError, Worker
 from bpsctl.engine import compression as C
 from bpsctl.engine import protocol as P
 from bpsctl.engine.common import io_thread_affinity
+from bpsctl.engine.security import Security
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -536,3 +540,224 @@ def test_after_shutdown_push_pull_says_so(job):
             w.push_pull(np.ones(2), name="late")
 
     job(1, 1, body)
+
+
+# --------------------------------------------------------------------------- PUSH_ZERO, roots
+
+def rows_of(rank: int, count: int, cols: int, dtype: str, step: int) -> np.ndarray:
+    """Rank ``rank``'s rows of a gather at ``step``: small integers (exact in every dtype;
+    bfloat16 as a float32's upper half), never zero."""
+    base = (np.arange(count * cols) % 11 + rank + step + 1).reshape(count, cols)
+    if dtype == "bfloat16":
+        return (base.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    return base.astype(dtype)
+
+
+def pushed(w: Worker) -> int:
+    return sum(s["pushed_bytes"] for s in w.stats()["servers"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "int64", "uint8", "float16", "bfloat16"])
+def test_a_gather_pushes_only_each_ranks_partitions_and_is_exact(job, dtype):
+    """Each rank's rows at its offset in a zeroed buffer (uneven: 1, 5 and 0 rows), ``mine``
+    naming its bytes: the partitions without them go as PUSH_ZERO (rank 2 pushes headers
+    only), every rank gets the concatenation, twice (the second round rewrites the sum
+    buffers), and what each rank pushed is the bytes of the partitions holding its rows."""
+    rows, cols, size = [1, 5, 0], 3, 32      # 32-byte partitions: rows straddle them
+    starts = [sum(rows[:r]) for r in range(3)]
+
+    def body(w: Worker):
+        out = []
+        for step in range(2):
+            mine = rows_of(w.rank, rows[w.rank], cols, dtype, step)
+            buffer = np.zeros((sum(rows), cols), mine.dtype)
+            buffer[starts[w.rank]:starts[w.rank] + rows[w.rank]] = mine
+            per_row = cols * mine.itemsize
+            wire = buffer.view(P.BFLOAT16) if dtype == "bfloat16" else buffer
+            before = pushed(w)
+            got = w.push_pull(wire, name="rows", average=False,
+                              mine=(starts[w.rank] * per_row,
+                                    (starts[w.rank] + rows[w.rank]) * per_row))
+            out.append((got.view(mine.dtype).copy(), pushed(w) - before))
+        return out
+
+    results = job(3, 2, body, partition_bytes=size)
+    for step in range(2):
+        want = np.concatenate([rows_of(r, rows[r], cols, dtype, step) for r in range(3)])
+        nbytes = want.nbytes
+        per_row = cols * want.itemsize
+        for rank, per_step in enumerate(results):
+            got, moved = per_step[step]
+            assert_same(got, want)
+            a, b = starts[rank] * per_row, (starts[rank] + rows[rank]) * per_row
+            touched = 0 if a == b else min(-(-b // size) * size, nbytes) - a // size * size
+            assert moved == touched, (rank, step, moved, touched)
+
+
+def test_rounds_of_all_zeros_answer_zeros_also_after_rounds_with_data(job):
+    """A partition whose every push is a PUSH_ZERO, as its first round (the server learns its
+    size from the header) and after a round with data in the same sum buffers; on 1
+    worker too (a PUSH_ZERO alone is the whole round)."""
+    def body(w: Worker):
+        x = np.full(100, 7.0, np.float64)
+        first = w.push_pull(np.zeros(100), name="z", average=False, mine=(0, 0)).copy()
+        data = w.push_pull(x, name="z", average=False).copy()
+        again = [w.push_pull(x, name="z", average=False, mine=(800, 800)).copy()
+                 for _ in range(3)]            # (x is not read: it is promised zero)
+        return first, data, again
+
+    for workers in (1, 2):
+        for first, data, again in job(workers, 2, body, partition_bytes=256,
+                                      force_distributed=True):
+            assert_same(first, np.zeros(100))
+            assert_same(data, np.full(100, 7.0 * workers))
+            for zeros in again:
+                assert_same(zeros, np.zeros(100))
+
+
+def test_zero_and_data_pushes_of_large_partitions_are_summed_on_the_threads(job):
+    """Partitions of 512 KiB (summed on the servers' summation threads): zero and data pushes
+    of one partition, in whatever order they come, and a partition of two ranks' data."""
+    count = 3 * 64 * 1024          # float32: 768 KiB per rank, 2.25 MiB in all
+
+    def body(w: Worker):
+        results = []
+        for step in range(2):
+            buffer = np.zeros(3 * count, np.float32)
+            mine = slice(w.rank * count, (w.rank + 1) * count)
+            buffer[mine] = np.arange(count, dtype=np.float32) % 251 + w.rank + step
+            results.append(w.push_pull(buffer, name="big", average=False,
+                                       mine=(mine.start * 4, mine.stop * 4)).copy())
+        return results
+
+    for per_step in job(3, 2, body, partition_bytes=512 * 1024):
+        for step, got in enumerate(per_step):
+            want = np.concatenate([np.arange(count, dtype=np.float32) % 251 + r + step
+                                   for r in range(3)])
+            assert_same(got, want)
+
+
+def test_mine_and_root_are_refused_where_they_cannot_apply(job):
+    def body(w: Worker):
+        x = np.ones(8, np.float32)
+        for kwargs, words in [
+                ({"mine": (0, 33)}, r"mine=\(0, 33\) is not a byte range within the array's 32"),
+                ({"mine": "ab"}, r"mine must be \(start, stop\)"),
+                ({"mine": (0, 4), "compression": C.FP16()}, r"with mine= cannot be compressed"),
+                ({"mine": (0, 4), "reduction": P.REDUCE_MAX}, r"cannot be reduced by max"),
+                ({"mine": (0, 4), "host_reduced": True}, r"cannot be host-reduced"),
+                ({"root": 0, "average": True}, r"by broadcast cannot be averaged"),
+                ({"root": -1}, r"root -1 is not a rank"),
+                ({"root": 0, "mine": (0, 4)}, r"root= goes with neither mine= nor"),
+                ({"reduction": P.REDUCE_BROADCAST}, r"pass root=RANK")]:
+            with pytest.raises(ValueError, match=words):
+                w.push_pull_async(x, name="x", **{"average": False, **kwargs})
+        # nothing was left behind: the name sums as usual
+        return w.push_pull(x, name="x", average=False)
+
+    for result in job(2, 1, body):
+        assert_same(result, np.full(8, 2, np.float32))
+
+
+def test_a_broadcast_pushes_only_the_roots_bytes(job):
+    def body(w: Worker):
+        x = np.arange(1000, dtype=np.float32) * (w.rank + 1)
+        before = pushed(w)
+        got = w.push_pull(x, name="w", average=False, root=1)
+        return got, pushed(w) - before
+
+    results = job(3, 2, body, partition_bytes=512)
+    for rank, (got, moved) in enumerate(results):
+        assert_same(got, np.arange(1000, dtype=np.float32) * 2)
+        assert moved == (4000 if rank == 1 else 0), (rank, moved)
+
+
+@pytest.mark.parametrize("roots", [[0, 0, 1], [0, 1], [2, 2, 0]])
+def test_ranks_naming_different_roots_of_a_broadcast_all_fail_naming_them(job, roots):
+    """[0, 0, 1]: one rank pushes data, as a good broadcast; [0, 1]: every rank pushes data;
+    [2, 2, 0]: nobody does. Every rank fails within seconds (not the op timeout) with the
+    tensor's name and what each rank said; the name is usable again at once."""
+    said = {0: "ranks 0 and 1 say 0, rank 2 says 1", 1: "rank 0 says 0, rank 1 says 1",
+            2: "ranks 0 and 1 say 2, rank 2 says 0"}[[[0, 0, 1], [0, 1], [2, 2, 0]].index(roots)]
+
+    def body(w: Worker):
+        x = np.full(300, w.rank + 1.0, np.float32)
+        started = time.monotonic()
+        with pytest.raises(EngineError, match=rf"^worker {w.rank}: broadcast 'w': server \d+, "
+                                              r"partition \d+: ranks disagree on the root of "
+                                              rf"this broadcast: {said}$"):
+            w.push_pull(x, name="w", average=False, root=roots[w.rank])
+        took = time.monotonic() - started
+        return took, w.push_pull(x, name="w", average=False, root=0)
+
+    for took, again in job(len(roots), 2, body, partition_bytes=256, op_timeout_s=30.0):
+        assert took < 5, took
+        assert_same(again, np.full(300, 1.0, np.float32))
+
+
+def test_a_broadcast_whose_root_pushed_nothing_fails_naming_it(job):
+    def body(w: Worker):
+        with pytest.raises(EngineError, match=r"every rank names rank 5 the root of this "
+                                              r"broadcast, but it pushed no data"):
+            w.push_pull(np.ones(4, np.float32), name="w", average=False, root=5)
+        return True
+
+    assert job(2, 1, body) == [True, True]
+
+
+def _hello(ctx: zmq.Context, address: str, secret: str, job_id: str) -> zmq.Socket:
+    """A worker's connection to a server, spoken by hand: the hmac handshake, then HELLO of a
+    one-worker job."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{address}")
+    ours = secrets.token_bytes(16)
+    sock.send_multipart(P.control(P.AUTH, {"version": bpsctl.__version__, "nonce": ours.hex()}))
+    assert sock.poll(5000), "no CHALLENGE within 5 s"
+    theirs = bytes.fromhex(json.loads(sock.recv_multipart()[1])["nonce"])
+    sock.send_multipart(P.control(P.PROOF, {"proof": Security("hmac", secret)._proof(
+        b"connecting", theirs, ours)}))
+    sock.send_multipart(P.control(P.HELLO, {"job": job_id, "rank": 0, "world_size": 1,
+                                            "version": bpsctl.__version__}))
+    return sock
+
+
+def test_a_push_zero_on_the_wire_is_answered_with_zeros_and_refused_where_it_cannot_apply(
+        engine_cluster):
+    """PUSH_ZERO by hand: ACK and a RESULT of zeros of the header's size, counting one push;
+    a payload, a compressed or host-reduced flag and a min reduction are refused with an
+    ERROR naming PUSH_ZERO."""
+    server = next(p for p in engine_cluster.processes if p.role == "server")
+    ctx = zmq.Context()
+    try:
+        sock = _hello(ctx, f"{server.host}:{server.port}", engine_cluster.secret,
+                      f"test-zero-{os.getpid()}-{time.monotonic_ns()}")
+
+        def answer() -> list[bytes]:
+            assert sock.poll(5000), "the server did not answer within 5 s"
+            return sock.recv_multipart()
+
+        for round_ in range(2):
+            sock.send(P.pack_header(P.PUSH_ZERO, dtype=P.DTYPE_CODES[np.dtype(np.float32)],
+                                    part=0, round=round_, nbytes=40))
+            assert P.unpack_header(answer()[0])[0] == P.ACK
+            header, body = answer()
+            kind, _, flags, count, part, got_round, nbytes = P.unpack_header(header)
+            assert (kind, count, part, got_round, nbytes) == (P.RESULT, 1, 0, round_, 40)
+            assert_same(np.frombuffer(body, np.float32), np.zeros(10, np.float32))
+        code = P.DTYPE_CODES[np.dtype(np.float32)]
+        for frames, words in [
+                ([P.pack_header(P.PUSH_ZERO, dtype=code, part=1, nbytes=4), b"\0" * 4],
+                 "PUSH_ZERO of partition 1 carries 1 frames after its header"),
+                ([P.pack_header(P.PUSH_ZERO, dtype=code, part=1, nbytes=4,
+                                flags=P.FLAG_COMPRESSED)], "a zero push is never compressed"),
+                ([P.pack_header(P.PUSH_ZERO, dtype=code, part=1, nbytes=4,
+                                flags=P.FLAG_HOST_REDUCED)], "host-reduced"),
+                ([P.pack_header(P.PUSH_ZERO, dtype=P.push_dtype(code, P.REDUCE_MIN), part=1,
+                                nbytes=4)], "PUSH_ZERO of partition 1 reduced by min")]:
+            sock.send_multipart(frames)
+            reply = answer()
+            assert P.unpack_header(reply[0])[0] == P.ERROR, reply
+            assert words in json.loads(reply[1])["message"], reply[1]
+    finally:
+        ctx.destroy(linger=0)

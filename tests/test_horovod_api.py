@@ -105,13 +105,20 @@ def test_alltoall_splits_are_checked_and_planned():
 
 
 def test_gather_by_sum_concatenates_exactly_for_every_dtype():
-    """The algorithm on 3 simulated ranks (threads) whose sum adds what each passed, in the
-    dtype, as the servers do."""
+    """The algorithm on 3 simulated ranks (threads) whose sum adds, in the dtype, only the
+    bytes each says are its own (``mine``; the rest must be zeros), as the servers sum
+    PUSH_ZERO and data pushes; each rank's own bytes are its rows."""
     size = 3
     barrier = threading.Barrier(size)
     pushed: dict[str, dict[int, np.ndarray]] = {}
+    owned: dict[tuple[str, int], int] = {}
 
-    def push_pull_sum(array: np.ndarray, name: str, rank: int) -> np.ndarray:
+    def push_pull_sum(array: np.ndarray, name: str, rank: int,
+                      mine: tuple[int, int] | None = None) -> np.ndarray:
+        raw = array.reshape(-1).view(np.uint8)
+        if mine is not None:
+            assert not raw[:mine[0]].any() and not raw[mine[1]:].any(), (name, rank, mine)
+            owned[(name, rank)] = mine[1] - mine[0]
         pushed.setdefault(name, {})[rank] = array.copy()
         barrier.wait(timeout=10)
         total = sum(pushed[name][r] for r in range(size))
@@ -123,8 +130,9 @@ def test_gather_by_sum_concatenates_exactly_for_every_dtype():
         results: dict[int, np.ndarray] = {}
 
         def rank_(r: int, dtype=dtype, inputs=inputs, results=results) -> None:
-            results[r] = K.gather_by_sum(inputs[r], r, size,
-                                         lambda a, n: push_pull_sum(a, n, r), f"g.{dtype}")
+            results[r] = K.gather_by_sum(
+                inputs[r], r, size, lambda a, n, mine=None: push_pull_sum(a, n, r, mine),
+                f"g.{dtype}")
         threads = [threading.Thread(target=rank_, args=(r,)) for r in range(size)]
         for t in threads:
             t.start()
@@ -133,6 +141,7 @@ def test_gather_by_sum_concatenates_exactly_for_every_dtype():
         for r in range(size):
             assert results[r].dtype == dtype
             assert np.array_equal(results[r], np.concatenate(inputs)), (dtype, r)
+            assert owned[(f"g.{dtype}.rows.6", r)] == inputs[r].nbytes, (dtype, r)
 
 
 # --------------------------------------------------------------------------- on real workers
@@ -217,6 +226,56 @@ def allreduce_min_max_product_push_one_tensors_bytes():
         hvd.allreduce(x, op=op, name=f"bytes.{op.name}")
     moved = pushed() - before
     assert moved == (3 * x.numel() * 4 if N > 1 else 0), (moved, N)
+
+#: rows of 2 MiB: whole partitions (pieces of 1 or 2 MiB), so what a rank pushes is exact
+ROW = 2 * 1024 * 1024 // 4
+
+@check
+def gathers_broadcasts_and_alltoalls_push_one_ranks_bytes():
+    # each rank pushes its own rows (uneven: 1 or 2 rows), not every rank's; a broadcast's
+    # root pushes the tensor and the others nothing; values stay exact
+    worker = hvd._p().worker
+    def pushed():
+        return sum(s["pushed_bytes"] for s in worker.stats()["servers"])
+    counts = [1 + r % 2 for r in range(N)]
+    mine = torch.full((counts[ME], ROW), float(ME + 1))
+    before = pushed()
+    got = hvd.allgather(mine, name="bytes.gather")
+    moved = pushed() - before
+    same(got, torch.cat([torch.full((c, ROW), float(r + 1)) for r, c in enumerate(counts)]))
+    own = mine.numel() * 4 if N > 1 else 0
+    # (and the row counts, one int64 per rank, where they go to the servers)
+    assert own <= moved <= own + 8 * N, ("allgather", moved, own)
+    before = pushed()
+    got = hvd.broadcast(torch.full((ROW,), float(ME)), root_rank=N - 1, name="bytes.bcast")
+    moved = pushed() - before
+    same(got, torch.full((ROW,), float(N - 1)))
+    assert moved == (ROW * 4 if N > 1 and ME == N - 1 else 0), ("broadcast", moved)
+    splits = [0] * N
+    splits[(ME + 1) % N] = counts[ME]           # every row to the next rank
+    before = pushed()
+    got, received = hvd.alltoall(mine, splits=splits, name="bytes.a2a")
+    moved = pushed() - before
+    sender = (ME - 1) % N
+    same(got, torch.full((counts[sender], ROW), float(sender + 1)))
+    assert own <= moved <= own + 8 * N * N, ("alltoall", moved, own)     # (and the splits)
+
+@check
+def broadcast_roots_that_disagree_fail_every_rank_naming_them():
+    if N == 1:
+        return
+    roots = [0] * (N - 1) + [1]         # 2 ranks: 0 and 1; 3 ranks: 0, 0 and 1
+    said = "rank 0 says 0, rank 1 says 1" if N == 2 else "ranks 0 and 1 say 0, rank 2 says 1"
+    started = time.monotonic()
+    try:
+        hvd.broadcast(torch.ones(3), root_rank=roots[ME], name="roots")
+        raise AssertionError("a broadcast whose ranks named different roots went through")
+    except hvd.HorovodInternalError as exc:
+        assert "broadcast 'broadcast.roots'" in str(exc) and \
+            f"ranks disagree on the root of this broadcast: {said}" in str(exc), str(exc)
+    assert time.monotonic() - started < 10
+    same(hvd.broadcast(torch.full((3,), float(ME)), root_rank=N - 1, name="roots"),
+         torch.full((3,), float(N - 1)))                    # the name goes on
 
 @check
 def allreduce_scales_in_place_async_grouped_and_deprecated_average():
@@ -612,6 +671,8 @@ CHECKS = ["sync_batch_norm_is_batch_norm_over_every_ranks_batch",
           "allreduce_sum_and_average_every_dtype",
           "allreduce_min_max_product_every_dtype",
           "allreduce_min_max_product_push_one_tensors_bytes",
+          "gathers_broadcasts_and_alltoalls_push_one_ranks_bytes",
+          "broadcast_roots_that_disagree_fail_every_rank_naming_them",
           "allreduce_scales_in_place_async_grouped_and_deprecated_average",
           "allreduce_refusals_name_the_way_out", "allreduce_gradients_are_horovods",
           "allgather_uneven_rows_every_dtype_async_grouped", "allgather_object_and_gradient",

@@ -22,16 +22,21 @@ from bpsctl.engine import collectives as K
 # --------------------------------------------------------------------------- pure functions
 
 
-def simulate(size: int, each: Callable[[int, K.SumFn], object]) -> list[object]:
+def simulate(size: int, each: Callable[[int, K.GatherFn], object]) -> list[object]:
     """``each(rank, push_pull_sum)`` on ``size`` threads, whose push_pull_sum adds what every
-    rank passed under a name (in its dtype, as the servers do); each rank's return value."""
+    rank passed under a name (in its dtype, as the servers do; with ``mine``, what lies
+    outside those bytes must be zeros, as the servers take it); each rank's return value."""
     barrier = threading.Barrier(size)
     pushed: dict[str, dict[int, np.ndarray]] = {}
     results: list[object] = [None] * size
     errors: list[BaseException] = []
 
     def rank_(r: int) -> None:
-        def push_pull_sum(array: np.ndarray, name: str) -> np.ndarray:
+        def push_pull_sum(array: np.ndarray, name: str,
+                          mine: tuple[int, int] | None = None, /) -> np.ndarray:
+            if mine is not None:
+                raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+                assert not raw[:mine[0]].any() and not raw[mine[1]:].any(), (name, r, mine)
             pushed.setdefault(name, {})[r] = np.array(array, copy=True)
             barrier.wait(timeout=10)
             shapes = {a.shape for a in pushed[name].values()}
@@ -291,6 +296,29 @@ def broadcast_from_root_one():
     assert hvd.broadcast_object({"epoch": 3 + ME}, root_rank=ROOT) == {"epoch": 3 + ROOT}
 
 @check
+def gathers_and_broadcasts_push_one_ranks_bytes_and_roots_are_checked():
+    import bpsctl.engine
+    worker = bpsctl.engine._w()
+    def pushed():
+        return sum(s["pushed_bytes"] for s in worker.stats()["servers"])
+    row = 2 * 1024 * 1024 // 4              # rows of 2 MiB: whole partitions
+    mine = mx.nd.full((1 + ME % 2, row), ME + 1)
+    before = pushed()
+    got = hvd.allgather(mine, name="bytes")
+    own = mine.size * 4 if SIZE > 1 else 0
+    assert own <= pushed() - before <= own + 8 * SIZE, (pushed() - before, own)   # (+ counts)
+    same(got, np.concatenate([np.full((1 + r % 2, row), r + 1, np.float32)
+                              for r in range(SIZE)]))
+    before = pushed()
+    same(hvd.broadcast(mx.nd.full((row,), ME), root_rank=ROOT, name="bytes"),
+         np.full(row, ROOT, np.float32))
+    assert pushed() - before == (row * 4 if SIZE > 1 and ME == ROOT else 0)
+    if SIZE > 1:
+        refused(hvd.HorovodInternalError, "ranks disagree on the root of this broadcast: "
+                "rank 0 says 0, rank 1 says 1", lambda: hvd.broadcast(mx.nd.ones(3), ME,
+                                                                      name="roots"))
+
+@check
 def alltoall_with_and_without_splits():
     # rank r sends d + 1 rows valued 10 * r + d to each rank d
     splits = [d + 1 for d in range(SIZE)]
@@ -412,6 +440,7 @@ def a_timeline_is_written():
 
 CHECKS = ["names_and_feature_queries", "metrics_averaged_and_summed",
           "allgather_rows_of_every_rank_in_rank_order", "broadcast_from_root_one",
+          "gathers_and_broadcasts_push_one_ranks_bytes_and_roots_are_checked",
           "alltoall_with_and_without_splits", "reducescatter_splits_rows_as_horovod",
           "broadcast_parameters_dicts_and_deferred_gluon_parameters",
           "a_gluon_trainer_with_horovods_signature_keeps_every_rank_equal", "barrier_and_join",

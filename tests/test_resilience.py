@@ -106,6 +106,42 @@ def test_a_push_the_lost_server_had_summed_is_not_counted_twice(cluster):
         assert np.all(result == 6), result[:4]
 
 
+def test_a_push_of_zeros_is_pushed_again_to_the_server_that_takes_over(cluster):
+    """A broadcast from rank 0 in one partition: rank 0 pushes the bytes, rank 1 a PUSH_ZERO
+    naming the root, both acknowledged by the partition's server, which is killed before rank
+    2 pushes its own: after the move all three push again as they did (a header again from
+    ranks 1 and 2, the new server learning the partition's size from whichever comes first),
+    and every rank gets rank 0's values, neither lost nor counted twice."""
+    acked = threading.Barrier(3, timeout=30)
+    workers = {}
+
+    def body(worker):
+        workers[worker.rank] = worker
+        grad = np.full(1024, worker.rank + 1, np.float32)
+        worker.push_pull(np.zeros(4, np.float32), name="warm-up", average=False)
+        if worker.rank < 2:
+            handle = worker.push_pull_async(grad, name="grad", average=False, out=grad, root=0)
+            wait_until(lambda: _acknowledged(worker, "grad"), 10,
+                       f"rank {worker.rank}'s push to be acknowledged")
+            acked.wait()
+        else:
+            acked.wait()
+            wait_until(lambda: all(w["port"] for w in worker._servers), 1, "the address book")
+            # (rank 0 declared it a broadcast: asked here as a sum, the ranks would disagree)
+            victim = _server(cluster, workers[0], _part_of(workers[0], "grad"))
+            os.kill(victim.pid, signal.SIGKILL)
+            wait_until(lambda: gone(victim.pid), 5, "the server to die")
+            handle = worker.push_pull_async(grad, name="grad", average=False, out=grad, root=0)
+        worker.synchronize(handle)
+        return grad.copy(), sum(s["pushed_bytes"] for s in worker.stats()["servers"])
+
+    results = run_job(cluster, 3, 3, body, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+    for rank, (result, pushed) in enumerate(results):
+        assert np.all(result == 1), (rank, result[:4])
+        # (the warm-up's 16 bytes, then the root's 4 KiB once or twice, the headers none)
+        assert pushed == 16 if rank else pushed in (16 + 4096, 16 + 2 * 4096), (rank, pushed)
+
+
 def _part_of(worker, name: str) -> int:
     """The id of tensor ``name``'s one partition, declared by any rank (ask the scheduler)."""
     if name not in worker._tensors:
@@ -238,6 +274,7 @@ def pushed_and_acknowledged(worker, names, timeout_s=20):
     sys.exit("rank 2's pushes were never acknowledged")
 
 out_dir, steps, die_at, when = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+gather = sys.argv[5:] == ["gather"]     # a third of each tensor each, the rest zeros (mine=)
 bps.init()
 rank = bps.rank()
 grads = [np.zeros(n, np.float32) for n in (10, 70_000, 300_000)]   # 1, 2 and 5 partitions
@@ -248,8 +285,17 @@ for step in range(steps):
         time.sleep(1.0)                          # rank 2 pushes first, and dies
     for i, g in enumerate(grads):
         g[:] = 6 * (rank + 1) + step + i         # integers: every mean below is exact
-    handles = [bps.push_pull_async(g, name=f"g{i}", average=True, out=g)
-               for i, g in enumerate(grads)]
+    if gather:
+        thirds = [(len(g) * rank // 3, len(g) * (rank + 1) // 3) for g in grads]
+        for g, (a, b) in zip(grads, thirds):
+            g[:a] = 0
+            g[b:] = 0
+        handles = [bps._w().push_pull_async(g, name=f"g{i}", average=False, out=g,
+                                            mine=(4 * a, 4 * b))
+                   for i, (g, (a, b)) in enumerate(zip(grads, thirds))]
+    else:
+        handles = [bps.push_pull_async(g, name=f"g{i}", average=True, out=g)
+                   for i, g in enumerate(grads)]
     if rank == 2 and step == die_at and when == "after":
         pushed_and_acknowledged(bps._w(), [f"g{i}" for i in range(len(grads))])
         os.kill(os.getpid(), signal.SIGKILL)
@@ -301,6 +347,37 @@ def test_a_killed_worker_leaves_the_job_going_with_averages_over_the_rest(tmp_pa
     for rank in (0, 1):
         sizes = (out / f"size-{rank}").read_text().split()
         assert sizes[0] == "3" and sizes[-1] == "2", sizes
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_killed_worker_leaves_a_gathers_rounds_of_zeros_going(tmp_path, when):
+    """As above, each rank's third of each tensor pushed with ``mine`` (PUSH_ZERO for the
+    partitions without it: the last partition of the largest is rank 2's alone, the first
+    rank 0's): a round in which the lost worker had pushed nothing completes without it,
+    rounds of headers alone included, and its third comes back as zeros from then on."""
+    steps, die_at = 8, 3
+    script, out = tmp_path / "job.py", tmp_path / "out"
+    script.write_text(LOST_WORKER_SCRIPT)
+    out.mkdir()
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state"), "COLUMNS": "200",
+           "BPSCTL_HEARTBEAT_TIMEOUT": "1", "BPSCTL_HEARTBEAT_INTERVAL": "0.2",
+           "BPSCTL_PARTITION_BYTES": "262144"}
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "run", "-np", "3",
+                           "--min-workers", "2", "--", sys.executable, str(script), str(out),
+                           str(steps), str(die_at), when, "gather"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text
+    sizes = (10, 70_000, 300_000)
+    for step in range(steps):
+        got = [np.load(out / f"r{rank}-s{step}.npy") for rank in (0, 1)]
+        assert np.array_equal(got[0], got[1]), f"step {step}: survivors differ"
+        with_rank_2 = step < die_at or (step == die_at and when == "after")
+        want = np.concatenate([np.concatenate([
+            np.full(n * (r + 1) // 3 - n * r // 3,
+                    6 * (r + 1) + step + i if r < 2 or with_rank_2 else 0, np.float32)
+            for r in range(3)]) for i, n in enumerate(sizes)])
+        assert np.array_equal(got[0], want), step
 
 
 TORCH_SCRIPT = '''

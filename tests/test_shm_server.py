@@ -222,6 +222,39 @@ def test_a_broadcast_takes_no_slot_so_the_gradient_still_gets_one(cluster):
     wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
 
 
+def test_a_gather_pushes_its_rows_through_shared_memory_and_headers_for_the_rest(cluster):
+    """A 3-rank gather of 40 KiB per rank in 16 KiB partitions, ``mine`` naming each rank's
+    rows: ranks 0 and 2 push the partitions holding their rows through their slots in shared
+    memory, rank 1 (``shm_server=0``, as a worker of another host) over TCP, and every other
+    partition goes as a PUSH_ZERO header. A partition of rank 0's rows alone is its slot plus
+    zeros: the others read a copy of it, not the slot, which rank 0 rewrites at its next step
+    while that answer may still be on its way; four steps, each checked exactly."""
+    count, part = 10240, 16384          # float32: 40 KiB per rank
+
+    def body(worker: Worker) -> dict[str, int]:
+        me = worker.rank
+        for step in range(4):
+            buffer = np.zeros(3 * count, np.float32)
+            buffer[me * count:(me + 1) * count] = np.arange(count) % 7 + me + 10 * step
+            got = worker.push_pull(buffer, name="rows", average=False, out=buffer,
+                                   mine=(me * count * 4, (me + 1) * count * 4))
+            want = np.concatenate([np.arange(count) % 7 + r + 10 * step for r in range(3)])
+            assert (got == want).all(), (me, step)
+        return worker.stats()
+
+    results = run_job(cluster, 3, 2, body, partition_bytes=part,
+                      rank_knobs={1: {"shm_server": "0"}})
+    for rank, stats in enumerate(results):
+        a, b = rank * count * 4, (rank + 1) * count * 4
+        touched = min(-(-b // part) * part, 3 * count * 4) - a // part * part
+        assert sum(s["pushed_bytes"] for s in stats["servers"]) == 4 * touched, (rank, stats)
+        if rank == 1:
+            assert stats["shm_pushes"] == 0, stats
+        else:       # (its data partitions through shared memory, the rest none)
+            assert stats["shm_pushed_bytes"] == 4 * touched, (rank, stats)
+    wait_until(lambda: job_names(cluster) == [], 10, "the job's segments to be removed")
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path, request):
     """A tmpfs of ``request.param`` (1 MiB unless parametrized), as a /dev/shm too small for

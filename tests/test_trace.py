@@ -142,6 +142,37 @@ def test_a_high_priority_tensor_leaves_before_one_queued_behind_the_credit(engin
     assert together > 0, "the credit of one partition made partitions of two tensors wait"
 
 
+def test_a_traced_gather_shows_the_bytes_each_rank_pushed_and_the_servers_summed(
+        engine_cluster, tmp_path):
+    """PUSH_ZERO in a trace: a 2-rank gather of 1 MiB each (1 MiB partitions), each rank
+    pushing its own partition and a header for the other. A worker's push spans carry its
+    partition's bytes and none for the header; the servers sum (and trace) the data pushes
+    alone, so what they summed is what the workers pushed."""
+    def body(worker: Worker) -> None:
+        buffer = np.zeros(MiB // 2, np.float32)
+        half = MiB // 4
+        for step in range(STEPS):
+            buffer[:] = 0
+            buffer[worker.rank * half:(worker.rank + 1) * half] = worker.rank + step + 1
+            got = worker.push_pull(buffer, name="rows", average=False,
+                                   mine=(worker.rank * MiB, (worker.rank + 1) * MiB))
+            assert (got[:half] == step + 1).all() and (got[half:] == step + 2).all()
+    run_job(engine_cluster, 2, 2, body, trace_dir=str(tmp_path), partition_bytes=MiB)
+    for rank in range(2):
+        wait_until(lambda r=rank: (tmp_path / f"server-{r}" / "comm.json").exists(), 20,
+                   f"server {rank}'s trace (written when the job ends)")
+    summary = summarize(load(tmp_path))
+    for rank in range(2):
+        pushes = [s for s in _spans(tmp_path / f"worker-{rank}" / "comm.json")
+                  if s["cat"] == "push"]
+        sizes = sorted({int(s["args"].get("bytes", 0)) for s in pushes})
+        assert sizes == [0, MiB], (rank, sizes)
+        data = sum(1 for s in pushes if s["args"].get("bytes"))
+        assert 2 * data == len(pushes) >= 2, (rank, len(pushes))
+    pushed = sum(w["bytes_pushed"] for w in summary["workers"])
+    assert pushed > 0 and sum(s["bytes_summed"] for s in summary["servers"]) == pushed
+
+
 def test_bpsctl_trace_merges_and_summarises(engine_cluster, tmp_path):
     _traced_job(engine_cluster, tmp_path)
     out = tmp_path / "summary.json"

@@ -146,8 +146,11 @@ def allreduce(array: Any, name: str | None = None, op: ReduceOp = ReduceOp.Avera
 
 def allgather(array: Any, name: str) -> Any:
     """Every worker's ``array`` (host memory) concatenated along the first dimension in rank
-    order (workers may differ in that dimension only), through summation: see
-    :func:`bpsctl.engine.collectives.gather_by_sum`. ``name`` is the same on every worker."""
+    order (workers may differ in that dimension only), through summation, each worker
+    pushing its own rows: see :func:`bpsctl.engine.collectives.gather_by_sum`. ``name`` is
+    the same on every worker."""
     worker = _w()
-    return gather_by_sum(array, worker.rank, worker.size,
-                         lambda a, n: worker.push_pull(a, name=n, average=False), name)
+
+    def push_pull_sum(a: Any, n: str, mine: tuple[int, int] | None = None) -> Any:
+        return worker.push_pull(a, name=n, average=False, mine=mine)
+    return gather_by_sum(array, worker.rank, worker.size, push_pull_sum, name)

@@ -13,10 +13,12 @@ share it:
   rank writes its rows at its own offset into a zeroed buffer holding every rank's rows and
   push_pulls it; the others add zeros there, so the sum *is* the concatenation, exactly, for
   every dtype (``x + 0 == x``, integers and floats alike, no rounding; only a float's
-  negative zero comes back as zero, and NaN as NaN). It costs what it
-  moves: each rank pushes and pulls the whole buffer, ``size()`` times the bytes of one
-  rank's rows when all ranks contribute alike (a broadcast pushes zeros from all but the
-  root, as BytePS does). When ranks may contribute different numbers of rows, a small
+  negative zero comes back as zero, and NaN as NaN). Each rank says which bytes are its
+  own (the push_pull's ``mine``): every partition wholly outside them goes as a PUSH_ZERO,
+  a header without bytes, so a rank pushes about its own rows (plus the partitions it
+  shares with a neighbour), not the whole buffer, and pulls the whole result. A broadcast
+  is a sum in which only the root pushes bytes (``root``); the servers check that every
+  rank names the same root. When ranks may contribute different numbers of rows, a small
   push_pull of one int64 per rank exchanges them first (:func:`gather_by_sum`).
 * **reducescatter**: a push_pull of the whole tensor, each rank keeping its own rows
   (:func:`reducescatter_counts`, Horovod's split).
@@ -32,7 +34,7 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,6 +46,7 @@ __all__ = ["HorovodInternalError", "ReduceOp", "SERVER_OPS",
            "layout_of_hosts",
            "timeline_path", "AutoNames", "offsets", "reducescatter_counts", "even_splits",
            "check_splits", "alltoall_plan", "exchange_counts", "as_bytes", "from_bytes",
+           "GatherFn", "row_bytes",
            "gather_rows", "gather_by_sum", "scaled", "floor_average", "alltoall_by_sum"]
 
 
@@ -257,6 +260,21 @@ def alltoall_plan(matrix: np.ndarray, rank: int) -> tuple[list[tuple[int, int]],
 SumFn = Callable[[np.ndarray, str], np.ndarray]
 
 
+class GatherFn(Protocol):
+    """The engine's sum across ranks of an array under a name, where only the bytes ``mine``
+    (start, stop) of this rank's array hold its data and the rest are zeros (push_pull's
+    ``mine``: partitions wholly outside go as PUSH_ZERO)."""
+
+    def __call__(self, array: np.ndarray, name: str,
+                 mine: tuple[int, int] | None = None, /) -> np.ndarray: ...
+
+
+def row_bytes(array: np.ndarray, start: int, count: int) -> tuple[int, int]:
+    """The byte range of rows ``start .. start + count`` of a C-contiguous ``array``."""
+    per_row = array.itemsize * int(np.prod(array.shape[1:], dtype=np.int64))
+    return start * per_row, (start + count) * per_row
+
+
 def exchange_counts(mine: int, rank: int, size: int, push_pull_sum: SumFn,
                     name: str) -> list[int]:
     """Every rank's count (of rows, say), from this rank's ``mine``: one push_pull of an int64
@@ -266,7 +284,7 @@ def exchange_counts(mine: int, rank: int, size: int, push_pull_sum: SumFn,
     return [int(c) for c in push_pull_sum(vector, name)]
 
 
-def gather_rows(array: np.ndarray, rank: int, size: int, push_pull_sum: SumFn,
+def gather_rows(array: np.ndarray, rank: int, size: int, push_pull_sum: GatherFn,
                 name: str) -> tuple[np.ndarray, list[int]]:
     """:func:`gather_by_sum`, and every rank's count of rows."""
     array = np.ascontiguousarray(array)
@@ -278,17 +296,19 @@ def gather_rows(array: np.ndarray, rank: int, size: int, push_pull_sum: SumFn,
     buffer = np.zeros((sum(counts), *wire.shape[1:]), wire.dtype)
     start = offsets(counts)[rank]
     buffer[start:start + array.shape[0]] = wire
-    return from_bytes(push_pull_sum(buffer, f"{name}.rows.{sum(counts)}"), array.dtype), counts
+    mine = row_bytes(buffer, start, array.shape[0])
+    return from_bytes(push_pull_sum(buffer, f"{name}.rows.{sum(counts)}", mine),
+                      array.dtype), counts
 
 
-def gather_by_sum(array: np.ndarray, rank: int, size: int, push_pull_sum: SumFn,
+def gather_by_sum(array: np.ndarray, rank: int, size: int, push_pull_sum: GatherFn,
                   name: str) -> np.ndarray:
     """Every rank's ``array`` concatenated along the first dimension in rank order (ranks
     may differ in that dimension only), on every rank, with ``push_pull_sum``: the counts
     are exchanged first (under ``<name>.counts``), then each rank writes its rows at its
-    offset into a zeroed buffer and sums it (under ``<name>.rows.<total rows>``: a name is
-    bound to one shape), see the module docstring. The NumPy form of the plugins'
-    allgather. Bool arrays travel as their bytes."""
+    offset into a zeroed buffer and sums it, pushing its own rows only (under
+    ``<name>.rows.<total rows>``: a name is bound to one shape), see the module docstring.
+    The NumPy form of the plugins' allgather. Bool arrays travel as their bytes."""
     return gather_rows(array, rank, size, push_pull_sum, name)[0]
 
 
@@ -317,7 +337,7 @@ def floor_average(total: np.ndarray, size: int) -> np.ndarray:
 
 
 def alltoall_by_sum(array: np.ndarray, counts: Sequence[int], rank: int, size: int,
-                    push_pull_sum: SumFn, name: str) -> tuple[np.ndarray, list[int]]:
+                    push_pull_sum: GatherFn, name: str) -> tuple[np.ndarray, list[int]]:
     """An alltoall (``counts[d]`` rows of ``array`` to rank ``d``, checked with
     :func:`check_splits`) done as a gather of every rank's whole array: every rank's counts
     are exchanged first (one push_pull of ``size`` x ``size`` int64s under
@@ -336,6 +356,7 @@ def alltoall_by_sum(array: np.ndarray, counts: Sequence[int], rank: int, size: i
     buffer = np.zeros((sum(senders), *wire.shape[1:]), wire.dtype)
     start = offsets(senders)[rank]
     buffer[start:start + array.shape[0]] = wire
-    gathered = from_bytes(push_pull_sum(buffer, f"{name}.rows.{sum(senders)}"), array.dtype)
+    gathered = from_bytes(push_pull_sum(buffer, f"{name}.rows.{sum(senders)}",
+                                        row_bytes(buffer, start, array.shape[0])), array.dtype)
     output = np.concatenate([gathered[s:s + c] for s, c in spans]) if spans else gathered[:0]
     return output, received

@@ -76,10 +76,10 @@ class CudaHandle:
 def push_pull_async(worker: Any, staging: CudaStaging, array: Any, name: str | None,
                     average: bool, priority: int, out: Any = None,
                     compression: Any = None, once: bool = False,
-                    reduction: int = 0) -> CudaHandle:
+                    reduction: int = 0, root: int | None = None) -> CudaHandle:
     """Start the push_pull of a CUDA ``array`` (see the module docstring); ``out`` (a CuPy
-    array of the same shape and dtype, default a new one) receives the result. ``once``: a
-    broadcast (see Worker.push_pull_async)."""
+    array of the same shape and dtype, default a new one) receives the result. ``once`` and
+    ``root``: a broadcast's (see Worker.push_pull_async)."""
     cupy = _cupy()
     device_in = cupy.asarray(array)                # no copy: a view of the same memory
     if not device_in.flags.c_contiguous:
@@ -94,5 +94,5 @@ def push_pull_async(worker: Any, staging: CudaStaging, array: Any, name: str | N
     device_in.get(out=host_in)                      # after the stream's queued work
     handle = worker.push_pull_async(host_in, name=name, average=average, priority=priority,
                                     out=host_out, compression=compression, once=once,
-                                    reduction=reduction)
+                                    reduction=reduction, root=root)
     return CudaHandle(handle, host_out, out)

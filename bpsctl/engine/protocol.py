@@ -52,7 +52,8 @@ STATUS_REPLY = 9    # scheduler -> client: {servers: [...], workers: [...], job:
 MEMBER_LOST = 10    # scheduler -> members: {role, rank, host, port, pid, reason}
 LEAVE = 11          # worker -> scheduler: {} (clean shutdown)
 JOB_END = 12        # scheduler -> servers: {job}
-ERROR = 13          # anyone -> anyone: {message, name?}
+ERROR = 13          # anyone -> anyone: {message, name?}; a server's with part and round
+                    #   answers that partition's round (the pushes of it fail, nothing else)
 MEMBER_LEFT = 14    # scheduler -> workers: {rank, message} (a peer shut down while others run)
 WORKER_LOST = 30    # scheduler -> job's workers and servers: {rank, message, live: [ranks]}
                     #   (the job goes on without it: BPSCTL_MIN_WORKERS)
@@ -95,6 +96,11 @@ STATE = 25          # donor -> a server -> the joiner: header (rank = the joiner
 SCOPE = 40          # worker -> server, before its first push of these partitions on that
                     #   connection: {parts: [part ids], ranks: [ranks]} (the partitions of a
                     #   process set's tensor: a round completes once those ranks pushed it)
+PUSH_ZERO = 26      # worker -> server: a PUSH header alone: the pusher's contribution to the
+                    #   partition's round is all zeros (a sum's identity): counted as a push
+                    #   (ACK, RESULT) but nothing is folded in. nbytes: the partition's size;
+                    #   rank: under REDUCE_BROADCAST the root the pusher names, else its own.
+                    #   Uncompressed, not host-reduced, not asynchronous; sums and broadcasts only
 
 TYPE_NAMES = {v: k for k, v in dict(globals()).items() if isinstance(v, int) and k.isupper()
               and k not in ("PROTOCOL_VERSION", "HEADER_SIZE")}
@@ -117,11 +123,19 @@ NO_DTYPE = 255
 #: bound to its first push's reduction, as to its dtype: a push with another is refused.
 REDUCE_SHIFT = 4
 REDUCE_SUM, REDUCE_MIN, REDUCE_MAX, REDUCE_PRODUCT = range(4)
+#: a broadcast: a sum in which one push per round carries data (its pusher is the root) and
+#: every other is a PUSH_ZERO naming the root its pusher believes; the server answers every
+#: pusher with an ERROR naming the partition when those roots disagree or the root pushed
+#: nothing, so ranks that call a broadcast with different roots all fail
+REDUCE_BROADCAST = 4
 REDUCTIONS: dict[int, str] = {REDUCE_SUM: "sum", REDUCE_MIN: "min", REDUCE_MAX: "max",
-                              REDUCE_PRODUCT: "product"}
+                              REDUCE_PRODUCT: "product", REDUCE_BROADCAST: "broadcast"}
 #: how a server folds one push into the round's result, by reduction
 REDUCE_UFUNCS: dict[int, np.ufunc] = {REDUCE_SUM: np.add, REDUCE_MIN: np.minimum,
-                                      REDUCE_MAX: np.maximum, REDUCE_PRODUCT: np.multiply}
+                                      REDUCE_MAX: np.maximum, REDUCE_PRODUCT: np.multiply,
+                                      REDUCE_BROADCAST: np.add}
+#: the reductions a PUSH_ZERO may take part in: those of which zeros are the identity
+ZERO_REDUCTIONS = (REDUCE_SUM, REDUCE_BROADCAST)
 
 
 def push_dtype(code: int, reduction: int = REDUCE_SUM) -> int:

@@ -28,6 +28,15 @@ straight from the slot, keeps the sum buffers of such partitions in shared segme
 and answers local workers with a reference to the round's buffer (``_shm_payload``,
 ``_shm_buffers``, ``_shm_ref``).
 
+A PUSH_ZERO (a header alone: the pusher's share of the round is zeros, as a gather's rank
+sends for partitions without its rows) counts as a push and is answered as one, with nothing
+folded in: a round of such pushes alone answers zeros, one of a single data push and zeros
+that push (copied first when it is a worker's slot in shared memory, which its pusher
+rewrites once answered). In a broadcast's partitions (``REDUCE_BROADCAST``) each push names
+a root (a data push its pusher, a PUSH_ZERO its rank field): a round whose pushes name
+different roots, or whose root pushed nothing, is answered with an ERROR to every pusher
+(``_refused_broadcast``).
+
 Under asynchronous training (``FLAG_ASYNC`` pushes, ``BPSCTL_ASYNC``) a partition holds the
 model's parameters instead (:class:`AsyncPartition`): there are no rounds across workers;
 each push is one SGD step, applied at once in arrival order (on the same thread a sum would
@@ -36,6 +45,7 @@ use) and answered with the parameters after it.
 from __future__ import annotations
 
 import collections
+import json
 import math
 import os
 import queue
@@ -81,6 +91,16 @@ _PART_ID = struct.Struct("<I")
 ASYNC_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
+class _Zero:
+    """The payload of a PUSH_ZERO as the summing code sees it: a push counted towards its
+    round, with nothing to fold in."""
+
+    __slots__ = ()
+
+
+ZERO = _Zero()
+
+
 class PartitionState:
     """One partition's round in progress. ``received``/``waiting`` belong to the I/O thread;
     ``summed``/``first``/``buffers``/``result`` to the partition's summation thread."""
@@ -90,7 +110,7 @@ class PartitionState:
                  "first_push_ns", "traced", "adopted", "leaving", "widened", "codec", "rotation",
                  "backup", "late_waiting", "pushed_last", "owed", "held", "held_count",
                  "deferred", "shm_alloc", "shm_refs", "first_ref", "copy_single",
-                 "reduction", "combine")
+                 "reduction", "combine", "folded", "first_shared", "claims", "data_pushes")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int,
                  rotation: int = 2, reduction: int = P.REDUCE_SUM):
@@ -135,13 +155,25 @@ class PartitionState:
         self.shm_refs: list[bytes] | None = None
         self.first_ref: tuple[bytes, bytes] | None = None      # (pusher's rid, its REF)
         self.copy_single = False
+        # PUSH_ZERO: pushes of this round folded in (the others were zeros), and whether the
+        # first of them is a view of its pusher's shared memory (copied before others read it)
+        self.folded = 0
+        self.first_shared = False
+        # REDUCE_BROADCAST (on the I/O thread): this round's root as each pusher names it
+        # (rank -> root; a data push names its own pusher), and its data pushes
+        self.claims: dict[int, int] = {}
+        self.data_pushes = 0
 
     def quorum(self) -> int:
         """Pushes that complete this round: every expected one, less the backup workers'."""
         return max(1, self.expected - self.backup)
 
     def accumulate(self, payload: Any, num_workers: int) -> bool:
-        """Add one push; return True when the round's sum is complete (in ``result``)."""
+        """Add one push (:data:`ZERO`: a PUSH_ZERO, counted, not folded in); return True when
+        the round's sum is complete (in ``result``)."""
+        if payload is ZERO:
+            self.summed += 1
+            return self.finish(num_workers)
         if self.codec is not None:
             self.codec.add(payload, self.summed == 0, self.part, self.round)
             self.summed += 1
@@ -149,8 +181,9 @@ class PartitionState:
         arr = np.frombuffer(payload, dtype=self.dtype)
         if self.dtype_code == P.BFLOAT16_CODE and num_workers > 1:
             return self._accumulate_bf16(arr, num_workers)
-        if self.summed == 0:
+        if self.folded == 0:
             self.first = arr
+            self.first_shared = isinstance(payload, np.ndarray)     # a view of shared memory
         else:
             out = self._buffer()
             if self.first is not None:          # the second push: first + second
@@ -158,6 +191,7 @@ class PartitionState:
                 self.first = None
             else:
                 self.combine(out, arr, out=out)
+        self.folded += 1
         self.summed += 1
         return self.finish(num_workers)
 
@@ -173,12 +207,19 @@ class PartitionState:
             total, scratch = self.wide
             self.result = P.bf16_round(total, scratch.view(np.uint32), self._buffer())
             self.widened = False
-        elif self.first is not None and self.copy_single:
+        elif self.first is not None and (self.copy_single or
+                                         (self.first_shared and self.summed > 1)):
+            # others read this one push (PUSH_ZERO from the rest): not from its pusher's
+            # slot, which it may rewrite once it has its own answer
             self.result = self._buffer()
             np.copyto(self.result, self.first)
+        elif self.first is None and self.folded == 0:
+            self.result = self._buffer()            # every push was a PUSH_ZERO
+            self.result.fill(0)
         else:
             self.result = self.first if self.first is not None else self._buffer()
         self.first = None
+        self.folded = 0
         return True
 
     def _buffer(self) -> np.ndarray:
@@ -198,10 +239,11 @@ class PartitionState:
             self.wide = (np.empty(count, np.float32), np.empty(count, np.float32))
         total, scratch = self.wide
         self.widened = True
-        if self.summed == 0:
+        if self.folded == 0:
             P.bf16_widen(arr, total)
         else:
             self.combine(total, P.bf16_widen(arr, scratch), out=total)
+        self.folded += 1
         self.summed += 1
         return self.finish(num_workers)
 
@@ -509,6 +551,8 @@ class Server:
                     frames[1].buffer)
                 if msg_type == P.PUSH:
                     self._push(rid, dtype, flags, part, round_, nbytes, frames)
+                elif msg_type == P.PUSH_ZERO:
+                    self._push(rid, dtype, flags, part, round_, nbytes, frames, claim=rank)
                 elif msg_type == P.STATE:
                     self._state(rid, rank, round_, frames)
                 elif msg_type == P.ADMIT:
@@ -634,7 +678,9 @@ class Server:
                 self.trace = None
 
     def _push(self, rid: bytes, dtype: int, flags: int, part: int, round_: int, nbytes: int,
-              frames: list[zmq.Frame]) -> None:
+              frames: list[zmq.Frame], claim: int | None = None) -> None:
+        """A PUSH, or (``claim``: its header's rank field) a PUSH_ZERO: counted as a push of
+        the round, answered as one, with nothing folded into the sum."""
         rank = self.peers.get(rid)
         if rank is None:
             raise P.ProtocolError("push from a connection that has not said HELLO (after proving "
@@ -652,18 +698,22 @@ class Server:
                                   "which is unknown or not allowed with its flags "
                                   f"({flags:#x}): only sums are averaged, compressed, "
                                   "host-reduced or asynchronous")
-        if flags & P.FLAG_ASYNC:
+        payload: Any = ZERO
+        if claim is not None:
+            self._check_zero(flags, part, reduction, frames)
+        elif flags & P.FLAG_ASYNC:
             self._async_push(rid, rank, dtype, flags, part, round_, nbytes, frames)
             return
-        if len(frames) != 3:
+        elif len(frames) != 3:
             raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
                                   "no payload")
-        payload: Any = frames[2]
-        if flags & P.FLAG_SHM:
-            payload = self._shm_payload(rid, rank, flags, part, nbytes, frames[2])
-        if len(payload) != nbytes:
-            raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but carries "
-                                  f"{len(payload)}")
+        else:
+            payload = frames[2]
+            if flags & P.FLAG_SHM:
+                payload = self._shm_payload(rid, rank, flags, part, nbytes, frames[2])
+            if len(payload) != nbytes:
+                raise P.ProtocolError(f"push of partition {part} announces {nbytes} bytes but "
+                                      f"carries {len(payload)}")
         compressed = bool(flags & P.FLAG_COMPRESSED)
         if dtype >= len(P.DTYPES) or (not compressed and nbytes % P.DTYPES[dtype].itemsize):
             raise P.ProtocolError(f"push of partition {part} has a bad dtype code {dtype} for "
@@ -731,6 +781,9 @@ class Server:
             return
         state.received += 1
         state.waiting.append(rid)
+        if reduction == P.REDUCE_BROADCAST:
+            state.claims[rank] = rank if claim is None else claim
+            state.data_pushes += claim is None
         if flags & P.FLAG_SHM:
             if state.received == 1:
                 state.first_ref = (rid, frames[2].bytes)
@@ -745,6 +798,23 @@ class Server:
                 self._complete(state)
         else:
             self.queues[state.thread].put((state, payload, state.quorum(), rank, traced))
+
+    @staticmethod
+    def _check_zero(flags: int, part: int, reduction: int, frames: list[zmq.Frame]) -> None:
+        """ProtocolError naming what a PUSH_ZERO cannot be: zeros are the identity of a sum
+        (and of a broadcast's non-roots) only, and a round that is compressed, host-reduced
+        (one push per host, summed before) or asynchronous has no place for one."""
+        if len(frames) != 2:
+            raise P.ProtocolError(f"PUSH_ZERO of partition {part} carries {len(frames) - 2} "
+                                  "frames after its header; it has none")
+        if flags & ~(P.FLAG_TRACED | P.FLAG_BACKUP):
+            raise P.ProtocolError(f"PUSH_ZERO of partition {part} with flags {flags:#x}: a zero "
+                                  "push is never compressed, host-reduced, asynchronous or "
+                                  "through shared memory")
+        if reduction not in P.ZERO_REDUCTIONS:
+            raise P.ProtocolError(f"PUSH_ZERO of partition {part} reduced by "
+                                  f"{P.REDUCTIONS[reduction]}: zeros are the identity of a sum "
+                                  "only; push the values")
 
     def _shm_payload(self, rid: bytes, rank: int, flags: int, part: int, nbytes: int,
                      frame: zmq.Frame) -> np.ndarray:
@@ -968,8 +1038,9 @@ class Server:
 
     def _accumulate(self, state: PartitionState, payload: Any, expected: int, rank: int,
                     traced: bool) -> bool:
-        """``state.accumulate``, timed when traced (on the I/O or a summation thread)."""
-        if not traced:
+        """``state.accumulate``, timed when traced (on the I/O or a summation thread); a
+        PUSH_ZERO sums nothing, so it has no span."""
+        if not traced or payload is ZERO:
             return state.accumulate(payload, expected)
         start = now_ns()
         complete = state.accumulate(payload, expected)
@@ -1030,7 +1101,12 @@ class Server:
                                rank=count & 0xFFFF,
                                flags=0 if state.codec is None else P.FLAG_COMPRESSED)
         start = now_ns() if state.traced else 0
+        refused = self._refused_broadcast(state) if state.reduction == P.REDUCE_BROADCAST \
+            else None
         for rid in state.waiting:
+            if refused is not None:
+                self._send_part_error(rid, state, refused)
+                continue
             self._send_result(rid, header, result, self._shm_ref(state, result, state.round, rid))
         if start and self.trace is not None:
             with self.trace_lock:
@@ -1061,6 +1137,38 @@ class Server:
         if state.leaving:
             state.expected -= len(state.leaving)
             state.leaving.clear()
+
+    def _refused_broadcast(self, state: PartitionState) -> str | None:
+        """Why a broadcast's completed round has no answer (None: it has one): its pushers
+        named different roots, or the root they name pushed no data. Clears the round's
+        claims."""
+        claims, data = state.claims, state.data_pushes
+        state.claims, state.data_pushes = {}, 0
+        by_root: dict[int, list[int]] = {}
+        for rank in sorted(claims):
+            by_root.setdefault(claims[rank], []).append(rank)
+        if len(by_root) > 1:
+            return "ranks disagree on the root of this broadcast: " + ", ".join(
+                _ranks_say(ranks, root) for root, ranks in by_root.items())
+        if data == 1:
+            return None
+        root = next(iter(by_root), -1)
+        return (f"every rank names rank {root} the root of this broadcast, but it pushed no "
+                "data (lost, or not a rank of this job?)")
+
+    def _send_part_error(self, rid: bytes, state: PartitionState, message: str) -> None:
+        """Answer a push of ``state``'s round with an ERROR naming the partition and round:
+        that push fails, and nothing else of the pusher's."""
+        body = {"message": f"server {self.rank}, partition {state.part}: {message}",
+                "part": state.part, "round": state.round}
+        if rid == state.waiting[0]:
+            self.log.warning(body["message"])
+        try:
+            self.sock.send_multipart([rid, P.pack_header(P.ERROR, part=state.part,
+                                                         round=state.round),
+                                      json.dumps(body).encode()], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass        # that worker is gone; the scheduler tells the others
 
     def _drain_scheduler(self) -> None:
         while True:
@@ -1195,7 +1303,7 @@ class Server:
         pushers = {self.peers.get(rid) for rid in state.waiting}
         zeros = sum(rank not in pushers and self._counts_in(rank, state.part)
                     for rank in self.joined)
-        if not zeros or state.reduction == P.REDUCE_SUM:
+        if not zeros or state.reduction in P.ZERO_REDUCTIONS:
             return state.received + zeros, result
         out = state._buffer()
         if state.dtype_code == P.BFLOAT16_CODE:
@@ -1320,6 +1428,13 @@ class Server:
             self.sock.send_multipart([rid, *frames], copy=False)
         except zmq.ZMQError:
             pass        # the joiner is gone; the scheduler will say so
+
+
+def _ranks_say(ranks: list[int], root: int) -> str:
+    """``rank 2 says 1``, ``ranks 0 and 1 say 0``, ``ranks 0, 1 and 3 say 0``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]} says {root}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]} say {root}"
 
 
 def main() -> None:

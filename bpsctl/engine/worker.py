@@ -23,6 +23,10 @@ own copy engine (a GPU) makes neither copy: it fills the slots itself (``lend``,
 ``push_pull_async(filled=...)``) and reads each sum where it is (``lend_results=True``:
 ``Handle.lent``), from memory it had page-locked (``pin_shared_memory``).
 
+A push_pull that says which bytes are this worker's (``mine``: a gather's rows; ``root``: a
+broadcast, the root's all, the others' none) sends each partition without them as a
+PUSH_ZERO, a header alone, which the server counts as a push of zeros.
+
 Under asynchronous training (``async_update``/``async_init``, ``BPSCTL_ASYNC``) the same path
 carries a gradient, with the optimizer's hyperparameters, to servers that hold the
 parameters; each partition's answer is its parameters, copied into the output.
@@ -185,7 +189,7 @@ class _Task:
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
                  "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec",
                  "hyper", "once", "filled", "lend_results", "reduction",
-                 "scope", "join_error")
+                 "scope", "join_error", "mine", "claim")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
                  divisor: int | None, deadline: float, flags: int = 0,
@@ -211,6 +215,17 @@ class _Task:
         self.reduction = P.REDUCE_SUM    # how servers combine the pushes (P.REDUCE_*)
         self.scope: tuple[int, ...] | None = None   # a process set's ranks (None: every worker)
         self.join_error: str | None = None  # fails it if a rank joins first (see join_error)
+        # the bytes of src holding this worker's data (push_pull_async's ``mine``): partitions
+        # wholly outside go as PUSH_ZERO, naming ``claim`` (a broadcast's root)
+        self.mine: tuple[int, int] | None = None
+        self.claim = 0
+
+    def zero(self, part: list[int]) -> bool:
+        """Whether partition ``part`` goes as a PUSH_ZERO: wholly outside ``mine``."""
+        if self.mine is None:
+            return False
+        start, stop = self.mine
+        return start == stop or part[2] + part[3] <= start or part[2] >= stop
 
 
 _WAKE = b"\0"
@@ -575,13 +590,26 @@ class Worker:
                         filled: Lease | None = None, lend_results: bool = False,
                         reduction: int = P.REDUCE_SUM,
                         ranks: tuple[int, ...] | None = None,
-                        join_error: str | None = None) -> Handle:
+                        join_error: str | None = None, mine: tuple[int, int] | None = None,
+                        root: int | None = None) -> Handle:
         """Start summing ``array`` across all workers; the result lands in ``out``.
 
         ``ranks`` (sorted, this worker's among them): a process set's push_pull, summed over
         those workers only (the others do not take part and are not waited for); its name
         is bound to that set (a process set's names are its own, see
         :mod:`bpsctl.engine.process_sets`). Not host-reduced, asynchronous or backed up.
+
+        ``mine=(start, stop)``: only bytes ``start:stop`` of ``array`` hold this worker's
+        data, every other byte being zero (a gather's buffer: each rank's rows at their
+        offset): each partition wholly outside that range goes as a PUSH_ZERO, a header
+        without its bytes, so a gather pushes about this rank's bytes, not the whole buffer.
+        A plain sum only (no compression, other reduction, intra-node or asynchronous push).
+
+        ``root=r``: a broadcast of rank ``r``'s ``array``, which ``out`` receives on every
+        worker (``array`` is read on the root only; ``average=False``). The other workers
+        push only PUSH_ZERO headers naming ``r``; if the workers name different roots (or a
+        root that pushed nothing), every one of them fails with an error naming the roots.
+        A name keeps being a broadcast (its reduction).
 
         ``reduction`` (``P.REDUCE_MIN``, ``REDUCE_MAX``, ``REDUCE_PRODUCT``): the servers
         combine the workers' arrays elementwise that way instead of summing them; such a
@@ -622,9 +650,18 @@ class Worker:
                                        "joined)")
         src = np.asarray(array)
         self.check_push(src.dtype, average, name)
+        if root is not None:
+            self._check_root(root, name, mine, reduction)
+            reduction, mine = P.REDUCE_BROADCAST, None if root == self.rank else (0, 0)
+        elif reduction == P.REDUCE_BROADCAST:
+            raise ValueError(f"push_pull of {name!r}: a broadcast names its root: pass "
+                             "root=RANK instead of the reduction")
         if reduction != P.REDUCE_SUM:
             self._check_reduction(reduction, name, average, host_reduced, compression,
                                   async_update is not None or async_init)
+        if mine is not None:
+            mine = self._check_mine(mine, src.nbytes, name, reduction, host_reduced,
+                                    compression, async_update is not None or async_init)
         if not src.flags.c_contiguous:
             src = np.ascontiguousarray(src)
         if out is None:
@@ -661,6 +698,9 @@ class Worker:
             handle.error = self.check_solo_binding(
                 name, src.dtype, list(src.shape),
                 compression if src.nbytes >= self.config.min_compress_bytes else None)
+            if root is not None and root != self.rank and handle.error is None:
+                handle.error = ValueError(f"broadcast {name!r}: root {root} is not a rank of "
+                                          f"this one-worker job (rank {self.rank})")
             if handle.error is None and not np.shares_memory(src, out):
                 np.copyto(out, src)
             handle._set_done()
@@ -674,6 +714,7 @@ class Worker:
                      time.monotonic() + self.config.op_timeout_s, flags, hyper)
         task.once, task.reduction, task.scope = once, reduction, ranks
         task.join_error = join_error
+        task.mine, task.claim = mine, self.rank if root is None else int(root)
         if compression is None and hyper is None:
             task.filled, task.lend_results = filled, lend_results
         elif filled is not None:
@@ -711,12 +752,49 @@ class Worker:
                   compression: C.Compressor | None = None,
                   async_update: tuple[float, float, float, float, bool] | None = None,
                   async_init: bool = False, reduction: int = P.REDUCE_SUM,
-                  ranks: tuple[int, ...] | None = None) -> np.ndarray:
+                  ranks: tuple[int, ...] | None = None, mine: tuple[int, int] | None = None,
+                  root: int | None = None, once: bool = False) -> np.ndarray:
         return self.synchronize(self.push_pull_async(array, name, average, priority, out,
                                                      compression=compression,
                                                      async_update=async_update,
                                                      async_init=async_init,
-                                                     reduction=reduction, ranks=ranks))
+                                                     reduction=reduction, ranks=ranks,
+                                                     mine=mine, root=root, once=once))
+
+    @staticmethod
+    def _check_root(root: Any, name: str | None, mine: Any, reduction: int) -> None:
+        """ValueError naming what is wrong with a broadcast's ``root``."""
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or \
+                not 0 <= root < P.MAX_WORKERS:
+            raise ValueError(f"broadcast {name!r}: root {root!r} is not a rank; pass the rank "
+                             "(an int) whose array every worker receives")
+        if mine is not None or reduction != P.REDUCE_SUM:
+            raise ValueError(f"broadcast {name!r}: root= goes with neither mine= nor "
+                             "reduction= (the root pushes everything, the others nothing)")
+
+    @staticmethod
+    def _check_mine(mine: Any, nbytes: int, name: str | None, reduction: int,
+                    host_reduced: bool, compression: C.Compressor | None,
+                    asynchronous: bool) -> tuple[int, int]:
+        """``mine``, this worker's byte range of a sum, as two ints; ValueError naming what is
+        wrong with it."""
+        try:
+            start, stop = (int(b) for b in mine)
+        except (TypeError, ValueError):
+            raise ValueError(f"push_pull of {name!r}: mine must be (start, stop), byte offsets "
+                             f"into the array, got {mine!r}") from None
+        if not 0 <= start <= stop <= nbytes:
+            raise ValueError(f"push_pull of {name!r}: mine=({start}, {stop}) is not a byte "
+                             f"range within the array's {nbytes} bytes")
+        for wrong, why in [(reduction not in P.ZERO_REDUCTIONS,
+                            f"reduced by {P.REDUCTIONS.get(reduction)}"),
+                           (host_reduced, "host-reduced"),
+                           (compression is not None, f"compressed ({compression})"),
+                           (asynchronous, "asynchronous training")]:
+            if wrong:
+                raise ValueError(f"push_pull of {name!r} with mine= cannot be {why}: the "
+                                 "others' bytes are pushed as zeros only in a plain sum")
+        return start, stop
 
     @staticmethod
     def _check_reduction(reduction: int, name: str | None, average: bool, host_reduced: bool,
@@ -1199,7 +1277,9 @@ class Worker:
             if time.monotonic() >= give_way:
                 return True
             _, _, task, part = queue[0]
-            length = part[3] if task.codec is None else task.codec.wire_bytes(part[3])
+            zero = task.zero(part)          # a PUSH_ZERO: a header alone
+            length = 0 if zero else part[3] if task.codec is None else \
+                task.codec.wire_bytes(part[3])
             if self._inflight_bytes and self._inflight_bytes + length > credit:
                 return False
             entry = heapq.heappop(queue)
@@ -1210,7 +1290,10 @@ class Worker:
                 continue
             part_id, server, offset = part[0], part[1], part[2]
             round_, flags = self._rounds.get(part_id, 0), task.flags
-            if task.codec is None:
+            data: Any = None
+            if zero:
+                pass                # nothing to read, copy or compress
+            elif task.codec is None:
                 # the bytes: the caller's array, or the slot the caller filled (Worker.lend)
                 filled = task.filled.slots.get(part_id) if task.filled is not None else None
                 source = task.src[offset:offset + length] if filled is None else filled[1]
@@ -1243,19 +1326,22 @@ class Worker:
             if task.scope is not None and (server, part_id) not in self._scoped:
                 self._send_scope(server, task)
             sock = self._server_socks[server]
-            sock.send(P.pack_header(P.PUSH, flags=flags,
-                                    dtype=P.push_dtype(P.DTYPE_CODES[task.dtype], task.reduction),
-                                    rank=self.rank, part=part_id, round=round_, nbytes=length),
-                      zmq.SNDMORE)
-            if task.hyper is None:
-                sock.send(data, copy=False)
-            else:       # asynchronous training: the hyperparameters go with the gradient
-                sock.send(data, zmq.SNDMORE, copy=False)
-                sock.send(task.hyper)
+            dtype = P.push_dtype(P.DTYPE_CODES[task.dtype], task.reduction)
+            if zero:        # the partition's size; its rank field names a broadcast's root
+                sock.send(P.pack_header(P.PUSH_ZERO, flags=flags, dtype=dtype, rank=task.claim,
+                                        part=part_id, round=round_, nbytes=part[3]))
+            else:
+                sock.send(P.pack_header(P.PUSH, flags=flags, dtype=dtype, rank=self.rank,
+                                        part=part_id, round=round_, nbytes=length), zmq.SNDMORE)
+                if task.hyper is None:
+                    sock.send(data, copy=False)
+                else:       # asynchronous training: the hyperparameters go with the gradient
+                    sock.send(data, zmq.SNDMORE, copy=False)
+                    sock.send(task.hyper)
             self._inflight_bytes += length
             self._unacked[part_id] = length
             self._active[part_id] = (task, part)
-            self._pushed_bytes[server] += part[3]
+            self._pushed_bytes[server] += 0 if zero else part[3]
         return False
 
     def _send_scope(self, server: int, task: _Task) -> None:
@@ -1297,7 +1383,29 @@ class Worker:
                 self._received_state(frames[1], frames[2])
             elif msg_type == P.ERROR:
                 _, msg = P.parse_control([frames[0].buffer, frames[1].buffer])
-                self._fail_all(EngineError(f"worker {self.rank}: {msg.get('message')}"))
+                part = msg.get("part")
+                if isinstance(part, int):       # one partition's round, nothing else
+                    if part in self._active and round_ == self._rounds.get(part, 0):
+                        self._part_refused(part, round_, str(msg.get("message")))
+                else:
+                    self._fail_all(EngineError(f"worker {self.rank}: {msg.get('message')}"))
+
+    def _part_refused(self, part_id: int, round_: int, message: str) -> None:
+        """A server answered a partition's round with an error (a broadcast whose workers
+        named different roots): the round is over, so later push_pulls of the name go on at
+        the next one; the push_pull fails once every partition is answered."""
+        task, _ = self._active.pop(part_id)
+        self._inflight_bytes -= self._unacked.pop(part_id, 0)
+        self._rounds[part_id] = round_ + 1
+        self._trace_sent.pop(part_id, None)
+        self._trace_acked.pop(part_id, None)
+        if task.handle.error is None:
+            what = "broadcast" if task.reduction == P.REDUCE_BROADCAST else "push_pull"
+            task.handle.error = EngineError(f"worker {self.rank}: {what} {task.name!r}: "
+                                            f"{message}")
+        task.remaining -= 1
+        if task.remaining == 0:
+            self._finish(task, None)
 
     def _donate(self, handle: Handle, rank: int, incarnation: int,
                 state: bytes | memoryview) -> None:
@@ -1495,7 +1603,8 @@ class Worker:
         if sent is None or not trace.on:
             return                          # pushed before the window opened
         name, server = trace.name_id(task.name), part[1]
-        nbytes = part[3] if task.codec is None else task.codec.wire_bytes(part[3])   # as sent
+        nbytes = 0 if task.zero(part) else part[3] if task.codec is None else \
+            task.codec.wire_bytes(part[3])      # as sent
         trace.span(STAGE["push"], name, sent, acked, part_id, round_, nbytes, server,
                    task.priority)
         trace.span(STAGE["wait_result"], name, acked, arrived_ns, part_id, round_, nbytes,

@@ -97,13 +97,14 @@ from .ops import (  # noqa: F401 - the public face re-exports them
 
 
 def _broadcast_arrays(named: list[tuple[str, mx.nd.NDArray]], root_rank: int) -> None:
-    """Broadcast by summation: every rank but the root contributes zeros (as BytePS does)."""
+    """Broadcast by summation in which only the root pushes bytes: every other rank's pushes
+    are headers naming the root it was given (Worker.push_pull_async's ``root``; ranks that
+    disagree all fail)."""
     _check_root(root_rank)
-    me = rank() == root_rank
     with _Batch() as batch:
         for name, array in named:
-            batch.start(array, f"Parameter.{name}", average=False, priority=0, zero=not me,
-                        once=True)
+            batch.start(array, f"Parameter.{name}", average=False, priority=0, once=True,
+                        root=root_rank)
 
 
 def _broadcast_when_initialized(param: mx.gluon.Parameter, name: str, root_rank: int) -> None:

@@ -7,8 +7,9 @@ summed by the servers (floating-point NDArrays in place, through
 :class:`bpsctl.engine.mxnet._Op`; integers as a sum, floor-divided for the average, as
 Horovod does); Min, Max and Product are reduced elementwise by the servers
 (:func:`bpsctl.engine.allreduce`; bool as its bytes); allgather, broadcast and alltoall
-gather through summation (each rank's rows at its offset in a zeroed buffer);
-reducescatter sums the whole tensor and keeps this rank's rows.
+gather through summation (each rank's rows at its offset in a zeroed buffer), each rank
+pushing only its own bytes (a broadcast: the root's, the others' pushes naming the root, which
+the servers check agree); reducescatter sums the whole tensor and keeps this rank's rows.
 
 Unlike Horovod's, which queue on MXNet's engine, these calls return once the result is in
 place (MXNet's pending writes to the input are waited for first). The rules are Horovod's:
@@ -123,14 +124,16 @@ def is_homogeneous() -> bool:
 _auto_names = K.AutoNames()
 
 
-def _sum(array: np.ndarray, name: str, scope: Scope | None = None) -> np.ndarray:
+def _sum(array: np.ndarray, name: str, mine: tuple[int, int] | None = None,
+         scope: Scope | None = None) -> np.ndarray:
     """The engine's sum of ``array`` over every worker (over a process set's ranks, for
-    ``scope``), a new array."""
-    return _engine._w().push_pull(array, name=name, average=False,
+    ``scope``), a new array; ``mine``: the bytes of ``array`` that are this rank's, the rest
+    zeros (pushed as headers alone)."""
+    return _engine._w().push_pull(array, name=name, average=False, mine=mine,
                                   ranks=None if scope is None else scope.ranks)
 
 
-def _joinless(kind: str, scope: Scope) -> K.SumFn:
+def _joinless(kind: str, scope: Scope) -> K.GatherFn:
     """:func:`_sum` over ``scope`` for a ``kind`` collective that a joined rank cannot add
     zeros to: Horovod's error now if a rank has joined
     (:func:`bpsctl.engine.collectives.check_joined`), or from the sum if one joins before it
@@ -138,10 +141,23 @@ def _joinless(kind: str, scope: Scope) -> K.SumFn:
     worker = _engine._w()
     message = K.check_joined(kind, worker.joined_ranks)
 
-    def joinless_sum(array: np.ndarray, name: str) -> np.ndarray:
+    def joinless_sum(array: np.ndarray, name: str,
+                     mine: tuple[int, int] | None = None, /) -> np.ndarray:
         return worker.synchronize(worker.push_pull_async(
-            array, name=name, average=False, join_error=message, ranks=scope.ranks))
+            array, name=name, average=False, join_error=message, ranks=scope.ranks, mine=mine))
     return joinless_sum
+
+
+def _broadcast(array: np.ndarray, name: str, root_rank: int,
+               scope: Scope | None = None) -> np.ndarray:
+    """``root_rank``'s ``array`` on every rank of ``scope`` (a new array): only the root
+    pushes bytes; ranks that name different roots all fail, naming them; Horovod's error if a
+    rank has joined."""
+    worker = _engine._w()
+    message = K.check_joined("broadcast", worker.joined_ranks)
+    return worker.synchronize(worker.push_pull_async(
+        array, name=name, average=False, root=root_rank,
+        ranks=None if scope is None else scope.ranks, join_error=message))
 
 
 @contextlib.contextmanager
@@ -334,8 +350,8 @@ def grouped_allreduce_(tensors: Sequence[mx.nd.NDArray], average: bool | None = 
 def allgather(tensor: mx.nd.NDArray, name: str | None = None, priority: int = 0,
               process_set: ProcessSet = global_process_set) -> mx.nd.NDArray:
     """Every rank's ``tensor`` concatenated along the first dimension in rank order (ranks may
-    differ in that dimension only), a new NDArray. Each rank pushes and pulls every rank's
-    rows (:func:`bpsctl.engine.collectives.gather_by_sum`)."""
+    differ in that dimension only), a new NDArray. Each rank pushes its own rows and pulls
+    every rank's (:func:`bpsctl.engine.collectives.gather_by_sum`)."""
     del priority
     scope = _scope(process_set, "allgather")
     _check_nd(tensor, "allgather")
@@ -361,7 +377,8 @@ def broadcast_(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None,
                priority: int = 0,
                process_set: ProcessSet = global_process_set) -> mx.nd.NDArray:
     """``root_rank``'s ``tensor`` copied into ``tensor`` on every rank; returns it. Carried
-    as a sum to which every rank but the root adds zeros."""
+    as a sum in which only the root pushes bytes (the others' pushes name the root: ranks
+    that disagree all fail)."""
     del priority
     scope = _scope(process_set, "broadcast")
     _check_nd(tensor, "broadcast")
@@ -370,12 +387,11 @@ def broadcast_(tensor: mx.nd.NDArray, root_rank: int, name: str | None = None,
         raise ValueError(f"broadcast: root_rank {root_rank} is not in the process set "
                          f"{list(scope.ranks)}; root_rank is a global rank (hvd.rank()) of one "
                          "of its members")
-    summed = _joinless("broadcast", scope)
-    values = tensor.asnumpy()
-    if rank() != root_rank:
-        values = np.zeros_like(values)
+    values = tensor.asnumpy() if rank() == root_rank else \
+        np.empty(tensor.shape, np.dtype(tensor.dtype))         # not read
     with _named("broadcast", name, _signature(tensor), scope) as wire:
-        got = K.from_bytes(summed(K.as_bytes(values), wire), values.dtype)
+        got = K.from_bytes(_broadcast(K.as_bytes(values), wire, root_rank, scope),
+                           values.dtype)
     return _write(tensor, got)
 
 
@@ -396,9 +412,10 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     me = rank() == root_rank
     data = np.frombuffer(pickle.dumps(obj), np.uint8) if me else np.zeros(0, np.uint8)
     with _internal():
-        length = int(_sum(np.array([data.size], np.int64), f"{key}.length")[0])
-        payload = data if me else np.zeros(length, np.uint8)
-        got = _sum(payload, f"{key}.bytes{length}")
+        length = int(_broadcast(np.array([data.size], np.int64), f"{key}.length",
+                                root_rank)[0])
+        payload = data if me else np.empty(length, np.uint8)       # not read
+        got = _broadcast(payload, f"{key}.bytes{length}", root_rank)
     return obj if me else pickle.loads(got.tobytes())
 
 

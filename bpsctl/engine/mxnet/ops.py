@@ -146,12 +146,12 @@ class _Op:
 
     def __init__(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
                  zero: bool = False, compression: C.Compressor | None = None,
-                 once: bool = False):
+                 once: bool = False, root: int | None = None):
         if not isinstance(array, mx.nd.NDArray):
             raise TypeError(f"push_pull expects an mxnet NDArray, got {type(array).__name__}")
         self.array = array                      # keeps the memory behind the view alive
         view = _host_view(array, writable=True)
-        self.cuda = _cuda_push(array, name, average, priority, zero, compression, once) \
+        self.cuda = _cuda_push(array, name, average, priority, zero, compression, once, root) \
             if view is None else None
         if self.cuda is not None:
             return
@@ -162,7 +162,8 @@ class _Op:
             view[...] = 0                       # no NaN * 0: memory may be uninitialized
         self.handle: Handle = _engine._w().push_pull_async(view, name=name, average=average,
                                                            priority=priority, out=view,
-                                                           compression=compression, once=once)
+                                                           compression=compression, once=once,
+                                                           root=root)
 
     def wait(self) -> mx.nd.NDArray:
         worker = _engine._w()
@@ -177,7 +178,8 @@ class _Op:
 
 
 def _cuda_push(array: mx.nd.NDArray, name: str, average: bool, priority: int, zero: bool,
-               compression: C.Compressor | None, once: bool = False) -> Any:
+               compression: C.Compressor | None, once: bool = False,
+               root: int | None = None) -> Any:
     """A GPU NDArray's push_pull through CuPy, its memory handed over by DLPack (no
     ``asnumpy()``): staged through pinned host buffers by :mod:`bpsctl.engine.cuda`, the
     result written back into the NDArray's own memory. None where that cannot be (not on a
@@ -193,7 +195,7 @@ def _cuda_push(array: mx.nd.NDArray, name: str, average: bool, priority: int, ze
         device.fill(0)
     return _engine.cuda.push_pull_async(_engine._w(), _engine._staging, device, name, average,
                                         priority, out=device, compression=compression,
-                                        once=once)
+                                        once=once, root=root)
 
 
 class _Batch:
@@ -205,8 +207,8 @@ class _Batch:
 
     def start(self, array: mx.nd.NDArray, name: str, average: bool, priority: int,
               zero: bool = False, compression: C.Compressor | None = None,
-              once: bool = False) -> None:
-        self.ops.append(_Op(array, name, average, priority, zero, compression, once))
+              once: bool = False, root: int | None = None) -> None:
+        self.ops.append(_Op(array, name, average, priority, zero, compression, once, root))
 
     def __enter__(self) -> _Batch:
         return self

@@ -10,8 +10,7 @@ import torch
 
 from ... import engine as _engine
 from ..common import EngineError, JobFinished
-from .compression import Compression
-from .ops import _start, synchronize
+from .ops import _start_direct, synchronize
 from .plugin import _p, _Plugin, rank, size
 from .process_sets import _scope
 
@@ -22,17 +21,24 @@ _set_objects: dict[tuple[int, str], int] = {}
 
 def _broadcast_tensors(named: list[tuple[str, torch.Tensor]], root_rank: int, prefix: str,
                        ranks: tuple[int, ...] | None = None) -> None:
-    """Broadcast by summation: every rank but the root contributes zeros (as BytePS does);
-    over a process set's ``ranks`` where given."""
-    handles = []
-    with torch.no_grad():
-        for name, tensor in named:
-            if rank() != root_rank:
-                tensor.zero_()
-            handles.append(_start(tensor, False, f"{prefix}.{name}", 0, Compression.none,
-                                  inplace=True, once=True, ranks=ranks))
+    """Broadcast by summation in which only the root pushes bytes: every other rank's pushes
+    are headers naming the root it was given (Worker.push_pull_async's ``root``; ranks that
+    disagree all fail), straight to the servers (past the intra-node stage, whose local sums
+    would not know whose bytes are whose), pushed once (no shared-memory slot kept); over a
+    process set's ``ranks`` where given."""
+    handles, copies = [], []
+    for name, tensor in named:
+        wire = tensor.detach()
+        if not wire.is_contiguous():
+            wire = wire.contiguous()        # (read on the root only)
+            copies.append((tensor, wire))
+        handles.append(_start_direct(wire, wire, f"{prefix}.{name}", 0, root=root_rank,
+                                     once=True, ranks=ranks))
     for handle in handles:
         synchronize(handle)
+    with torch.no_grad():
+        for tensor, wire in copies:
+            tensor.copy_(wire)
 
 
 def broadcast_parameters(params: Any, root_rank: int) -> None:

@@ -5,8 +5,10 @@ servers, or the intra-node stage when workers share a host), built as
 :mod:`bpsctl.engine.collectives` describes: Sum and Average are summed by the servers, and
 Min, Max and Product reduced by them elementwise (every rank pushing its own tensor, past the
 intra-node stage); allgather, broadcast and alltoall gather through summation (each rank's
-rows at its offset in a zeroed buffer); reducescatter sums the whole tensor and keeps this
-rank's rows. Handles are integers for
+rows at its offset in a zeroed buffer), each rank pushing only its own bytes (a broadcast:
+the root's; the others push headers naming the root, which the servers check agree), past
+the intra-node stage too, whose local sums would not know whose bytes are whose;
+reducescatter sums the whole tensor and keeps this rank's rows. Handles are integers for
 :func:`poll` and :func:`synchronize`, as push_pull's.
 
 Rules Horovod has too: every rank calls the same collectives in the same order, with the
@@ -60,7 +62,7 @@ from .basics import (  # noqa: F401
 )
 from .compression import Compression, CompressionArg
 from .functions import _check_root
-from .ops import _start, _start_reduced, _track_composite, synchronize
+from .ops import _start, _start_direct, _start_reduced, _track_composite, synchronize
 from .plugin import _p, _wire_dtype, rank, size
 from .process_sets import (  # noqa: F401
     ProcessSet,
@@ -174,6 +176,18 @@ def _push_sum(tensor: torch.Tensor, name: str, scope: Scope | None = None,
     rank has joined, see :func:`_check_joined`)."""
     return _start(tensor, False, name, 0, Compression.none, inplace=True,
                   ranks=None if scope is None else scope.ranks, join_error=join_error)
+
+
+def _push_own(buffer: torch.Tensor, name: str, start: int, count: int,
+              scope: Scope | None = None, join_error: str | None = None) -> int:
+    """Start the sum of a gathered ``buffer`` (contiguous, private: the result lands in it)
+    whose rows ``start .. start + count`` are this rank's and the rest zeros: straight to the
+    servers, the partitions without this rank's rows pushed as headers alone
+    (Worker.push_pull_async's ``mine``); over the ranks of ``scope`` where given."""
+    per_row = buffer.element_size() * (buffer[0].numel() if buffer.shape[0] else 0)
+    wire = _as_bytes(buffer)
+    return _start_direct(wire, wire, name, 0, mine=(start * per_row, (start + count) * per_row),
+                         ranks=None if scope is None else scope.ranks, join_error=join_error)
 
 
 def _exchange_ints(mine: np.ndarray, name: str, scope: Scope | None = None,
@@ -459,7 +473,7 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
             start = K.offsets(counts)[me]
             buffer[start:start + counts[me]] = t.detach()
             member = f"{base}.{i}" if len(tensors) > 1 else base
-            handles.append(_push_sum(_as_bytes(buffer), _rows(member, buffer), scope,
+            handles.append(_push_own(buffer, _rows(member, buffer), start, counts[me], scope,
                                      join_error))
             all_counts.append(counts)
     return handles, all_counts, base, release
@@ -489,7 +503,7 @@ def allgather_async(tensor: torch.Tensor, name: str | None = None,
     differ between ranks; the others must match), in rank order; :func:`synchronize` returns
     it. Gathered through summation: one push_pull of the row counts (waited for here), then
     one of the whole result, each rank's rows at its offset and zeros elsewhere (every rank
-    pushes and pulls the whole result)."""
+    pushes its own rows and pulls the whole result)."""
     return _allgather([tensor], name, "allgather", process_set, one=True)[0]
 
 
@@ -568,30 +582,41 @@ def _check_set_root(root_rank: int, scope: Scope, what: str) -> None:
 
 def _broadcast_start(tensor: torch.Tensor, output: torch.Tensor | None, root_rank: int,
                      name: str | None, process_set: ProcessSet | None) -> int:
-    """Start copying the root's ``tensor`` to every rank, by summation with zeros from the
-    others (as broadcast_parameters does); into ``output`` (in place) or a new tensor."""
+    """Start copying the root's ``tensor`` to every rank, into ``output`` (in place) or a new
+    tensor: a sum in which only the root pushes bytes, the others' pushes headers naming the
+    root they were given (Worker.push_pull_async's ``root``: ranks that disagree all fail),
+    straight to the servers."""
     scope = _scope(process_set, "broadcast")
     _check_tensor(tensor, "broadcast")
     _check_root(root_rank)
     _check_set_root(root_rank, scope, "broadcast")
     join_error = _check_joined("broadcast")
     wire_name, release = _name("broadcast", name, _signature(tensor), scope)
-    buffer = output if output is not None else \
-        torch.empty_like(tensor.detach(), memory_format=torch.contiguous_format)
-    with torch.no_grad():
-        if rank() != root_rank:
-            buffer.zero_()
-        elif buffer is not tensor:
-            buffer.copy_(tensor)
+    buffer = (output if output is not None else tensor).detach()
+    if output is None or not buffer.is_contiguous():
+        buffer = torch.empty_like(buffer, memory_format=torch.contiguous_format)
+    if rank() == root_rank and buffer.data_ptr() != tensor.data_ptr():
+        buffer.copy_(tensor.detach())               # (elsewhere it is not read)
     with _released_on_error(release):
-        handle = _push_sum(_as_bytes(buffer), wire_name, scope, join_error)
-    return _then(wire_name, [handle], lambda _: buffer, release)
+        wire = _as_bytes(buffer)
+        handle = _start_direct(wire, wire, wire_name, 0, root=root_rank, ranks=scope.ranks,
+                               join_error=join_error)
+
+    def finish(_: list[Any]) -> torch.Tensor:
+        if output is None:
+            return buffer
+        if buffer.data_ptr() != output.data_ptr():
+            output.detach().copy_(buffer)           # a non-contiguous output
+        return output
+    return _then(wire_name, [handle], finish, release)
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                     process_set: ProcessSet = global_process_set) -> int:
     """Start copying ``root_rank``'s ``tensor`` to every rank; :func:`synchronize` returns a
-    new tensor. Every rank but the root pushes zeros of the tensor's size."""
+    new tensor. Only the root pushes the tensor's bytes; every other rank pushes a header
+    per partition naming the root it was given (ranks that disagree all fail, naming the
+    roots)."""
     return _broadcast_start(tensor, None, root_rank, name, process_set)
 
 
@@ -658,7 +683,7 @@ def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
                              device=tensor.device)
         start = K.offsets(senders)[me]
         buffer[start:start + rows] = tensor.detach()
-        handle = _push_sum(_as_bytes(buffer), _rows(base, buffer), scope, join_error)
+        handle = _push_own(buffer, _rows(base, buffer), start, rows, scope, join_error)
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
 
     def pick(_: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -672,7 +697,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """Start an alltoall: ``splits[d]`` rows of ``tensor`` (in order) go to rank ``d`` (equal
     parts without ``splits``); :func:`synchronize` returns ``(output, received_splits)``, the
     rows received in rank order and how many came from each rank. Carried as an allgather of
-    every rank's whole tensor (each rank pushes and pulls everything the job sends)."""
+    every rank's whole tensor (each rank pushes its own tensor and pulls everything the job
+    sends)."""
     return _alltoall_start(tensor, splits, name, process_set)
 
 
