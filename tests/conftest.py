@@ -152,7 +152,7 @@ TIERS: dict[str, set[str]] = {
     "test_tune.py::test_run_and_up_use_the_tuned_file_unless_overridden": {"slow"},
     # SSH: a real sshd per emulated host
     "test_cli.py::test_a_host_that_does_not_speak_ssh_fails_preflight_in_one_message_without_"
-    "tracebacks": {"ssh extra"},
+    "tracebacks": {"slow", "ssh extra"},
     "test_cli.py::test_ctrl_c_on_a_benchmark_stops_it_as_an_interruption_not_a_crash":
         {"slow"},
     "test_ssh_cluster.py": {"slow", "root", "sshd", "ssh extra"},
@@ -355,6 +355,13 @@ TIERS: dict[str, set[str]] = {
     # (up/status/down, a stale state file, a private cluster, the first failure) stay fast
     "test_launch.py::test_logs_roles": {"slow"},
     "test_launch.py::test_up_refuses_a_second_cluster": {"slow"},
+    "test_launch.py::test_logs_of_the_last_cluster_stay_readable_after_a_failed_up": {"slow"},
+    "test_launch.py::test_up_replaces_a_stale_state_file": {"slow"},
+    # one worker's training against MXNet's own SGD (about 3 s); the module's pure and
+    # synchronous cases stay fast
+    "test_mxnet_plugin.py::test_asynchronous_sgd_of_one_worker_is_mxnets_own_sgd": {"slow"},
+    # a `run` of 2 workers (about 2 s); launch's own streaming test stays fast
+    "test_cli.py::test_run_prefixes_each_ranks_output": {"slow"},
     # a bench process each (about 2 s idle); the design keys' and bad flags' cases stay fast
     "test_bench_comm.py::test_comm_bench_json_to_stdout_is_only_json": {"slow"},
     "test_bench_train.py::"

@@ -89,9 +89,15 @@ def test_comm_bench_json_to_stdout_is_only_json(tmp_path):
 ])
 @pytest.mark.timeout(60)
 def test_comm_bench_bad_flags_exit_2_naming_the_flag(tmp_path, args, flag):
-    result = _bpsctl(["bench", "comm", *args], tmp_path / "state")
-    assert result.returncode == 2
-    assert flag in result.stderr
+    """In-process (typer's runner): a usage error starts nothing, so no process is needed."""
+    from typer.testing import CliRunner
+
+    from bpsctl.cli import app
+    result = CliRunner().invoke(app, ["bench", "comm", *args],
+                                env={"BPSCTL_STATE_DIR": str(tmp_path / "state"),
+                                     "COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert flag in result.output
 
 
 @pytest.mark.timeout(150)

@@ -130,9 +130,15 @@ def test_device_cuda_without_cuda_is_a_usage_error_naming_what_is_missing(tmp_pa
 
 
 def test_unknown_baseline_is_a_usage_error(tmp_path):
-    result = _bpsctl(["bench", "vgg16", "--compare", "allreduce"], tmp_path / "state", 60)
-    assert result.returncode == 2
-    assert "horovod, ddp" in result.stderr
+    """In-process (typer's runner): a usage error starts nothing."""
+    from typer.testing import CliRunner
+
+    from bpsctl.cli import app
+    result = CliRunner().invoke(app, ["bench", "vgg16", "--compare", "allreduce"],
+                                env={"BPSCTL_STATE_DIR": str(tmp_path / "state"),
+                                     "COLUMNS": "200"})
+    assert result.exit_code == 2, result.output
+    assert "horovod, ddp" in result.output
 
 
 @pytest.mark.timeout(170)

@@ -77,8 +77,7 @@ FAST_TEST_OF = {
     "engine/compression.py":
         "test_compression.py::test_each_compressor_sends_exactly_its_stated_size",
     "engine/intranode.py": "test_paths.py::test_every_rank_takes_the_same_nccl_decision",
-    "engine/mxnet/__init__.py":
-        "test_mxnet_plugin.py::test_asynchronous_sgd_of_one_worker_is_mxnets_own_sgd",
+    "engine/mxnet/__init__.py": "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_one_worker",
     "engine/mxnet/mpi_ops.py": "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_one_worker",
     "engine/mxnet/ops.py": "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_one_worker",
     "engine/partition.py": "test_engine.py::test_sizes_the_partition_size_does_not_divide",
@@ -133,7 +132,7 @@ FAST_TEST_OF = {
     "launch/hosts.py": "test_hosts.py::test_bad_hosts_yaml_names_file_line_and_key",
     "launch/k8s.py": "test_schedulers.py::test_manifests_validate_against_the_kubernetes_schemas",
     "launch/local.py": "test_launch.py::test_up_status_down_leaves_nothing",
-    "launch/output.py": "test_cli.py::test_run_prefixes_each_ranks_output",
+    "launch/output.py": "test_launch.py::test_run_on_a_private_cluster_streams_prefixed_output",
     "launch/plan.py": "test_plan.py::test_plan_is_pure",
     "launch/pod.py": "test_schedulers.py::test_a_pod_runs_its_ranks_as_kubernetes_would_start_it",
     "launch/preflight.py": "test_small_parts.py::test_preflight_knows_each_hosts_ports_and_nic",
@@ -146,7 +145,7 @@ FAST_TEST_OF = {
     "launch/slurm.py": "test_schedulers.py::test_per_node_counts_expand_as_slurm_writes_them",
     "launch/ssh.py":
         "test_small_parts.py::test_a_recorded_ssh_cluster_plans_a_worker_per_slot_with_its_workdir",
-    "launch/state.py": "test_launch.py::test_up_replaces_a_stale_state_file",
+    "launch/state.py": "test_launch.py::test_up_status_down_leaves_nothing",
     "launch/transport.py": "test_ship.py::test_a_host_with_everything_needs_nothing",
     "launch/types.py":
         "test_hostkeys.py::test_a_cluster_recorded_before_the_setting_uses_the_state_dirs_file",
