@@ -271,3 +271,16 @@ def test_logs_of_the_last_cluster_stay_readable_after_a_failed_up(config, state_
     with pytest.raises(api.LaunchError) as failed:
         api.logs(state_dir, "server:5")
     assert "logs there: scheduler, server:0, server:1" in str(failed.value)
+
+
+def test_a_state_dir_too_deep_for_a_socket_gets_one_in_tmp_named_after_it(tmp_path):
+    """A Unix socket path holds at most 107 bytes: under a deep TMPDIR the scheduler's control
+    socket goes to /tmp, named after the state dir, so every command finds the same one."""
+    from bpsctl.launch import state
+    short = tmp_path / "s"
+    assert state.control_socket(short) == short / "scheduler.sock" or \
+        len(str(short / "scheduler.sock")) > state.SOCKET_PATH_MAX
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    path = state.control_socket(deep)
+    assert path.parent == Path("/tmp") and len(str(path)) <= state.SOCKET_PATH_MAX
+    assert state.control_socket(deep) == path != state.control_socket(deep / "other")

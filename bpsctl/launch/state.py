@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -36,10 +37,21 @@ def logs_dir(state_dir: Path | str) -> Path:
     return Path(state_dir) / "logs"
 
 
+#: the longest path a Unix socket can be bound at (``sockaddr_un.sun_path``'s 108 bytes,
+#: less the closing NUL)
+SOCKET_PATH_MAX = 107
+
+
 def control_socket(state_dir: Path | str) -> Path:
     """The scheduler's socket file: reachable from this machine whatever network namespace
-    the scheduler runs in (its TCP address may exist only inside an emulated host)."""
-    return Path(state_dir) / "scheduler.sock"
+    the scheduler runs in (its TCP address may exist only inside an emulated host). In the
+    state dir; where that path is too long for a socket (a deep ``TMPDIR``, say), in /tmp
+    under a name derived from the state dir, so every command finds the same one."""
+    path = Path(state_dir) / "scheduler.sock"
+    if len(os.fsencode(path)) <= SOCKET_PATH_MAX:
+        return path
+    digest = hashlib.sha256(os.fsencode(Path(state_dir).absolute())).hexdigest()[:20]
+    return Path("/tmp") / f"bpsctl-{digest}.sock"
 
 
 def supervision_file(state_dir: Path | str) -> Path:
@@ -139,6 +151,9 @@ def write_state(cluster: ClusterState) -> None:
 def forget(state_dir: Path | str) -> None:
     state_file(state_dir).unlink(missing_ok=True)
     supervision_file(state_dir).unlink(missing_ok=True)
+    socket = control_socket(state_dir)
+    if socket.parent != Path(state_dir):
+        socket.unlink(missing_ok=True)      # outside the state dir: nothing else removes it
 
 
 def make_state_dir(state_dir: Path | str) -> None:
