@@ -100,6 +100,15 @@ def test_comm_bench_bad_flags_exit_2_naming_the_flag(tmp_path, args, flag):
     assert flag in result.output
 
 
+def _command_line(process: psutil.Process) -> str:
+    """``process``'s command line, or "" if it exited since it was listed (a bench starts
+    short-lived processes too)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
 @pytest.mark.timeout(150)
 def test_a_lost_server_fails_the_bench_and_its_logs_are_kept(tmp_path):
     """kill -9 a server of the bench's private cluster mid-run: the bench exits 1 naming the
@@ -114,8 +123,8 @@ def test_a_lost_server_fails_the_bench_and_its_logs_are_kept(tmp_path):
         victim = None
         while victim is None and time.monotonic() < deadline:
             family = psutil.Process(bench.pid).children(recursive=True)
-            servers = [p for p in family if "bpsctl.engine.server" in " ".join(p.cmdline())]
-            timing = any("bpsctl.bench.comm" in " ".join(p.cmdline()) for p in family)
+            servers = [p for p in family if "bpsctl.engine.server" in _command_line(p)]
+            timing = any("bpsctl.bench.comm" in _command_line(p) for p in family)
             if timing and len(servers) == 2:
                 time.sleep(3)                       # well into the timed rounds
                 victim = servers[1]
