@@ -354,6 +354,9 @@ TIERS: dict[str, set[str]] = {
     # a cluster started and stopped each (about 1 s idle); the module's other launches
     # (up/status/down, a stale state file, a private cluster, the first failure) stay fast
     "test_launch.py::test_logs_roles": {"slow"},
+    # a 3-worker torch job (about 5 s); the engine's own test of `want` stays fast
+    "test_horovod_api.py::test_an_alltoall_pulls_the_rows_sent_to_it_and_keeps_its_own_at_home":
+        {"slow"},
     "test_launch.py::test_up_refuses_a_second_cluster": {"slow"},
     "test_launch.py::test_logs_of_the_last_cluster_stay_readable_after_a_failed_up": {"slow"},
     "test_launch.py::test_up_replaces_a_stale_state_file": {"slow"},

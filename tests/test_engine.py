@@ -761,3 +761,51 @@ def test_a_push_zero_on_the_wire_is_answered_with_zeros_and_refused_where_it_can
             assert words in json.loads(reply[1])["message"], reply[1]
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_sum_read_in_part_pulls_only_the_partitions_read_and_rounds_stay_in_step(job):
+    """``want``: the byte ranges of the output a worker reads (an alltoall's rows sent to it).
+    Partitions wholly outside them come back as a RESULT header alone: their bytes of ``out``
+    stay as they were, the worker pulls only the partitions it reads, and the name's rounds
+    stay in step (three rounds, each rank reading another part)."""
+    size, count = 32, 40                         # 160 bytes of float32: 5 partitions
+
+    def body(w: Worker):
+        out = []
+        for step in range(3):
+            part = (w.rank + step) % 5
+            want = [(part * size, part * size + 8)]         # inside one partition
+            if w.rank == 0:
+                want.append((4 * size + 4, 4 * size + 12))  # and a piece of the last
+            x = np.full(count, w.rank + 1 + step, np.float32)
+            got = np.full(count, -1.0, np.float32)
+            before = sum(s["pulled_bytes"] for s in w.stats()["servers"])
+            w.push_pull(x, name="partly", average=False, out=got, want=want)
+            pulled = sum(s["pulled_bytes"] for s in w.stats()["servers"]) - before
+            out.append((got.copy(), sorted({a // size for a, _ in want}), pulled))
+        return out
+
+    results = job(3, 2, body, partition_bytes=size)
+    for rank, steps in enumerate(results):
+        for step, (got, read, pulled) in enumerate(steps):
+            total = sum(r + 1 + step for r in range(3))
+            per = size // 4
+            for p in range(5):
+                block = got[p * per:(p + 1) * per]
+                expected = total if p in read else -1.0
+                assert (block == expected).all(), (rank, step, p, block)
+            assert pulled == len(read) * size, (rank, step, pulled)
+
+
+def test_want_is_refused_where_it_cannot_apply(job):
+    def body(w: Worker):
+        x = np.ones(8, np.float32)
+        for kwargs, words in [({"want": [(0, 64)]}, "is not a byte range"),
+                              ({"want": [(0, 4)], "root": 0}, "plain sum"),
+                              ({"want": [(0, 4)], "reduction": P.REDUCE_MAX,
+                                "average": False}, "plain sum")]:
+            with pytest.raises(ValueError, match=words):
+                w.push_pull(x, name="w", **{"average": False, **kwargs})
+        return True
+
+    assert job(1, 1, body) == [True]

@@ -929,3 +929,39 @@ def test_an_mnist_style_horovod_script_trains_on_two_emulated_hosts(tmp_path):
         _check_mnist_style_run(log.getvalue(), 2)
     finally:
         down(config.state_dir)
+
+
+ALLTOALL_PULLS_SCRIPT = '''
+@check
+def alltoall_pulls_what_it_receives():
+    import numpy as np
+    w = bps._p().worker
+    rows = [[40, 8, 24], [8, 40, 16], [16, 8, 40]][R]      # rows to ranks 0, 1, 2
+    x = torch.cat([torch.full((n, 4), float(100 * R + d)) for d, n in enumerate(rows)])
+    for _ in range(2):                                      # the second round on the same names
+        before = sum(s["pulled_bytes"] for s in w.stats()["servers"])
+        got, received = bps.alltoall(x, splits=rows, name="a2a")
+        pulled = sum(s["pulled_bytes"] for s in w.stats()["servers"]) - before
+    sent = [[40, 8, 24], [8, 40, 16], [16, 8, 40]]
+    want = torch.cat([torch.full((sent[s][R], 4), float(100 * s + R)) for s in range(N)])
+    assert received.tolist() == [sent[s][R] for s in range(N)], received
+    assert torch.equal(got, want), (got[:, 0].tolist(), want[:, 0].tolist())
+    whole = sum(map(sum, sent)) * 16
+    # the rows sent to this rank by the others (whole partitions around them), and the
+    # small count exchange; not the whole buffer, nor the rows it sent itself
+    RESULTS["pulled"], RESULTS["whole"] = pulled, whole
+'''
+
+
+def test_an_alltoall_pulls_the_rows_sent_to_it_and_keeps_its_own_at_home(tmp_path):
+    """An alltoall pulls the partitions holding the rows the others send each rank (64-byte
+    partitions, 16-byte rows): less than half the gathered buffer, the rows a rank sends
+    itself not at all, and the output exact, twice."""
+    records = run_script(tmp_path, ALLTOALL_PULLS_SCRIPT, np=3, partition_bytes=64,
+                         local_reduce="off")
+    assert_ok(records, "alltoall_pulls_what_it_receives")
+    for rank, record in enumerate(records):
+        pulled, whole = record["results"]["pulled"], record["results"]["whole"]
+        others = sum([[40, 8, 24], [8, 40, 16], [16, 8, 40]][s][rank] for s in range(3)
+                     if s != rank) * 16
+        assert others <= pulled <= others + 6 * 64 + 3 * 8 * 3, (rank, pulled, others, whole)

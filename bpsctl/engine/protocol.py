@@ -102,8 +102,13 @@ PUSH_ZERO = 26      # worker -> server: a PUSH header alone: the pusher's contri
                     #   rank: under REDUCE_BROADCAST the root the pusher names, else its own.
                     #   Uncompressed, not host-reduced, not asynchronous; sums and broadcasts only
 
+#: in a PUSH's or PUSH_ZERO's rank field (below the ranks, which are < MAX_WORKERS): the
+#: pusher reads nothing of this partition's sum (an alltoall's rows sent to other ranks), so
+#: its RESULT comes as the header alone, saying the round is complete
+RESULT_HEADER_ONLY = 0x8000
+
 TYPE_NAMES = {v: k for k, v in dict(globals()).items() if isinstance(v, int) and k.isupper()
-              and k not in ("PROTOCOL_VERSION", "HEADER_SIZE")}
+              and k not in ("PROTOCOL_VERSION", "HEADER_SIZE", "RESULT_HEADER_ONLY")}
 
 #: bfloat16, which NumPy lacks: two opaque bytes per element (``|V2``; view a bf16 tensor's
 #: bits as this). Servers sum it by widening to float32 and rounding back to nearest-even.

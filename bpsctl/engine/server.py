@@ -110,7 +110,8 @@ class PartitionState:
                  "first_push_ns", "traced", "adopted", "leaving", "widened", "codec", "rotation",
                  "backup", "late_waiting", "pushed_last", "owed", "held", "held_count",
                  "deferred", "shm_alloc", "shm_refs", "first_ref", "copy_single",
-                 "reduction", "combine", "folded", "first_shared", "claims", "data_pushes")
+                 "reduction", "combine", "folded", "first_shared", "claims", "data_pushes",
+                 "headers_only")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int,
                  rotation: int = 2, reduction: int = P.REDUCE_SUM):
@@ -163,6 +164,9 @@ class PartitionState:
         # (rank -> root; a data push names its own pusher), and its data pushes
         self.claims: dict[int, int] = {}
         self.data_pushes = 0
+        # pushers of this round that read nothing of its sum (P.RESULT_HEADER_ONLY): answered
+        # with the RESULT header alone
+        self.headers_only: set[bytes] = set()
 
     def quorum(self) -> int:
         """Pushes that complete this round: every expected one, less the backup workers'."""
@@ -550,9 +554,12 @@ class Server:
                 msg_type, dtype, flags, rank, part, round_, nbytes = P.unpack_header(
                     frames[1].buffer)
                 if msg_type == P.PUSH:
-                    self._push(rid, dtype, flags, part, round_, nbytes, frames)
+                    self._push(rid, dtype, flags, part, round_, nbytes, frames,
+                               header_only=bool(rank & P.RESULT_HEADER_ONLY))
                 elif msg_type == P.PUSH_ZERO:
-                    self._push(rid, dtype, flags, part, round_, nbytes, frames, claim=rank)
+                    self._push(rid, dtype, flags, part, round_, nbytes, frames,
+                               claim=rank & ~P.RESULT_HEADER_ONLY,
+                               header_only=bool(rank & P.RESULT_HEADER_ONLY))
                 elif msg_type == P.STATE:
                     self._state(rid, rank, round_, frames)
                 elif msg_type == P.ADMIT:
@@ -678,9 +685,11 @@ class Server:
                 self.trace = None
 
     def _push(self, rid: bytes, dtype: int, flags: int, part: int, round_: int, nbytes: int,
-              frames: list[zmq.Frame], claim: int | None = None) -> None:
+              frames: list[zmq.Frame], claim: int | None = None,
+              header_only: bool = False) -> None:
         """A PUSH, or (``claim``: its header's rank field) a PUSH_ZERO: counted as a push of
-        the round, answered as one, with nothing folded into the sum."""
+        the round, answered as one, with nothing folded into the sum. ``header_only``
+        (P.RESULT_HEADER_ONLY): its pusher reads nothing of the sum; a plain sum's only."""
         rank = self.peers.get(rid)
         if rank is None:
             raise P.ProtocolError("push from a connection that has not said HELLO (after proving "
@@ -698,6 +707,11 @@ class Server:
                                   "which is unknown or not allowed with its flags "
                                   f"({flags:#x}): only sums are averaged, compressed, "
                                   "host-reduced or asynchronous")
+        if header_only and (reduction != P.REDUCE_SUM or flags & (
+                P.FLAG_ASYNC | P.FLAG_COMPRESSED | P.FLAG_HOST_REDUCED | P.FLAG_BACKUP)):
+            raise P.ProtocolError(f"push of partition {part} asks for its result's header "
+                                  f"alone with flags {flags:#x}, reduction {reduction}: only "
+                                  "a plain sum's pusher may read nothing of it")
         payload: Any = ZERO
         if claim is not None:
             self._check_zero(flags, part, reduction, frames)
@@ -781,6 +795,8 @@ class Server:
             return
         state.received += 1
         state.waiting.append(rid)
+        if header_only:
+            state.headers_only.add(rid)
         if reduction == P.REDUCE_BROADCAST:
             state.claims[rank] = rank if claim is None else claim
             state.data_pushes += claim is None
@@ -894,6 +910,14 @@ class Server:
             self.sock.send_multipart([rid, P.pack_header(P.ACK, part=part, round=round_)])
         except zmq.ZMQError:
             pass
+
+    def _send_header(self, rid: bytes, header: bytes) -> None:
+        """A RESULT's header alone, to a pusher that reads nothing of the sum
+        (P.RESULT_HEADER_ONLY): the round is complete."""
+        try:
+            self.sock.send_multipart([rid, header])
+        except zmq.ZMQError:
+            pass    # that worker is gone; the scheduler tells the others
 
     def _send_result(self, rid: bytes, header: bytes, result: Any, ref: bytes | None) -> None:
         """A RESULT: its bytes zero-copy over TCP, or (``ref``) where they are in shared
@@ -1107,6 +1131,9 @@ class Server:
             if refused is not None:
                 self._send_part_error(rid, state, refused)
                 continue
+            if rid in state.headers_only:
+                self._send_header(rid, header)
+                continue
             self._send_result(rid, header, result, self._shm_ref(state, result, state.round, rid))
         if start and self.trace is not None:
             with self.trace_lock:
@@ -1130,6 +1157,7 @@ class Server:
         state.first_ref = None
         state.traced = False
         state.waiting.clear()
+        state.headers_only.clear()
         state.received = 0
         state.summed = 0
         state.result = None

@@ -43,7 +43,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +189,7 @@ class _Task:
     __slots__ = ("handle", "name", "src", "dst", "dtype", "shape", "priority", "divisor",
                  "remaining", "deadline", "parts", "flags", "called_ns", "queued_ns", "codec",
                  "hyper", "once", "filled", "lend_results", "reduction",
-                 "scope", "join_error", "mine", "claim")
+                 "scope", "join_error", "mine", "claim", "want")
 
     def __init__(self, handle: Handle, src: np.ndarray, dst: np.ndarray, priority: int,
                  divisor: int | None, deadline: float, flags: int = 0,
@@ -217,15 +217,35 @@ class _Task:
         self.join_error: str | None = None  # fails it if a rank joins first (see join_error)
         # the bytes of src holding this worker's data (push_pull_async's ``mine``): partitions
         # wholly outside go as PUSH_ZERO, naming ``claim`` (a broadcast's root)
-        self.mine: tuple[int, int] | None = None
+        self.mine: list[tuple[int, int]] | None = None
         self.claim = 0
+        # the byte ranges of dst the caller reads (push_pull_async's ``want``): partitions
+        # wholly outside all of them are answered with the RESULT header alone
+        self.want: list[tuple[int, int]] | None = None
+
+    def unwanted(self, part: list[int]) -> bool:
+        """Whether the caller reads nothing of partition ``part``'s sum: outside ``want``."""
+        if self.want is None:
+            return False
+        end = part[2] + part[3]
+        return not any(start < end and part[2] < stop for start, stop in self.want)
 
     def zero(self, part: list[int]) -> bool:
         """Whether partition ``part`` goes as a PUSH_ZERO: wholly outside ``mine``."""
         if self.mine is None:
             return False
-        start, stop = self.mine
-        return start == stop or part[2] + part[3] <= start or part[2] >= stop
+        end = part[2] + part[3]
+        return not any(start < end and part[2] < stop for start, stop in self.mine)
+
+
+def _ranges(ranges: Any) -> list[Any]:
+    """``mine``: one (start, stop) range, or a list of them, as a list."""
+    if isinstance(ranges, tuple) and len(ranges) == 2 and \
+            all(isinstance(b, (int, np.integer)) for b in ranges):
+        return [ranges]
+    if isinstance(ranges, (list, tuple)):
+        return list(ranges)
+    return [ranges]         # refused, naming it, by Worker._check_mine
 
 
 _WAKE = b"\0"
@@ -317,6 +337,7 @@ class Worker:
         # bytes pushed to each server of the job (its index), re-pushes included: what the
         # layout's shares (BPSCTL_CPU_SHARE, hosts.yaml's share:) come to on the wire
         self._pushed_bytes: collections.Counter[int] = collections.Counter()
+        self._pulled_bytes: collections.Counter[int] = collections.Counter()
         try:
             self._register()
         except BaseException:
@@ -590,8 +611,10 @@ class Worker:
                         filled: Lease | None = None, lend_results: bool = False,
                         reduction: int = P.REDUCE_SUM,
                         ranks: tuple[int, ...] | None = None,
-                        join_error: str | None = None, mine: tuple[int, int] | None = None,
-                        root: int | None = None) -> Handle:
+                        join_error: str | None = None,
+                        mine: tuple[int, int] | Sequence[tuple[int, int]] | None = None,
+                        root: int | None = None,
+                        want: Sequence[tuple[int, int]] | None = None) -> Handle:
         """Start summing ``array`` across all workers; the result lands in ``out``.
 
         ``ranks`` (sorted, this worker's among them): a process set's push_pull, summed over
@@ -599,7 +622,8 @@ class Worker:
         is bound to that set (a process set's names are its own, see
         :mod:`bpsctl.engine.process_sets`). Not host-reduced, asynchronous or backed up.
 
-        ``mine=(start, stop)``: only bytes ``start:stop`` of ``array`` hold this worker's
+        ``mine=(start, stop)`` (or a list of such ranges): only bytes ``start:stop`` of
+        ``array`` hold this worker's
         data, every other byte being zero (a gather's buffer: each rank's rows at their
         offset): each partition wholly outside that range goes as a PUSH_ZERO, a header
         without its bytes, so a gather pushes about this rank's bytes, not the whole buffer.
@@ -610,6 +634,11 @@ class Worker:
         push only PUSH_ZERO headers naming ``r``; if the workers name different roots (or a
         root that pushed nothing), every one of them fails with an error naming the roots.
         A name keeps being a broadcast (its reduction).
+
+        ``want=[(start, stop), ...]``: the byte ranges of ``out`` the caller reads (an
+        alltoall's rows sent to this rank); a partition wholly outside all of them is answered
+        with its RESULT header alone, and its bytes of ``out`` are left as they were. A plain
+        sum only, as ``mine``.
 
         ``reduction`` (``P.REDUCE_MIN``, ``REDUCE_MAX``, ``REDUCE_PRODUCT``): the servers
         combine the workers' arrays elementwise that way instead of summing them; such a
@@ -659,9 +688,19 @@ class Worker:
         if reduction != P.REDUCE_SUM:
             self._check_reduction(reduction, name, average, host_reduced, compression,
                                   async_update is not None or async_init)
+        owned = None
         if mine is not None:
-            mine = self._check_mine(mine, src.nbytes, name, reduction, host_reduced,
-                                    compression, async_update is not None or async_init)
+            owned = [self._check_mine(r, src.nbytes, name, reduction, host_reduced, compression,
+                                      async_update is not None or async_init)
+                     for r in _ranges(mine)]
+        wanted = None
+        if want is not None:
+            if reduction != P.REDUCE_SUM:
+                raise ValueError(f"push_pull of {name!r}: want= goes with a plain sum only, "
+                                 f"not a {P.REDUCTIONS.get(reduction, reduction)}")
+            wanted = [self._check_mine(r, src.nbytes, name, reduction, host_reduced,
+                                       compression, async_update is not None or async_init,
+                                       "want") for r in want]
         if not src.flags.c_contiguous:
             src = np.ascontiguousarray(src)
         if out is None:
@@ -714,7 +753,8 @@ class Worker:
                      time.monotonic() + self.config.op_timeout_s, flags, hyper)
         task.once, task.reduction, task.scope = once, reduction, ranks
         task.join_error = join_error
-        task.mine, task.claim = mine, self.rank if root is None else int(root)
+        task.mine, task.claim = owned, self.rank if root is None else int(root)
+        task.want = wanted
         if compression is None and hyper is None:
             task.filled, task.lend_results = filled, lend_results
         elif filled is not None:
@@ -752,14 +792,17 @@ class Worker:
                   compression: C.Compressor | None = None,
                   async_update: tuple[float, float, float, float, bool] | None = None,
                   async_init: bool = False, reduction: int = P.REDUCE_SUM,
-                  ranks: tuple[int, ...] | None = None, mine: tuple[int, int] | None = None,
-                  root: int | None = None, once: bool = False) -> np.ndarray:
+                  ranks: tuple[int, ...] | None = None,
+                  mine: tuple[int, int] | Sequence[tuple[int, int]] | None = None,
+                  root: int | None = None, once: bool = False,
+                  want: Sequence[tuple[int, int]] | None = None) -> np.ndarray:
         return self.synchronize(self.push_pull_async(array, name, average, priority, out,
                                                      compression=compression,
                                                      async_update=async_update,
                                                      async_init=async_init,
                                                      reduction=reduction, ranks=ranks,
-                                                     mine=mine, root=root, once=once))
+                                                     mine=mine, root=root, once=once,
+                                                     want=want))
 
     @staticmethod
     def _check_root(root: Any, name: str | None, mine: Any, reduction: int) -> None:
@@ -775,16 +818,16 @@ class Worker:
     @staticmethod
     def _check_mine(mine: Any, nbytes: int, name: str | None, reduction: int,
                     host_reduced: bool, compression: C.Compressor | None,
-                    asynchronous: bool) -> tuple[int, int]:
-        """``mine``, this worker's byte range of a sum, as two ints; ValueError naming what is
-        wrong with it."""
+                    asynchronous: bool, what: str = "mine") -> tuple[int, int]:
+        """``mine`` (or a range of ``want``: ``what``), a byte range of a sum, as two ints;
+        ValueError naming what is wrong with it."""
         try:
             start, stop = (int(b) for b in mine)
         except (TypeError, ValueError):
-            raise ValueError(f"push_pull of {name!r}: mine must be (start, stop), byte offsets "
-                             f"into the array, got {mine!r}") from None
+            raise ValueError(f"push_pull of {name!r}: {what} must be (start, stop), byte "
+                             f"offsets into the array, got {mine!r}") from None
         if not 0 <= start <= stop <= nbytes:
-            raise ValueError(f"push_pull of {name!r}: mine=({start}, {stop}) is not a byte "
+            raise ValueError(f"push_pull of {name!r}: {what}=({start}, {stop}) is not a byte "
                              f"range within the array's {nbytes} bytes")
         for wrong, why in [(reduction not in P.ZERO_REDUCTIONS,
                             f"reduced by {P.REDUCTIONS.get(reduction)}"),
@@ -792,8 +835,8 @@ class Worker:
                            (compression is not None, f"compressed ({compression})"),
                            (asynchronous, "asynchronous training")]:
             if wrong:
-                raise ValueError(f"push_pull of {name!r} with mine= cannot be {why}: the "
-                                 "others' bytes are pushed as zeros only in a plain sum")
+                raise ValueError(f"push_pull of {name!r} with {what}= cannot be {why}: "
+                                 f"{what} applies to a plain sum only")
         return start, stop
 
     @staticmethod
@@ -1035,13 +1078,15 @@ class Worker:
         caller had filled and the results it read where they arrived (:meth:`lend`; a GPU's
         copies, none by the engine), and ``servers``: the job's servers (``rank``,
         ``host``, ``share`` of the bytes, ``pushed_bytes``: what this worker pushed to it,
-        uncompressed, re-pushes included)."""
+        uncompressed, re-pushes included, ``pulled_bytes``: the sums it answered with,
+        uncompressed; a RESULT's header alone counts nothing)."""
         return {"late_pushes": self.late_pushes, "membership_changes": self.membership_changes,
                 "live_ranks": list(self.live_ranks), "shm_pushes": self.shm_pushes,
                 "shm_results": self.shm_results, "shm_pushed_bytes": self.shm_pushed_bytes,
                 "filled_pushes": self.filled_pushes, "lent_results": self.lent_results,
                 "servers": [{"rank": s["rank"], "host": s["host"], "share": s.get("share"),
-                             "pushed_bytes": self._pushed_bytes[index]}
+                             "pushed_bytes": self._pushed_bytes[index],
+                             "pulled_bytes": self._pulled_bytes[index]}
                             for index, s in enumerate(self._servers)]}
 
     def mark_step(self) -> None:
@@ -1327,11 +1372,15 @@ class Worker:
                 self._send_scope(server, task)
             sock = self._server_socks[server]
             dtype = P.push_dtype(P.DTYPE_CODES[task.dtype], task.reduction)
-            if zero:        # the partition's size; its rank field names a broadcast's root
-                sock.send(P.pack_header(P.PUSH_ZERO, flags=flags, dtype=dtype, rank=task.claim,
-                                        part=part_id, round=round_, nbytes=part[3]))
+            # the rank field: a broadcast's root (PUSH_ZERO) or this worker's, and whether the
+            # sum comes back or only its header (nothing of it read here)
+            unread = P.RESULT_HEADER_ONLY if task.unwanted(part) else 0
+            if zero:        # the partition's size
+                sock.send(P.pack_header(P.PUSH_ZERO, flags=flags, dtype=dtype,
+                                        rank=task.claim | unread, part=part_id, round=round_,
+                                        nbytes=part[3]))
             else:
-                sock.send(P.pack_header(P.PUSH, flags=flags, dtype=dtype, rank=self.rank,
+                sock.send(P.pack_header(P.PUSH, flags=flags, dtype=dtype, rank=self.rank | unread,
                                         part=part_id, round=round_, nbytes=length), zmq.SNDMORE)
                 if task.hyper is None:
                     sock.send(data, copy=False)
@@ -1373,7 +1422,7 @@ class Worker:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 if flags & P.FLAG_LATE:
                     self.late_pushes += 1
-                payload: Any = frames[1]
+                payload: Any = frames[1] if len(frames) > 1 else None   # None: header alone
                 if flags & P.FLAG_SHM:
                     payload = self._shm_result(part_id, frames[1].buffer, nbytes)
                     if payload is None:
@@ -1564,14 +1613,20 @@ class Worker:
     def _result(self, part_id: int, round_: int, payload: Any, count: int) -> None:
         """A partition's sum of ``count`` workers' pushes (the frame that carried it, or its
         view in shared memory): into the output, divided by that count when averaging (all of
-        the job's workers, unless some were lost)."""
+        the job's workers, unless some were lost). ``payload`` None: the header alone (the
+        caller reads nothing of this partition, Task.unwanted): the round is complete."""
         entry = self._active.pop(part_id, None)
         if entry is None:
             return                                 # its task already failed
         task, part = entry
         self._rounds[part_id] = round_ + 1
         arrived_ns = now_ns() if self._trace is not None else 0
-        if task.handle.error is None:
+        if payload is None and not task.unwanted(part) and task.handle.error is None:
+            task.handle.error = EngineError(f"push_pull of {task.name!r}: server {part[1]} "
+                                            f"answered partition {part_id} without its sum")
+        if payload is not None:
+            self._pulled_bytes[part[1]] += part[3]
+        if task.handle.error is None and payload is not None:
             itemsize = task.dtype.itemsize
             start = part[2] // itemsize
             dst = task.dst[start:start + part[3] // itemsize]

@@ -179,15 +179,27 @@ def _push_sum(tensor: torch.Tensor, name: str, scope: Scope | None = None,
 
 
 def _push_own(buffer: torch.Tensor, name: str, start: int, count: int,
-              scope: Scope | None = None, join_error: str | None = None) -> int:
+              scope: Scope | None = None, join_error: str | None = None,
+              read: Sequence[tuple[int, int]] | None = None,
+              kept: tuple[int, int] | None = None) -> int:
     """Start the sum of a gathered ``buffer`` (contiguous, private: the result lands in it)
     whose rows ``start .. start + count`` are this rank's and the rest zeros: straight to the
     servers, the partitions without this rank's rows pushed as headers alone
-    (Worker.push_pull_async's ``mine``); over the ranks of ``scope`` where given."""
+    (Worker.push_pull_async's ``mine``); over the ranks of ``scope`` where given. ``read``:
+    the (start, count) row spans this rank reads of the result (an alltoall's); the others'
+    partitions come back as a header alone (Worker.push_pull_async's ``want``). ``kept``:
+    a (start, count) span of this rank's rows that only it reads (an alltoall's rows to
+    itself): not pushed where whole partitions of it can stay home."""
     per_row = buffer.element_size() * (buffer[0].numel() if buffer.shape[0] else 0)
     wire = _as_bytes(buffer)
-    return _start_direct(wire, wire, name, 0, mine=(start * per_row, (start + count) * per_row),
-                         ranks=None if scope is None else scope.ranks, join_error=join_error)
+    own = [(start, start + count)]
+    if kept is not None:
+        own = [(start, kept[0]), (kept[0] + kept[1], start + count)]
+    mine = [(a * per_row, b * per_row) for a, b in own if a < b] or [(0, 0)]
+    want = None if read is None else [(s * per_row, (s + c) * per_row) for s, c in read]
+    return _start_direct(wire, wire, name, 0, mine=mine,
+                         ranks=None if scope is None else scope.ranks, join_error=join_error,
+                         want=want)
 
 
 def _exchange_ints(mine: np.ndarray, name: str, scope: Scope | None = None,
@@ -660,8 +672,10 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
                     process_set: ProcessSet | None) -> int:
     """Start an alltoall as an allgather of every rank's whole tensor (the splits of every
-    rank exchanged first), from which each rank keeps the rows sent to it; its
-    :func:`synchronize` gives ``(output, received_splits)``."""
+    rank exchanged first), from which each rank keeps the rows sent to it: only the
+    partitions holding those come back with their bytes (the others as a header alone), so
+    a rank pulls about what it receives; its :func:`synchronize` gives ``(output,
+    received_splits)``."""
     scope = _scope(process_set, "alltoall")
     _check_tensor(tensor, "alltoall")
     if tensor.dim() == 0:
@@ -683,7 +697,11 @@ def _alltoall_start(tensor: torch.Tensor, splits: Any, name: str | None,
                              device=tensor.device)
         start = K.offsets(senders)[me]
         buffer[start:start + rows] = tensor.detach()
-        handle = _push_own(buffer, _rows(base, buffer), start, rows, scope, join_error)
+        # the rows this rank sends itself stay where they are in the buffer: partitions
+        # holding only those go as zeros and come back as a header alone
+        handle = _push_own(buffer, _rows(base, buffer), start, rows, scope, join_error,
+                           read=[span for s, span in enumerate(spans) if s != me],
+                           kept=spans[me])
     splits_dtype = splits.dtype if isinstance(splits, torch.Tensor) else torch.int32
 
     def pick(_: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -697,8 +715,8 @@ def alltoall_async(tensor: torch.Tensor, splits: Any = None, name: str | None = 
     """Start an alltoall: ``splits[d]`` rows of ``tensor`` (in order) go to rank ``d`` (equal
     parts without ``splits``); :func:`synchronize` returns ``(output, received_splits)``, the
     rows received in rank order and how many came from each rank. Carried as an allgather of
-    every rank's whole tensor (each rank pushes its own tensor and pulls everything the job
-    sends)."""
+    every rank's whole tensor (each rank pushes its own tensor and pulls the partitions that
+    hold the rows sent to it)."""
     return _alltoall_start(tensor, splits, name, process_set)
 
 
