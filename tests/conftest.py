@@ -381,6 +381,7 @@ TIERS: dict[str, set[str]] = {
     # CUDA: every job of these takes 8-50 s on one H200 (worker processes, CUDA start-up),
     # so they are slow as well, and a GPU machine's fast tier stays fast
     "test_torch_gpu.py::test_single_rank_cuda_push_pull": {"gpu", "slow"},
+    "test_torch_gpu.py::test_gathers_of_cuda_tensors_keep_each_ranks_own_rows": {"gpu", "slow"},
     "test_torch_gpu.py::test_cupy_arrays_through_the_engine_sum_as_numpy_ones": {"gpu", "slow"},
     "test_torch_gpu.py::test_two_workers_on_one_gpu_stage_through_host_memory_and_say_so":
         {"gpu", "slow"},

@@ -950,13 +950,27 @@ def alltoall_pulls_what_it_receives():
     # the rows sent to this rank by the others (whole partitions around them), and the
     # small count exchange; not the whole buffer, nor the rows it sent itself
     RESULTS["pulled"], RESULTS["whole"] = pulled, whole
+
+
+@check
+def allgather_pulls_the_others_rows():
+    w = bps._p().worker
+    mine = torch.full((10 * (R + 1), 4), float(R + 1))        # 10, 20 and 30 rows of 16 bytes
+    for _ in range(2):
+        before = sum(s["pulled_bytes"] for s in w.stats()["servers"])
+        got = bps.allgather(mine, name="ag")
+        pulled = sum(s["pulled_bytes"] for s in w.stats()["servers"]) - before
+    want = torch.cat([torch.full((10 * (r + 1), 4), float(r + 1)) for r in range(N)])
+    assert torch.equal(got, want), got[:, 0].tolist()
+    RESULTS["gathered"] = pulled
 '''
 
 
 def test_an_alltoall_pulls_the_rows_sent_to_it_and_keeps_its_own_at_home(tmp_path):
     """An alltoall pulls the partitions holding the rows the others send each rank (64-byte
     partitions, 16-byte rows): less than half the gathered buffer, the rows a rank sends
-    itself not at all, and the output exact, twice."""
+    itself not at all, and the output exact, twice; an allgather pulls the others' rows, not
+    its own."""
     records = run_script(tmp_path, ALLTOALL_PULLS_SCRIPT, np=3, partition_bytes=64,
                          local_reduce="off")
     assert_ok(records, "alltoall_pulls_what_it_receives")
@@ -965,3 +979,8 @@ def test_an_alltoall_pulls_the_rows_sent_to_it_and_keeps_its_own_at_home(tmp_pat
         others = sum([[40, 8, 24], [8, 40, 16], [16, 8, 40]][s][rank] for s in range(3)
                      if s != rank) * 16
         assert others <= pulled <= others + 6 * 64 + 3 * 8 * 3, (rank, pulled, others, whole)
+    assert_ok(records, "allgather_pulls_the_others_rows")
+    for rank, record in enumerate(records):
+        others = sum(10 * (r + 1) for r in range(3) if r != rank) * 16
+        gathered = record["results"]["gathered"]
+        assert others <= gathered <= others + 4 * 64 + 3 * 8, (rank, gathered, others)

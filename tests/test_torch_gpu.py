@@ -510,3 +510,25 @@ def cpu_sums():
         assert record["stage"] and not record["nccl"], f"rank {rank}"
         assert not record["cuda_initialized"], f"rank {rank}"
     assert_all_ok(records)
+
+
+GATHERS_SCRIPT = '''
+@check
+def gathers_of_cuda_tensors_are_whole():
+    # each rank's own rows (allgather) and the rows it sends itself (alltoall) come back on
+    # the device too, though on the host they need not travel (push_pull's ``want``)
+    x = torch.full((3 + R, 5), float(R + 1), device=DEV)
+    got = bps.allgather(x, name="g")
+    want = torch.cat([torch.full((3 + r, 5), float(r + 1)) for r in range(N)])
+    assert got.device == DEV and torch.equal(got.cpu(), want), got[:, 0].tolist()
+    rows = [4] * N
+    y = torch.cat([torch.full((4, 3), float(10 * R + d)) for d in range(N)]).to(DEV)
+    out, received = bps.alltoall(y, splits=rows, name="a")
+    expect = torch.cat([torch.full((4, 3), float(10 * s + R)) for s in range(N)])
+    assert out.device == DEV and torch.equal(out.cpu(), expect), out[:, 0].tolist()
+'''
+
+
+def test_gathers_of_cuda_tensors_keep_each_ranks_own_rows(tmp_path):
+    assert_all_ok(run_script(tmp_path, GATHERS_SCRIPT, 2, partition_bytes=64,
+                             local_reduce="off"))

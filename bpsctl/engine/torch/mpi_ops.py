@@ -462,7 +462,8 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
                      process_set: ProcessSet | None
                      ) -> tuple[list[int], list[list[int]], str, Release]:
     """Start gathering each of ``tensors`` along its first dimension: one exchange of row
-    counts (waited for) for all of them, then a push_pull of each gathered buffer. Returns
+    counts (waited for) for all of them, then a push_pull of each gathered buffer, pushing
+    this rank's rows and pulling the others'. Returns
     the handles (each gives its buffer), every tensor's counts per rank, the base name and
     what gives it back (for :func:`_then`)."""
     scope = _scope(process_set, kind)
@@ -482,11 +483,15 @@ def _allgather_start(tensors: Sequence[torch.Tensor], name: str | None, kind: st
         for i, t in enumerate(tensors):
             counts = [int(c) for c in table[:, i]]
             buffer = torch.zeros((sum(counts), *t.shape[1:]), dtype=t.dtype, device=t.device)
-            start = K.offsets(counts)[me]
+            starts = K.offsets(counts)
+            start = starts[me]
             buffer[start:start + counts[me]] = t.detach()
             member = f"{base}.{i}" if len(tensors) > 1 else base
+            # this rank's own rows are in the buffer already: partitions holding only those
+            # come back as a header alone, so a rank pulls about the others' rows
+            others = [(starts[s], counts[s]) for s in range(len(counts)) if s != me]
             handles.append(_push_own(buffer, _rows(member, buffer), start, counts[me], scope,
-                                     join_error))
+                                     join_error, read=others))
             all_counts.append(counts)
     return handles, all_counts, base, release
 

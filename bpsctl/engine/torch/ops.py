@@ -343,6 +343,9 @@ def _start_direct(source: torch.Tensor, output: torch.Tensor, name: str, priorit
             out=_as_array(host_out), **push)
         return handle.wait, handle.done
     if source.is_cuda:
+        # the whole host copy of the result goes back to the device: every partition must
+        # come back with its bytes (``want`` would leave the host buffer's old bytes there)
+        push.pop("want", None)
         _stage_through_host(plugin, op, name, source, output, start, direct=False)
         return _track(plugin, op)
     op.keep = source
