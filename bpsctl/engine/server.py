@@ -1251,17 +1251,24 @@ class Server:
             state.expected -= 1
             if state.owed and rid not in state.pushed_last:
                 self._paid(state)               # it will never push the last round
-            # a round already full (its sum being finished, or held back) is left alone
-            if state.received and quorum > state.received >= state.quorum():
-                finished += 1
-                if state.thread < 0:
-                    if state.finish(state.quorum()):
-                        self._complete(state)
-                else:   # after the pushes already queued for its summation thread
-                    self.queues[state.thread].put((state, None, state.quorum(), rank, False))
+            finished += self._finish_if_full(state, quorum, rank)
         self.log.warning("%s; rounds go on with %d workers (%d completed without it)", message,
                          len(live), finished)
 
+
+    def _finish_if_full(self, state: PartitionState, quorum: int, rank: int) -> bool:
+        """A round that waited for ``quorum`` pushes and now, one pusher fewer (worker ``rank``
+        lost or joined), has all it needs: finished now, or after the pushes already queued
+        for its summation thread. A round already full (its sum being finished, or held
+        back) is left alone. Whether it was finished."""
+        if not (state.received and quorum > state.received >= state.quorum()):
+            return False
+        if state.thread < 0:
+            if state.finish(state.quorum()):
+                self._complete(state)
+        else:
+            self.queues[state.thread].put((state, None, state.quorum(), rank, False))
+        return True
 
     def _hvd_joined(self, msg: dict[str, Any]) -> None:
         """The scheduler says which ranks have joined (hvd.join(); every live worker knew it
@@ -1299,13 +1306,7 @@ class Server:
                 continue
             quorum = state.quorum()
             state.expected -= 1
-            if state.received and quorum > state.received >= state.quorum():
-                finished += 1
-                if state.thread < 0:
-                    if state.finish(state.quorum()):
-                        self._complete(state)
-                else:   # after the pushes already queued for its summation thread
-                    self.queues[state.thread].put((state, None, state.quorum(), rank, False))
+            finished += self._finish_if_full(state, quorum, rank)
         self.log.info("worker %d joined (hvd.join()): rounds count it as zeros (%d completed "
                       "at once)", rank, finished)
 

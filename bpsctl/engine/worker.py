@@ -727,11 +727,7 @@ class Worker:
         if name is None:
             name = f"push_pull.noname.{next(self._noname_counter)}"
         handle = Handle(name, out)
-        with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            if self._closed:
-                raise EngineError("the engine is shut down; call init() again")
+        self._check_open()
         if self.solo:
             # one worker: the sum is the tensor itself, and nothing travels
             handle.error = self.check_solo_binding(
@@ -786,6 +782,14 @@ class Worker:
             task.called_ns = now_ns()
         self._command("task", task)
         return handle
+
+    def _check_open(self) -> None:
+        """Raise what broke the engine, or that it was shut down."""
+        with self._lock:
+            if self._broken is not None:
+                raise self._broken
+            if self._closed:
+                raise EngineError("the engine is shut down; call init() again")
 
     def push_pull(self, array: Any, name: str | None = None, average: bool = True,
                   priority: int = 0, out: np.ndarray | None = None, *,
@@ -1023,11 +1027,7 @@ class Worker:
             if wrong:
                 raise EngineError(f"worker {self.rank}: join(): {why}; train without it, or "
                                   "give every rank the same number of batches")
-        with self._lock:
-            if self._broken is not None:
-                raise self._broken
-            if self._closed:
-                raise EngineError("the engine is shut down; call init() again")
+        self._check_open()
         if self.solo:
             return self.rank
         handle = Handle("join", np.empty(0))
