@@ -23,6 +23,7 @@ from bpsctl.cliutil import (
     config_file_option,
     err_console,
     knob_option,
+    missing_python_script,
     route_library_logs,
 )
 from bpsctl.config import ConfigError, check_backup_workers, check_training_mode
@@ -261,6 +262,11 @@ def run(ctx: typer.Context,
                                      "max_workers": "--max-workers"})
         servers = servers or config.num_servers or 1
         _check_ssh_extra(hosts)
+        missing = None if hosts else missing_python_script(cmd, Path.cwd())
+        if missing is not None:
+            raise ConfigError(f"run: {cmd[0]} cannot open {missing!r}: no such file in "
+                              f"{Path.cwd()} (the command after -- runs there on every worker; "
+                              "check the script's path)")
         result = launch.run(cmd, config, servers=servers, hosts=hosts, ship_wheel=ship)
     _print_outcome(result)
     if result.joined:

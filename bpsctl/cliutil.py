@@ -133,3 +133,25 @@ def cli_errors() -> Iterator[None]:
         signum = getattr(exc, "signum", signal.SIGINT)
         err_console.print(f"interrupted ({signal.Signals(signum).name}); stopped what was started")
         raise typer.Exit(128 + signum) from None
+
+
+#: python's options that take a value as the next word (python -X dev script.py)
+_PYTHON_VALUE_OPTIONS = frozenset({"-W", "-X", "--check-hash-based-pycs"})
+
+
+def missing_python_script(cmd: list[str], cwd: Path) -> str | None:
+    """The script of a ``python SCRIPT ...`` worker command when it does not exist (relative
+    to ``cwd``), else None: checked before anything starts, so a typo is a usage error of
+    `run` rather than every worker's own exit 2 after a cluster came up. Commands that are not
+    python, and ``-m``/``-c``/stdin ones, are left to run."""
+    if not cmd or not Path(cmd[0]).name.startswith("python"):
+        return None
+    words = iter(cmd[1:])
+    for word in words:
+        if word in _PYTHON_VALUE_OPTIONS:
+            next(words, None)
+        elif word == "-" or word.startswith(("-c", "-m")):
+            return None
+        elif not word.startswith("-"):
+            return None if (cwd / word).exists() else word
+    return None

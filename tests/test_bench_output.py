@@ -148,6 +148,17 @@ def test_train_table_fits_80_columns_and_says_slower_on_loopback():
     assert "torch 2.13.0+cpu DDP gloo (bucket 25 MB)" in said        # versions, under the table
 
 
+def test_one_timed_iteration_shows_no_interval_and_says_how_to_get_one():
+    report = train_report({"ddp": 0.9})
+    report["iters"] = 1
+    for row in report["results"]:
+        row["img_per_sec_ci95"] = row["img_per_sec_per_worker_ci95"] = 0.0
+    text = render(print_train, report)
+    assert "0.00" not in "".join(table_rows(text))
+    assert "needs two timed iterations or more (--iters 2)" in text
+    assert "--iters 2" not in render(print_train, train_report({"ddp": 0.9}))
+
+
 def test_train_sentence_on_emulated_nics_and_on_an_ssh_cluster():
     said = sentence(render(print_train, train_report({"horovod": 1.65, "ddp": 1.31}, nic=1000)))
     assert ("bpsctl was faster: it trained at 1.65× Horovod's speed and 1.31× DDP's through "

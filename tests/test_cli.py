@@ -17,6 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from bpsctl.cli import app
+from bpsctl.cliutil import missing_python_script
 from bpsctl.launch import api
 
 pytestmark = pytest.mark.timeout(60)
@@ -67,6 +68,8 @@ def test_up_status_down(state_dir):
     assert [(p["role"], p["rank"], p["state"]) for p in processes] == [
         ("scheduler", 0, "running"), ("server", 0, "running"), ("server", 1, "running")]
     assert all(p["pid"] > 0 and p["port"] > 0 and p["host"] == "127.0.0.1" for p in processes)
+    # servers beside the workers on one machine: the colocated layout, and status says so
+    assert [p["colocated"] for p in processes if p["role"] == "server"] == [True, True]
 
     human = bpsctl("status")
     assert human.returncode == 0 and human.stdout == "" and "running" in human.stderr
@@ -94,6 +97,22 @@ def test_run_prefixes_each_ranks_output(state_dir):
     lines = sorted(run.stdout.splitlines())
     assert lines == ["[0] hello from 0", "[1] hello from 1", "[2] hello from 2"]
     assert "hello from 2" in bpsctl("logs", "worker:2").stdout
+
+
+def test_a_missing_script_is_a_usage_error_before_anything_starts(state_dir, tmp_path):
+    """`run -- python nosuch.py` exits 2 (a usage error) naming the file, starting nothing;
+    python's own options, -m and -c are understood, and other commands are left to run."""
+    run = bpsctl("run", "-np", "2", "--", sys.executable, "-u", "nosuch.py")
+    assert run.returncode == 2, run.stderr
+    assert "cannot open 'nosuch.py': no such file" in run.stderr, run.stderr
+    assert not (state_dir / "logs").exists()          # no cluster was started for it
+    script = tmp_path / "here.py"
+    script.write_text("")
+    assert missing_python_script(["python3", "-X", "dev", "nosuch.py"], tmp_path) == "nosuch.py"
+    assert missing_python_script(["python3", "-X", "dev", "here.py"], tmp_path) is None
+    assert missing_python_script(["python", "-m", "nosuch"], tmp_path) is None
+    assert missing_python_script(["python", "-c", "pass"], tmp_path) is None
+    assert missing_python_script(["torchrun", "nosuch.py"], tmp_path) is None
 
 
 def test_run_exits_with_the_first_failure_and_stops_the_others(state_dir, tmp_path):

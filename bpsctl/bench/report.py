@@ -376,9 +376,12 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
         + (["scaling"] if scaling else []) + (["speedup"] if report["speedup"] else [])
     table = _table(f"bench {report['model']} on {_device(report)}: {_worker_shape(report)}, "
                    f"{report['servers']} servers, {_network(report)}", columns, ("system",))
+    # one timed iteration has no spread to show: a dash, and a line saying how to get one
+    single = report["iters"] * report.get("rounds", 1) < 2
     for row in report["results"]:
         speedup = report["speedup"].get(row["system"])
-        cells = [row["system"], f"{row['img_per_sec']:.2f}", f"{row['img_per_sec_ci95']:.2f}"]
+        cells = [row["system"], f"{row['img_per_sec']:.2f}",
+                 "-" if single else f"{row['img_per_sec_ci95']:.2f}"]
         if ideal:
             cells += [f"{row['step_seconds']:.3f}", _fmt(row.get("ideal_step_s"), ".3f"),
                       _fmt(row.get("nic_fraction"), ".2f")]
@@ -409,6 +412,8 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
                   f"batch{'es' if batches > 1 else ''}"
                   + (f", {report['rounds']} rounds" if report.get("rounds", 1) > 1 else "")
                   + f"; {versions}", highlight=False)
+    if single:
+        console.print("± 1.96σ needs two timed iterations or more (--iters 2)", highlight=False)
     wire = [f"{row['system']} {row['nic_tx_bytes_per_step'] / 1e6:.1f}/"
             f"{row['nic_rx_bytes_per_step'] / 1e6:.1f}"
             for row in report["results"] if row.get("nic_tx_bytes_per_step") is not None]

@@ -257,7 +257,10 @@ def _up(config: Config, servers: int, network: emulate.EmulatedNetwork | None) -
             started.append(scheduler)
             ready = _wait_ready(scheduler, deadline, config.start_timeout_s, stop_signals)
             address = f"{ready['host']}:{ready['port']}"
-            server_config = config.replace(role="server", scheduler=address, secret=secret, port=0)
+            # on this machine alone every server shares its host with the workers (the
+            # colocated layout); emulated hosts say per host below
+            server_config = config.replace(role="server", scheduler=address, secret=secret, port=0,
+                                           server_colocated=network is None)
             server_children: list[_Child] = []
             server_ready: list[dict[str, Any]] = []
             # the spares once the others have registered: the scheduler ranks servers in the
