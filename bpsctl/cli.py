@@ -24,6 +24,7 @@ from bpsctl.cliutil import (
     err_console,
     knob_option,
     missing_python_script,
+    name_metavars,
     route_library_logs,
 )
 from bpsctl.config import ConfigError, check_backup_workers, check_training_mode
@@ -492,7 +493,7 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
 from bpsctl.bench.cli import bench_app  # noqa: E402  (sub-apps after the root app)
 from bpsctl.bench.install import install_app  # noqa: E402
 from bpsctl.trace.cli import trace  # noqa: E402
-from bpsctl.tune.cli import tune  # noqa: E402
+from bpsctl.tune.cli import switch_given_a_value, tune  # noqa: E402
 
 app.add_typer(bench_app, name="bench")
 app.add_typer(install_app, name="install")
@@ -543,6 +544,9 @@ def _typers(root_app: typer.Typer) -> list[typer.Typer]:
     return found
 
 
+name_metavars(_typers(app))
+
+
 def fit_help_to(columns: int) -> None:
     """Help in rich's panels on a wide terminal, in click's plain layout on a narrow one
     (:data:`RICH_HELP_MIN_COLUMNS`)."""
@@ -556,7 +560,13 @@ def main() -> None:
     # command started is stopped by its `finally` instead of left running
     exit_on_sigterm()
     fit_help_to(shutil.get_terminal_size().columns)
-    app(args=hoist_global_options(sys.argv[1:]), prog_name="bpsctl")
+    args = hoist_global_options(sys.argv[1:])
+    problem = switch_given_a_value(args[args.index("tune"):] if "tune" in args else [])
+    if problem is not None:
+        err_console.print(f"[bold red]error:[/] {escape(problem)}", highlight=False,
+                          soft_wrap=True)
+        sys.exit(2)
+    app(args=args, prog_name="bpsctl")
 
 
 if __name__ == "__main__":

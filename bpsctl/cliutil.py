@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import signal
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,8 +79,10 @@ def knob_option(knob_name: str, *flags: str, **option_kwargs: Any) -> Any:
     so that an unset flag leaves the knob to the environment or Config's default."""
     knob = _KNOBS[knob_name]
     help_text = knob.metadata["help"]
+    # an empty default (e.g. --nic: unshaped) is said by the help text, not as "()"
     return typer.Option(None, *flags, envvar=knob.metadata["env"], show_envvar=True,
-                        show_default=str(knob.default), help=help_text[0].upper() + help_text[1:],
+                        show_default=str(knob.default) if knob.default != "" else False,
+                        help=help_text[0].upper() + help_text[1:],
                         **option_kwargs)
 
 
@@ -155,3 +159,49 @@ def missing_python_script(cmd: list[str], cwd: Path) -> str | None:
         elif not word.startswith("-"):
             return None if (cwd / word).exists() else word
     return None
+
+
+#: what a value option's value is, by flag, where its type alone would say little
+_METAVARS = {
+    **dict.fromkeys(("--size", "--partition-bytes", "--credit-bytes", "--worker-memory",
+                     "--server-memory"), "SIZE"),
+    **dict.fromkeys(("--worker-cpu", "--server-cpu"), "CPUS"),
+    **dict.fromkeys(("--image", "--server-image"), "IMAGE"),
+    **dict.fromkeys(("--name", "--namespace"), "NAME"),
+    "--nic": "RATE", "--cpu-share": "SHARE", "--straggler": "RANK:FACTOR",
+    "--security": "MODE", "--compare": "SYSTEMS", "--hosts": "HOSTS", "--port": "PORT",
+    "--state-dir": "DIR", "--start-timeout": "SECONDS", "--seed": "N",
+}
+
+
+def _metavar(flag: str, kind: Any) -> str:
+    """A value option's metavar: :data:`_METAVARS`, else N for whole numbers, X for other
+    numbers, PATH for paths and TEXT otherwise (typer's default, ``<int range>``, reads as if
+    the option took a range)."""
+    if flag in _METAVARS:
+        return _METAVARS[flag]
+    kinds = set(typing.get_args(kind)) - {type(None)} or {kind}
+    if kinds <= {int}:
+        return "N"
+    if kinds <= {int, float}:
+        return "X"
+    return "PATH" if kinds <= {Path} else "TEXT"
+
+
+def name_metavars(apps: list[typer.Typer]) -> None:
+    """Give every value option of ``apps``' commands without a metavar one that says what it
+    takes (:func:`_metavar`); switches stay switches."""
+    for each in apps:
+        callbacks = [c.callback for c in each.registered_commands]
+        if each.registered_callback is not None:
+            callbacks.append(each.registered_callback.callback)
+        for callback in filter(None, callbacks):
+            hints = typing.get_type_hints(callback)
+            for name, param in inspect.signature(callback).parameters.items():
+                info = param.default
+                kind = hints.get(name)
+                if not isinstance(info, typer.models.OptionInfo) or info.metavar is not None \
+                        or kind in (bool, bool | None):
+                    continue
+                flags = [d for d in info.param_decls or () if d.startswith("--")]
+                info.metavar = _metavar(flags[0] if flags else "", kind)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typer.testing import CliRunner
 from bpsctl.cli import app
 from bpsctl.cliutil import missing_python_script
 from bpsctl.launch import api
+from bpsctl.tune.cli import switch_given_a_value
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -374,3 +376,35 @@ def test_every_help_fits_80_columns_with_each_variable_name_whole():
         assert checked > 20
     finally:
         fit_help_to(RICH_HELP_MIN_COLUMNS)
+
+
+def test_every_value_option_says_what_it_takes_and_switches_take_none():
+    """No help shows typer's ``<int range>``/``<str>`` (read as if the option took a range)
+    or ``()`` for an empty default; a switch shows no value; sizes are SIZE everywhere."""
+    import typer.main
+    runner = CliRunner()
+    sizes = 0
+    for path, command in _commands(typer.main.get_command(app)):
+        shown = runner.invoke(app, [*path, "--help"], env={"COLUMNS": "200"}).output
+        assert not re.search(r"--[a-z-]+ <", shown), (path, shown)
+        assert "default: ()" not in shown, (path, shown)
+        for param in command.params:
+            if getattr(param, "is_flag", False):
+                assert param.metavar is None, (path, param.name)
+            elif param.name in ("partition_bytes", "credit_bytes", "size"):
+                assert param.metavar == "SIZE", (path, param.name)
+                sizes += 1
+    assert sizes >= 4
+
+
+def test_a_value_after_a_tune_switch_says_why_it_is_refused():
+    """`tune --partition-bytes 4MiB` (bench's --partition-bytes takes a size) exits 2 saying
+    the switch names a knob to tune and how to hold it at that value instead."""
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "tune", "--partition-bytes",
+                           "4MiB"], capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    assert done.returncode == 2, done.stderr
+    said = " ".join(done.stderr.split())
+    assert "tune --partition-bytes takes no value ('4MiB')" in said, said
+    assert "BPSCTL_PARTITION_BYTES=4MiB" in said, said
+    assert switch_given_a_value(["tune", "--credit", "--grid"]) is None
+    assert "BPSCTL_NUM_SERVERS" in switch_given_a_value(["tune", "--server-count", "2"])

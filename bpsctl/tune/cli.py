@@ -15,6 +15,29 @@ from bpsctl.config import ConfigError, default_config_file, parse_size
 from .api import KNOBS, TuneSettings, run_tune
 from .report import plot_tune, print_tune, write_csv, write_tuned_file
 
+#: tune's switches naming the knobs to tune, and the variable that holds each at a value
+KNOB_SWITCHES = {"--partition-bytes": "BPSCTL_PARTITION_BYTES",
+                 "--server-count": "BPSCTL_NUM_SERVERS", "--credit": "BPSCTL_CREDIT_BYTES",
+                 "--layout": "BPSCTL_CPU_SHARE"}
+
+
+def switch_given_a_value(argv: list[str]) -> str | None:
+    """What is wrong when ``bpsctl tune`` got a value after one of its knob switches
+    (``tune --partition-bytes 4MiB``, as `bench --partition-bytes 4MiB` takes one), else None:
+    click would only say "unexpected extra argument"."""
+    if not argv or argv[0] != "tune":
+        return None
+    for flag, value in zip(argv[1:], argv[2:], strict=False):
+        if flag in KNOB_SWITCHES and not value.startswith("-"):
+            variable = KNOB_SWITCHES[flag]
+            held = (f"with it held at {value}, set {variable}={value}"
+                    if flag == "--partition-bytes" else f"with it held, set {variable}")
+            unlike = " (bench's --partition-bytes sets a size)" \
+                if flag == "--partition-bytes" else ""
+            return (f"tune {flag} takes no value ({value!r}): it names a knob to tune{unlike}. "
+                    f"To tune the others {held} and leave {flag} out")
+    return None
+
 
 def tune(ctx: typer.Context,
          partition_bytes: bool = typer.Option(False, "--partition-bytes",
