@@ -17,7 +17,7 @@ from bpsctl.engine import EngineError, Worker
 from bpsctl.engine.client import measure_clock
 from bpsctl.engine.security import Security
 from bpsctl.engine.trace import STAGE, Trace
-from bpsctl.trace.api import load, summarize
+from bpsctl.trace.api import NO_COMMUNICATION, load, summarize
 
 STEPS = 5
 MiB = 1 << 20
@@ -251,6 +251,36 @@ def test_the_slowest_worker_is_the_one_that_completes_the_rounds(tmp_path):
     summary = summarize(load(tmp_path))
     assert summary["slowest_worker"]["rank"] == 1
     assert "worker 1 was the slowest" in summary["sentences"][0]
+
+
+def test_steps_that_pushed_nothing_are_said_to_have_no_communication(tmp_path):
+    """Workers whose traced steps pushed nothing (one host summing in shared memory, the
+    embedded default's path): the summary says so instead of naming the idle uplink as a
+    stall, the servers' table (what they summed before the steps: a broadcast) is left
+    out, and `trace --plot` draws no empty lanes."""
+    for rank in range(2):
+        trace = Trace(tmp_path / f"worker-{rank}" / "comm.json", "worker", rank)
+        grad = trace.name_id("grad")
+        trace.span(STAGE["push"], grad, 0, 1_000_000, 0, 0, 64)     # before the steps
+        for step in range(3):
+            start = 10_000_000 + step * 100_000_000
+            trace.span(STAGE["step"], trace.name_id("step"), start, start + 90_000_000,
+                       round_=step)
+        trace.write()
+    server = Trace(tmp_path / "server-0" / "comm.json", "server", 0)
+    server.span(STAGE["sum"], server.name_id("part 0"), 100_000, 900_000, 0, 0, 64, 1)
+    server.write()
+    summary = summarize(load(tmp_path))
+    assert summary["communication"] is False and summary["stalls"] == []
+    assert summary["sentences"] == [NO_COMMUNICATION]
+    plot = tmp_path / "step.png"
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "trace", str(tmp_path), "--plot",
+                           str(plot)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    said = " ".join(done.stderr.split())
+    assert "no gradient left its host in the traced steps" in said
+    assert f"did not draw {plot}" in said and not plot.exists()
+    assert "uplink of worker" not in said and "MiB summed" not in said
 
 
 def test_the_staged_cuda_path_has_its_own_medians_per_worker(tmp_path):

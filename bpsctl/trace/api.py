@@ -245,6 +245,7 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
     first_push: dict[int, dict[int, float]] = {}     # step -> rank -> first push sent
     last_result: dict[int, dict[int, float]] = {}    # step -> rank -> last result copied out
     phases: dict[int, dict[str, list[float]]] = {}    # step -> phase -> one per worker
+    pushed_in_steps = 0     # pushes inside traced steps, all workers: none, no network traffic
     for w in workers:
         steps = steps_by_worker[w.rank]
         pushes = w.spans.get("push", [])
@@ -262,6 +263,7 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
                                      for a, b in inside]) / 1e6)
             step_s.append(step.seconds)
             step_pushes = [s for s in pushes if step.start_us <= s.start_us < step.end_us]
+            pushed_in_steps += len(step_pushes)
             if step_pushes:
                 first_push.setdefault(index, {})[w.rank] = min(s.start_us for s in step_pushes)
             copies = [s.end_us for s in w.spans.get("copy_out", [])
@@ -303,6 +305,7 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
 
     server_rows: list[dict[str, Any]] = []
     last_pusher: dict[int, int] = {}
+    window = _steps_window(steps_by_worker)
     for s in servers:
         sums = s.spans.get("sum", [])
         waits = s.spans.get("wait_workers", [])
@@ -324,16 +327,22 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
         if fraction >= min(0.9, 1.5 / len(workers)):
             slowest = {"rank": rank, "last_in_rounds": count, "rounds": rounds,
                        "fraction": fraction}
+    # gradients that never left their host (one host: summed in shared memory, or one
+    # worker) leave the uplink idle for whole steps: no stall to explain, nothing to draw
+    communication = pushed_in_steps > 0 or window is None and bool(
+        any(w.spans.get("push") for w in workers) or any(x for x in server_rows if x["rounds"]))
+    if not communication:
+        stalls = []
     stalls.sort(key=lambda s: s["seconds"], reverse=True)
     step_rows = [{"step": index, **{phase: _median(values) for phase, values in
                                      sorted(by_phase.items())}}
                  for index, by_phase in sorted(phases.items())]
-    window = _steps_window(steps_by_worker)
     summary: dict[str, Any] = {"kind": "trace", "directory": str(timeline.directory),
                                "steps": step_rows,
                                "nics": [_nic_row(nic, window) for nic in timeline.nics],
                                "workers": worker_rows, "servers": server_rows,
                                "slowest_worker": slowest, "stalls": stalls[:top],
+                               "communication": communication,
                                "clock": timeline.clock}
     summary["sentences"] = _sentences(summary)
     return summary
@@ -421,7 +430,16 @@ def _behind_earliest(by_step: dict[int, dict[int, float]]) -> dict[int, list[flo
     return behind
 
 
+#: what the summary says first when no traced step pushed anything
+NO_COMMUNICATION = ("no gradient left its host in the traced steps: the workers summed them in "
+                    "shared memory on their one host (or there is one worker), so the servers "
+                    "and the network were not used; trace a run on several hosts (--emulate, "
+                    "--hosts) to see communication")
+
+
 def _sentences(summary: dict[str, Any]) -> list[str]:
+    if not summary["communication"]:
+        return [NO_COMMUNICATION]
     said = []
     slowest = summary["slowest_worker"]
     if slowest is not None:

@@ -41,7 +41,10 @@ def trace(directory: Path = typer.Argument(..., metavar="DIR",
         _print(summary)
         err_console.print(f"wrote {merged}", highlight=False)
         _write_json(json_file, summary)
-        if plot_file is not None:
+        if plot_file is not None and not summary["communication"]:
+            err_console.print(f"--plot: did not draw {plot_file}: its lanes (pushes, sums, "
+                              "NICs) would be empty, see above", highlight=False)
+        elif plot_file is not None:
             from .plot import plot_step
             plot_step(timeline, plot_file)
             err_console.print(f"wrote {plot_file}", highlight=False)
@@ -87,7 +90,9 @@ def _print(summary: dict[str, Any]) -> None:
                       _s(w["last_result_lateness_s"]),
                       *((_s(w["to_host_s"]), _s(w["to_device_s"])) if staged else ()))
     err_console.print(table)
-    if summary["servers"]:
+    # (without communication in the steps, what servers summed came before them: a
+    # broadcast, a warm-up; --json has it)
+    if summary["servers"] and summary["communication"]:
         table = Table(title="servers")
         for column in ("rank", "rounds", "MiB summed", "busy s", "wait workers s"):
             table.add_column(column, justify="right")
