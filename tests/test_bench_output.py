@@ -159,6 +159,19 @@ def test_one_timed_iteration_shows_no_interval_and_says_how_to_get_one():
     assert "--iters 2" not in render(print_train, train_report({"ddp": 0.9}))
 
 
+def test_a_run_whose_gradients_stayed_on_one_host_says_the_servers_were_unused():
+    """The embedded default's path (shm-local): the title says the servers were unused and
+    the sentence does not blame them for sharing the workers' cores."""
+    report = train_report({"ddp": 0.61})
+    report["results"][0]["gradient_path"] = "shm-local"
+    text = render(print_train, report)
+    assert "2 servers (unused)" in text
+    said = sentence(text)
+    assert "bpsctl's sums share the workers' CPU cores" in said, said
+    assert "the servers share" not in said
+    assert "(unused)" not in render(print_train, train_report({"ddp": 0.61}))
+
+
 def test_train_sentence_on_emulated_nics_and_on_an_ssh_cluster():
     said = sentence(render(print_train, train_report({"horovod": 1.65, "ddp": 1.31}, nic=1000)))
     assert ("bpsctl was faster: it trained at 1.65× Horovod's speed and 1.31× DDP's through "

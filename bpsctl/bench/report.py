@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import ConfigError, format_bytes
+from ..engine.paths import LOCAL_PATHS
 
 
 def shm_shares(stats: dict[str, Any]) -> dict[str, float]:
@@ -79,8 +80,20 @@ def _where(report: dict[str, Any], slower: bool) -> str:
     if report["nic_mbit"]:
         return f"through emulated {report['nic_mbit']:g} Mbit/s NICs" + (
             ", on hosts that share this machine's CPU cores" if slower else "")
+    sums = "bpsctl's sums share" if _servers_unused(report) else "the servers share"
     return "on loopback, where there is no network bottleneck" + (
-        " and the servers share the workers' CPU cores" if slower else "")
+        f" and {sums} the workers' CPU cores" if slower else "")
+
+
+def _servers_unused(report: dict[str, Any]) -> bool:
+    """Whether bpsctl's gradients never went to the servers (one host, or one worker)."""
+    results = report.get("results") or [{}]
+    return results[0].get("gradient_path") in LOCAL_PATHS
+
+
+def _servers(report: dict[str, Any]) -> str:
+    """"2 servers", or "2 servers (unused)" when bpsctl's gradients never reached them."""
+    return f"{report['servers']} servers" + (" (unused)" if _servers_unused(report) else "")
 
 
 def _workers(n: int) -> str:
@@ -375,7 +388,7 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
            else ["per GPU" if cuda else "per worker", "s/step"]) \
         + (["scaling"] if scaling else []) + (["speedup"] if report["speedup"] else [])
     table = _table(f"bench {report['model']} on {_device(report)}: {_worker_shape(report)}, "
-                   f"{report['servers']} servers, {_network(report)}", columns, ("system",))
+                   f"{_servers(report)}, {_network(report)}", columns, ("system",))
     # one timed iteration has no spread to show: a dash, and a line saying how to get one
     single = report["iters"] * report.get("rounds", 1) < 2
     for row in report["results"]:

@@ -15,6 +15,7 @@ from typing import IO, Any
 
 from .. import launch
 from ..config import Config, ConfigError
+from ..engine.paths import LOCAL_PATHS
 from ..model import GOODPUT_SHARE as GOODPUT_SHARE  # (where bench and its tests find it)
 from ..model import round_seconds
 from .api import (
@@ -197,7 +198,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     results = [_pooled(system, [rows[system] for rows in rounds], settings.batch_size)
                for system in systems]
     streams = host_streams(config, host_workers)
-    if results[0].get("gradient_path") in ("none", "nccl-local", "shm-local"):
+    if results[0].get("gradient_path") in LOCAL_PATHS:
         streams = [0] * len(host_workers)       # as bpsctl's workers found it: nothing left
     # bpsctl's: each worker host's streams to the job's servers by their shares (its layout)
     stream_hosts = [host for host, count in zip(dict.fromkeys(workers_at), streams, strict=True)

@@ -28,6 +28,9 @@ GRADIENT_PATHS = {
                "a host)",
 }
 
+#: the paths of :data:`GRADIENT_PATHS` on which no gradient reaches a server
+LOCAL_PATHS = ("none", "nccl-local", "shm-local")
+
 
 def solo_job(config: Any, size: int, joined_running: bool) -> bool:
     """True when a job of ``size`` workers has nothing to sum and never will: one worker, no
