@@ -26,6 +26,7 @@ from bpsctl.cliutil import (
     missing_python_script,
     name_metavars,
     route_library_logs,
+    status_until_output,
 )
 from bpsctl.config import ConfigError, check_backup_workers, check_training_mode
 from bpsctl.engine.common import exit_on_sigterm
@@ -268,7 +269,13 @@ def run(ctx: typer.Context,
             raise ConfigError(f"run: {cmd[0]} cannot open {missing!r}: no such file in "
                               f"{Path.cwd()} (the command after -- runs there on every worker; "
                               "check the script's path)")
-        result = launch.run(cmd, config, servers=servers, hosts=hosts, ship_wheel=ship)
+        private = "" if launch.load_state(config.state_dir) is not None else \
+            f" and a private cluster (scheduler, {servers} server{'s' * (servers != 1)})"
+        with status_until_output(f"starting {config.world_size} workers of "
+                                 f"{Path(cmd[0]).name}{private}; their output follows") as (
+                out, err):
+            result = launch.run(cmd, config, servers=servers, hosts=hosts, ship_wheel=ship,
+                                stdout=out, stderr=err)
     _print_outcome(result)
     if result.joined:
         err_console.print("membership changed: " + ", ".join(

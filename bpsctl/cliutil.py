@@ -6,10 +6,12 @@ import dataclasses
 import inspect
 import logging
 import signal
+import sys
+import threading
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import typer
 from rich.console import Console
@@ -205,3 +207,42 @@ def name_metavars(apps: list[typer.Typer]) -> None:
                     continue
                 flags = [d for d in info.param_decls or () if d.startswith("--")]
                 info.metavar = _metavar(flags[0] if flags else "", kind)
+
+
+class _StopOnWrite:
+    """A text stream that first calls ``stop`` (once) on every write."""
+
+    def __init__(self, stream: IO[str], stop: Callable[[], None]):
+        self._stream, self._stop = stream, stop
+
+    def write(self, text: str) -> int:
+        self._stop()
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def status_until_output(text: str) -> Iterator[tuple[IO[str], IO[str]]]:
+    """A transient status line on stderr (on a terminal; nothing otherwise) until the first
+    write to the yielded (stdout, stderr): a command whose output comes from its workers says
+    what it is doing while they start, then gets out of their way. The streams are the real
+    ones, taken before the status line starts (rich would send stdout to stderr meanwhile)."""
+    out, err = sys.stdout, sys.stderr
+    status = err_console.status(text)
+    status.start()
+    lock = threading.Lock()
+    stopped = False
+
+    def stop() -> None:
+        nonlocal stopped
+        with lock:
+            if not stopped:
+                stopped = True
+                status.stop()
+
+    try:
+        yield _StopOnWrite(out, stop), _StopOnWrite(err, stop)  # type: ignore[misc]
+    finally:
+        stop()

@@ -365,6 +365,8 @@ TIERS: dict[str, set[str]] = {
     "test_mxnet_plugin.py::test_asynchronous_sgd_of_one_worker_is_mxnets_own_sgd": {"slow"},
     # a `run` of 2 workers (about 2 s); launch's own streaming test stays fast
     "test_cli.py::test_run_prefixes_each_ranks_output": {"slow"},
+    # two `run`s of 2 workers, one on a terminal (about 3.5 s)
+    "test_cli.py::test_run_says_what_it_starts_on_a_terminal_until_the_workers_speak": {"slow"},
     # a bench process each (about 2 s idle); the design keys' and bad flags' cases stay fast
     "test_bench_comm.py::test_comm_bench_json_to_stdout_is_only_json": {"slow"},
     "test_bench_train.py::"

@@ -101,6 +101,43 @@ def test_run_prefixes_each_ranks_output(state_dir):
     assert "hello from 2" in bpsctl("logs", "worker:2").stdout
 
 
+def test_run_says_what_it_starts_on_a_terminal_until_the_workers_speak(state_dir):
+    """On a terminal, `run` shows a status line while the cluster and workers start, gone
+    before the first worker's line; piped, it adds nothing to stdout or stderr."""
+    import pty
+    import select
+    cmd = [sys.executable, "-m", "bpsctl.cli", "run", "-np", "2", "--", sys.executable, "-c",
+           "print('hi from', __import__('os').environ['RANK'])"]
+    env = {**os.environ, "COLUMNS": "150", "PYTHONPATH": str(REPO_ROOT)}
+    pid, fd = pty.fork()
+    if pid == 0:                                        # the child: bpsctl on a terminal
+        os.execvpe(cmd[0], cmd, env)
+    screen, deadline = b"", time.monotonic() + COMMAND_TIMEOUT_S
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([fd], [], [], 0.5)
+            if ready:
+                try:
+                    data = os.read(fd, 65536)
+                except OSError:                         # the child closed the terminal
+                    break
+                if not data:
+                    break
+                screen += data
+    finally:
+        if time.monotonic() >= deadline:
+            os.kill(pid, signal.SIGKILL)
+        _, code = os.waitpid(pid, 0)
+        os.close(fd)
+    text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen.decode(errors="replace"))
+    assert os.waitstatus_to_exitcode(code) == 0, text
+    said = text.find("starting 2 workers of")
+    assert 0 <= said < text.find("[0] hi from 0"), text
+    assert "private cluster (scheduler, 1 server)" in text, text
+    piped = bpsctl(*cmd[3:])
+    assert piped.returncode == 0 and "starting" not in piped.stdout + piped.stderr, piped
+
+
 def test_a_missing_script_is_a_usage_error_before_anything_starts(state_dir, tmp_path):
     """`run -- python nosuch.py` exits 2 (a usage error) naming the file, starting nothing;
     python's own options, -m and -c are understood, and other commands are left to run."""
