@@ -349,26 +349,14 @@ def test_the_scheduler_places_by_the_servers_shares_the_same_for_every_worker():
             kill_pids(pids)
 
 
-def _most_in_flight(spans) -> dict[int, int]:
-    """Per server, the most bytes of a worker's push spans (sent to acknowledged) at once."""
-    events = sorted([(s.start_us, 1, s) for s in spans] + [(s.end_us, 0, s) for s in spans],
-                    key=lambda e: (e[0], e[1]))             # ends before starts at one instant
-    now: dict[int, int] = {}
-    most: dict[int, int] = {}
-    for _, starts, span in events:
-        server, nbytes = int(span.args["server"]), int(span.args.get("bytes", 0))
-        now[server] = now.get(server, 0) + (nbytes if starts else -nbytes)
-        most[server] = max(most.get(server, 0), now[server])
-    return most
-
-
 @pytest.mark.timeout(120)
 def test_a_worker_paces_each_servers_flow_by_its_share(tmp_path):
     """Servers of unequal shares (0.1, 0.1 on worker hosts; 0.4, 0.4 on CPU hosts): a worker
     never has more unacknowledged bytes at a server than its paced window (one partition per
-    0.1 of share), by its own trace, and the sums are exact; with BPSCTL_PACING=0 the whole
-    credit goes to whichever server is first in line, past those windows."""
-    from bpsctl.trace.api import load
+    0.1 of share), as `bpsctl trace` reads the workers' traces, and the sums are exact; with
+    BPSCTL_PACING=0 the whole credit goes to whichever server is first in line, past those
+    windows."""
+    from bpsctl.trace.api import load, summarize
     config = cluster_config(server_share=0.1, server_colocated=True)
     part = 4096
     with api.local_cluster(config, servers=2) as cluster:
@@ -397,8 +385,8 @@ def test_a_worker_paces_each_servers_flow_by_its_share(tmp_path):
                                  credit_bytes=64 * part, pacing=pacing,
                                  trace_dir=str(trace_dir))[0]
                 assert shares == pytest.approx([0.1, 0.1, 0.4, 0.4])
-                worker = next(w for w in load(trace_dir).of("worker") if w.rank == 0)
-                most[pacing] = _most_in_flight(worker.spans["push"])
+                most[pacing] = {flow["server"]: flow["most_bytes_in_flight"]
+                                for flow in summarize(load(trace_dir))["flows"]}
             windows = {0: part, 1: part, 2: 4 * part, 3: 4 * part}
             assert all(most[True][s] <= windows[s] for s in windows), most[True]
             assert any(most[False][s] > windows[s] for s in windows), most[False]

@@ -235,6 +235,41 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def flows(workers: list[ProcessTrace], window: tuple[float, float] | None
+          ) -> list[dict[str, Any]]:
+    """Each server's flow, from the workers' pushes to it (sent to acknowledged) within
+    ``window`` (µs; None: all of them): the share of the window some worker had a push in
+    flight there (``fed``: a flow kept busy is near 1 for the whole round) and the most bytes
+    one worker had in flight there at once (pacing bounds it, BPSCTL_PACING)."""
+    busy: dict[int, list[tuple[float, float]]] = {}
+    most: dict[int, int] = {}
+    for w in workers:
+        mine: dict[int, list[Span]] = {}
+        for span in w.spans.get("push", []):
+            if "server" in span.args and (window is None or (
+                    span.end_us > window[0] and span.start_us < window[1])):
+                mine.setdefault(int(span.args["server"]), []).append(span)
+        for server, spans in mine.items():
+            busy.setdefault(server, []).extend((s.start_us, s.end_us) for s in spans)
+            # its bytes in flight over time: at one instant, ends before starts
+            events = sorted([(s.start_us, 1, int(s.args.get("bytes", 0))) for s in spans]
+                            + [(s.end_us, 0, -int(s.args.get("bytes", 0))) for s in spans])
+            held = 0
+            for _, _, change in events:
+                held += change
+                most[server] = max(most.get(server, 0), held)
+    if not busy:
+        return []
+    start, stop = window if window is not None else (
+        min(a for spans in busy.values() for a, _ in spans),
+        max(b for spans in busy.values() for _, b in spans))
+    return [{"server": server,
+             "fed": union_us([(max(a, start), min(b, stop)) for a, b in intervals])
+             / max(stop - start, 1e-9),
+             "most_bytes_in_flight": most[server]}
+            for server, intervals in sorted(busy.items())]
+
+
 def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
     """Where the traced steps' time went (the keys are documented in docs/design.md)."""
     workers, servers = timeline.of("worker"), timeline.of("server")
@@ -343,6 +378,7 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
                                "workers": worker_rows, "servers": server_rows,
                                "slowest_worker": slowest, "stalls": stalls[:top],
                                "communication": communication,
+                               "flows": flows(workers, window) if communication else [],
                                "clock": timeline.clock}
     summary["sentences"] = _sentences(summary)
     return summary

@@ -100,6 +100,14 @@ def _print(summary: dict[str, Any]) -> None:
             table.add_row(str(s["rank"]), str(s["rounds"]), f"{s['bytes_summed'] / 2**20:.1f}",
                           _s(s["busy_s"]), _s(s["wait_workers_s"]))
         err_console.print(table)
+    if len(summary.get("flows", [])) > 1:
+        table = Table(title="flows to each server (the workers' pushes, sent to acknowledged)")
+        for column in ("server", "fed", "most in flight (one worker)"):
+            table.add_column(column, justify="right")
+        for flow in summary["flows"]:
+            table.add_row(str(flow["server"]), f"{flow['fed']:.0%}",
+                          f"{flow['most_bytes_in_flight'] / 2**20:.2f} MiB")
+        err_console.print(table)
     if summary["nics"]:
         table = Table(title="NICs over the traced steps")
         for column in ("NIC", "tx Mbit/s", "rx Mbit/s", "used", "longest idle s"):
