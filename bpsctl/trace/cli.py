@@ -39,15 +39,16 @@ def trace(directory: Path = typer.Argument(..., metavar="DIR",
         summary = summarize(timeline)
         summary["merged"] = str(merged)
         _print(summary)
-        err_console.print(f"wrote {merged}", highlight=False)
+        err_console.print(f"wrote {merged}", highlight=False, soft_wrap=True)
         _write_json(json_file, summary)
         if plot_file is not None and not summary["communication"]:
+            # soft_wrap: the path stays whole, to copy
             err_console.print(f"--plot: did not draw {plot_file}: its lanes (pushes, sums, "
-                              "NICs) would be empty, see above", highlight=False)
+                              "NICs) would be empty, see above", highlight=False, soft_wrap=True)
         elif plot_file is not None:
             from .plot import plot_step
             plot_step(timeline, plot_file)
-            err_console.print(f"wrote {plot_file}", highlight=False)
+            err_console.print(f"wrote {plot_file}", highlight=False, soft_wrap=True)
 
 
 #: traced steps a summary prints (the first few, when things warm up, and the last ones,
