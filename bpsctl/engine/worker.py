@@ -319,8 +319,6 @@ class Worker:
         self._pace_caps: list[int] | None = None
         self._server_inflight: collections.Counter[int] = collections.Counter()
         self._unacked_at: dict[int, int] = {}                  # part id -> server index
-        # server index -> queue entries held back while its window is full, in queue order
-        self._held: dict[int, collections.deque[tuple[int, int, _Task, list[int]]]] = {}
         self._server_socks: list[zmq.Socket] = []
         self._server_monitors: list[zmq.Socket] = []
         self._trace: Trace | None = None        # with BPSCTL_TRACE_DIR; opened once ranked
@@ -1327,36 +1325,41 @@ class Worker:
         at a time (compressing a large tensor's first push here can take seconds): returns
         True if it stopped for that with more to send, so the loop comes straight back.
 
-        Paced (unequal shares, :func:`partition.pace_caps`): a partition whose server's
-        window is full is held back in that server's line (``_held``, in queue order) and the
-        next one in priority order to another server goes, so every server's flow stays fed
-        in proportion to its share. The next partition sent is the first, in queue order, of
-        the queue's head and each line whose server has room: a few comparisons a push."""
-        queue, held = self._queue, self._held
+        Paced (unequal shares, :func:`partition.pace_caps`): a partition whose server has
+        its window full waits, set aside, and the next one in priority order to another
+        server goes, so every server's flow stays fed in proportion to its share; what was
+        set aside goes back into the queue, in its order."""
+        queue = self._queue
+        waiting: list[tuple[int, int, _Task, list[int]]] = []   # set aside: window full
+        try:
+            return self._send_queued(queue, waiting)
+        finally:
+            for entry in waiting:
+                heapq.heappush(queue, entry)
+
+    def _send_queued(self, queue: list[tuple[int, int, _Task, list[int]]],
+                     waiting: list[tuple[int, int, _Task, list[int]]]) -> bool:
         credit, trace, caps = self.config.credit_bytes, self._trace, self._pace_caps
         give_way = time.monotonic() + self.config.heartbeat_interval_s / 2
-        while True:
+        full: set[int] = set()          # servers whose paced window is full
+        while queue:
             if time.monotonic() >= give_way:
-                return bool(queue) or any(held.values())
-            entry, line = (queue[0] if queue else None), None
-            for server, waiting in held.items():
-                if waiting and (entry is None or waiting[0] < entry) and \
-                        self._room_at(server, waiting[0]):
-                    entry, line = waiting[0], server
-            if entry is None:
-                return False
-            _, _, task, part = entry
-            length = self._wire_length(task, part)
+                return True
+            _, _, task, part = queue[0]
+            zero = task.zero(part)          # a PUSH_ZERO: a header alone
+            length = 0 if zero else part[3] if task.codec is None else \
+                task.codec.wire_bytes(part[3])
             if self._inflight_bytes and self._inflight_bytes + length > credit:
                 return False
-            if line is None and caps is not None and not self._room_at(part[1], entry):
-                held.setdefault(part[1], collections.deque()).append(heapq.heappop(queue))
-                continue
-            if line is None:
-                heapq.heappop(queue)
-            else:
-                held[line].popleft()
-            zero = task.zero(part)          # a PUSH_ZERO: a header alone
+            if caps is not None and part[1] < len(caps):
+                held = self._server_inflight[part[1]]
+                if held and held + length > caps[part[1]]:
+                    waiting.append(heapq.heappop(queue))
+                    full.add(part[1])
+                    if len(full) >= len(caps):
+                        return False
+                    continue
+            entry = heapq.heappop(queue)
             if task.handle.error is not None:       # failed meanwhile (e.g. a key error)
                 continue
             if part[1] in self._server_down:
@@ -1423,31 +1426,6 @@ class Worker:
             self._active[part_id] = (task, part)
             self._pushed_bytes[server] += 0 if zero else part[3]
         return False
-
-    @staticmethod
-    def _wire_length(task: _Task, part: list[int]) -> int:
-        """The bytes a partition's push puts on the wire: none for a PUSH_ZERO (a header),
-        its compressed size under a codec."""
-        if task.zero(part):
-            return 0
-        return part[3] if task.codec is None else task.codec.wire_bytes(part[3])
-
-    def _room_at(self, server: int, entry: tuple[int, int, _Task, list[int]]) -> bool:
-        """Whether ``server``'s paced window takes ``entry``'s partition now (an empty window
-        takes any; not paced: always)."""
-        caps = self._pace_caps
-        if caps is None or server >= len(caps):
-            return True
-        held = self._server_inflight[server]
-        return not held or held + self._wire_length(entry[2], entry[3]) <= caps[server]
-
-    def _release_held(self) -> None:
-        """Put the partitions held back for full windows into the queue again (the servers or
-        the pacing changed)."""
-        for waiting in self._held.values():
-            for entry in waiting:
-                heapq.heappush(self._queue, entry)
-        self._held.clear()
 
     def _paced(self, lost: int | None = None) -> list[int] | None:
         """Each server's paced window (:func:`partition.pace_caps`), None: not paced
@@ -2022,7 +2000,6 @@ class Worker:
         # a spare's take-over keeps the shares; partitions spread over the others do not
         # follow them any more: the credit alone from here on
         self._pace_caps = self._paced(lost=index) if taker else None
-        self._release_held()            # held by the old windows, some for the lost server
         try:        # stop reconnecting to it
             self._server_socks[index].disconnect(f"tcp://{server['host']}:{server['port']}")
         except zmq.ZMQError:
@@ -2094,7 +2071,6 @@ class Worker:
                 self._finish(task, error)
         self._awaiting_declare.clear()
         self._queue.clear()
-        self._held.clear()
         self._parked.clear()
         self._join_waiting.clear()
         if self.joining:
