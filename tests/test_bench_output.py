@@ -250,12 +250,6 @@ def test_tune_table_fits_80_columns_when_the_choice_is_the_current_config():
                                                  "round_seconds": None, "why": "4 worker hosts"}))
     assert_table_fits_80(text, rows=2)
     assert "0.6" in text and "traffic model 0.600" in text
-    assert "pacing" not in text
-    # on a mixed layout: the chosen point paced and unpaced
-    text = render(print_tune, dict(report, knobs=["layout"], finalists=[point], best=point,
-                                   baseline=point, pacing={"paced": 180.0, "unpaced": 150.0,
-                                                           "unpaced_passes": [150.0] * 3}))
-    assert "scored 180.0 paced, 150.0 unpaced (1.20x)" in " ".join(text.split())
 
 
 def test_top_level_help_describes_all_of_bpsctl():

@@ -182,9 +182,6 @@ class Tuning:
     #: the re-measured points (finalists and the current config): median over the passes
     finalists: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] | None = None
-    #: on a mixed layout (servers of unequal shares): the chosen point's score paced (its
-    #: final passes) and unpaced (as many passes with BPSCTL_PACING=0)
-    pacing: dict[str, Any] | None = None
 
     def report(self) -> dict[str, Any]:
         base = next((f for f in self.finalists if f["current"]), None)
@@ -204,7 +201,6 @@ class Tuning:
                 "why": self.guess.why},
             "model_note": self.guess_note,
             "model_layout": self.layout_model,
-            "pacing": self.pacing,
         }
 
     def searched(self) -> list[str]:
@@ -345,15 +341,9 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
     total = 1 + search + settings.final_passes * (min(settings.finalists, search) + 1)
     scores: dict[Point, float] = {}
 
-    # on servers of both kinds the winner is measured again unpaced, to show what pacing does
-    mixed = bool(choices) and config.pacing
-    if mixed:
-        total += settings.final_passes
-
-    def measure(point: Point, stage: str, paced: bool = True) -> float:
+    def measure(point: Point, stage: str) -> float:
         progress(len(tuning.trials), total, f"{stage} {_describe(point)}")
-        score, seconds = _measure(config if paced else config.replace(pacing=False), point,
-                                  settings, workers, nic, settings.repeats, output)
+        score, seconds = _measure(config, point, settings, workers, nic, settings.repeats, output)
         tuning.trials.append({"number": len(tuning.trials), "stage": stage,
                               "partition_bytes": point.partition_bytes, "servers": point.servers,
                               "credit": point.credit_bytes, "cpu_share": point.cpu_share,
@@ -385,10 +375,6 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
                        if (f["partition_bytes"], f["servers"], f["credit"], f["cpu_share"]) ==
                        (winner.partition_bytes, winner.servers, winner.credit_bytes,
                         winner.cpu_share))
-    if mixed and winner.cpu_share not in (0.0, 1.0):      # (the pure layouts: equal shares)
-        unpaced = [measure(winner, "unpaced") for _ in range(settings.final_passes)]
-        tuning.pacing = {"paced": final[winner], "unpaced": statistics.median(unpaced),
-                         "unpaced_passes": unpaced}
     progress(len(tuning.trials), total, "done")
     return tuning
 

@@ -139,11 +139,6 @@ def print_tune(console: Console, report: dict[str, Any]) -> None:
         console.print(f"layout: measured best CPU hosts' share "
                       f"{'auto' if chosen is None else format(chosen, '.3g')}, traffic model "
                       f"{model_layout['cpu_share']:.3f} ({model_layout['why']})", highlight=False)
-    pacing = report.get("pacing")
-    if pacing is not None:
-        console.print(f"pacing (BPSCTL_PACING): the chosen layout scored {pacing['paced']:.1f} "
-                      f"paced, {pacing['unpaced']:.1f} unpaced "
-                      f"({pacing['paced'] / pacing['unpaced']:.2f}x)", highlight=False)
     guess = report["model_guess"]
     if layout:
         return                  # every job used all the servers: no count was chosen
