@@ -354,11 +354,6 @@ class Config:
     credit_bytes: int = knob(67108864, "BPSCTL_CREDIT_BYTES",
                              "most bytes a worker has pushed and not yet seen acknowledged", "size",
                              in_file=True)
-    pacing: bool = knob(True, "BPSCTL_PACING",
-                        "where the servers sum unequal shares of the bytes (a mixed layout), "
-                        "bound each worker's unacknowledged bytes at each server in proportion "
-                        "to its share, so the flows to busier servers are not starved (0: the "
-                        "credit alone)", "bool", in_file=True)
     fusion_bytes: int = knob(4096000, "BPSCTL_FUSION_BYTES",
                              "DistributedOptimizer packs gradients smaller than this, consecutive "
                              "in backward order, into one push_pull of up to this size (0: off)",

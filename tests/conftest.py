@@ -365,8 +365,6 @@ TIERS: dict[str, set[str]] = {
     "test_mxnet_plugin.py::test_asynchronous_sgd_of_one_worker_is_mxnets_own_sgd": {"slow"},
     # a `run` of 2 workers (about 2 s); launch's own streaming test stays fast
     "test_cli.py::test_run_prefixes_each_ranks_output": {"slow"},
-    # a cluster of 4 servers of unequal shares, two traced jobs (about 4 s)
-    "test_layout.py::test_a_worker_paces_each_servers_flow_by_its_share": {"slow"},
     # two `run`s of 2 workers, one on a terminal (about 3.5 s)
     "test_cli.py::test_run_says_what_it_starts_on_a_terminal_until_the_workers_speak": {"slow"},
     # a bench process each (about 2 s idle); the design keys' and bad flags' cases stay fast

@@ -349,51 +349,6 @@ def test_the_scheduler_places_by_the_servers_shares_the_same_for_every_worker():
             kill_pids(pids)
 
 
-@pytest.mark.timeout(120)
-def test_a_worker_paces_each_servers_flow_by_its_share(tmp_path):
-    """Servers of unequal shares (0.1, 0.1 on worker hosts; 0.4, 0.4 on CPU hosts): a worker
-    never has more unacknowledged bytes at a server than its paced window (one partition per
-    0.1 of share), as `bpsctl trace` reads the workers' traces, and the sums are exact; with
-    BPSCTL_PACING=0 the whole credit goes to whichever server is first in line, past those
-    windows."""
-    from bpsctl.trace.api import load, summarize
-    config = cluster_config(server_share=0.1, server_colocated=True)
-    part = 4096
-    with api.local_cluster(config, servers=2) as cluster:
-        pids = _start_servers(cluster, config, 2)
-        try:
-            wait_until(lambda: sum(p["role"] == "server" and p["state"] == "running"
-                                   for p in api.status(cluster.state_dir)["processes"]) == 4,
-                       20, "the hand-started servers to register")
-
-            def body(worker):
-                data = [np.full(n, worker.rank + 1.0, np.float32) for n in (300_000, 200_000)]
-                for step in range(2):
-                    handles = [worker.push_pull_async(d, name=f"t{i}", average=False,
-                                                      out=d) for i, d in enumerate(data)]
-                    for handle in handles:
-                        worker.synchronize(handle)
-                    for d in data:
-                        assert (d == 3.0).all(), (step, d[:3])      # ranks 0 and 1: 1 + 2
-                        d[:] = worker.rank + 1.0
-                return [s["share"] for s in worker.stats()["servers"]]
-
-            most = {}
-            for pacing in (True, False):
-                trace_dir = tmp_path / f"pacing-{pacing}"
-                shares = run_job(cluster, 2, 4, body, partition_bytes=part, partition_depth=0,
-                                 credit_bytes=64 * part, pacing=pacing,
-                                 trace_dir=str(trace_dir))[0]
-                assert shares == pytest.approx([0.1, 0.1, 0.4, 0.4])
-                most[pacing] = {flow["server"]: flow["most_bytes_in_flight"]
-                                for flow in summarize(load(trace_dir))["flows"]}
-            windows = {0: part, 1: part, 2: 4 * part, 3: 4 * part}
-            assert all(most[True][s] <= windows[s] for s in windows), most[True]
-            assert any(most[False][s] > windows[s] for s in windows), most[False]
-        finally:
-            kill_pids(pids)
-
-
 # --------------------------------------------------------------------------- emulated 4 + 2
 
 JOB = textwrap.dedent("""

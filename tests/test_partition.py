@@ -5,14 +5,7 @@ import random
 
 import pytest
 
-from bpsctl.engine.partition import (
-    MIN_PIECE_BYTES,
-    Partition,
-    Placement,
-    pace_caps,
-    piece_bytes,
-    split,
-)
+from bpsctl.engine.partition import MIN_PIECE_BYTES, Partition, Placement, piece_bytes, split
 
 ITEMSIZES = [1, 2, 4, 8]
 
@@ -267,15 +260,3 @@ def test_a_spare_that_takes_over_sums_the_lost_servers_share():
     assert placement.loads == [0, 200, 200, 600]          # the spare has the lost one's bytes
     more = server_bytes(placement.place(1000, 4, 10), 4)
     assert more == [0, 200, 200, 600]                      # ... and its share from now on
-
-
-def test_pacing_gives_each_server_partitions_in_flight_in_proportion_to_its_share():
-    """The smallest share one partition, the others one per multiple of it; equal, unknown
-    or single shares: no pacing; a spare (share 0) one partition."""
-    assert pace_caps([0.1, 0.1, 0.3, 0.3], 1000) == [1000, 1000, 3000, 3000]
-    assert pace_caps([0.1, 0.1, 0.4, 0.4, 0.0], 1000) == [1000, 1000, 4000, 4000, 1000]
-    assert pace_caps([0.25] * 4, 1000) is None
-    assert pace_caps([0.5, 0.51], 1000) is None                  # within 5%: equal
-    assert pace_caps([0.5, None], 1000) is None
-    assert pace_caps([1.0], 1000) is None
-    assert pace_caps([0.2, 0.5, 0.3], 1000) == [1000, 3000, 2000]    # 2.5 and 1.5: up

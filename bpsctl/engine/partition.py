@@ -6,7 +6,6 @@ whatever order it declares its tensors in, and the servers' byte loads stay bala
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -146,31 +145,3 @@ class Placement:
             moves.append([part[0], target])
         self.loads[server] = 0
         return moves
-
-
-#: shares within this ratio of each other count as equal: no pacing
-EQUAL_SHARES = 1.05
-
-
-def pace_caps(shares: Sequence[float | None], partition_bytes: int) -> list[int] | None:
-    """Each server's most bytes one worker may have pushed to it and not seen acknowledged,
-    when the servers sum unequal shares of the bytes (a mixed layout): the server with the
-    smallest share gets one partition in flight, each other one partition per multiple of
-    that share (rounded, halves up). None (no pacing, only the credit) when the shares are
-    equal, unknown or one server's.
-
-    Why: with every partition of a round in flight at once, each NIC shares its rate evenly
-    among its backlogged flows, so a worker feeds a server summing three times the bytes no
-    faster than the others until theirs drain, and the busiest link idles part of the round.
-    Bounding each flow's bytes in flight in proportion to its share makes the flows' rates
-    follow the shares (flows through one queue move at rates in proportion to what each has
-    in it). A server with no share (a spare) gets one partition."""
-    if len(shares) < 2 or any(share is None for share in shares):
-        return None
-    given = [float(share) for share in shares if share]     # (None ruled out above)
-    if len(given) < 2 or max(given) <= EQUAL_SHARES * min(given):
-        return None
-    least = min(given)
-    # halves round up (0.3 / 0.2 is 1.4999... in floating point, and should be 1.5)
-    return [partition_bytes * max(1, math.floor(float(share or 0.0) / least + 0.5 + 1e-9))
-            for share in shares]

@@ -69,7 +69,6 @@ from .common import (
     release_free_memory,
     watch_link,
 )
-from .partition import pace_caps
 from .paths import solo_job
 from .security import Login, Security, handshake_failed, refused_handshake
 from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
@@ -313,12 +312,6 @@ class Worker:
         self._sched_monitor = monitor(self._sched)
         self._sched.connect(f"tcp://{self.scheduler_address}")
         self._servers: list[dict[str, Any]] = []
-        # pacing (partition.pace_caps, set at registration): each server's most unacknowledged
-        # bytes from this worker (None: the credit alone), what is unacknowledged at each
-        # (I/O thread), and where each unacknowledged partition went
-        self._pace_caps: list[int] | None = None
-        self._server_inflight: collections.Counter[int] = collections.Counter()
-        self._unacked_at: dict[int, int] = {}                  # part id -> server index
         self._server_socks: list[zmq.Socket] = []
         self._server_monitors: list[zmq.Socket] = []
         self._trace: Trace | None = None        # with BPSCTL_TRACE_DIR; opened once ranked
@@ -508,7 +501,6 @@ class Worker:
                 self.live_ranks = list(range(self.size))
                 self._servers = msg["servers"]
                 self._spare_servers = {int(i) for i in msg.get("spares", [])}
-                self._pace_caps = self._paced()
                 hosts = msg.get("hosts")
                 self.rank_hosts = [int(h) for h in hosts] if isinstance(hosts, list) and \
                     len(hosts) == self.size else None
@@ -1323,25 +1315,9 @@ class Worker:
     def _send_pushes(self) -> bool:
         """Send queued partitions while the credit lasts. At most half a heartbeat interval
         at a time (compressing a large tensor's first push here can take seconds): returns
-        True if it stopped for that with more to send, so the loop comes straight back.
-
-        Paced (unequal shares, :func:`partition.pace_caps`): a partition whose server has
-        its window full waits, set aside, and the next one in priority order to another
-        server goes, so every server's flow stays fed in proportion to its share; what was
-        set aside goes back into the queue, in its order."""
-        queue = self._queue
-        waiting: list[tuple[int, int, _Task, list[int]]] = []   # set aside: window full
-        try:
-            return self._send_queued(queue, waiting)
-        finally:
-            for entry in waiting:
-                heapq.heappush(queue, entry)
-
-    def _send_queued(self, queue: list[tuple[int, int, _Task, list[int]]],
-                     waiting: list[tuple[int, int, _Task, list[int]]]) -> bool:
-        credit, trace, caps = self.config.credit_bytes, self._trace, self._pace_caps
+        True if it stopped for that with more to send, so the loop comes straight back."""
+        queue, credit, trace = self._queue, self.config.credit_bytes, self._trace
         give_way = time.monotonic() + self.config.heartbeat_interval_s / 2
-        full: set[int] = set()          # servers whose paced window is full
         while queue:
             if time.monotonic() >= give_way:
                 return True
@@ -1351,14 +1327,6 @@ class Worker:
                 task.codec.wire_bytes(part[3])
             if self._inflight_bytes and self._inflight_bytes + length > credit:
                 return False
-            if caps is not None and part[1] < len(caps):
-                held = self._server_inflight[part[1]]
-                if held and held + length > caps[part[1]]:
-                    waiting.append(heapq.heappop(queue))
-                    full.add(part[1])
-                    if len(full) >= len(caps):
-                        return False
-                    continue
             entry = heapq.heappop(queue)
             if task.handle.error is not None:       # failed meanwhile (e.g. a key error)
                 continue
@@ -1421,28 +1389,9 @@ class Worker:
                     sock.send(task.hyper)
             self._inflight_bytes += length
             self._unacked[part_id] = length
-            self._unacked_at[part_id] = server
-            self._server_inflight[server] += length
             self._active[part_id] = (task, part)
             self._pushed_bytes[server] += 0 if zero else part[3]
         return False
-
-    def _paced(self, lost: int | None = None) -> list[int] | None:
-        """Each server's paced window (:func:`partition.pace_caps`), None: not paced
-        (BPSCTL_PACING=0, equal shares); a ``lost`` server's share is no one's."""
-        if not self.config.pacing:
-            return None
-        return pace_caps([0.0 if i == lost else s.get("share")
-                          for i, s in enumerate(self._servers)], self.config.partition_bytes)
-
-    def _acked(self, part_id: int) -> None:
-        """A partition's push was acknowledged (or answered, refused, or its server lost):
-        its bytes leave the credit and its server's paced window."""
-        length = self._unacked.pop(part_id, 0)
-        self._inflight_bytes -= length
-        server = self._unacked_at.pop(part_id, None)
-        if server is not None:
-            self._server_inflight[server] -= length
 
     def _send_scope(self, server: int, task: _Task) -> None:
         """Tell server ``server`` which ranks push ``task``'s partitions there (a process
@@ -1466,11 +1415,11 @@ class Worker:
             msg_type, _, flags, count, part_id, round_, nbytes = P.unpack_header(
                 frames[0].buffer)
             if msg_type == P.ACK:
-                self._acked(part_id)
+                self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 if self._trace is not None and part_id in self._trace_sent:
                     self._trace_acked[part_id] = now_ns()
             elif msg_type == P.RESULT:
-                self._acked(part_id)
+                self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 if flags & P.FLAG_LATE:
                     self.late_pushes += 1
                 payload: Any = frames[1] if len(frames) > 1 else None   # None: header alone
@@ -1495,7 +1444,7 @@ class Worker:
         named different roots): the round is over, so later push_pulls of the name go on at
         the next one; the push_pull fails once every partition is answered."""
         task, _ = self._active.pop(part_id)
-        self._acked(part_id)
+        self._inflight_bytes -= self._unacked.pop(part_id, 0)
         self._rounds[part_id] = round_ + 1
         self._trace_sent.pop(part_id, None)
         self._trace_acked.pop(part_id, None)
@@ -1997,9 +1946,6 @@ class Worker:
         server = self._servers[index]
         for i in taker:         # it sums the lost one's share now (a restarted scheduler asks)
             self._servers[i]["share"] = server.get("share")
-        # a spare's take-over keeps the shares; partitions spread over the others do not
-        # follow them any more: the credit alone from here on
-        self._pace_caps = self._paced(lost=index) if taker else None
         try:        # stop reconnecting to it
             self._server_socks[index].disconnect(f"tcp://{server['host']}:{server['port']}")
         except zmq.ZMQError:
@@ -2013,7 +1959,7 @@ class Worker:
             part[1] = int(target)
             entry = self._active.pop(part_id, None)
             if entry is not None:
-                self._acked(part_id)
+                self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 task, _ = entry
                 heapq.heappush(self._queue, (-task.priority, next(self._seq), task, part))
                 again += 1
@@ -2077,8 +2023,6 @@ class Worker:
             self._joined.set()          # receive_state raises the error
         self._active.clear()
         self._unacked.clear()
-        self._unacked_at.clear()
-        self._server_inflight.clear()
         self._inflight_bytes = 0
         for handle in self._barriers.values():
             handle.error = error
