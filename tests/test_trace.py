@@ -283,6 +283,27 @@ def test_steps_that_pushed_nothing_are_said_to_have_no_communication(tmp_path):
     assert "uplink of worker" not in said and "MiB summed" not in said
 
 
+def test_each_servers_flow_says_how_long_it_was_fed_and_the_most_in_flight(tmp_path):
+    """From the workers' push spans: server 0 has a push in flight from some worker for the
+    whole traced step (fed 100%), server 1 for its first half; the most one worker had in
+    flight at a server counts its overlapping pushes, not another worker's."""
+    for rank in range(2):
+        trace = Trace(tmp_path / f"worker-{rank}" / "comm.json", "worker", rank)
+        grad = trace.name_id("grad")
+        trace.span(STAGE["step"], trace.name_id("step"), 0, 100_000_000, round_=0)
+        if rank == 0:           # two overlapping pushes to server 0, then one to server 1
+            trace.span(STAGE["push"], grad, 0, 60_000_000, 0, 0, 1000, 0)
+            trace.span(STAGE["push"], grad, 10_000_000, 70_000_000, 1, 0, 3000, 0)
+            trace.span(STAGE["push"], grad, 0, 50_000_000, 2, 0, 500, 1)
+        else:                   # server 0 for the rest of the step
+            trace.span(STAGE["push"], grad, 60_000_000, 100_000_000, 0, 0, 2000, 0)
+        trace.write()
+    flows = {f["server"]: f for f in summarize(load(tmp_path))["flows"]}
+    assert flows[0]["fed"] == pytest.approx(1.0) and flows[1]["fed"] == pytest.approx(0.5)
+    assert flows[0]["most_bytes_in_flight"] == 4000      # rank 0's two, not rank 1's after
+    assert flows[1]["most_bytes_in_flight"] == 500
+
+
 def test_the_staged_cuda_path_has_its_own_medians_per_worker(tmp_path):
     """A worker that staged CUDA tensors (to_host, to_device spans from the torch plugin's
     stager) gets their medians in the summary; one that did not gets none (unit level: the

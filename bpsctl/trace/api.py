@@ -240,7 +240,7 @@ def flows(workers: list[ProcessTrace], window: tuple[float, float] | None
     """Each server's flow, from the workers' pushes to it (sent to acknowledged) within
     ``window`` (µs; None: all of them): the share of the window some worker had a push in
     flight there (``fed``: a flow kept busy is near 1 for the whole round) and the most bytes
-    one worker had in flight there at once (pacing bounds it, BPSCTL_PACING)."""
+    one worker had in flight there at once (the credit bounds their sum over the servers)."""
     busy: dict[int, list[tuple[float, float]]] = {}
     most: dict[int, int] = {}
     for w in workers:
