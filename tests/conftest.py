@@ -262,6 +262,11 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s
     "test_examples.py": {"slow"},
+    # BytePS's recipe through bpslaunch: 4 roles training the hello world, beside `bpsctl run`'s
+    # (about 16 s); two workers with one DMLC_WORKER_ID, ended by the start deadline (about 10 s)
+    "test_bpslaunch.py::test_bytepss_recipe_trains_the_example_in_any_start_order_as_bpsctl_run_does":
+        {"slow"},
+    "test_bpslaunch.py::test_two_workers_with_one_id_get_a_named_error_and_nothing_hangs": {"slow"},
     # the fast tier kept under a minute on 2 busy cores: what follows ran 2-8 s each there and
     # has a cheaper sibling (another case, or a test of the same code) left in the fast tier.
     # setuptools builds the wheel in a subprocess (about 7 s); the wheel's requirements stay fast

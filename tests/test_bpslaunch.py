@@ -1,0 +1,298 @@
+"""bpslaunch: a BytePS deployment's DMLC variables start bpsctl's roles, in any order.
+
+Every role is a real ``bpslaunch`` process (``python -m bpsctl.launch.dmlc``, what the console
+script runs) on loopback; each multi-process test has a deadline and stops what it started
+by PID.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from bpsctl.config import ConfigError
+from bpsctl.launch import byteps, dmlc
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:                                   # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+#: every variable BytePS's docs/env.md names, besides the DMLC_* role variables bpslaunch reads
+ENV_MD = ["DMLC_ENABLE_RDMA", "BYTEPS_LOCAL_RANK", "BYTEPS_LOCAL_SIZE", "BYTEPS_ENABLE_GDB",
+          "BYTEPS_LOG_LEVEL", "BYTEPS_DEBUG_SAMPLE_TENSOR", "BYTEPS_FORCE_DISTRIBUTED",
+          "PS_VERBOSE", "BYTEPS_PCIE_SWITCH_SIZE", "BYTEPS_PARTITION_BYTES",
+          "BYTEPS_NCCL_NUM_RINGS", "BYTEPS_NCCL_GROUP_SIZE", "BYTEPS_SERVER_ENGINE_THREAD",
+          "BYTEPS_SERVER_ENABLE_SCHEDULE", "BYTEPS_ENABLE_ASYNC", "BYTEPS_NUMA_ON",
+          "BYTEPS_NUMA_DEFAULT_QUOTA", "BYTEPS_CPU_BLACKLIST", "BYTEPS_VISIBLE_CPU_CORES",
+          "BYTEPS_MULTITHREADED_CPU"]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _clean_env(**variables: str) -> dict[str, str]:
+    """This environment without any BPSCTL_/DMLC_/BYTEPS_ variable, plus ``variables``."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("BPSCTL_", "DMLC_", "BYTEPS_", "PS_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                         "NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env["BPSCTL_STATE_DIR"] = env.get("TMPDIR", "/tmp")
+    return {**env, **variables}
+
+
+class Roles:
+    """bpslaunch processes started by a test, each with its own log; all stopped by PID."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.started: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, env: dict[str, str], *cmd: str) -> subprocess.Popen:
+        with open(self.workdir / f"{name}.log", "wb") as log:
+            process = subprocess.Popen([sys.executable, "-m", "bpsctl.launch.dmlc", *cmd],
+                                       env=env, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, cwd=self.workdir)
+        self.started[name] = process
+        return process
+
+    def log(self, name: str) -> str:
+        return (self.workdir / f"{name}.log").read_text()
+
+    def wait_all(self, timeout_s: float) -> dict[str, int]:
+        """Every process's exit code; fails naming those still running at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        codes: dict[str, int] = {}
+        for name, process in self.started.items():
+            try:
+                codes[name] = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        hung = [name for name in self.started if name not in codes]
+        assert not hung, f"still running after {timeout_s} s: {hung}\n" + "\n".join(
+            f"--- {name}\n{self.log(name)}" for name in self.started)
+        return codes
+
+    def stop(self) -> None:
+        pids: list[int] = []
+        for process in self.started.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                pids += [p.pid for p in psutil.Process(process.pid).children(recursive=True)]
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.started.values():
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def roles(tmp_path: Path) -> Iterator[Roles]:
+    started = Roles(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def _dmlc(port: int, role: str, **more: str) -> dict[str, str]:
+    return _clean_env(DMLC_ROLE=role, DMLC_PS_ROOT_URI="127.0.0.1", DMLC_PS_ROOT_PORT=str(port),
+                      DMLC_NUM_WORKER="2", DMLC_NUM_SERVER="1", **more)
+
+
+# --------------------------------------------------------------------------- fast
+
+
+def test_each_bad_dmlc_variable_is_named_with_what_it_should_be():
+    good = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "10.0.0.1", "DMLC_PS_ROOT_PORT": "9000",
+            "DMLC_NUM_WORKER": "2", "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "1"}
+    spec = dmlc.parse_dmlc(good)
+    assert (spec.role, spec.root, spec.worker_id) == ("worker", "10.0.0.1:9000", 1)
+    cases = {"DMLC_ROLE": ("master", "expected scheduler, server or worker, got 'master'"),
+             "DMLC_PS_ROOT_URI": ("", "DMLC_PS_ROOT_URI is not set"),
+             "DMLC_PS_ROOT_PORT": ("70000", "DMLC_PS_ROOT_PORT: expected the scheduler's port"),
+             "DMLC_NUM_WORKER": ("two", "DMLC_NUM_WORKER: expected the number of worker"),
+             "DMLC_NUM_SERVER": ("0", "DMLC_NUM_SERVER: expected the number of servers"),
+             "DMLC_WORKER_ID": ("2", "DMLC_WORKER_ID: expected this worker machine's index, "
+                                     "0..1 (DMLC_NUM_WORKER=2), got 2")}
+    for name, (value, message) in cases.items():
+        with pytest.raises(dmlc.DmlcError, match=message.replace("(", r"\(").replace(")", r"\)")):
+            dmlc.parse_dmlc({**good, name: value})
+    with pytest.raises(dmlc.DmlcError, match="DMLC_ROLE: .* it is not set"):
+        dmlc.parse_dmlc({k: v for k, v in good.items() if k != "DMLC_ROLE"})
+    # a server needs no worker id
+    assert dmlc.parse_dmlc({**good, "DMLC_ROLE": "server", "DMLC_WORKER_ID": ""}).worker_id == -1
+
+
+def test_a_worker_machine_runs_one_process_per_visible_gpu_with_its_ranks():
+    assert dmlc.local_gpus({"NVIDIA_VISIBLE_DEVICES": "0,1,2,3"}) == 4
+    assert dmlc.local_gpus({"CUDA_VISIBLE_DEVICES": "2,5"}) == 2
+    assert dmlc.local_gpus({"NVIDIA_VISIBLE_DEVICES": "none", "CUDA_VISIBLE_DEVICES": "1"}) == 1
+    assert dmlc.local_gpus({}) == 1
+    spec = dmlc.parse_dmlc({"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                            "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_WORKER": "3",
+                            "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "1"})
+    config, _ = dmlc.role_config(spec, {})
+    env = dmlc._local_env(spec, config, 2, 1234, 1)
+    assert (env["BPSCTL_RANK"], env["MASTER_PORT"]) == ("3", "1234")
+    assert (env["BPSCTL_WORLD_SIZE"], env["BPSCTL_LOCAL_RANK"], env["BPSCTL_LOCAL_SIZE"]) == \
+        ("6", "1", "2")
+    assert (env["BYTEPS_LOCAL_RANK"], env["BYTEPS_LOCAL_SIZE"]) == ("1", "2")
+
+
+def test_every_byteps_knob_of_env_md_is_honoured_or_named_as_ignored():
+    assert set(ENV_MD) <= set(byteps.BYTEPS_KNOBS)
+    honoured = byteps.honoured()
+    assert honoured["BYTEPS_PARTITION_BYTES"] == "BPSCTL_PARTITION_BYTES"
+    assert honoured["BYTEPS_SERVER_ENGINE_THREAD"] == "BPSCTL_SERVER_THREADS"
+    assert honoured["BYTEPS_ENABLE_ASYNC"] == "BPSCTL_ASYNC"
+    every = {name: "1" for name in byteps.BYTEPS_KNOBS}
+    found = byteps.translate({**every, "BYTEPS_PARTITION_BYTES": "4096000",
+                              "BYTEPS_SERVER_ENGINE_THREAD": "4", "BYTEPS_TRACE_DIR": "/t"})
+    assert found.env["BPSCTL_PARTITION_BYTES"] == "4096000"
+    assert found.env["BPSCTL_SERVER_THREADS"] == "4"
+    assert found.env["BPSCTL_TRACE_DIR"] == "/t"
+    for name, knob in byteps.BYTEPS_KNOBS.items():
+        if knob.ignored:        # each named once, as ignored
+            assert sum(note.startswith(f"{name}=1 is ignored") for note in found.notes) == 1
+    # BPSCTL_* wins, and the conflict is said; the same value is no conflict
+    clash = byteps.translate({"BYTEPS_PARTITION_BYTES": "4096000",
+                              "BPSCTL_PARTITION_BYTES": "1MiB", "BYTEPS_ENABLE_ASYNC": "1",
+                              "BPSCTL_ASYNC": "true"})
+    assert clash.env == {}
+    assert clash.notes == ["BYTEPS_PARTITION_BYTES=4096000 and BPSCTL_PARTITION_BYTES=1MiB "
+                           "are both set and differ: BPSCTL_PARTITION_BYTES wins"]
+    unknown = byteps.translate({"BYTEPS_COMPRESSOR_TYPE": "x"})
+    assert "BYTEPS_COMPRESSOR_TYPE=x is not a BytePS knob bpsctl knows" in unknown.notes[0]
+    with pytest.raises(ConfigError, match="BYTEPS_SERVER_ENGINE_THREAD: expected an integer"):
+        byteps.translate({"BYTEPS_SERVER_ENGINE_THREAD": "many"})
+
+
+def test_a_key_turns_on_hmac_and_without_one_the_job_says_it_is_unauthenticated(tmp_path):
+    spec = dmlc.parse_dmlc({"DMLC_ROLE": "server", "DMLC_PS_ROOT_URI": "127.0.0.1",
+                            "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_WORKER": "1",
+                            "DMLC_NUM_SERVER": "1"})
+    config, _ = dmlc.role_config(spec, {"BPSCTL_SECRET": "s3"})
+    assert (config.security, config.secret) == ("hmac", "s3")
+    key = tmp_path / "key"
+    key.write_text("from-a-file\n")
+    config, notes = dmlc.role_config(spec, {"BPSCTL_SECRET_FILE": str(key)})
+    assert (config.security, config.secret) == ("hmac", "from-a-file")
+    assert any("BPSCTL_SECRET_FILE" in note for note in notes)
+    config, _ = dmlc.role_config(spec, {})
+    assert config.security == "none"
+    with pytest.raises(dmlc.DmlcError, match="BPSCTL_SECURITY=hmac needs the job's secret"):
+        dmlc.role_config(spec, {"BPSCTL_SECURITY": "hmac"})
+    # what a user sees: one loud line, then the named error of a bad role
+    done = subprocess.run([sys.executable, "-m", "bpsctl.launch.dmlc"], capture_output=True,
+                          text=True, timeout=30, env=_clean_env(DMLC_ROLE="master"))
+    assert done.returncode == 2
+    assert "DMLC_ROLE: expected scheduler, server or worker, got 'master'" in done.stderr
+
+
+def test_pyproject_installs_bpslaunch_beside_bpsctl():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["bpslaunch"] == "bpsctl.launch.dmlc:main"
+    assert scripts["bpsctl"] == "bpsctl.cli:main"
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def test_a_worker_id_past_dmlc_num_worker_and_an_unreachable_root_fail_by_their_deadlines(
+        roles):
+    port = _free_port()         # nothing listens there
+    started = time.monotonic()
+    roles.start("late-id", _dmlc(port, "worker", DMLC_WORKER_ID="2"), "true")
+    roles.start("worker", _dmlc(port, "worker", DMLC_WORKER_ID="0",
+                                BPSCTL_START_TIMEOUT="1"), "true")
+    roles.start("server", _dmlc(port, "server", BPSCTL_START_TIMEOUT="1"))
+    codes = roles.wait_all(timeout_s=20)
+    assert time.monotonic() - started < 20
+    assert codes == {"late-id": 2, "worker": 1, "server": 1}
+    assert "DMLC_WORKER_ID: expected this worker machine's index, 0..1" in roles.log("late-id")
+    for name in ("worker", "server"):
+        assert f"no scheduler answered at DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT = 127.0.0.1:{port} " \
+               "within 1 s" in roles.log(name)
+        assert "UNAUTHENTICATED" in roles.log(name)
+
+
+def test_two_workers_with_one_id_get_a_named_error_and_nothing_hangs(roles):
+    port = _free_port()
+    deadlines = {"BPSCTL_START_TIMEOUT": "6"}
+    script = str(EXAMPLES / "push_pull.py")
+    roles.start("scheduler", _dmlc(port, "scheduler", **deadlines))
+    roles.start("server", _dmlc(port, "server", **deadlines))
+    roles.start("worker-a", _dmlc(port, "worker", DMLC_WORKER_ID="0", **deadlines),
+                sys.executable, script)
+    roles.start("worker-b", _dmlc(port, "worker", DMLC_WORKER_ID="0", **deadlines),
+                sys.executable, script)
+    codes = roles.wait_all(timeout_s=45)
+    assert all(codes.values()), codes
+    logs = {name: roles.log(name) for name in codes}
+    named = [name for name in ("worker-a", "worker-b")
+             if "DMLC_WORKER_ID=0: rank 0 is already held by another worker" in logs[name]]
+    assert len(named) == 1, logs
+    assert "job 'dmlc' ended without finishing" in logs["scheduler"]
+    assert "job 'dmlc' ended without finishing" in logs["server"]
+
+
+def _losses(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("[0] step")]
+
+
+def test_bytepss_recipe_trains_the_example_in_any_start_order_as_bpsctl_run_does(
+        roles, tmp_path):
+    train = str(EXAMPLES / "train.py")
+    reference = subprocess.run(
+        [sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path / "run"), "run", "-np",
+         "2", "--", sys.executable, train], capture_output=True, text=True, timeout=150,
+        cwd=tmp_path, env=_clean_env())
+    assert reference.returncode == 0, reference.stderr + reference.stdout
+    port = _free_port()
+    key = tmp_path / "job.key"
+    key.write_text("a-secret-every-machine-holds\n")
+    common = {"BPSCTL_SECRET_FILE": str(key), "BYTEPS_NUMA_ON": "1",
+              "BYTEPS_SERVER_ENGINE_THREAD": "3"}
+    order = [("scheduler", ()), ("server", ()), ("worker-0", (sys.executable, train)),
+             ("worker-1", (sys.executable, train))]
+    random.shuffle(order)
+    for name, cmd in order:
+        role, _, worker_id = name.partition("-")
+        more = {"DMLC_WORKER_ID": worker_id} if worker_id else {}
+        roles.start(name, _dmlc(port, role, **common, **more), *cmd)
+    codes = roles.wait_all(timeout_s=150)
+    logs = {name: roles.log(name) for name in codes}
+    assert codes == dict.fromkeys(codes, 0), (order, logs)
+    assert _losses(logs["worker-0"]) == _losses(reference.stdout)
+    assert len(_losses(logs["worker-0"])) == 5
+    for rank in (0, 1):
+        assert f"[{rank}] rank {rank} of 2: weights match rank 0's" in logs[f"worker-{rank}"]
+    for name in codes:
+        assert "UNAUTHENTICATED" not in logs[name]
+        assert logs[name].count("BYTEPS_NUMA_ON=1 is ignored") == 1
+    assert "with 3 summation threads" in logs["server"]
+    assert "security hmac" in logs["scheduler"]
+    assert "job 'dmlc' finished" in logs["scheduler"]
