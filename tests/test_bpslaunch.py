@@ -221,8 +221,7 @@ def test_pyproject_installs_bpslaunch_beside_bpsctl():
 # --------------------------------------------------------------------------- processes
 
 
-def test_a_worker_id_past_dmlc_num_worker_and_an_unreachable_root_fail_by_their_deadlines(
-        roles):
+def test_bad_variables_and_an_unreachable_root_end_each_role_by_its_deadline(roles):
     port = _free_port()         # nothing listens there
     started = time.monotonic()
     roles.start("late-id", _dmlc(port, "worker", DMLC_WORKER_ID="2"), "true")
@@ -237,6 +236,16 @@ def test_a_worker_id_past_dmlc_num_worker_and_an_unreachable_root_fail_by_their_
         assert f"no scheduler answered at DMLC_PS_ROOT_URI:DMLC_PS_ROOT_PORT = 127.0.0.1:{port} " \
                "within 1 s" in roles.log(name)
         assert "UNAUTHENTICATED" in roles.log(name)
+
+
+def test_a_scheduler_and_a_server_no_worker_comes_to_end_naming_dmlc_num_worker(roles):
+    port = _free_port()
+    roles.start("scheduler", _dmlc(port, "scheduler", BPSCTL_START_TIMEOUT="1"))
+    roles.start("server", _dmlc(port, "server", BPSCTL_START_TIMEOUT="1"))
+    assert roles.wait_all(timeout_s=20) == {"scheduler": 1, "server": 1}
+    for name in ("scheduler", "server"):
+        assert "no worker of job 'dmlc' registered within 2 s (twice BPSCTL_START_TIMEOUT); " \
+               "start the DMLC_NUM_WORKER=2 worker machines" in roles.log(name)
 
 
 def test_two_workers_with_one_id_get_a_named_error_and_nothing_hangs(roles):

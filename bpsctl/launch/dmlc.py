@@ -65,6 +65,8 @@ DEFAULT_JOB_ID = "dmlc"
 #: how long the scheduler stays up once its job ended, so that every server learns it
 _LINGER_S = 2.0
 _POLL_S = 0.25
+#: the scheduler and servers wait this many times BPSCTL_START_TIMEOUT for a worker to come
+_WORKERS_WAIT = 2
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]     # the directory that holds bpsctl/
 
 
@@ -391,16 +393,26 @@ def serve(spec: DmlcSpec, config: Config, job_id: str) -> int:
 def _watch(spec: DmlcSpec, config: Config, job_id: str, process: subprocess.Popen,
            stop_signals: Any) -> int:
     """Until the scheduler says job ``job_id`` ended, or our process or the scheduler is
-    gone for good."""
+    gone for good, or no worker of the job came within twice BPSCTL_START_TIMEOUT (a worker
+    waits up to that for the scheduler and servers, then its command starts)."""
     unreachable_since: float | None = None
+    seen, came_by = False, time.monotonic() + _WORKERS_WAIT * config.start_timeout_s
     while True:
         stop_signals.check()
         code = process.poll()
         if code is not None:
             raise LaunchFailed(f"the {spec.role} exited with code {code} during the job (its "
                                "log is above)")
+        if not seen and time.monotonic() > came_by:
+            raise LaunchFailed(
+                f"{spec.role}: no worker of job {job_id!r} registered within "
+                f"{_WORKERS_WAIT * config.start_timeout_s:g} s (twice BPSCTL_START_TIMEOUT); "
+                f"start the DMLC_NUM_WORKER={spec.num_worker} worker machines "
+                f"(DMLC_ROLE=worker bpslaunch CMD) with {spec.root_vars}")
         try:
-            how = _status(config, spec.root).get("ended", {}).get(job_id)
+            status = _status(config, spec.root)
+            how = status.get("ended", {}).get(job_id)
+            seen = seen or how is not None or (status.get("job") or {}).get("id") == job_id
             unreachable_since = None
         except EngineError as exc:
             now = time.monotonic()
