@@ -272,36 +272,89 @@ def _losses(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith("[0] step")]
 
 
-def test_bytepss_recipe_trains_the_example_in_any_start_order_as_bpsctl_run_does(
-        roles, tmp_path):
-    train = str(EXAMPLES / "train.py")
-    reference = subprocess.run(
+def _bpsctl_run(tmp_path: Path, *cmd: str) -> str:
+    """What `bpsctl run -np 2 -- CMD` prints, for the same job started by bpslaunch."""
+    done = subprocess.run(
         [sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path / "run"), "run", "-np",
-         "2", "--", sys.executable, train], capture_output=True, text=True, timeout=150,
-        cwd=tmp_path, env=_clean_env())
-    assert reference.returncode == 0, reference.stderr + reference.stdout
+         "2", "--", *cmd], capture_output=True, text=True, timeout=150, cwd=tmp_path,
+        env=_clean_env())
+    assert done.returncode == 0, done.stderr + done.stdout
+    return done.stdout
+
+
+def _recipe(roles: Roles, common: dict[str, str], *cmd: str) -> dict[str, str]:
+    """BytePS's docs/running.md: a scheduler, one server and two workers, each its own
+    bpslaunch, started in a shuffled order; every log, once all have exited 0."""
     port = _free_port()
-    key = tmp_path / "job.key"
-    key.write_text("a-secret-every-machine-holds\n")
-    common = {"BPSCTL_SECRET_FILE": str(key), "BYTEPS_NUMA_ON": "1",
-              "BYTEPS_SERVER_ENGINE_THREAD": "3"}
-    order = [("scheduler", ()), ("server", ()), ("worker-0", (sys.executable, train)),
-             ("worker-1", (sys.executable, train))]
+    order = [("scheduler", ()), ("server", ()), ("worker-0", cmd), ("worker-1", cmd)]
     random.shuffle(order)
-    for name, cmd in order:
+    for name, args in order:
         role, _, worker_id = name.partition("-")
         more = {"DMLC_WORKER_ID": worker_id} if worker_id else {}
-        roles.start(name, _dmlc(port, role, **common, **more), *cmd)
+        roles.start(name, _dmlc(port, role, **common, **more), *args)
     codes = roles.wait_all(timeout_s=150)
     logs = {name: roles.log(name) for name in codes}
     assert codes == dict.fromkeys(codes, 0), (order, logs)
-    assert _losses(logs["worker-0"]) == _losses(reference.stdout)
+    assert "job 'dmlc' finished" in logs["scheduler"]
+    assert "job 'dmlc' finished" in logs["server"]
+    return logs
+
+
+def test_bytepss_recipe_trains_the_example_in_any_start_order_as_bpsctl_run_does(
+        roles, tmp_path):
+    train = str(EXAMPLES / "train.py")
+    reference = _bpsctl_run(tmp_path, sys.executable, train)
+    key = tmp_path / "job.key"
+    key.write_text("a-secret-every-machine-holds\n")
+    logs = _recipe(roles, {"BPSCTL_SECRET_FILE": str(key), "BYTEPS_NUMA_ON": "1",
+                           "BYTEPS_SERVER_ENGINE_THREAD": "3"}, sys.executable, train)
+    assert _losses(logs["worker-0"]) == _losses(reference)
     assert len(_losses(logs["worker-0"])) == 5
     for rank in (0, 1):
         assert f"[{rank}] rank {rank} of 2: weights match rank 0's" in logs[f"worker-{rank}"]
-    for name in codes:
-        assert "UNAUTHENTICATED" not in logs[name]
-        assert logs[name].count("BYTEPS_NUMA_ON=1 is ignored") == 1
+    for log in logs.values():
+        assert "UNAUTHENTICATED" not in log
+        assert log.count("BYTEPS_NUMA_ON=1 is ignored") == 1
     assert "with 3 summation threads" in logs["server"]
     assert "security hmac" in logs["scheduler"]
-    assert "job 'dmlc' finished" in logs["scheduler"]
+
+
+#: a BytePS Gluon script (BytePS's example/mxnet style) after the import swap
+BYTEPS_MXNET_SCRIPT = """
+import mxnet as mx
+import numpy as np
+
+import bpsctl.engine.mxnet as bps       # was: import byteps.mxnet as bps
+
+bps.init()
+mx.random.seed(42 + bps.rank())         # each rank its own initial weights: rank 0's win
+net = mx.gluon.nn.Dense(4, in_units=8)
+net.initialize(mx.init.Xavier(), ctx=mx.cpu())
+params = net.collect_params()
+bps.broadcast_parameters(params, root_rank=0)
+trainer = bps.DistributedTrainer(params, "sgd", {"learning_rate": 0.1})
+loss_fn = mx.gluon.loss.SoftmaxCrossEntropyLoss()
+rng = np.random.RandomState(7 + bps.rank())
+for step in range(5):
+    x = mx.nd.array(rng.randn(16, 8).astype(np.float32))
+    y = mx.nd.array(rng.randint(0, 4, 16).astype(np.float32))
+    with mx.autograd.record():
+        loss = loss_fn(net(x), y)
+    loss.backward()
+    trainer.step(16)
+total = sum(float(p.data().asnumpy().astype(np.float64).sum()) for p in params.values())
+print(f"rank {bps.rank()} of {bps.size()}: parameters sum to {total!r}", flush=True)
+bps.shutdown()
+"""
+
+
+def test_bytepss_recipe_trains_a_byteps_mxnet_script_as_bpsctl_run_does(roles, tmp_path):
+    pytest.importorskip("mxnet")
+    script = tmp_path / "train_gluon_byteps.py"
+    script.write_text(BYTEPS_MXNET_SCRIPT)
+    reference = _bpsctl_run(tmp_path, sys.executable, str(script))
+    logs = _recipe(roles, {"BYTEPS_PARTITION_BYTES": "4096000"}, sys.executable, str(script))
+    for rank in (0, 1):
+        line = [x for x in reference.splitlines() if x.startswith(f"[{rank}] rank {rank} of 2")]
+        assert len(line) == 1 and line[0] in logs[f"worker-{rank}"], (reference, logs)
+        assert "UNAUTHENTICATED" in logs[f"worker-{rank}"]
