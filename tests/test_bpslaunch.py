@@ -358,3 +358,34 @@ def test_bytepss_recipe_trains_a_byteps_mxnet_script_as_bpsctl_run_does(roles, t
         line = [x for x in reference.splitlines() if x.startswith(f"[{rank}] rank {rank} of 2")]
         assert len(line) == 1 and line[0] in logs[f"worker-{rank}"], (reference, logs)
         assert "UNAUTHENTICATED" in logs[f"worker-{rank}"]
+
+
+# --------------------------------------------------------------------------- host files
+
+
+def test_bytepss_hostfile_pair_plans_the_cluster_its_hosts_yaml_would(tmp_path):
+    from bpsctl.launch.hosts import load_byteps_hostfiles, parse_hosts_yaml
+    from bpsctl.launch.plan import plan
+
+    (tmp_path / "worker_hosts").write_text("10.0.0.1\n10.0.0.2:2222\n\n10.0.0.2:2222\n")
+    (tmp_path / "server_hosts").write_text("# servers\n10.0.0.9\n10.0.0.9\n")
+    pair = load_byteps_hostfiles(tmp_path / "worker_hosts", tmp_path / "server_hosts")
+    yaml_form = parse_hosts_yaml(
+        "scheduler: {host: 10.0.0.9}\nservers: [{host: 10.0.0.9, count: 2}]\n"
+        "workers: [{host: 10.0.0.1}, {host: 10.0.0.2, slots: 2, ssh: {port: 2222}}]\n")
+
+    def roles(spec):
+        the_plan = plan(spec)
+        return [(a.role, a.rank, a.host, a.port, a.local_rank, a.entry.ssh.port)
+                for a in the_plan.assignments]
+
+    assert roles(pair) == roles(yaml_form)
+    (tmp_path / "bad").write_text("10.0.0.1\n10.0.0.2:ssh\n")
+    with pytest.raises(ConfigError, match=r"--worker-hostfile .*bad:2: expected `host` or "
+                                          r"`host:ssh_port` \(BytePS's dist_launcher.py"):
+        load_byteps_hostfiles(tmp_path / "bad", tmp_path / "server_hosts")
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path),
+                           "up", "--worker-hostfile", str(tmp_path / "worker_hosts")],
+                          capture_output=True, text=True, timeout=60, env=_clean_env())
+    assert done.returncode == 2
+    assert "--server-hostfile: BytePS's hostfiles come as a pair" in done.stderr
