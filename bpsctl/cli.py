@@ -489,6 +489,10 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
            cpu_share: float | None = typer.Option(
                None, "--cpu-share", help="The server pods' share of the bytes, together (0 to "
                                          "1; default: the traffic model's optimum)."),
+           dmlc: bool = typer.Option(
+               False, "--dmlc", help="BytePS's way: every role runs bpslaunch from DMLC_* "
+                                     "variables (scheduler, servers and workers are Jobs that "
+                                     "end with the training job; docs/coming-from-byteps.md)."),
            ) -> None:
     """Write the manifests of a job to stdout (YAML, several documents): a Secret, the
     scheduler (Deployment + Service), the servers (Deployment) and the workers (an Indexed Job
@@ -502,7 +506,7 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
                      gpus_per_worker=gpus_per_worker, server_cpu=server_cpu,
                      server_memory=server_memory, worker_nodes=tuple(worker_node),
                      server_nodes=tuple(server_node), hosts_per_node=hosts_per_node,
-                     colocated_servers=colocated_servers, cpu_share=cpu_share)
+                     colocated_servers=colocated_servers, cpu_share=cpu_share, dmlc=dmlc)
         text = to_yaml(render_manifests(job))
     sys.stdout.write(text)
 

@@ -66,9 +66,12 @@ class Roles:
         self.started: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, env: dict[str, str], *cmd: str) -> subprocess.Popen:
+        """``bpslaunch CMD`` with ``env``."""
+        return self.start_argv(name, env, [sys.executable, "-m", "bpsctl.launch.dmlc", *cmd])
+
+    def start_argv(self, name: str, env: dict[str, str], argv: list[str]) -> subprocess.Popen:
         with open(self.workdir / f"{name}.log", "wb") as log:
-            process = subprocess.Popen([sys.executable, "-m", "bpsctl.launch.dmlc", *cmd],
-                                       env=env, stdout=log, stderr=subprocess.STDOUT,
+            process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                        stdin=subprocess.DEVNULL, cwd=self.workdir)
         self.started[name] = process
         return process
@@ -389,3 +392,90 @@ def test_bytepss_hostfile_pair_plans_the_cluster_its_hosts_yaml_would(tmp_path):
                           capture_output=True, text=True, timeout=60, env=_clean_env())
     assert done.returncode == 2
     assert "--server-hostfile: BytePS's hostfiles come as a pair" in done.stderr
+
+
+# --------------------------------------------------------------------------- Kubernetes
+
+
+def _dmlc_manifests(**flags):
+    from bpsctl.launch.k8s import K8sJob, render_manifests
+    job = K8sJob(**{"workers": 2, "servers": 1, "image": "registry.example/bpsctl-worker:0.1",
+                    "server_image": "registry.example/bpsctl-server:0.1",
+                    "command": ("python3", "train.py"), "dmlc": True, **flags})
+    return {(d["kind"], d["metadata"]["name"]): d for d in render_manifests(job, secret="k")}
+
+
+def _container(manifests, job: str) -> dict:
+    return manifests[("Job", job)]["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_k8s_render_dmlc_sets_bytepss_variables_and_validates_offline():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    yaml = pytest.importorskip("yaml")
+    done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "k8s", "render", "--dmlc",
+                           "--workers", "3", "--servers", "2", "--image", "img:1",
+                           "--gpus-per-worker", "8", "--namespace", "training", "--",
+                           "python3", "train.py"], capture_output=True, text=True, timeout=60,
+                          env=_clean_env())
+    assert done.returncode == 0, done.stderr
+    documents = list(yaml.safe_load_all(done.stdout))
+    for document in documents:
+        kubernetes_validate.validate(document, "1.37.0", strict=True)
+    by_name = {(d["kind"], d["metadata"]["name"]): d for d in documents}
+    worker = _container(by_name, "bpsctl-workers")
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in worker["env"]}
+    assert worker["args"] == ["python3", "-m", "bpsctl.launch.dmlc", "python3", "train.py"]
+    assert (env["DMLC_ROLE"], env["DMLC_NUM_WORKER"], env["DMLC_NUM_SERVER"]) == \
+        ("worker", "3", "2")
+    assert (env["DMLC_PS_ROOT_URI"], env["DMLC_PS_ROOT_PORT"]) == ("bpsctl-scheduler", "9000")
+    assert "job-completion-index" in str(env["DMLC_WORKER_ID"])
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert by_name[("Job", "bpsctl-servers")]["spec"]["completions"] == 2
+    scheduler = {e["name"]: e for e in _container(by_name, "bpsctl-scheduler")["env"]}
+    assert scheduler["DMLC_PS_ROOT_URI"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert by_name[("Service", "bpsctl-scheduler")]["spec"]["ports"][0]["port"] == 9000
+    assert env["BPSCTL_SECRET"]["secretKeyRef"]["name"] == "bpsctl-secret"
+    refused = subprocess.run([sys.executable, "-m", "bpsctl.cli", "k8s", "render", "--dmlc",
+                              "--workers", "2", "--servers", "1", "--image", "i",
+                              "--hosts-per-node", "2", "--", "python3", "t.py"],
+                             capture_output=True, text=True, timeout=60, env=_clean_env())
+    assert refused.returncode == 2
+    assert "--hosts-per-node with --dmlc: bpslaunch runs one worker process per GPU" in \
+        refused.stderr
+
+
+def test_k8s_render_dmlc_pods_run_the_job_as_the_kubelet_would_start_them(roles):
+    """Each rendered pod run here as the kubelet would: its env (the Secret, the pod IP and
+    the completion index filled in, the scheduler Service's name standing for loopback) and
+    its args (the server image's entrypoint is `python -m`), in a shuffled order."""
+    port = _free_port()
+    manifests = _dmlc_manifests(port=port, command=("python3", str(EXAMPLES / "push_pull.py")))
+    pods = [("scheduler", "bpsctl-scheduler", None), ("server", "bpsctl-servers", None),
+            ("worker-0", "bpsctl-workers", "0"), ("worker-1", "bpsctl-workers", "1")]
+    random.shuffle(pods)
+    for name, job, index in pods:
+        container = _container(manifests, job)
+        env = _clean_env()
+        for variable in container["env"]:
+            value = variable.get("value")
+            source = str(variable.get("valueFrom", ""))
+            if "secretKeyRef" in source:
+                value = "k"
+            elif "status.podIP" in source:
+                value = "127.0.0.1"
+            elif "job-completion-index" in source:
+                value = index
+            env[variable["name"]] = "127.0.0.1" if value == "bpsctl-scheduler" else value
+        args = container["args"]
+        argv = [sys.executable, *args[1:]] if args[0] == "python3" else \
+            [sys.executable, "-m", *args]
+        argv = [sys.executable if a == "python3" else a for a in argv]
+        roles.start_argv(name, env, argv)
+    codes = roles.wait_all(timeout_s=90)
+    logs = {name: roles.log(name) for name in codes}
+    assert codes == dict.fromkeys(codes, 0), (pods, logs)
+    for rank in (0, 1):
+        assert f"[{rank}] rank {rank} of 2 (local 0 of 1): sum 3, expected 3" in \
+            logs[f"worker-{rank}"]
+    assert "security hmac" in logs["scheduler"]
+    assert "job 'dmlc' finished" in logs["server"]
