@@ -275,6 +275,8 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     "test_bpslaunch.py::test_bytepss_recipe_on_emulated_hosts_each_role_in_its_own_namespace":
         {"slow", "root"},
+    "test_bpslaunch.py::test_workers_started_without_bpslaunch_join_as_bytepss_own_tests_start_them":
+        {"slow"},
     # the fast tier kept under a minute on 2 busy cores: what follows ran 2-8 s each there and
     # has a cheaper sibling (another case, or a test of the same code) left in the fast tier.
     # setuptools builds the wheel in a subprocess (about 7 s); the wheel's requirements stay fast

@@ -395,6 +395,32 @@ def test_bytepss_recipe_on_emulated_hosts_each_role_in_its_own_namespace(roles, 
     assert "job 'dmlc' finished" in logs["server"]
 
 
+def test_workers_started_without_bpslaunch_join_as_bytepss_own_tests_start_them(roles):
+    """BytePS's tests start the scheduler and server with bpslaunch and run the worker as a
+    plain process with DMLC_ROLE=worker and BYTEPS_LOCAL_RANK/SIZE; here the workers start
+    first and wait for the others."""
+    port = _free_port()
+    script = str(EXAMPLES / "push_pull.py")
+    byteps_test = {"BYTEPS_LOCAL_RANK": "0", "BYTEPS_LOCAL_SIZE": "1",
+                   "BYTEPS_FORCE_DISTRIBUTED": "1", "BYTEPS_THREADPOOL_SIZE": "4",
+                   "BYTEPS_LOG_LEVEL": "WARNING", "PYTHONUNBUFFERED": "1"}
+    for worker_id in ("1", "0"):
+        roles.start_argv(f"worker-{worker_id}",
+                         _dmlc(port, "worker", DMLC_WORKER_ID=worker_id, **byteps_test),
+                         [sys.executable, script])
+    roles.start("server", _dmlc(port, "server"))
+    roles.start("scheduler", _dmlc(port, "scheduler"))
+    codes = roles.wait_all(timeout_s=60)
+    logs = {name: roles.log(name) for name in codes}
+    assert codes == dict.fromkeys(codes, 0), logs
+    for rank in (0, 1):
+        log = logs[f"worker-{rank}"]
+        assert f"rank {rank} of 2 (local None of None): sum 3, expected 3" in log
+        assert "BYTEPS_THREADPOOL_SIZE=4 is not a BytePS knob bpsctl knows" in log
+        assert log.count("UNAUTHENTICATED") == 1
+    assert "job 'dmlc' finished" in logs["scheduler"]
+
+
 # --------------------------------------------------------------------------- host files
 
 

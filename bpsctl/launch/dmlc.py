@@ -47,7 +47,7 @@ import zmq
 from bpsctl.config import Config, ConfigError
 from bpsctl.engine import EngineError
 from bpsctl.engine.client import scheduler_status
-from bpsctl.errors import BpsctlError, UsageError
+from bpsctl.errors import BpsctlError
 from bpsctl.launch import byteps
 from bpsctl.launch.pod import run_pod
 from bpsctl.launch.processes import (
@@ -70,11 +70,11 @@ _WORKERS_WAIT = 2
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]     # the directory that holds bpsctl/
 
 
-class DmlcError(UsageError):
+class DmlcError(ConfigError):
     """A DMLC variable is missing or wrong; the message names it."""
 
 
-class LaunchFailed(BpsctlError):
+class LaunchFailed(EngineError):
     """A role could not start or its job failed; the message says why and what to check."""
 
 
@@ -486,6 +486,46 @@ def work(spec: DmlcSpec, config: Config, job_id: str, cmd: Sequence[str],
         _say(f"worker {spec.worker_id} (DMLC_WORKER_ID): the command failed with exit code "
              f"{code}")
     return code
+
+
+def _byteps_local(environ: Mapping[str, str]) -> tuple[int, int]:
+    """(BYTEPS_LOCAL_RANK, BYTEPS_LOCAL_SIZE) of a process started without bpslaunch."""
+    size = _int_var({"BYTEPS_LOCAL_SIZE": environ.get("BYTEPS_LOCAL_SIZE") or "1"},
+                    "BYTEPS_LOCAL_SIZE", 1, "the worker processes on this machine, 1 or more")
+    rank = _int_var({"BYTEPS_LOCAL_RANK": environ.get("BYTEPS_LOCAL_RANK") or "0"},
+                    "BYTEPS_LOCAL_RANK", 0, f"this process's index on its machine, 0..{size - 1}")
+    if rank >= size:
+        raise DmlcError(f"BYTEPS_LOCAL_RANK: expected this process's index on its machine, "
+                        f"0..{size - 1} (BYTEPS_LOCAL_SIZE={size}), got {rank}")
+    return rank, size
+
+
+def direct_worker_config(environ: Mapping[str, str]) -> Config | None:
+    """The Config of a worker process started BytePS's other way, without bpslaunch:
+    ``DMLC_ROLE=worker``, ``DMLC_WORKER_ID`` and ``BYTEPS_LOCAL_RANK``/``BYTEPS_LOCAL_SIZE``
+    in its environment and ``bps.init()`` in the process (BytePS's docs/env.md; its own tests
+    start their workers so). Returned once the scheduler and ``DMLC_NUM_SERVER`` servers are
+    there, with bpslaunch's deadlines and messages. None when this is not such a process:
+    ``DMLC_ROLE`` is not worker, or ``BPSCTL_SCHEDULER`` is set (bpslaunch and `bpsctl run`
+    set it for the processes they start)."""
+    if environ.get("DMLC_ROLE", "").strip().lower() != "worker" \
+            or environ.get("BPSCTL_SCHEDULER"):
+        return None
+    spec = parse_dmlc(environ)
+    local_rank, local_size = _byteps_local(environ)
+    config, notes = role_config(spec, environ)
+    for note in notes:
+        _say(note)
+    if config.security == "none":
+        _say(unauthenticated_warning(spec))
+    deadline = time.monotonic() + config.start_timeout_s
+    wait_scheduler(spec, config, deadline)
+    wait_servers(spec, config, deadline)
+    return config.replace(
+        role="worker", scheduler=spec.root, host=node_address(spec),
+        job_id=environ.get("BPSCTL_JOB_ID") or DEFAULT_JOB_ID, num_servers=spec.num_server,
+        port=0, rank=spec.worker_id * local_size + local_rank,
+        world_size=spec.num_worker * local_size, local_rank=local_rank, local_size=local_size)
 
 
 def launch(environ: Mapping[str, str], cmd: Sequence[str]) -> int:
