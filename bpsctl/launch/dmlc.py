@@ -478,11 +478,12 @@ def work(spec: DmlcSpec, config: Config, job_id: str, cmd: Sequence[str],
                                             _free_port()),
                    what=f"worker machine {spec.worker_id}")
     if code:
+        taken = None
         with contextlib.suppress(EngineError):
             mine = {p.pid for p in psutil.Process().children(recursive=True)}
             taken = _taken(_status(config, spec.root), job_id, ranks, mine)
-            if taken is not None:
-                raise LaunchFailed(_taken_message(spec, taken))
+        if taken is not None:
+            raise LaunchFailed(_taken_message(spec, taken))
         _say(f"worker {spec.worker_id} (DMLC_WORKER_ID): the command failed with exit code "
              f"{code}")
     return code
