@@ -380,7 +380,9 @@ def serve(spec: DmlcSpec, config: Config, job_id: str) -> int:
             stop_signals_recorded() as stop_signals:
         process, identity = _start_engine(spec.role, config, Path(tmp) / "ready")
         try:
-            _wait_ready(process, Path(tmp) / "ready", deadline, config, hint)
+            # its own deadline: the wait for the scheduler may have used up the first
+            _wait_ready(process, Path(tmp) / "ready", time.monotonic() + config.start_timeout_s,
+                        config, hint)
             _say(f"{spec.role} serving; it ends with job {job_id!r}")
             return _watch(spec, config, job_id, process, stop_signals)
         except Interrupted as interrupted:
