@@ -363,13 +363,21 @@ def test_bytepss_recipe_trains_a_byteps_mxnet_script_as_bpsctl_run_does(roles, t
         assert "UNAUTHENTICATED" in logs[f"worker-{rank}"]
 
 
-def test_bytepss_recipe_on_emulated_hosts_each_role_in_its_own_namespace(roles, tmp_path):
+@pytest.mark.parametrize("script", ["train", "mxnet"])
+def test_bytepss_recipe_on_emulated_hosts_each_role_in_its_own_namespace(roles, tmp_path,
+                                                                          script):
     """The recipe with each role on a host of its own: a network namespace of an emulated
-    cluster (root), the scheduler's address that of its host, as on real machines."""
+    cluster (root), the scheduler's address that of its host, as on real machines; every line
+    the workers print under `bpsctl run` they print the same."""
     from bpsctl.launch import emulate
 
-    train = str(EXAMPLES / "train.py")
-    reference = _bpsctl_run(tmp_path, sys.executable, train)
+    if script == "mxnet":
+        pytest.importorskip("mxnet")
+        path = tmp_path / "train_gluon_byteps.py"
+        path.write_text(BYTEPS_MXNET_SCRIPT)
+    else:
+        path = EXAMPLES / "train.py"
+    reference = _bpsctl_run(tmp_path, sys.executable, str(path))
     plan = emulate.plan_network(2, 2, None)
     with emulate.emulated_network(plan):
         root = plan.host("s0").address
@@ -381,15 +389,16 @@ def test_bytepss_recipe_on_emulated_hosts_each_role_in_its_own_namespace(roles, 
             env = {**_dmlc(9000, role, BPSCTL_SECRET="k"), "DMLC_PS_ROOT_URI": root}
             if worker_id:
                 env["DMLC_WORKER_ID"] = worker_id
-            cmd = [sys.executable, train] if worker_id else []
+            cmd = [sys.executable, str(path)] if worker_id else []
             roles.start_argv(name, env, emulate.netns_command(
                 plan.host(where[name]), [sys.executable, "-m", "bpsctl.launch.dmlc", *cmd]))
         codes = roles.wait_all(timeout_s=150)
     logs = {name: roles.log(name) for name in codes}
     assert codes == dict.fromkeys(codes, 0), (order, logs)
-    assert _losses(logs["worker-0"]) == _losses(reference)
-    for rank in (0, 1):
-        assert f"[{rank}] rank {rank} of 2: weights match rank 0's" in logs[f"worker-{rank}"]
+    printed = [line for line in reference.splitlines() if line.startswith("[")]
+    assert len(printed) >= 2
+    workers = (logs["worker-0"] + logs["worker-1"]).splitlines()
+    assert [line for line in printed if line not in workers] == [], (reference, logs)
     assert f"serving on {root}:9000" in logs["scheduler"]
     assert f"serving on {plan.host('s1').address}:" in logs["server"]
     assert "job 'dmlc' finished" in logs["server"]
