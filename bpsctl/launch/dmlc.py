@@ -28,9 +28,11 @@ unauthenticated (``BPSCTL_SECURITY=none``), as BytePS did, and every role says s
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -65,6 +67,7 @@ DEFAULT_JOB_ID = "dmlc"
 #: how long the scheduler stays up once its job ended, so that every server learns it
 _LINGER_S = 2.0
 _POLL_S = 0.25
+_PR_SET_PDEATHSIG = 1       # linux/prctl.h
 #: the scheduler and servers wait this many times BPSCTL_START_TIMEOUT for a worker to come
 _WORKERS_WAIT = 2
 _PACKAGE_ROOT = Path(__file__).resolve().parents[2]     # the directory that holds bpsctl/
@@ -219,8 +222,9 @@ def _say(message: str) -> None:
 
 
 def role_config(spec: DmlcSpec, environ: Mapping[str, str]) -> tuple[Config, list[str]]:
-    """This role's Config from ``environ`` with the BytePS knobs translated, and the lines to
-    log (ignored and conflicting knobs, and the security warning)."""
+    """This role's Config from ``environ`` with the BytePS knobs translated and the key (HMAC
+    with one, ``none`` without), and the lines to log (ignored and conflicting knobs, the
+    key's source)."""
     translation = byteps.translate(environ)
     merged = {**environ, **translation.env}
     secret, source = _secret(environ)
@@ -332,9 +336,7 @@ def _taken_message(spec: DmlcSpec, worker: dict[str, Any]) -> str:
 
 def _die_with_parent() -> None:
     """In a scheduler or server we start: the kernel stops it if bpslaunch dies."""
-    import ctypes
-    import signal
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)      # PR_SET_PDEATHSIG
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _start_engine(role: str, config: Config, ready_file: Path) -> tuple[subprocess.Popen,
