@@ -276,10 +276,12 @@ class Worker:
 
     def __init__(self, config: Config | None = None, *, scheduler: str | None = None,
                  secret: str | None = None):
-        if config is None:
+        if config is None and "DMLC_ROLE" in os.environ:
             # a worker started BytePS's way without bpslaunch (DMLC_ROLE=worker ...)
             from ..launch.dmlc import direct_worker_config
-            config = direct_worker_config(os.environ) or Config.from_env(role="worker")
+            config = direct_worker_config(os.environ)
+        if config is None:
+            config = Config.from_env(role="worker")
         self.config = config
         if self.config.async_mode:
             check_training_mode(self.config)    # what asynchronous training cannot go with
