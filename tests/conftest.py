@@ -277,6 +277,8 @@ TIERS: dict[str, set[str]] = {
         {"slow", "root"},
     "test_bpslaunch.py::test_workers_started_without_bpslaunch_join_as_bytepss_own_tests_start_them":
         {"slow"},
+    "test_bpslaunch.py::test_two_machines_of_two_gpus_each_train_as_four_workers_of_bpsctl_run":
+        {"slow"},
     # three bpslaunch processes refused by their deadlines: 1.5-3.5 s on busy cores
     "test_bpslaunch.py::test_bad_variables_and_an_unreachable_root_end_each_role_by_its_deadline":
         {"slow"},

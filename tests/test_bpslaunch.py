@@ -158,8 +158,8 @@ def test_a_worker_machine_runs_one_process_per_visible_gpu_with_its_ranks():
                             "DMLC_PS_ROOT_PORT": "9000", "DMLC_NUM_WORKER": "3",
                             "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "1"})
     config, _ = dmlc.role_config(spec, {})
-    env = dmlc._local_env(spec, config, 2, 1234, 1)
-    assert (env["BPSCTL_RANK"], env["MASTER_PORT"]) == ("3", "1234")
+    env = dmlc._local_env(spec, config, 2, 1)
+    assert env["BPSCTL_RANK"] == "3"
     assert (env["BPSCTL_WORLD_SIZE"], env["BPSCTL_LOCAL_RANK"], env["BPSCTL_LOCAL_SIZE"]) == \
         ("6", "1", "2")
     assert (env["BYTEPS_LOCAL_RANK"], env["BYTEPS_LOCAL_SIZE"]) == ("1", "2")
@@ -402,6 +402,29 @@ def test_bytepss_recipe_on_emulated_hosts_each_role_in_its_own_namespace(roles, 
     assert f"serving on {root}:9000" in logs["scheduler"]
     assert f"serving on {plan.host('s1').address}:" in logs["server"]
     assert "job 'dmlc' finished" in logs["server"]
+
+
+@pytest.mark.parametrize("stage", ["own-pushes", "intra-node"])
+def test_two_machines_of_two_gpus_each_train_as_four_workers_of_bpsctl_run(roles, tmp_path,
+                                                                           stage):
+    """NVIDIA_VISIBLE_DEVICES=0,1 on each of two worker machines: two processes each, ranks
+    0-3. With MASTER_ADDR/MASTER_PORT the torch plugin's intra-node stage meets there; without,
+    each process pushes on its own, said once. The losses are bpsctl run -np 4's either way."""
+    train = str(EXAMPLES / "train.py")
+    reference = subprocess.run(
+        [sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path / "run"), "run", "-np",
+         "4", "--", sys.executable, train], capture_output=True, text=True, timeout=150,
+        cwd=tmp_path, env=_clean_env())
+    assert reference.returncode == 0, reference.stderr
+    gpus = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
+    if stage == "intra-node":
+        gpus.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    logs = _recipe(roles, gpus, sys.executable, train)
+    assert _losses(logs["worker-0"]) == _losses(reference.stdout)
+    for rank in range(4):
+        assert f"[{rank}] rank {rank} of 4: weights match rank 0's" in logs[f"worker-{rank // 2}"]
+    said = "its 2 processes push on their own (BPSCTL_LOCAL_REDUCE=off)"
+    assert logs["worker-1"].count(said) == (1 if stage == "own-pushes" else 0)
 
 
 def test_workers_started_without_bpslaunch_join_as_bytepss_own_tests_start_them(roles):

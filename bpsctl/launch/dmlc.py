@@ -439,17 +439,34 @@ def _watch(spec: DmlcSpec, config: Config, job_id: str, process: subprocess.Pope
         time.sleep(_POLL_S)
 
 
-def _local_env(spec: DmlcSpec, config: Config, local_size: int, master_port: int,
-               local_rank: int) -> dict[str, str]:
+def _local_env(spec: DmlcSpec, config: Config, local_size: int, local_rank: int
+               ) -> dict[str, str]:
     """Everything local process ``local_rank`` of this worker machine reads."""
     world_size = spec.num_worker * local_size
     rank = spec.worker_id * local_size + local_rank
     process = config.replace(rank=rank, world_size=world_size, local_rank=local_rank,
-                             local_size=local_size, master_addr="127.0.0.1",
-                             master_port=master_port)
+                             local_size=local_size)
     return {**process.to_env(), "BYTEPS_LOCAL_RANK": str(local_rank),
             "BYTEPS_LOCAL_SIZE": str(local_size), "DMLC_WORKER_ID": str(spec.worker_id),
             "PYTHONUNBUFFERED": "1"}
+
+
+def _intranode(spec: DmlcSpec, config: Config, local_size: int) -> Config:
+    """Where the torch plugin's intra-node stage meets. Its gloo group spans the whole job
+    (rank 0 serves the rendezvous at MASTER_ADDR:MASTER_PORT), which DMLC variables do not
+    name: on one worker machine it is this one; with several, MASTER_ADDR (worker machine 0)
+    and MASTER_PORT given to every worker machine; without them each process pushes on its
+    own (BPSCTL_LOCAL_REDUCE=off, the same sums), said once."""
+    if local_size == 1 or config.local_reduce == "off":
+        return config
+    if spec.num_worker == 1:
+        return config.replace(master_addr="127.0.0.1", master_port=_free_port())
+    if config.master_port:
+        return config
+    _say(f"worker {spec.worker_id}: its {local_size} processes push on their own "
+         "(BPSCTL_LOCAL_REDUCE=off): the intra-node stage needs MASTER_ADDR (worker machine 0's "
+         "address) and MASTER_PORT (a free port there) on every worker machine")
+    return config.replace(local_reduce="off")
 
 
 def _free_port() -> int:
@@ -477,14 +494,15 @@ def work(spec: DmlcSpec, config: Config, job_id: str, cmd: Sequence[str],
     world_size = spec.num_worker * local_size
     _say(f"worker {spec.worker_id}: ranks {ranks.start}..{ranks.stop - 1} of {world_size} "
          f"({local_size} process{'es' if local_size > 1 else ''} on this machine)")
+    config = _intranode(spec, config, local_size)
+    started: list[int] = []
     code = run_pod(list(cmd), spec.worker_id, local_size, world_size,
-                   env_of=functools.partial(_local_env, spec, config, local_size,
-                                            _free_port()),
-                   what=f"worker machine {spec.worker_id}")
+                   env_of=functools.partial(_local_env, spec, config, local_size),
+                   what=f"worker machine {spec.worker_id}", pids=started)
     if code:
         taken = None
         with contextlib.suppress(EngineError):
-            mine = {p.pid for p in psutil.Process().children(recursive=True)}
+            mine = {*started, *(p.pid for p in psutil.Process().children(recursive=True))}
             taken = _taken(_status(config, spec.root), job_id, ranks, mine)
         if taken is not None:
             raise LaunchFailed(_taken_message(spec, taken))

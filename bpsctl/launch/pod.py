@@ -36,11 +36,11 @@ def local_env(node_rank: int, local_rank: int, local_size: int,
 
 def run_pod(cmd: Sequence[str], node_rank: int, local_size: int, world_size: int, *,
             env_of: Callable[[int], Mapping[str, str]] | None = None,
-            what: str = "pod") -> int:
+            what: str = "pod", pids: list[int] | None = None) -> int:
     """Run the ``local_size`` processes of pod ``node_rank``; their exit code (see the
     module's docstring). ``env_of(local_rank)``: variables of that process over the torch-style
     ones (bpslaunch's worker machine adds its BPSCTL_* identity); ``what`` names the group of
-    processes in messages."""
+    processes in messages; ``pids`` gets the PID of each process started."""
     if not cmd:
         raise ValueError("expected the worker command after --")
     if local_size < 1 or node_rank < 0 or (node_rank + 1) * local_size > world_size:
@@ -66,6 +66,8 @@ def run_pod(cmd: Sequence[str], node_rank: int, local_size: int, world_size: int
                     rank, process.stdout, process.stderr, sys.stdout, sys.stderr,
                     log_path=Path(os.devnull))))      # kubectl logs keeps the output
                 identities.append(identity)
+                if pids is not None:
+                    pids.append(identity.pid)
             while True:
                 stop_signals.check()
                 codes = [process.poll() for _, process, _ in started]
