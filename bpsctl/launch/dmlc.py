@@ -451,15 +451,16 @@ def _local_env(spec: DmlcSpec, config: Config, local_size: int, local_rank: int
             "PYTHONUNBUFFERED": "1"}
 
 
-def _intranode(spec: DmlcSpec, config: Config, local_size: int) -> Config:
+def _intranode(spec: DmlcSpec, config: Config, local_size: int, *,
+               launcher: bool = True) -> Config:
     """Where the torch plugin's intra-node stage meets. Its gloo group spans the whole job
     (rank 0 serves the rendezvous at MASTER_ADDR:MASTER_PORT), which DMLC variables do not
-    name: on one worker machine it is this one; with several, MASTER_ADDR (worker machine 0)
-    and MASTER_PORT given to every worker machine; without them each process pushes on its
-    own (BPSCTL_LOCAL_REDUCE=off, the same sums), said once."""
+    name: on one worker machine, a port bpslaunch (``launcher``) picks for its processes;
+    else MASTER_ADDR (worker machine 0) and MASTER_PORT given to every process; without them
+    each process pushes on its own (BPSCTL_LOCAL_REDUCE=off, the same sums), said once."""
     if local_size == 1 or config.local_reduce == "off":
         return config
-    if spec.num_worker == 1:
+    if spec.num_worker == 1 and launcher and not config.master_port:
         return config.replace(master_addr="127.0.0.1", master_port=_free_port())
     if config.master_port:
         return config
@@ -544,6 +545,8 @@ def direct_worker_config(environ: Mapping[str, str]) -> Config | None:
     deadline = time.monotonic() + config.start_timeout_s
     wait_scheduler(spec, config, deadline)
     wait_servers(spec, config, deadline)
+    config = _intranode(spec, config, local_size, launcher=False) if local_rank == 0 else \
+        (config if config.master_port else config.replace(local_reduce="off"))
     return config.replace(
         role="worker", scheduler=spec.root, host=node_address(spec),
         job_id=environ.get("BPSCTL_JOB_ID") or DEFAULT_JOB_ID, num_servers=spec.num_server,
