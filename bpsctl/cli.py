@@ -116,6 +116,14 @@ def up(ctx: typer.Context,
        port: int | None = knob_option("port", "--port"),
        start_timeout_s: float | None = knob_option("start_timeout_s", "--start-timeout"),
        hosts: str | None = _hosts_option(),
+       worker_hostfile: Path | None = typer.Option(
+           None, "--worker-hostfile",
+           help="BytePS's dist_launcher.py worker hostfile (one host or host:ssh_port a line: "
+                "a worker machine each), with --server-hostfile: launch over SSH on them."),
+       server_hostfile: Path | None = typer.Option(
+           None, "--server-hostfile",
+           help="BytePS's dist_launcher.py server hostfile (a server for each line; the "
+                "scheduler on the first), with --worker-hostfile."),
        ship: bool = _ship_option(),
        emulate: bool | None = knob_option("emulate", "--emulate"),
        workers: int = typer.Option(2, "--workers", min=1,
@@ -156,6 +164,9 @@ def up(ctx: typer.Context,
         check_backup_workers(config.backup_workers, config.world_size)
         if servers is None:
             servers = 0 if config.colocated_servers else config.num_servers or 1
+        the_hosts: Any = hosts
+        if worker_hostfile is not None or server_hostfile is not None:
+            the_hosts = _byteps_hostfiles(hosts, worker_hostfile, server_hostfile)
         _check_ssh_extra(hosts)
         if config.security == "none":
             err_console.print("[yellow]warning:[/] --security none: anyone who can reach the "
@@ -167,12 +178,12 @@ def up(ctx: typer.Context,
             doing = (f"building {workers} worker and {servers + config.spare_servers} server "
                      "host(s)" + (", a server on each worker host" if config.colocated_servers
                                   else ""))
-        elif hosts:
+        elif the_hosts:
             doing = "starting over SSH"
         else:
             doing = f"starting the scheduler and {servers + config.spare_servers} server(s)"
         with err_console.status(doing) as spinner:
-            cluster = launch.up(config, servers=servers, workers=workers, hosts=hosts,
+            cluster = launch.up(config, servers=servers, workers=workers, hosts=the_hosts,
                                 ship_wheel=ship, progress=lambda text: spinner.update(text),
                                 use_slurm=use_slurm, servers_per_node=servers_per_node,
                                 server_nodes=server_nodes)
@@ -193,6 +204,21 @@ def up(ctx: typer.Context,
                  if cluster.kind == "emulated" else "   (bpsctl down stops it)")
         err_console.print(f"next: bpsctl run{np_hint} -- python examples/train.py{where}",
                           highlight=False)
+
+
+def _byteps_hostfiles(hosts: str | None, worker_hostfile: Path | None,
+                      server_hostfile: Path | None) -> Any:
+    """The HostsSpec of BytePS's --worker-hostfile/--server-hostfile pair (both, no --hosts)."""
+    if hosts:
+        raise ConfigError("--worker-hostfile/--server-hostfile name the hosts already; drop "
+                          "--hosts (or write both roles into one hosts.yaml)")
+    if worker_hostfile is None or server_hostfile is None:
+        missing = "--server-hostfile" if server_hostfile is None else "--worker-hostfile"
+        raise ConfigError(f"{missing}: BytePS's hostfiles come as a pair; give both "
+                          "--worker-hostfile and --server-hostfile")
+    _check_ssh_extra(str(worker_hostfile))
+    from bpsctl.launch.hosts import load_byteps_hostfiles  # PyYAML and pydantic: the [ssh] extra
+    return load_byteps_hostfiles(worker_hostfile, server_hostfile)
 
 
 # --------------------------------------------------------------------------- run
@@ -477,6 +503,10 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
            cpu_share: float | None = typer.Option(
                None, "--cpu-share", help="The server pods' share of the bytes, together (0 to "
                                          "1; default: the traffic model's optimum)."),
+           dmlc: bool = typer.Option(
+               False, "--dmlc", help="BytePS's way: every role runs bpslaunch from DMLC_* "
+                                     "variables (scheduler, servers and workers are Jobs that "
+                                     "end with the training job; docs/coming-from-byteps.md)."),
            ) -> None:
     """Write the manifests of a job to stdout (YAML, several documents): a Secret, the
     scheduler (Deployment + Service), the servers (Deployment) and the workers (an Indexed Job
@@ -490,7 +520,7 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
                      gpus_per_worker=gpus_per_worker, server_cpu=server_cpu,
                      server_memory=server_memory, worker_nodes=tuple(worker_node),
                      server_nodes=tuple(server_node), hosts_per_node=hosts_per_node,
-                     colocated_servers=colocated_servers, cpu_share=cpu_share)
+                     colocated_servers=colocated_servers, cpu_share=cpu_share, dmlc=dmlc)
         text = to_yaml(render_manifests(job))
     sys.stdout.write(text)
 

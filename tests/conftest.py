@@ -262,6 +262,26 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     # the README's hello world: a 2-worker training job through the CLI, about 8 s
     "test_examples.py": {"slow"},
+    # BytePS's recipe through bpslaunch: 4 roles training the hello world, beside `bpsctl run`'s
+    # (about 16 s); two workers with one DMLC_WORKER_ID, ended by the start deadline (about 10 s)
+    "test_bpslaunch.py::test_bytepss_recipe_trains_the_example_in_any_start_order_as_bpsctl_run_does":
+        {"slow"},
+    "test_bpslaunch.py::test_two_workers_with_one_id_get_a_named_error_and_nothing_hangs": {"slow"},
+    "test_bpslaunch.py::test_a_scheduler_and_a_server_no_worker_comes_to_end_naming_dmlc_num_worker":
+        {"slow"},
+    "test_bpslaunch.py::test_bytepss_recipe_trains_a_byteps_mxnet_script_as_bpsctl_run_does":
+        {"slow"},
+    "test_bpslaunch.py::test_k8s_render_dmlc_pods_run_the_job_as_the_kubelet_would_start_them":
+        {"slow"},
+    "test_bpslaunch.py::test_bytepss_recipe_on_emulated_hosts_each_role_in_its_own_namespace":
+        {"slow", "root"},
+    "test_bpslaunch.py::test_workers_started_without_bpslaunch_join_as_bytepss_own_tests_start_them":
+        {"slow"},
+    "test_bpslaunch.py::test_two_machines_of_two_gpus_each_train_as_four_workers_of_bpsctl_run":
+        {"slow"},
+    # three bpslaunch processes refused by their deadlines: 1.5-3.5 s on busy cores
+    "test_bpslaunch.py::test_bad_variables_and_an_unreachable_root_end_each_role_by_its_deadline":
+        {"slow"},
     # the fast tier kept under a minute on 2 busy cores: what follows ran 2-8 s each there and
     # has a cheaper sibling (another case, or a test of the same code) left in the fast tier.
     # setuptools builds the wheel in a subprocess (about 7 s); the wheel's requirements stay fast

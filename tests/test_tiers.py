@@ -126,6 +126,10 @@ FAST_TEST_OF = {
     "launch/cgexec.py":
         "test_small_parts.py::test_cgexec_joins_the_group_then_becomes_the_command_with_the_same_pid",
     "launch/cluster.py": "test_launch.py::test_run_on_a_private_cluster_streams_prefixed_output",
+    "launch/byteps.py":
+        "test_bpslaunch.py::test_every_byteps_knob_of_env_md_is_honoured_or_named_as_ignored",
+    "launch/dmlc.py": "test_bpslaunch.py::"
+        "test_a_key_turns_on_hmac_and_without_one_the_job_says_it_is_unauthenticated",
     "launch/emulate.py": "test_emulate.py::test_plan_names_addresses_ranks",
     "launch/hostkeys.py":
         "test_hostkeys.py::test_a_new_file_is_private_a_known_key_is_kept_and_a_changed_one_refused",

@@ -15,7 +15,8 @@ from .trace import now_ns, scheduler_clock
 
 def scheduler_status(address: str, secret: str, timeout_s: float = 3.0,
                      security: str = DEFAULT_SECURITY) -> dict[str, Any]:
-    """The scheduler's view: ``{"servers": [...], "workers": [...], "job": {...}|None}``.
+    """The scheduler's view: ``{"servers": [...], "workers": [...], "job": {...}|None,
+    "ended": {job id: "finished" or why it ended}}``.
 
     ``address`` is host:port, or a ZeroMQ endpoint such as the scheduler's control socket;
     ``security`` is the cluster's mode (see security.py), ``secret`` its secret.

@@ -1131,6 +1131,9 @@ class Scheduler:
             "workers": [w.as_dict(now) for w in workers],
             "job": ({"id": job.id, "world_size": job.world_size, "started": job.started,
                      "max_workers": job.max_workers} if job else None),
+            # the last jobs that ended: "finished", or why not (bpslaunch's scheduler and
+            # servers end with their job, as BytePS's do)
+            "ended": dict(self.ended),
         })
 
 

@@ -276,7 +276,13 @@ class Worker:
 
     def __init__(self, config: Config | None = None, *, scheduler: str | None = None,
                  secret: str | None = None):
-        self.config = config if config is not None else Config.from_env(role="worker")
+        if config is None and "DMLC_ROLE" in os.environ:
+            # a worker started BytePS's way without bpslaunch (DMLC_ROLE=worker ...)
+            from ..launch.dmlc import direct_worker_config
+            config = direct_worker_config(os.environ)
+        if config is None:
+            config = Config.from_env(role="worker")
+        self.config = config
         if self.config.async_mode:
             check_training_mode(self.config)    # what asynchronous training cannot go with
         self.scheduler_address, self.security = self._locate_cluster(scheduler, secret)

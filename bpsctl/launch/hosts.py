@@ -118,6 +118,55 @@ def load_hosts(source: str | Path) -> HostsSpec:
     return _from_workers(str(path), parse_hostfile(text, str(path)))
 
 
+def parse_byteps_hostfile(text: str, where: str) -> list[tuple[str, int | None, int]]:
+    """A hostfile of BytePS's dist_launcher.py: one ``host`` or ``host:ssh_port`` a line ->
+    [(host, ssh port or None, line)]; blank lines and ``#`` comments are skipped."""
+    found: list[tuple[str, int | None, int]] = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, sep, port = line.partition(":")
+        if not host or " " in line or (sep and not (port.isdigit() and 0 < int(port) < 65536)):
+            raise ConfigError(f"{where}:{number}: expected `host` or `host:ssh_port` (BytePS's "
+                              f"dist_launcher.py hostfile), got {raw.strip()!r}")
+        found.append((host, int(port) if sep else None, number))
+    if not found:
+        raise ConfigError(f"{where}: no hosts (expected one `host` or `host:ssh_port` a line)")
+    return found
+
+
+def load_byteps_hostfiles(worker_file: str | Path, server_file: str | Path) -> HostsSpec:
+    """The hosts of BytePS's dist_launcher.py pair (``--worker-hostfile``,
+    ``--server-hostfile``): a worker slot for each line of the first (one worker machine, as
+    DMLC_WORKER_ID counts them; a host on several lines gets as many slots), a server for each
+    line of the second (likewise), the scheduler on the first server host; ``:port`` is the
+    line's SSH port, as dist_launcher.py reads it."""
+    parsed = {}
+    for role, flag, path in (("workers", "--worker-hostfile", worker_file),
+                             ("servers", "--server-hostfile", server_file)):
+        path = Path(path).expanduser()
+        try:
+            parsed[role] = parse_byteps_hostfile(path.read_text(), f"{flag} {path}")
+        except OSError as exc:
+            raise ConfigError(f"{flag}: {path}: cannot read it ({exc.strerror})") from None
+
+    def entries(lines: list[tuple[str, int | None, int]], many: str) -> list[dict[str, Any]]:
+        merged: dict[str, dict[str, Any]] = {}
+        for host, port, _ in lines:
+            if host in merged:
+                merged[host][many] += 1
+            else:
+                merged[host] = {"host": host, many: 1,
+                                **({"ssh": {"port": port}} if port is not None else {})}
+        return list(merged.values())
+
+    servers = entries(parsed["servers"], "count")
+    raw = {"scheduler": {k: v for k, v in servers[0].items() if k != "count"},
+           "servers": servers, "workers": entries(parsed["workers"], "slots")}
+    return _build(_HostsModel.model_validate(raw), f"{worker_file} + {server_file}", {}, None)
+
+
 def _looks_like_yaml_mapping(text: str) -> bool:
     for line in text.splitlines():
         stripped = line.strip()
@@ -472,5 +521,5 @@ def _check_shares(servers: list[_ServerModel], explicit: bool, where: str,
                           "its servers sum together)")
 
 
-__all__ = ["HostSpec", "HostsSpec", "SshOptions", "load_hosts", "parse_hostfile",
-           "parse_hosts_yaml"]
+__all__ = ["HostSpec", "HostsSpec", "SshOptions", "load_byteps_hostfiles", "load_hosts",
+           "parse_byteps_hostfile", "parse_hostfile", "parse_hosts_yaml"]

@@ -76,6 +76,7 @@ class K8sJob:
     hosts_per_node: int = 1             # worker processes in each worker pod
     colocated_servers: bool = False     # a server beside the workers in every worker pod
     cpu_share: float | None = None      # the server pods' share of the bytes (None: the model's)
+    dmlc: bool = False                  # BytePS's way: every role is bpslaunch with DMLC_*
 
     @property
     def world_size(self) -> int:
@@ -134,6 +135,12 @@ class K8sJob:
                     problems.append(f"{flag}: expected a node label as key=value (e.g. "
                                     f"node.kubernetes.io/instance-type=p4d.24xlarge), got "
                                     f"{pair!r}")
+        if self.dmlc and self.hosts_per_node != 1:
+            problems.append("--hosts-per-node with --dmlc: bpslaunch runs one worker process "
+                            "per GPU the pod sees (--gpus-per-worker), as BytePS does")
+        if self.dmlc and self.colocated_servers:
+            problems.append("--colocated-servers with --dmlc: a DMLC deployment runs its "
+                            "servers as pods of their own (--servers)")
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -166,6 +173,8 @@ def render_manifests(job: K8sJob, *, secret: str | None = None,
                      job_id: str | None = None) -> list[dict[str, Any]]:
     """Every manifest of ``job``, in the order to apply them (checked first)."""
     job.check()
+    if job.dmlc:
+        return render_dmlc_manifests(job, secret=secret)
     name = job.name
     scheduler_address = f"{name}-scheduler:{job.port}"
     server_image = job.server_image or job.image
@@ -295,6 +304,98 @@ def render_manifests(job: K8sJob, *, secret: str | None = None,
             *([servers] if job.servers else []), workers_service, workers]
 
 
+def render_dmlc_manifests(job: K8sJob, *, secret: str | None = None) -> list[dict[str, Any]]:
+    """The manifests of a BytePS-style job (``--dmlc``): every role runs ``bpslaunch``
+    (:mod:`bpsctl.launch.dmlc`) from the ``DMLC_*`` variables BytePS's docs/running.md sets,
+    so a deployment that sets them by hand runs the same. Each role is a Job that ends with
+    the training job (bpslaunch's scheduler and servers exit once it finished):
+
+    - the scheduler: a Job of one pod binding its pod IP (``DMLC_PS_ROOT_URI`` there) and a
+      Service ``<name>-scheduler``, the ``DMLC_PS_ROOT_URI`` of every other role;
+    - the servers: a Job of ``--servers`` pods; the workers: an Indexed Job of ``--workers``
+      pods, ``DMLC_WORKER_ID`` the completion index, one process per GPU each pod sees;
+    - every role advertises its pod IP (``DMLC_NODE_HOST``) and, unless ``--security none``,
+      proves the Secret's ``BPSCTL_SECRET`` (bpslaunch's HMAC; without it the job would run
+      unauthenticated, as BytePS's did).
+    """
+    name = job.name
+    server_image = job.server_image or job.image
+    labels = {"app.kubernetes.io/name": "bpsctl", "app.kubernetes.io/instance": name}
+
+    def meta(suffix: str, component: str) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": f"{name}-{suffix}",
+                                "labels": {**labels, "app.kubernetes.io/component": component}}
+        if job.namespace:
+            data["namespace"] = job.namespace
+        return data
+
+    def selector(component: str) -> dict[str, str]:
+        return {**labels, "app.kubernetes.io/component": component}
+
+    pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
+    keyed = job.security != "none"
+    common: list[dict[str, Any]] = [
+        {"name": "DMLC_PS_ROOT_URI", "value": f"{name}-scheduler"},
+        {"name": "DMLC_PS_ROOT_PORT", "value": str(job.port)},
+        {"name": "DMLC_NUM_WORKER", "value": str(job.workers)},
+        {"name": "DMLC_NUM_SERVER", "value": str(job.servers)},
+        {"name": "DMLC_NODE_HOST", "valueFrom": pod_ip},
+        {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if keyed:
+        common += [{"name": "BPSCTL_SECRET", "valueFrom": {"secretKeyRef": {
+                        "name": f"{name}-secret", "key": "BPSCTL_SECRET"}}},
+                   {"name": "BPSCTL_SECURITY", "value": job.security}]
+
+    def role_job(component: str, suffix: str, image: str, args: list[str],
+                 env: list[dict[str, Any]], resources: dict[str, Any],
+                 affinity: dict[str, Any] | None, count: int,
+                 indexed: bool = False) -> dict[str, Any]:
+        overridden = {e["name"] for e in env}
+        container: dict[str, Any] = {
+            "name": component, "image": image, "args": args,
+            "env": [*(e for e in common if e["name"] not in overridden), *env]}
+        if component == "scheduler":
+            container["ports"] = [{"name": "scheduler", "containerPort": job.port}]
+        if resources:
+            container["resources"] = resources
+        pod_spec: dict[str, Any] = {"containers": [container], "restartPolicy": "Never"}
+        if affinity:
+            pod_spec["affinity"] = affinity
+        spec: dict[str, Any] = {"completions": count, "parallelism": count, "backoffLimit": 0,
+                                "template": {"metadata": {"labels": selector(component)},
+                                             "spec": pod_spec}}
+        if indexed:
+            spec = {"completionMode": "Indexed", **spec}
+        return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta(suffix, component),
+                "spec": spec}
+
+    index_ref = {"fieldRef": {
+        "fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    server_resources = _resources(job.server_cpu, job.server_memory)
+    scheduler = role_job("scheduler", "scheduler", server_image, ["bpsctl.launch.dmlc"],
+                         [{"name": "DMLC_ROLE", "value": "scheduler"},
+                          {"name": "DMLC_PS_ROOT_URI", "valueFrom": pod_ip}],
+                         server_resources, _affinity(job.server_nodes), 1)
+    scheduler_service = {"apiVersion": "v1", "kind": "Service",
+                         "metadata": meta("scheduler", "scheduler"),
+                         "spec": {"selector": selector("scheduler"),
+                                  "ports": [{"name": "scheduler", "port": job.port,
+                                             "targetPort": job.port}]}}
+    servers = role_job("server", "servers", server_image, ["bpsctl.launch.dmlc"],
+                       [{"name": "DMLC_ROLE", "value": "server"}], server_resources,
+                       _affinity(job.server_nodes), job.servers)
+    workers = role_job("worker", "workers", job.image,
+                       ["python3", "-m", "bpsctl.launch.dmlc", *job.command],
+                       [{"name": "DMLC_ROLE", "value": "worker"},
+                        {"name": "DMLC_WORKER_ID", "valueFrom": index_ref}],
+                       _resources(job.worker_cpu, job.worker_memory, job.gpus_per_worker),
+                       _affinity(job.worker_nodes), job.workers, indexed=True)
+    secret_manifest = {"apiVersion": "v1", "kind": "Secret", "metadata": meta("secret", "secret"),
+                       "type": "Opaque", "stringData": {"BPSCTL_SECRET": secret or new_secret()}}
+    return [*([secret_manifest] if keyed else []), scheduler_service, scheduler, servers,
+            workers]
+
+
 def layout_shares(job: K8sJob) -> tuple[float, float]:
     """(share of each server pod, share of each worker pod's server): one server per pod, each
     pod a host of its own, so the layout rule of launch.plan at equal NIC rates."""
@@ -316,4 +417,4 @@ def to_yaml(manifests: Sequence[dict[str, Any]]) -> str:
     return yaml.safe_dump_all(list(manifests), sort_keys=False, explicit_start=True)
 
 
-__all__ = ["K8sJob", "render_manifests", "to_yaml"]
+__all__ = ["K8sJob", "render_dmlc_manifests", "render_manifests", "to_yaml"]

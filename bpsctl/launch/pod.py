@@ -17,7 +17,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from bpsctl.launch.output import OutputRelay
@@ -34,9 +34,13 @@ def local_env(node_rank: int, local_rank: int, local_size: int,
             "LOCAL_WORLD_SIZE": str(local_size), "WORLD_SIZE": str(world_size)}
 
 
-def run_pod(cmd: Sequence[str], node_rank: int, local_size: int, world_size: int) -> int:
+def run_pod(cmd: Sequence[str], node_rank: int, local_size: int, world_size: int, *,
+            env_of: Callable[[int], Mapping[str, str]] | None = None,
+            what: str = "pod", pids: list[int] | None = None) -> int:
     """Run the ``local_size`` processes of pod ``node_rank``; their exit code (see the
-    module's docstring)."""
+    module's docstring). ``env_of(local_rank)``: variables of that process over the torch-style
+    ones (bpslaunch's worker machine adds its BPSCTL_* identity); ``what`` names the group of
+    processes in messages; ``pids`` gets the PID of each process started."""
     if not cmd:
         raise ValueError("expected the worker command after --")
     if local_size < 1 or node_rank < 0 or (node_rank + 1) * local_size > world_size:
@@ -47,7 +51,8 @@ def run_pod(cmd: Sequence[str], node_rank: int, local_size: int, world_size: int
     with stop_signals_recorded() as stop_signals:
         try:
             for local_rank in range(local_size):
-                env = {**os.environ, **local_env(node_rank, local_rank, local_size, world_size)}
+                env = {**os.environ, **local_env(node_rank, local_rank, local_size, world_size),
+                       **(env_of(local_rank) if env_of is not None else {})}
                 rank = int(env["RANK"])
                 try:
                     process, identity = start_process(list(cmd), env, stdout=subprocess.PIPE,
@@ -61,6 +66,8 @@ def run_pod(cmd: Sequence[str], node_rank: int, local_size: int, world_size: int
                     rank, process.stdout, process.stderr, sys.stdout, sys.stderr,
                     log_path=Path(os.devnull))))      # kubectl logs keeps the output
                 identities.append(identity)
+                if pids is not None:
+                    pids.append(identity.pid)
             while True:
                 stop_signals.check()
                 codes = [process.poll() for _, process, _ in started]
@@ -68,7 +75,7 @@ def run_pod(cmd: Sequence[str], node_rank: int, local_size: int, world_size: int
                           if code]
                 if failed:
                     rank, code = failed[0]
-                    sys.stderr.write(f"rank {rank} exited {code}; stopping the pod's other "
+                    sys.stderr.write(f"rank {rank} exited {code}; stopping the {what}'s other "
                                      "ranks\n")
                     return code if code > 0 else 128 - code
                 if all(code == 0 for code in codes):
