@@ -21,7 +21,8 @@ import psutil
 import pytest
 
 from bpsctl.config import ConfigError
-from bpsctl.launch import byteps, dmlc
+from bpsctl.engine import byteps
+from bpsctl.launch import dmlc
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -67,6 +67,10 @@ FAST_TEST_OF = {
     "engine/basics.py": HOROVOD_OF_ONE,
     "engine/__init__.py":
         "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
+    "engine/byteps.py":
+        "test_bpslaunch.py::test_every_byteps_knob_of_env_md_is_honoured_or_named_as_ignored",
+    "engine/dmlc.py":
+        "test_bpslaunch.py::test_each_bad_dmlc_variable_is_named_with_what_it_should_be",
     "engine/client.py":
         "test_trace.py::test_a_clock_exchange_needs_the_secret_and_bounds_the_true_offset",
     "engine/cuda.py": "test_small_parts.py::"
@@ -126,8 +130,6 @@ FAST_TEST_OF = {
     "launch/cgexec.py":
         "test_small_parts.py::test_cgexec_joins_the_group_then_becomes_the_command_with_the_same_pid",
     "launch/cluster.py": "test_launch.py::test_run_on_a_private_cluster_streams_prefixed_output",
-    "launch/byteps.py":
-        "test_bpslaunch.py::test_every_byteps_knob_of_env_md_is_honoured_or_named_as_ignored",
     "launch/dmlc.py": "test_bpslaunch.py::"
         "test_a_key_turns_on_hmac_and_without_one_the_job_says_it_is_unauthenticated",
     "launch/emulate.py": "test_emulate.py::test_plan_names_addresses_ranks",

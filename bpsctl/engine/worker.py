@@ -278,7 +278,7 @@ class Worker:
                  secret: str | None = None):
         if config is None and "DMLC_ROLE" in os.environ:
             # a worker started BytePS's way without bpslaunch (DMLC_ROLE=worker ...)
-            from ..launch.dmlc import direct_worker_config
+            from .dmlc import direct_worker_config
             config = direct_worker_config(os.environ)
         if config is None:
             config = Config.from_env(role="worker")
