@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -169,6 +169,25 @@ def _affinity(pairs: Sequence[str]) -> dict[str, Any] | None:
         "nodeSelectorTerms": [{"matchExpressions": expressions}]}}}
 
 
+def _naming(job: K8sJob) -> tuple[Callable[[str, str], dict[str, Any]],
+                                   Callable[[str], dict[str, str]]]:
+    """``meta(suffix, component)``: a manifest's metadata (name ``<job>-<suffix>``, the job's
+    labels and namespace); ``selector(component)``: the labels that pick a component's pods."""
+    labels = {"app.kubernetes.io/name": "bpsctl", "app.kubernetes.io/instance": job.name}
+
+    def meta(suffix: str, component: str) -> dict[str, Any]:
+        data: dict[str, Any] = {"name": f"{job.name}-{suffix}",
+                                "labels": {**labels, "app.kubernetes.io/component": component}}
+        if job.namespace:
+            data["namespace"] = job.namespace
+        return data
+
+    def selector(component: str) -> dict[str, str]:
+        return {**labels, "app.kubernetes.io/component": component}
+
+    return meta, selector
+
+
 def render_manifests(job: K8sJob, *, secret: str | None = None,
                      job_id: str | None = None) -> list[dict[str, Any]]:
     """Every manifest of ``job``, in the order to apply them (checked first)."""
@@ -178,17 +197,7 @@ def render_manifests(job: K8sJob, *, secret: str | None = None,
     name = job.name
     scheduler_address = f"{name}-scheduler:{job.port}"
     server_image = job.server_image or job.image
-    labels = {"app.kubernetes.io/name": "bpsctl", "app.kubernetes.io/instance": name}
-
-    def meta(suffix: str, component: str) -> dict[str, Any]:
-        data: dict[str, Any] = {"name": f"{name}-{suffix}",
-                                "labels": {**labels, "app.kubernetes.io/component": component}}
-        if job.namespace:
-            data["namespace"] = job.namespace
-        return data
-
-    def selector(component: str) -> dict[str, str]:
-        return {**labels, "app.kubernetes.io/component": component}
+    meta, selector = _naming(job)
 
     secret_ref = {"secretKeyRef": {"name": f"{name}-secret", "key": "BPSCTL_SECRET"}}
     pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
@@ -320,17 +329,7 @@ def render_dmlc_manifests(job: K8sJob, *, secret: str | None = None) -> list[dic
     """
     name = job.name
     server_image = job.server_image or job.image
-    labels = {"app.kubernetes.io/name": "bpsctl", "app.kubernetes.io/instance": name}
-
-    def meta(suffix: str, component: str) -> dict[str, Any]:
-        data: dict[str, Any] = {"name": f"{name}-{suffix}",
-                                "labels": {**labels, "app.kubernetes.io/component": component}}
-        if job.namespace:
-            data["namespace"] = job.namespace
-        return data
-
-    def selector(component: str) -> dict[str, str]:
-        return {**labels, "app.kubernetes.io/component": component}
+    meta, selector = _naming(job)
 
     pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
     keyed = job.security != "none"
