@@ -592,13 +592,23 @@ def fit_help_to(columns: int) -> None:
         each.rich_markup_mode = mode    # type: ignore[assignment]
 
 
+def tune_switch_problem(args: list[str]) -> str | None:
+    """:func:`switch_given_a_value` for a `tune` command line: the command is the first word
+    that names one (a global option's value cannot: hoisted, they come first), so a worker
+    script of `run` that is called tune is left alone."""
+    import typer.main
+    names = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
+    command = next((i for i, arg in enumerate(args) if arg in names), None)
+    return switch_given_a_value(args[command:] if command is not None else [])
+
+
 def main() -> None:
     # SIGTERM (e.g. `timeout`, a job scheduler) unwinds like Ctrl-C, so a private cluster a
     # command started is stopped by its `finally` instead of left running
     exit_on_sigterm()
     fit_help_to(shutil.get_terminal_size().columns)
     args = hoist_global_options(sys.argv[1:])
-    problem = switch_given_a_value(args[args.index("tune"):] if "tune" in args else [])
+    problem = tune_switch_problem(args)
     if problem is not None:
         err_console.print(f"[bold red]error:[/] {escape(problem)}", highlight=False,
                           soft_wrap=True)

@@ -210,7 +210,7 @@ def name_metavars(apps: list[typer.Typer]) -> None:
 
 
 class _StopOnWrite:
-    """A text stream that first calls ``stop`` (once) on every write."""
+    """A text stream that calls ``stop`` before each write (``stop`` acts once)."""
 
     def __init__(self, stream: IO[str], stop: Callable[[], None]):
         self._stream, self._stop = stream, stop

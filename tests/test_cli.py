@@ -444,4 +444,8 @@ def test_a_value_after_a_tune_switch_says_why_it_is_refused():
     assert "tune --partition-bytes takes no value ('4MiB')" in said, said
     assert "BPSCTL_PARTITION_BYTES=4MiB" in said, said
     assert switch_given_a_value(["tune", "--credit", "--grid"]) is None
+    # the command decides: a worker script of `run` called tune is left alone
+    from bpsctl.cli import tune_switch_problem
+    assert tune_switch_problem(["--state-dir", "x", "tune", "--credit", "8"]) is not None
+    assert tune_switch_problem(["run", "-np", "1", "--", "tune", "--credit", "8"]) is None
     assert "BPSCTL_NUM_SERVERS" in switch_given_a_value(["tune", "--server-count", "2"])
