@@ -170,6 +170,7 @@ _METAVARS = {
     **dict.fromkeys(("--worker-cpu", "--server-cpu"), "CPUS"),
     **dict.fromkeys(("--image", "--server-image"), "IMAGE"),
     **dict.fromkeys(("--name", "--namespace"), "NAME"),
+    **dict.fromkeys(("--worker-hostfile", "--server-hostfile"), "FILE"),
     "--nic": "RATE", "--cpu-share": "SHARE", "--straggler": "RANK:FACTOR",
     "--security": "MODE", "--compare": "SYSTEMS", "--hosts": "HOSTS", "--port": "PORT",
     "--state-dir": "DIR", "--start-timeout": "SECONDS", "--seed": "N",
