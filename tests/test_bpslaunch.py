@@ -405,18 +405,26 @@ def test_bytepss_recipe_on_emulated_hosts_each_role_in_its_own_namespace(roles, 
     assert "job 'dmlc' finished" in logs["server"]
 
 
+@pytest.fixture(scope="module")
+def four_workers_of_bpsctl_run(tmp_path_factory) -> subprocess.CompletedProcess:
+    """`bpsctl run -np 4 -- python examples/train.py`: what 2 machines x 2 GPUs must match."""
+    where = tmp_path_factory.mktemp("run-np-4")
+    reference = subprocess.run(
+        [sys.executable, "-m", "bpsctl.cli", "--state-dir", str(where / "run"), "run", "-np",
+         "4", "--", sys.executable, str(EXAMPLES / "train.py")], capture_output=True, text=True,
+        timeout=150, cwd=where, env=_clean_env())
+    assert reference.returncode == 0, reference.stderr
+    return reference
+
+
 @pytest.mark.parametrize("stage", ["own-pushes", "intra-node"])
-def test_two_machines_of_two_gpus_each_train_as_four_workers_of_bpsctl_run(roles, tmp_path,
-                                                                           stage):
+def test_two_machines_of_two_gpus_each_train_as_four_workers_of_bpsctl_run(
+        roles, four_workers_of_bpsctl_run, stage):
     """NVIDIA_VISIBLE_DEVICES=0,1 on each of two worker machines: two processes each, ranks
     0-3. With MASTER_ADDR/MASTER_PORT the torch plugin's intra-node stage meets there; without,
     each process pushes on its own, said once. The losses are bpsctl run -np 4's either way."""
     train = str(EXAMPLES / "train.py")
-    reference = subprocess.run(
-        [sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path / "run"), "run", "-np",
-         "4", "--", sys.executable, train], capture_output=True, text=True, timeout=150,
-        cwd=tmp_path, env=_clean_env())
-    assert reference.returncode == 0, reference.stderr
+    reference = four_workers_of_bpsctl_run
     gpus = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
     if stage == "intra-node":
         gpus.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))

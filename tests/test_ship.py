@@ -104,13 +104,15 @@ def test_the_packed_wheel_is_the_one_setuptools_builds(tmp_path):
     (tmp_path / "packed").mkdir()
     packed = ship.build_wheel(tmp_path / "packed")
     names, requires, entry_points = _wheel_contents(packed)
-    assert "bpsctl/launch/remote.py" in names and entry_points.endswith("bpsctl.cli:main")
+    assert "bpsctl/launch/remote.py" in names
+    assert {"bpsctl = bpsctl.cli:main", "bpslaunch = bpsctl.launch.dmlc:main"} <= \
+        set(entry_points.splitlines()), entry_points
     target = tmp_path / "target"
     done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index",
                            "--no-deps", "--disable-pip-version-check", "--target", str(target),
                            str(packed)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
-    assert (target / "bin" / "bpsctl").is_file()
+    assert (target / "bin" / "bpsctl").is_file() and (target / "bin" / "bpslaunch").is_file()
     built = _setuptools_wheel(root, tmp_path / "built")
     assert packed.name == built.name
     assert (names, requires, entry_points) == _wheel_contents(built)
