@@ -547,40 +547,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return group_of_nodeid(nodeid)
 
-        def schedule(self) -> None:
-            # the longest groups first, so that a long one does not start last and hold the
-            # run while the other worker waits (pytest-xdist's own order: by test count)
-            if self.collection is None and self.collection_is_completed:
-                for node, ids in self.registered_collections.items():
-                    self.registered_collections[node] = order_by_group_seconds(ids)
-                self.config.option.loadscopereorder = False
-            super().schedule()
-
     return ByGroup(config, log)
-
-
-#: tests of a minute or so outside the machine's group (the whole suite's summary at the end
-#: of a run names the longest): their groups start right after the machine's
-LONG_TESTS = ("test_load.py::test_8_workers_4_servers_1000_steps_exact_sums_and_flat_memory",
-              "test_bench_train.py::test_rounds_rotate_the_order_and_pair_the_ratios",
-              "test_fresh_install.py::test_the_newest_allowed_dependencies_pass_a_smoke_subset")
-
-
-def order_by_group_seconds(nodeids: list[str]) -> list[str]:
-    """``nodeids`` with their groups (:func:`group_of_nodeid`) in the order the workers should
-    take them: the machine's (the longest by far), the groups of :data:`LONG_TESTS`, then
-    the others by their number of tests, most first; tests keep their order in a group."""
-    count: dict[str, int] = {}
-    long_groups = set()
-    for nodeid in nodeids:
-        group = group_of_nodeid(nodeid)
-        count[group] = count.get(group, 0) + 1
-        path, _, name = nodeid.partition("::")
-        if f"{Path(path).name}::{name.split('[')[0]}" in LONG_TESTS:
-            long_groups.add(group)
-    rank = {group: i for i, group in enumerate(sorted(count, key=lambda g: (
-        g != MACHINE_GROUP, g not in long_groups, -count[g])))}
-    return sorted(nodeids, key=lambda nodeid: rank[group_of_nodeid(nodeid)])
 
 
 def namespaces_left_behind(before: set[str]) -> list[str]:

@@ -166,6 +166,28 @@ def test_a_worker_machine_runs_one_process_per_visible_gpu_with_its_ranks():
     assert (env["BYTEPS_LOCAL_RANK"], env["BYTEPS_LOCAL_SIZE"]) == ("1", "2")
 
 
+def test_several_processes_of_a_machine_sum_together_only_where_their_rendezvous_is_known(
+        capsys):
+    """The intra-node stage's rendezvous: a port bpslaunch picks on a job of one worker
+    machine; MASTER_ADDR/MASTER_PORT where given; else each process pushes on its own, said
+    once (the job end to end with MASTER_*: the 2 x 2 test below)."""
+    from bpsctl.engine.dmlc import _intranode
+    base = {"DMLC_ROLE": "worker", "DMLC_PS_ROOT_URI": "127.0.0.1", "DMLC_PS_ROOT_PORT": "9000",
+            "DMLC_NUM_SERVER": "1", "DMLC_WORKER_ID": "0"}
+    one = dmlc.parse_dmlc({**base, "DMLC_NUM_WORKER": "1"})
+    two = dmlc.parse_dmlc({**base, "DMLC_NUM_WORKER": "2"})
+    config, _ = dmlc.role_config(two, {})
+    assert _intranode(two, config, 1) is config                  # one process: no stage
+    alone = _intranode(one, config, 2)
+    assert alone.master_addr == "127.0.0.1" and alone.master_port > 0
+    given = config.replace(master_addr="10.0.0.1", master_port=29500)
+    assert _intranode(two, given, 2) is given
+    capsys.readouterr()
+    assert _intranode(two, config, 2).local_reduce == "off"
+    said = capsys.readouterr().err
+    assert said.count("its 2 processes push on their own (BPSCTL_LOCAL_REDUCE=off)") == 1
+
+
 def test_every_byteps_knob_of_env_md_is_honoured_or_named_as_ignored():
     assert set(ENV_MD) <= set(byteps.BYTEPS_KNOBS)
     honoured = byteps.honoured()
@@ -405,35 +427,23 @@ def test_bytepss_recipe_on_emulated_hosts_each_role_in_its_own_namespace(roles, 
     assert "job 'dmlc' finished" in logs["server"]
 
 
-@pytest.fixture(scope="module")
-def four_workers_of_bpsctl_run(tmp_path_factory) -> subprocess.CompletedProcess:
-    """`bpsctl run -np 4 -- python examples/train.py`: what 2 machines x 2 GPUs must match."""
-    where = tmp_path_factory.mktemp("run-np-4")
-    reference = subprocess.run(
-        [sys.executable, "-m", "bpsctl.cli", "--state-dir", str(where / "run"), "run", "-np",
-         "4", "--", sys.executable, str(EXAMPLES / "train.py")], capture_output=True, text=True,
-        timeout=150, cwd=where, env=_clean_env())
-    assert reference.returncode == 0, reference.stderr
-    return reference
-
-
-@pytest.mark.parametrize("stage", ["own-pushes", "intra-node"])
-def test_two_machines_of_two_gpus_each_train_as_four_workers_of_bpsctl_run(
-        roles, four_workers_of_bpsctl_run, stage):
+def test_two_machines_of_two_gpus_each_train_as_four_workers_of_bpsctl_run(roles, tmp_path):
     """NVIDIA_VISIBLE_DEVICES=0,1 on each of two worker machines: two processes each, ranks
-    0-3. With MASTER_ADDR/MASTER_PORT the torch plugin's intra-node stage meets there; without,
-    each process pushes on its own, said once. The losses are bpsctl run -np 4's either way."""
+    0-3, their intra-node stage meeting at MASTER_ADDR/MASTER_PORT (without them each process
+    pushes on its own: the unit test above). The losses are bpsctl run -np 4's."""
     train = str(EXAMPLES / "train.py")
-    reference = four_workers_of_bpsctl_run
-    gpus = {"NVIDIA_VISIBLE_DEVICES": "0,1"}
-    if stage == "intra-node":
-        gpus.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    reference = subprocess.run(
+        [sys.executable, "-m", "bpsctl.cli", "--state-dir", str(tmp_path / "run"), "run", "-np",
+         "4", "--", sys.executable, train], capture_output=True, text=True, timeout=150,
+        cwd=tmp_path, env=_clean_env())
+    assert reference.returncode == 0, reference.stderr
+    gpus = {"NVIDIA_VISIBLE_DEVICES": "0,1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(_free_port())}
     logs = _recipe(roles, gpus, sys.executable, train)
     assert _losses(logs["worker-0"]) == _losses(reference.stdout)
     for rank in range(4):
         assert f"[{rank}] rank {rank} of 4: weights match rank 0's" in logs[f"worker-{rank // 2}"]
-    said = "its 2 processes push on their own (BPSCTL_LOCAL_REDUCE=off)"
-    assert logs["worker-1"].count(said) == (1 if stage == "own-pushes" else 0)
+    assert "push on their own" not in logs["worker-0"] + logs["worker-1"]
 
 
 def test_workers_started_without_bpslaunch_join_as_bytepss_own_tests_start_them(roles):

@@ -212,6 +212,8 @@ class _Reporter:
 
 def _summary(markexpr: str, seconds: dict[str, float], monkeypatch) -> list[str]:
     monkeypatch.setattr(conftest, "_fast_test_seconds", seconds)
+    # (this worker's own record of the slow tests it ran before: none in this summary)
+    monkeypatch.setattr(conftest, "_slow_test_seconds", {})
     reporter = _Reporter()
     conftest.pytest_terminal_summary(reporter, 0, _Options(markexpr))  # type: ignore[arg-type]
     return reporter.lines
