@@ -43,7 +43,8 @@ from bpsctl.launch import api
 #: fixture's cost falls on the module's first test), and the kinds that take minutes.
 TIERS: dict[str, set[str]] = {
     # 8 workers x 4 servers for 1000 steps: about 2 minutes
-    "test_load.py::test_8_workers_4_servers_1000_steps_exact_sums_and_flat_memory": {"slow"},
+    "test_load.py::test_8_workers_4_servers_1000_steps_exact_sums_and_flat_memory":
+        {"slow", "cores"},
     # kill -9 / cut links on emulated clusters (2 runs of each fault): about 60 s
     "test_fault_injection.py": {"slow", "root"},
     # engine faults: processes killed or silent, deadlines running out (2-4 s each, 25 s in all)
@@ -513,7 +514,9 @@ def missing(need: str) -> str | None:
 #: sshd and Slurm daemons, their fixed ports): under pytest-xdist they all run on one worker,
 #: one after another (``MACHINE_GROUP``), while the others run beside them. (Two such groups
 #: side by side took longer on 2 cores, not less: the emulated hosts' CPU is the machine's.)
-MACHINE_TAGS = {"root", "sshd", "slurm"}
+#: ``cores``: a test that loads every core for a minute or more (the soak of 12 processes): run
+#: among them too, so that it never starts last and holds the run while the other worker idles
+MACHINE_TAGS = {"root", "sshd", "slurm", "cores"}
 MACHINE_GROUP = "machine"
 
 
