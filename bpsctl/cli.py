@@ -595,7 +595,10 @@ def fit_help_to(columns: int) -> None:
 def tune_switch_problem(args: list[str]) -> str | None:
     """:func:`switch_given_a_value` for a `tune` command line: the command is the first word
     that names one (a global option's value cannot: hoisted, they come first), so a worker
-    script of `run` that is called tune is left alone."""
+    script of `run` that is called tune is left alone. Other command lines cost nothing
+    (the command tree is built only when a word reads tune)."""
+    if "tune" not in args:
+        return None
     import typer.main
     names = set(typer.main.get_command(app).commands)  # type: ignore[attr-defined]
     command = next((i for i, arg in enumerate(args) if arg in names), None)
