@@ -375,6 +375,19 @@ def train_summary(report: dict[str, Any]) -> str:
                      _TRY_NETWORK if network else "")
 
 
+def replay_line(replay: dict[str, Any]) -> str:
+    """What a replayed run's figures are: its label, and in whose time they are given."""
+    line = replay["label"]
+    if replay["source"] == "derived":
+        line += f" (a derived profile: {replay['derived_from']}'s fractions, not a recording)"
+    if replay["dilation"] != 1.0:
+        target = replay["target_nic_mbit"]
+        rate = f"{target / 1e3:g} Gbit" if target >= 1e3 else f"{target:g} Mbit"
+        line += (f"; img/sec and s/step are given in the {rate} cluster's time (the emulated "
+                 "figures are in the JSON, under emulated)")
+    return line
+
+
 def print_train(console: Console, report: dict[str, Any]) -> None:
     # the NIC-bound ideal beside the measured step, where a NIC rate is known (two-line
     # headers; per worker's img/sec makes room for them: it is img/sec over the title's workers)
@@ -406,6 +419,9 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
             cells.append("" if speedup is None else f"bpsctl {speedup:.2f}x")
         table.add_row(*cells)
     console.print(table)
+    replay = report.get("replay")
+    if replay:
+        console.print(replay_line(replay), highlight=False)
     ours = report["results"][0]
     if ours.get("gradient_path"):
         from ..engine.paths import GRADIENT_PATHS
