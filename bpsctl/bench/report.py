@@ -77,6 +77,10 @@ def _where(report: dict[str, Any], slower: bool) -> str:
         return f"on the SSH cluster of {report['hosts_file']}"
     if report.get("slurm_job"):
         return f"on the nodes of Slurm job {report['slurm_job']}"
+    target = (report.get("replay") or {}).get("target_nic_mbit")
+    if report["nic_mbit"] and target:
+        return (f"through emulated {report['nic_mbit']:g} Mbit/s NICs standing for "
+                f"{target:g} Mbit/s ones")
     if report["nic_mbit"]:
         return f"through emulated {report['nic_mbit']:g} Mbit/s NICs" + (
             ", on hosts that share this machine's CPU cores" if slower else "")

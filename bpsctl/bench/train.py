@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cross-barrier", action="store_true",
                         help="bpsctl: CrossBarrier instead of DistributedOptimizer")
     parser.add_argument("--replay", default="",
-                        help="a profile's file: train bench/replay.py's stand-in, which replays "
-                             "its recorded step times, instead of the model")
+                        help="a shipped profile's name or a profile's file: train the stand-in "
+                             "of bench/replay.py, which replays its recorded step times")
     parser.add_argument("--dilation", type=float, default=1.0,
                         help="with --replay: every recorded time multiplied by this")
     parser.add_argument("--timeout", type=float, default=600.0,
@@ -195,9 +195,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     if args.replay:
         # the stand-in's steps wait on the clock; its input is only a batch's row count
-        from .profile import read
+        from .profile import load
         from .replay import ReplayModel, ReplayOptimizer
-        model = ReplayModel(read(args.replay), args.dilation)
+        model = ReplayModel(load(args.replay), args.dilation)
         optimizer = ReplayOptimizer(model.parameters(), step_s=model.schedule.optimizer_s)
         data = torch.zeros(args.batch_size, 1)
     else:

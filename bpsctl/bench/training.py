@@ -183,8 +183,11 @@ def train_system(config: Config, settings: TrainSettings, system: str,
     if system == "bpsctl" and settings.cross_barrier:
         args += ["--cross-barrier"]
     if settings.replay:
-        from .profile import resolve
-        args += ["--replay", str(resolve(settings.replay)[1]), "--dilation", repr(dilation)]
+        # a shipped profile by its name (every host's bpsctl has it), a file by its path
+        from .profile import resolve, shipped_names
+        replay = settings.replay if settings.replay in shipped_names() \
+            else str(resolve(settings.replay)[1])
+        args += ["--replay", replay, "--dilation", repr(dilation)]
     if settings.device == "cuda":
         args += ["--device", "cuda", "--gpu-by", settings.gpu_by]
     if system in ("ddp", "ddp-powersgd"):
