@@ -13,7 +13,7 @@ import psutil
 import pytest
 import torch
 import torch.nn.functional as F
-from test_bench_output import assert_table_fits_80, sentence
+from test_bench_output import assert_table_fits_80, render, sentence, train_report
 from typer.testing import CliRunner
 
 from bpsctl.bench import horovod as horovod_mod
@@ -34,6 +34,7 @@ from bpsctl.bench.profile import (
     undilate_row,
 )
 from bpsctl.bench.replay import GRADIENT_VALUE, ReplayModel, ReplayOptimizer
+from bpsctl.bench.report import print_train
 from bpsctl.cli import app
 from bpsctl.config import ConfigError
 
@@ -194,7 +195,7 @@ def test_profile_records_every_parameter_in_registration_order(tmp_path):
     """`bpsctl profile resnet50` on this CPU, at its smallest: every parameter's gradient
     timed, in the model's order, within the backward pass; the file loads back."""
     out = tmp_path / "r.json"
-    result = _invoke(["profile", "resnet50", "--device", "cpu", "--batch-size", "1",
+    result = _invoke(["profile", "resnet50", "--device", "cpu", "--batch-size", "2",
                       "--image-size", "32", "--steps", "2", "--warmup", "1", "-o", str(out)],
                      tmp_path)
     assert result.exit_code == 0, result.output
@@ -205,7 +206,7 @@ def test_profile_records_every_parameter_in_registration_order(tmp_path):
     assert [(p.name, p.shape) for p in profile.parameters] == \
         [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     assert (profile.model, profile.device, profile.batch_size, profile.image_size) == \
-        ("resnet50", "cpu", 1, 32)
+        ("resnet50", "cpu", 2, 32)
     assert profile.torch_version == torch.__version__ and profile.source == "recorded"
     assert profile.steps == 2 and profile.forward_s > 0 and profile.optimizer_s > 0
     assert all(0 < p.ready_s <= profile.backward_s for p in profile.parameters)
@@ -216,6 +217,14 @@ def test_profile_records_every_parameter_in_registration_order(tmp_path):
 def test_profile_without_a_model_or_file_exits_2_saying_what_to_give(tmp_path):
     result = _invoke(["profile", "resnet50"], tmp_path)
     assert result.exit_code == 2 and "-o FILE" in result.output
+    # a batch torch cannot train: exit 2 with torch's reason, no traceback, no file
+    out = tmp_path / "one.json"
+    result = _invoke(["profile", "resnet50", "--batch-size", "1", "--image-size", "32",
+                      "--steps", "1", "--warmup", "1", "-o", str(out)], tmp_path)
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "batch 1 of 32x32 images cannot be trained on cpu" in said
+    assert "Traceback" not in said and not out.exists()
 
 
 # --------------------------------------------------------------------------- the stand-in
@@ -258,6 +267,21 @@ def test_the_stand_in_fires_each_hook_in_the_recorded_order_never_early():
 
 
 # --------------------------------------------------------------------------- the benchmark
+
+def test_a_replayed_report_says_whose_time_its_figures_are_in():
+    report = train_report({"horovod": 1.2, "ddp": 1.1}, nic=500)
+    report["replay"] = {"profile": "h200-vgg16", "source": "derived",
+                        "derived_from": "cpu-vgg16", "dilation": 50.0,
+                        "target_nic_mbit": 25_000, "emulated_nic_mbit": 500,
+                        "label": replay_label("h200-vgg16", 50, 25_000, 500)}
+    text = render(print_train, report)
+    assert_table_fits_80(text, rows=3)
+    said = sentence(text)
+    assert ("replayed from h200-vgg16, x50 dilation: 25 Gbit emulated at 500 Mbit (a derived "
+            "profile: cpu-vgg16's fractions, not a recording); img/sec and s/step are given in "
+            "the 25 Gbit cluster's time") in said
+    assert "through emulated 500 Mbit/s NICs standing for 25000 Mbit/s ones" in said
+
 
 @pytest.mark.parametrize("args, expected", [
     (["resnet50", "--replay", "nosuch"], "neither a file nor a shipped profile"),

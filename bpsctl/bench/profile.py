@@ -370,14 +370,18 @@ def record(model_name: str, device: str = "cpu", batch_size: int = 4, image_size
                          backward_s=backward_end - clock["backward"],
                          optimizer_s=end - backward_end, ready_s=list(ready))
 
+    timed = []
     try:
         for i in range(warmup):
             progress(f"warm-up step {i + 1} of {warmup}")
             step()
-        timed = []
         for i in range(steps):
             progress(f"timed step {i + 1} of {steps}")
             timed.append(step())
+    except (ValueError, RuntimeError) as exc:
+        # torch's word on a batch it cannot train (BatchNorm over one value, out of memory)
+        raise ConfigError(f"bpsctl profile {model_name}: batch {batch_size} of {image_size}x"
+                          f"{image_size} images cannot be trained on {device}: {exc}") from None
     finally:
         for handle in handles:
             handle.remove()

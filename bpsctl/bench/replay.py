@@ -118,7 +118,7 @@ class ReplayOptimizer(torch.optim.Optimizer):
     def __init__(self, params: Any, step_s: float = 0.0):
         super().__init__(params, {"step_s": step_s})
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
         _sleep_until(time.perf_counter() + self.param_groups[0]["step_s"])
         return loss

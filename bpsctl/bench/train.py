@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
     if args.replay:
         # the stand-in's steps wait on the clock; its input is only a batch's row count
         from .profile import load

@@ -212,6 +212,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     progress = progress or (lambda message: None)
     if "horovod" in settings.compare:
         check_installed(config)
+    model: Any
     if settings.replay:
         from .replay import ReplayModel
         profile = settings.replayed()
