@@ -639,11 +639,13 @@ def _list_profiles() -> None:
 
     from . import profile as profiles
     table = Table(title="shipped profiles (bpsctl bench MODEL --replay NAME)")
-    for column in ("name", "model", "device", "batch", "ms/step", "source"):
-        table.add_column(column, justify="right" if column in ("batch", "ms/step") else "left")
+    for column in ("name", "device", "batch", "ms/step", "source"):
+        # the name, batch and time whole; the device and the source wrap where they must
+        table.add_column(column, justify="right" if column in ("batch", "ms/step") else "left",
+                         no_wrap=column in ("name", "batch", "ms/step"))
     for name in profiles.shipped_names():
         found = profiles.load(name)
-        table.add_row(name, found.model, f"{found.device}: {found.device_name}",
+        table.add_row(name, f"{found.device}: {found.device_name}",
                       f"{found.batch_size} of {found.image_size}px",
                       f"{(found.step_s or found.total_s) * 1e3:.1f}",
                       "recorded" if found.source == "recorded"
