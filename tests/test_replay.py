@@ -195,9 +195,14 @@ def test_profile_records_every_parameter_in_registration_order(tmp_path):
     """`bpsctl profile resnet50` on this CPU, at its smallest: every parameter's gradient
     timed, in the model's order, within the backward pass; the file loads back."""
     out = tmp_path / "r.json"
-    result = _invoke(["profile", "resnet50", "--device", "cpu", "--batch-size", "2",
-                      "--image-size", "32", "--steps", "1", "--warmup", "1", "-o", str(out)],
-                     tmp_path)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)        # steadier beside other tests on a busy machine
+    try:
+        result = _invoke(["profile", "resnet50", "--device", "cpu", "--batch-size", "2",
+                          "--image-size", "32", "--steps", "1", "--warmup", "1", "-o",
+                          str(out)], tmp_path)
+    finally:
+        torch.set_num_threads(threads)
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in " ".join(result.output.split())
     profile = read(out)
@@ -210,6 +215,7 @@ def test_profile_records_every_parameter_in_registration_order(tmp_path):
         ("resnet50", "cpu", 2, 32)
     assert profile.torch_version == torch.__version__ and profile.source == "recorded"
     assert profile.steps == 1 and profile.forward_s > 0 and profile.optimizer_s > 0
+    assert profile.threads == 1
     assert all(0 < p.ready_s <= profile.backward_s for p in profile.parameters)
     assert max(profile.parameters, key=lambda p: p.ready_s).name == "conv1.weight"
     assert profile.recorded_at.endswith("Z")

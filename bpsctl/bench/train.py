@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         model = ReplayModel(load(args.replay), args.dilation)
         optimizer = ReplayOptimizer(model.parameters(), step_s=model.schedule.optimizer_s)
         data = torch.zeros(args.batch_size, 1)
+        args.num_classes = model.num_classes        # the profile's, for the labels
     else:
         model = build(args.model, args.num_classes).to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)

@@ -31,7 +31,7 @@ from .api import (
 )
 from .gpu import HostGPUs, gpu_keys, last_json, probe_code, probe_here
 from .horovod import check_installed, horovod_rendezvous, worker_args
-from .profile import dilation_factor, replay_label, resolve, undilate_row
+from .profile import dilation_factor, replay_label, resolve, shipped_names, undilate_row
 from .train import throughput
 
 TRAIN_BASELINES = ("horovod", "ddp", "ddp-powersgd")
@@ -99,7 +99,6 @@ class TrainSettings:
                                   + (" (the warm-up declares every tensor before timing)"
                                      if name == "--warmup" else ""))
 
-
     def replayed(self) -> Any:
         """The profile of ``replay`` (a :class:`~bpsctl.bench.profile.Profile`); ConfigError
         where it cannot be replayed with these settings."""
@@ -114,12 +113,13 @@ class TrainSettings:
                               f"{profile.image_size}x{profile.image_size} images, and a replay "
                               f"runs at those; drop --batch-size and --image-size (got batch "
                               f"{self.batch_size} of {self.image_size}x{self.image_size})")
-        for flag, given in (("--device cuda", self.device == "cuda"),
-                            ("--cross-barrier", self.cross_barrier)):
-            if given:
-                raise ConfigError(f"{where} with {flag}: the stand-in computes nothing and "
-                                  "holds its gradients in host memory, and it has no layers "
-                                  f"for the cross barrier to update; drop {flag}")
+        if self.device == "cuda":
+            raise ConfigError(f"{where} with --device cuda: the stand-in computes nothing and "
+                              "holds its gradients in host memory; drop --device cuda")
+        if self.cross_barrier:
+            raise ConfigError(f"{where} with --cross-barrier: the stand-in has no layers for "
+                              "the cross barrier to update as their sums arrive; drop "
+                              "--cross-barrier")
         return profile
 
 
@@ -184,7 +184,6 @@ def train_system(config: Config, settings: TrainSettings, system: str,
         args += ["--cross-barrier"]
     if settings.replay:
         # a shipped profile by its name (every host's bpsctl has it), a file by its path
-        from .profile import resolve, shipped_names
         replay = settings.replay if settings.replay in shipped_names() \
             else str(resolve(settings.replay)[1])
         args += ["--replay", replay, "--dilation", repr(dilation)]
