@@ -3,11 +3,13 @@ files it refuses, the replay's schedule and time dilation, the stand-in's hooks 
 recorded times, and the whole replay against DDP and Horovod on emulated hosts."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -17,6 +19,7 @@ from test_bench_output import assert_table_fits_80, render, sentence, train_repo
 from typer.testing import CliRunner
 
 from bpsctl.bench import horovod as horovod_mod
+from bpsctl.bench import profile as profile_mod
 from bpsctl.bench.models import build
 from bpsctl.bench.profile import (
     ParameterTiming,
@@ -145,6 +148,14 @@ def test_a_bad_profile_is_refused_naming_the_file_and_what_is_wrong(tmp_path, co
     assert caught.value.exit_code == 2
 
 
+def _derive_tool():
+    path = Path(__file__).resolve().parents[1] / "tools" / "derive-profiles.py"
+    spec = importlib.util.spec_from_file_location("derive_profiles", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_the_shipped_profiles_are_the_models_and_the_derived_ones_say_so():
     assert shipped_names() == ["cpu-resnet50", "cpu-vgg16", "h200-resnet50", "h200-vgg16"]
     resnet = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."))
@@ -180,6 +191,12 @@ def test_the_shipped_profiles_are_the_models_and_the_derived_ones_say_so():
             base = load(profile.derived_from)
             assert profile.forward_s / profile.backward_s == \
                 pytest.approx(base.forward_s / base.backward_s)
+            # derived from the CPU profile shipped beside it (tools/derive-profiles.py ran
+            # after the last recording)
+            tool = _derive_tool()
+            derived = profile_mod.derive(base, profile.derived_from, "NVIDIA H200",
+                                         *tool.H200[profile.model], 64, 224, tool.MEASURED)
+            assert derived.to_json() == profile.to_json()
 
 
 def test_profile_list_shows_each_shipped_profile_recorded_or_derived(tmp_path):
@@ -191,18 +208,22 @@ def test_profile_list_shows_each_shipped_profile_recorded_or_derived(tmp_path):
     assert result.output.count("recorded") == 2
 
 
-def test_profile_records_every_parameter_in_registration_order(tmp_path):
+@pytest.fixture
+def one_thread():
+    """torch on one thread, steadier beside other tests on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_profile_records_every_parameter_in_registration_order(tmp_path, one_thread):
     """`bpsctl profile resnet50` on this CPU, at its smallest: every parameter's gradient
     timed, in the model's order, within the backward pass; the file loads back."""
     out = tmp_path / "r.json"
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)        # steadier beside other tests on a busy machine
-    try:
-        result = _invoke(["profile", "resnet50", "--device", "cpu", "--batch-size", "2",
-                          "--image-size", "32", "--steps", "1", "--warmup", "1", "-o",
-                          str(out)], tmp_path)
-    finally:
-        torch.set_num_threads(threads)
+    result = _invoke(["profile", "resnet50", "--device", "cpu", "--batch-size", "2",
+                      "--image-size", "32", "--steps", "1", "--warmup", "1", "-o", str(out)],
+                     tmp_path)
     assert result.exit_code == 0, result.output
     assert f"wrote {out}" in " ".join(result.output.split())
     profile = read(out)
@@ -221,7 +242,7 @@ def test_profile_records_every_parameter_in_registration_order(tmp_path):
     assert profile.recorded_at.endswith("Z")
 
 
-def test_profile_without_a_model_or_file_exits_2_saying_what_to_give(tmp_path):
+def test_profile_without_a_model_or_file_exits_2_saying_what_to_give(tmp_path, one_thread):
     result = _invoke(["profile", "resnet50"], tmp_path)
     assert result.exit_code == 2 and "-o FILE" in result.output
     # a batch torch cannot train: exit 2 with torch's reason, no traceback, no file

@@ -55,11 +55,6 @@ class ParameterTiming:
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
-    def nbytes(self) -> int:
-        return self.numel * (8 if self.dtype == "float64" else 4 if self.dtype == "float32"
-                             else 2)
-
 
 @dataclass(frozen=True)
 class Profile:
@@ -89,10 +84,6 @@ class Profile:
     def total_s(self) -> float:
         """Seconds of one step as replayed: forward, backward, optimizer step."""
         return self.forward_s + self.backward_s + self.optimizer_s
-
-    @property
-    def gradient_bytes(self) -> int:
-        return sum(p.nbytes for p in self.parameters)
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
