@@ -309,6 +309,14 @@ def test_a_replayed_report_says_whose_time_its_figures_are_in():
             "profile: cpu-vgg16's fractions, not a recording); img/sec and s/step are given in "
             "the 25 Gbit cluster's time") in said
     assert "through emulated 500 Mbit/s NICs standing for 25000 Mbit/s ones" in said
+    assert "fell behind" not in said
+    # one worker alone well slower than the profile: the replay says it could not keep up
+    report["results"].append({**report["results"][0], "system": "plain", "workers": 1,
+                              "step_seconds": 0.0612})
+    report["replay"]["profile_step_s"] = 0.0474
+    said = sentence(render(print_train, report))
+    assert ("The replay fell behind its profile: one worker alone took 61.2 ms a step against "
+            "the recorded 47.4 ms") in said and "dilate more" in said
 
 
 @pytest.mark.parametrize("args, expected", [

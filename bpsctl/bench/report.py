@@ -379,8 +379,15 @@ def train_summary(report: dict[str, Any]) -> str:
                      _TRY_NETWORK if network else "")
 
 
-def replay_line(replay: dict[str, Any]) -> str:
-    """What a replayed run's figures are: its label, and in whose time they are given."""
+#: how much slower than its profile one worker alone may replay a step before the report says
+#: the replay fell behind
+REPLAY_BEHIND = 1.1
+
+
+def replay_line(replay: dict[str, Any], plain_step_s: float | None = None) -> str:
+    """What a replayed run's figures are: its label, and in whose time they are given; and
+    when one worker alone (``plain_step_s``, in that time) was well slower than the profile,
+    that the replay fell behind it."""
     line = replay["label"]
     if replay["source"] == "derived":
         line += f" (a derived profile: {replay['derived_from']}'s fractions, not a recording)"
@@ -389,6 +396,12 @@ def replay_line(replay: dict[str, Any]) -> str:
         rate = f"{target / 1e3:g} Gbit" if target >= 1e3 else f"{target:g} Mbit"
         line += (f"; img/sec and s/step are given in the {rate} cluster's time (the emulated "
                  "figures are in the JSON, under emulated)")
+    recorded = replay.get("profile_step_s")
+    if plain_step_s and recorded and plain_step_s > REPLAY_BEHIND * recorded:
+        line += (f". The replay fell behind its profile: one worker alone took "
+                 f"{plain_step_s * 1e3:.1f} ms a step against the recorded "
+                 f"{recorded * 1e3:.1f} ms (writing each gradient took longer than its "
+                 "recorded gap); dilate more (--target-nic with a slower --nic)")
     return line
 
 
@@ -425,7 +438,8 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
     console.print(table)
     replay = report.get("replay")
     if replay:
-        console.print(replay_line(replay), highlight=False)
+        plain = next((row for row in report["results"] if row["system"] == "plain"), {})
+        console.print(replay_line(replay, plain.get("step_seconds")), highlight=False)
     ours = report["results"][0]
     if ours.get("gradient_path"):
         from ..engine.paths import GRADIENT_PATHS

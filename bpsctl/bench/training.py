@@ -271,6 +271,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
             "profile": name, "file": str(path), "source": profile.source,
             "derived_from": profile.derived_from or None, "device": profile.device,
             "device_name": profile.device_name, "dilation": dilation,
+            "profile_step_s": profile.total_s,
             "target_nic_mbit": settings.target_nic_mbit, "emulated_nic_mbit": nic,
             "label": replay_label(name, dilation, settings.target_nic_mbit, nic)}}
     # per round, both sides measured minutes apart at most: the median of those paired ratios
