@@ -438,8 +438,8 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
     console.print(table)
     replay = report.get("replay")
     if replay:
-        plain = next((row for row in report["results"] if row["system"] == "plain"), {})
-        console.print(replay_line(replay, plain.get("step_seconds")), highlight=False)
+        plain = [row["step_seconds"] for row in report["results"] if row["system"] == "plain"]
+        console.print(replay_line(replay, plain[0] if plain else None), highlight=False)
     ours = report["results"][0]
     if ours.get("gradient_path"):
         from ..engine.paths import GRADIENT_PATHS
