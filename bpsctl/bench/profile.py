@@ -405,7 +405,8 @@ def derive(base: Profile, base_name: str, device_name: str, forward_backward_s: 
         raise ValueError("expected 0 < forward_backward_s <= step_s")
     scale = forward_backward_s / (base.forward_s + base.backward_s)
     return dataclasses.replace(
-        base, device="cuda", device_name=device_name, torch_version=base.torch_version,
+        base, device="cuda", device_name=device_name,
+        torch_version=f"{base.torch_version} (of {base_name}'s recording)",
         batch_size=batch_size, image_size=image_size,
         forward_s=base.forward_s * scale, backward_s=base.backward_s * scale,
         optimizer_s=step_s - forward_backward_s, step_s=step_s,
