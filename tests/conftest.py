@@ -161,6 +161,11 @@ TIERS: dict[str, set[str]] = {
     # a real Slurm (slurmctld + one slurmd per emulated host): 5-15 s each; the bench jobs
     # 20-55 s (comm against allreduce) and 80-140 s (ResNet50 against Horovod and DDP)
     "test_slurm.py": {"slow", "root", "slurm"},
+    # the H200's ResNet50 replayed x50 against DDP and Horovod on emulated hosts: about 2 min
+    "test_replay.py::test_a_dilated_replay_against_the_baselines_on_emulated_hosts":
+        {"slow", "root"},
+    "test_replay.py::test_recording_on_a_gpu_times_every_parameter_with_cuda_events":
+        {"gpu", "slow"},
     # ResNet50 training against DDP and Horovod: 20-30 s each
     "test_bench_train.py::test_train_bench_on_emulated_hosts_against_the_baselines":
         {"slow", "root"},

@@ -57,6 +57,10 @@ FAST_TEST_OF = {
     "bench/load.py":
         "test_load.py::test_the_gradient_set_is_resnet50s_at_full_scale_and_keeps_its_161_tensors_scaled",
     "bench/models.py": "test_bench_train.py::test_models_have_torchvisions_parameter_shapes",
+    "bench/profile.py":
+        "test_replay.py::test_profile_records_every_parameter_in_registration_order",
+    "bench/replay.py":
+        "test_replay.py::test_the_stand_in_fires_each_hook_in_the_recorded_order_never_early",
     "bench/report.py":
         "test_bench_output.py::test_train_table_fits_80_columns_and_says_slower_on_loopback",
     "bench/train.py": "test_bench_train.py::test_horovod_env_follows_horovodruns_gloo_launcher",

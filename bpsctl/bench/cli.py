@@ -9,7 +9,13 @@ from typing import Any
 import typer
 
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
-from bpsctl.config import ConfigError, check_backup_workers, check_training_mode, parse_size
+from bpsctl.config import (
+    ConfigError,
+    check_backup_workers,
+    check_training_mode,
+    parse_rate_mbit,
+    parse_size,
+)
 
 from .. import launch
 from .api import (
@@ -22,6 +28,7 @@ from .api import (
     run_sweep,
 )
 from .gpu import TRAIN_DEFAULTS, baseline_backend, check_horovod_nccl, resolve_device
+from .profile import dilation_factor
 from .report import (
     plot_comm,
     plot_convergence,
@@ -296,11 +303,25 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            backup_workers: int | None = None, cross_barrier: bool = False,
            staleness: int | None = None, async_mode: bool | None = None,
            workers_per_host: int = 1, colocated_servers: bool | None = None,
-           cpu_share: str | None = None, device: str = "auto") -> None:
+           cpu_share: str | None = None, device: str = "auto", replay: str | None = None,
+           target_nic: str | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
                                  trace_dir, straggler, backup_workers, staleness, async_mode,
                                  colocated_servers, cpu_share)
+        target_mbit = None if target_nic is None else parse_rate_mbit(target_nic, "--target-nic")
+        if replay:
+            from .profile import load
+            profile = load(replay)
+            if device == "auto":
+                device = "cpu"          # the stand-in computes nothing: host memory
+            batch_size = batch_size or profile.batch_size
+            image_size = image_size or profile.image_size
+            if target_mbit is not None and hosts_cluster(config.state_dir) is None:
+                dilation_factor(target_mbit, config.nic_mbit)     # a NIC rate to dilate to
+            if config.async_mode:
+                raise ConfigError("--replay with --async: the servers would apply SGD updates "
+                                  "the stand-in's optimizer does not make; drop --async")
         baselines = _names(compare)
         gpus = [] if device == "cpu" else probe_gpus(config, horovod="horovod" in baselines)
         device = resolve_device(device, gpus)
@@ -333,7 +354,8 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                                  rounds=rounds, compression=compression or "",
                                  cross_barrier=cross_barrier, workers_per_host=workers_per_host,
                                  device=device, gpu_by=gpu_by, backend=backend,
-                                 backend_why=backend_why, gpus=tuple(gpus))
+                                 backend_why=backend_why, gpus=tuple(gpus),
+                                 replay=replay or "", target_nic_mbit=target_mbit)
         _run_bench(model, config, lambda progress: run_train(
             config, settings, progress=lambda message: progress(f"training with {message}")),
             print_train, json_file, plot_file, plot_train)
@@ -388,6 +410,18 @@ def _train_command(model: str, title: str) -> None:
                                                 "first in turn; speedup is the median of the "
                                                 "rounds' ratios (for machines whose speed "
                                                 "drifts)."),
+                replay: str | None = typer.Option(
+                    None, "--replay", metavar="PROFILE",
+                    help="Train a stand-in with the profile's parameters that replays its "
+                         "recorded step times on the clock instead of computing (a shipped "
+                         "profile's name or a `bpsctl profile` file; `bpsctl profile --list`); "
+                         "batch and image size are the profile's. See docs/replay.md."),
+                target_nic: str | None = typer.Option(
+                    None, "--target-nic", metavar="RATE",
+                    help="With --replay and an emulated --nic: the NIC that one stands for; "
+                         "every recorded time is multiplied by RATE over --nic, and img/sec "
+                         "and s/step are reported in the target's time (e.g. --nic 500mbit "
+                         "--target-nic 25gbit: x50)."),
                 emulate: bool | None = knob_option("emulate", "--emulate"),
                 nic: str | None = knob_option("nic", "--nic"),
                 straggler: str | None = knob_option("straggler", "--straggler"),
@@ -408,7 +442,7 @@ def _train_command(model: str, title: str) -> None:
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file, trace_dir, straggler, compression,
                backup_workers, cross_barrier, staleness, async_mode, workers_per_host,
-               colocated_servers, cpu_share, device)
+               colocated_servers, cpu_share, device, replay, target_nic)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")
@@ -542,3 +576,78 @@ def load(ctx: typer.Context,
         _write_json(json_file, report)
         if not report["ok"]:
             raise typer.Exit(1)
+
+
+#: `bpsctl profile`'s batch by device: bench's on a GPU; a few images on a CPU, which takes
+#: seconds per step at 224x224
+PROFILE_BATCH = {"cuda": 64, "cpu": 4}
+
+
+def profile(model: str | None = typer.Argument(None, metavar="MODEL",
+                                               help="vgg16 or resnet50."),
+            device: str = typer.Option("cpu", "--device", metavar="cpu|cuda",
+                                       help="Where to train while recording."),
+            batch_size: int | None = typer.Option(None, "--batch-size", min=1,
+                                                  show_default="64 on cuda, 4 on cpu",
+                                                  help="Images per batch."),
+            image_size: int = typer.Option(224, "--image-size", min=32,
+                                           help="Side of the square synthetic images (pixels)."),
+            steps: int = typer.Option(5, "--steps", min=1,
+                                      help="Timed steps; every time is their median."),
+            warmup: int = typer.Option(2, "--warmup", min=1, help="Untimed steps first."),
+            output: Path | None = typer.Option(None, "--output", "-o", metavar="FILE",
+                                               help="Write the profile (JSON) to FILE."),
+            list_profiles: bool = typer.Option(False, "--list",
+                                               help="List the shipped profiles (each with its "
+                                                    "device, and whether it was recorded or "
+                                                    "derived) and exit."),
+            ) -> None:
+    """Record where a training step of MODEL spends its time (forward, each gradient's ready
+    time in backward, the optimizer step; medians over --steps) into a profile that `bpsctl
+    bench MODEL --replay FILE` replays. See docs/replay.md."""
+    from . import profile as profiles
+    with cli_errors():
+        if list_profiles:
+            _list_profiles()
+            return
+        if model is None or output is None:
+            raise ConfigError("bpsctl profile: give MODEL (vgg16 or resnet50) and -o FILE, or "
+                              "--list for the shipped profiles")
+        from .models import MODELS
+        if model not in MODELS:
+            raise ConfigError(f"MODEL: expected one of {', '.join(MODELS)}, got {model!r}")
+        if device not in profiles.DEVICES:
+            raise ConfigError(f"--device: expected cpu or cuda, got {device!r}")
+        if output.parent and not output.parent.is_dir():
+            raise ConfigError(f"-o: {output.parent} is not a directory")
+        with err_console.status(f"profile {model} on {device}") as status:
+            recorded = profiles.record(
+                model, device, batch_size or PROFILE_BATCH[device], image_size, steps, warmup,
+                progress=lambda message: status.update(f"profile {model} on {device}: "
+                                                       f"{message}"))
+        recorded.write(output)
+        err_console.print(
+            f"{model} on {recorded.device_name}, batch {recorded.batch_size} of "
+            f"{image_size}x{image_size}: forward {recorded.forward_s * 1e3:.1f} ms, backward "
+            f"{recorded.backward_s * 1e3:.1f} ms, optimizer step "
+            f"{recorded.optimizer_s * 1e3:.1f} ms (medians of {steps} steps); wrote {output}",
+            highlight=False)
+
+
+def _list_profiles() -> None:
+    from rich.table import Table
+
+    from . import profile as profiles
+    table = Table(title="shipped profiles (bpsctl bench MODEL --replay NAME)")
+    for column in ("name", "device", "batch", "ms/step", "source"):
+        # the name, batch and time whole; the device and the source wrap where they must
+        table.add_column(column, justify="right" if column in ("batch", "ms/step") else "left",
+                         no_wrap=column in ("name", "batch", "ms/step"))
+    for name in profiles.shipped_names():
+        found = profiles.load(name)
+        table.add_row(name, f"{found.device}: {found.device_name}",
+                      f"{found.batch_size} of {found.image_size}px",
+                      f"{(found.step_s or found.total_s) * 1e3:.1f}",
+                      "recorded" if found.source == "recorded"
+                      else f"derived from {found.derived_from}")
+    err_console.print(table)

@@ -77,6 +77,10 @@ def _where(report: dict[str, Any], slower: bool) -> str:
         return f"on the SSH cluster of {report['hosts_file']}"
     if report.get("slurm_job"):
         return f"on the nodes of Slurm job {report['slurm_job']}"
+    target = (report.get("replay") or {}).get("target_nic_mbit")
+    if report["nic_mbit"] and target:
+        return (f"through emulated {report['nic_mbit']:g} Mbit/s NICs standing for "
+                f"{target:g} Mbit/s ones")
     if report["nic_mbit"]:
         return f"through emulated {report['nic_mbit']:g} Mbit/s NICs" + (
             ", on hosts that share this machine's CPU cores" if slower else "")
@@ -375,6 +379,32 @@ def train_summary(report: dict[str, Any]) -> str:
                      _TRY_NETWORK if network else "")
 
 
+#: how much slower than its profile one worker alone may replay a step before the report says
+#: the replay fell behind
+REPLAY_BEHIND = 1.1
+
+
+def replay_line(replay: dict[str, Any], plain_step_s: float | None = None) -> str:
+    """What a replayed run's figures are: its label, and in whose time they are given; and
+    when one worker alone (``plain_step_s``, in that time) was well slower than the profile,
+    that the replay fell behind it."""
+    line = replay["label"]
+    if replay["source"] == "derived":
+        line += f" (a derived profile: {replay['derived_from']}'s fractions, not a recording)"
+    if replay["dilation"] != 1.0:
+        target = replay["target_nic_mbit"]
+        rate = f"{target / 1e3:g} Gbit" if target >= 1e3 else f"{target:g} Mbit"
+        line += (f"; img/sec and s/step are given in the {rate} cluster's time (the emulated "
+                 "figures are in the JSON, under emulated)")
+    recorded = replay.get("profile_step_s")
+    if plain_step_s and recorded and plain_step_s > REPLAY_BEHIND * recorded:
+        line += (f". The replay fell behind its profile: one worker alone took "
+                 f"{plain_step_s * 1e3:.1f} ms a step against the recorded "
+                 f"{recorded * 1e3:.1f} ms (writing each gradient took longer than its "
+                 "recorded gap); dilate more (--target-nic with a slower --nic)")
+    return line
+
+
 def print_train(console: Console, report: dict[str, Any]) -> None:
     # the NIC-bound ideal beside the measured step, where a NIC rate is known (two-line
     # headers; per worker's img/sec makes room for them: it is img/sec over the title's workers)
@@ -406,6 +436,10 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
             cells.append("" if speedup is None else f"bpsctl {speedup:.2f}x")
         table.add_row(*cells)
     console.print(table)
+    replay = report.get("replay")
+    if replay:
+        plain = [row["step_seconds"] for row in report["results"] if row["system"] == "plain"]
+        console.print(replay_line(replay, plain[0] if plain else None), highlight=False)
     ours = report["results"][0]
     if ours.get("gradient_path"):
         from ..engine.paths import GRADIENT_PATHS

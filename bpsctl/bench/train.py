@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="bpsctl's gradient compression, e.g. onebit or topk:0.01")
     parser.add_argument("--cross-barrier", action="store_true",
                         help="bpsctl: CrossBarrier instead of DistributedOptimizer")
+    parser.add_argument("--replay", default="",
+                        help="a shipped profile's name or a profile's file: train the stand-in "
+                             "of bench/replay.py, which replays its recorded step times")
+    parser.add_argument("--dilation", type=float, default=1.0,
+                        help="with --replay: every recorded time multiplied by this")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds the whole run may take; a hung worker exits after it")
     add_horovod_arguments(parser)
@@ -188,11 +193,22 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     torch.manual_seed(0)
-    model = build(args.model, args.num_classes).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    if args.replay:
+        # the stand-in's steps wait on the clock; its input is only a batch's row count
+        from .profile import load
+        from .replay import ReplayModel, ReplayOptimizer
+        model = ReplayModel(load(args.replay), args.dilation)
+        optimizer = ReplayOptimizer(model.parameters(), step_s=model.schedule.optimizer_s)
+        data = torch.zeros(args.batch_size, 1)
+        args.num_classes = model.num_classes        # the profile's, for the labels
+    else:
+        model = build(args.model, args.num_classes).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     model, optimizer, rank, size, version, shutdown = _setup(args.system, args, model, optimizer)
 
-    data = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     target = torch.randint(0, args.num_classes, (args.batch_size,), device=device)
 
     # where a step's time goes (the profile behind a shortfall): forward + backward (DDP's

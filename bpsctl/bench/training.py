@@ -31,6 +31,7 @@ from .api import (
 )
 from .gpu import HostGPUs, gpu_keys, last_json, probe_code, probe_here
 from .horovod import check_installed, horovod_rendezvous, worker_args
+from .profile import dilation_factor, replay_label, resolve, shipped_names, undilate_row
 from .train import throughput
 
 TRAIN_BASELINES = ("horovod", "ddp", "ddp-powersgd")
@@ -63,6 +64,10 @@ class TrainSettings:
     backend: str = "gloo"                # DDP's (and PowerSGD's) torch.distributed backend
     backend_why: str = ""                # why that backend, for the report
     gpus: tuple[Any, ...] = ()           # bench.gpu.HostGPUs of the worker hosts (on CUDA)
+    #: a profile's shipped name or file: every worker trains bench/replay.py's stand-in
+    replay: str = ""
+    #: with ``replay``: the NIC rate the emulated one stands for (the time dilation's target)
+    target_nic_mbit: float | None = None
 
     def __post_init__(self) -> None:
         from ..engine.compression import parse
@@ -75,6 +80,11 @@ class TrainSettings:
                 parse(self.compression)
             except ValueError as exc:
                 raise ConfigError(f"--compression: {exc}") from None
+        if self.replay:
+            self.replayed()
+        elif self.target_nic_mbit is not None:
+            raise ConfigError("--target-nic: only a replay can be dilated to another NIC's "
+                              "time; add --replay PROFILE (`bpsctl profile --list`)")
         unknown = [c for c in self.compare if c not in TRAIN_BASELINES]
         if unknown:
             raise ConfigError(f"--compare: {', '.join(unknown)} is not a baseline of bench "
@@ -88,6 +98,29 @@ class TrainSettings:
                 raise ConfigError(f"{name}: expected at least {least}, got {value}"
                                   + (" (the warm-up declares every tensor before timing)"
                                      if name == "--warmup" else ""))
+
+    def replayed(self) -> Any:
+        """The profile of ``replay`` (a :class:`~bpsctl.bench.profile.Profile`); ConfigError
+        where it cannot be replayed with these settings."""
+        from .profile import load
+        profile = load(self.replay)
+        where = f"--replay {self.replay}"
+        if profile.model != self.model:
+            raise ConfigError(f"{where}: a profile of {profile.model}, not {self.model}; run "
+                              f"`bpsctl bench {profile.model} --replay {self.replay}`")
+        if (self.batch_size, self.image_size) != (profile.batch_size, profile.image_size):
+            raise ConfigError(f"{where}: recorded at batch {profile.batch_size} of "
+                              f"{profile.image_size}x{profile.image_size} images, and a replay "
+                              f"runs at those; drop --batch-size and --image-size (got batch "
+                              f"{self.batch_size} of {self.image_size}x{self.image_size})")
+        if self.device == "cuda":
+            raise ConfigError(f"{where} with --device cuda: the stand-in computes nothing and "
+                              "holds its gradients in host memory; drop --device cuda")
+        if self.cross_barrier:
+            raise ConfigError(f"{where} with --cross-barrier: the stand-in has no layers for "
+                              "the cross barrier to update as their sums arrive; drop "
+                              "--cross-barrier")
+        return profile
 
 
 def probe_gpus(config: Config, horovod: bool = False) -> list[HostGPUs]:
@@ -136,8 +169,9 @@ def physical_hosts(config: Config, workers: int, gpus: Sequence[HostGPUs]
 
 
 def train_system(config: Config, settings: TrainSettings, system: str,
-                 output: IO[str]) -> dict[str, Any]:
-    """One system's run of the training loop on the cluster named by ``config``."""
+                 output: IO[str], dilation: float = 1.0) -> dict[str, Any]:
+    """One system's run of the training loop on the cluster named by ``config`` (replaying
+    ``settings.replay`` with its times multiplied by ``dilation``, where one is given)."""
     n, k = settings.workers, settings.servers
     args = ["--system", system, "--model", settings.model,
             "--batch-size", str(settings.batch_size), "--image-size", str(settings.image_size),
@@ -148,6 +182,11 @@ def train_system(config: Config, settings: TrainSettings, system: str,
         args += ["--compression", settings.compression]
     if system == "bpsctl" and settings.cross_barrier:
         args += ["--cross-barrier"]
+    if settings.replay:
+        # a shipped profile by its name (every host's bpsctl has it), a file by its path
+        replay = settings.replay if settings.replay in shipped_names() \
+            else str(resolve(settings.replay)[1])
+        args += ["--replay", replay, "--dilation", repr(dilation)]
     if settings.device == "cuda":
         args += ["--device", "cuda", "--gpu-by", settings.gpu_by]
     if system in ("ddp", "ddp-powersgd"):
@@ -172,8 +211,14 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     progress = progress or (lambda message: None)
     if "horovod" in settings.compare:
         check_installed(config)
-    from .models import build
-    model = build(settings.model, settings.num_classes)
+    model: Any
+    if settings.replay:
+        from .replay import ReplayModel
+        profile = settings.replayed()
+        model = ReplayModel(profile)
+    else:
+        from .models import build
+        model = build(settings.model, settings.num_classes)
     params = [p.numel() for p in model.parameters()]
     wire = wire_bytes_per_step(model, config, settings.compression, settings.servers)
     del model
@@ -185,6 +230,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         host_workers = worker_hosts(cluster_config, settings.workers)
         workers_at, server_hosts, _, shares = _job_servers(cluster_config, settings.workers,
                                                            settings.servers)
+        dilation = dilation_factor(settings.target_nic_mbit, nic)
         for index in range(settings.rounds):
             # each system goes first in turn, so that a machine that slows down (or speeds
             # up) during the run does not favour whichever always runs first
@@ -193,7 +239,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
             for system in systems[turn:] + systems[:turn]:
                 progress(system if settings.rounds == 1
                          else f"{system} (round {index + 1} of {settings.rounds})")
-                rows[system] = train_system(cluster_config, settings, system, output)
+                rows[system] = train_system(cluster_config, settings, system, output, dilation)
             rounds.append(rows)
     results = [_pooled(system, [rows[system] for rows in rounds], settings.batch_size)
                for system in systems]
@@ -216,6 +262,18 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         row["scaling_efficiency"] = row["img_per_sec_per_worker"] / plain
         if row["system"] in ("ddp", "ddp-powersgd"):
             row["backend"] = settings.backend
+    replay: dict[str, Any] = {}
+    if settings.replay:
+        # the figures in the time of the cluster the replay stands for
+        results = [undilate_row(row, dilation) for row in results]
+        name, path = resolve(settings.replay)
+        replay = {"replay": {
+            "profile": name, "file": str(path), "source": profile.source,
+            "derived_from": profile.derived_from or None, "device": profile.device,
+            "device_name": profile.device_name, "dilation": dilation,
+            "profile_step_s": profile.total_s,
+            "target_nic_mbit": settings.target_nic_mbit, "emulated_nic_mbit": nic,
+            "label": replay_label(name, dilation, settings.target_nic_mbit, nic)}}
     # per round, both sides measured minutes apart at most: the median of those paired ratios
     ratios = {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
                        for rows in rounds] for system in systems[1:-1]}
@@ -235,7 +293,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         "gradient_bytes": 4 * sum(params), "host": socket.gethostname(),
         "compression": settings.compression or None, "wire_bytes_per_step": wire,
         "cross_barrier": settings.cross_barrier, "worker_hosts": host_workers,
-        "results": results, **_cluster_keys(config),
+        "results": results, **_cluster_keys(config), **replay,
         "speedup": {system: statistics.median(values) for system, values in ratios.items()},
         **({"speedup_by_round": ratios} if settings.rounds > 1 else {}),
     }

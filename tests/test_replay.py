@@ -1,0 +1,393 @@
+"""`bpsctl profile` and `bpsctl bench MODEL --replay PROFILE`: what a profile holds, the bad
+files it refuses, the replay's schedule and time dilation, the stand-in's hooks firing at the
+recorded times, and the whole replay against DDP and Horovod on emulated hosts."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+from test_bench_output import assert_table_fits_80, render, sentence, train_report
+from typer.testing import CliRunner
+
+from bpsctl.bench import horovod as horovod_mod
+from bpsctl.bench import profile as profile_mod
+from bpsctl.bench.models import build
+from bpsctl.bench.profile import (
+    ParameterTiming,
+    Profile,
+    ProfileError,
+    StepTimes,
+    cuda_step_times,
+    dilation_factor,
+    load,
+    read,
+    replay_label,
+    replay_schedule,
+    shipped_names,
+    summarize,
+    undilate_row,
+)
+from bpsctl.bench.replay import GRADIENT_VALUE, ReplayModel, ReplayOptimizer
+from bpsctl.bench.report import print_train
+from bpsctl.cli import app
+from bpsctl.config import ConfigError
+
+
+def _profile(ready: list[tuple[str, tuple[int, ...], float]], forward_s: float = 0.01,
+             backward_s: float = 0.1, optimizer_s: float = 0.01, **keys) -> Profile:
+    return Profile(model="resnet50", device="cpu", device_name="test", torch_version="2",
+                   batch_size=2, image_size=32, forward_s=forward_s, backward_s=backward_s,
+                   optimizer_s=optimizer_s, num_classes=10,
+                   parameters=tuple(ParameterTiming(name, shape, "float32", offset)
+                                    for name, shape, offset in ready), **keys)
+
+
+def _invoke(args: list[str], tmp_path):
+    return CliRunner().invoke(app, args, env={"BPSCTL_STATE_DIR": str(tmp_path / "state"),
+                                              "COLUMNS": "200"})
+
+
+# --------------------------------------------------------------------------- pure decisions
+
+def test_the_schedule_orders_gradients_as_recorded_and_dilates_every_time():
+    profile = _profile([("a.weight", (2,), 0.08), ("a.bias", (2,), 0.05),
+                        ("b.weight", (2,), 0.02), ("b.bias", (2,), 0.02)],
+                       forward_s=0.03, backward_s=0.07, optimizer_s=0.004)
+    schedule = replay_schedule(profile, dilation=10)
+    # by ready time; the two ready together in reverse registration order (backward's)
+    assert [index for index, _ in schedule.ready] == [3, 2, 1, 0]
+    assert [offset for _, offset in schedule.ready] == pytest.approx([0.2, 0.2, 0.5, 0.8])
+    assert schedule.forward_s == pytest.approx(0.3)
+    assert schedule.optimizer_s == pytest.approx(0.04)
+    # backward lasts at least until its last gradient
+    assert schedule.backward_s == pytest.approx(0.8)
+    with pytest.raises(ValueError):
+        replay_schedule(profile, dilation=0)
+
+
+def test_the_dilation_is_the_targets_rate_over_the_emulated_nics_and_relabels_the_figures():
+    assert dilation_factor(25_000, 500) == 50
+    assert dilation_factor(None, 500) == 1.0 and dilation_factor(None, None) == 1.0
+    with pytest.raises(ConfigError, match="--target-nic.*--emulate --nic"):
+        dilation_factor(25_000, None)
+    assert replay_label("h200-vgg16", 50, 25_000, 500) == \
+        "replayed from h200-vgg16, x50 dilation: 25 Gbit emulated at 500 Mbit"
+    assert replay_label("cpu-vgg16", 1.0, None, 500) == "replayed from cpu-vgg16, in real time"
+    row = {"system": "bpsctl", "img_per_sec": 10.0, "img_per_sec_ci95": 1.0,
+           "img_per_sec_per_worker": 5.0, "img_per_sec_per_worker_ci95": 0.5,
+           "img_secs_per_worker": [4.0, 6.0], "step_seconds": 2.0, "ideal_step_s": 1.0,
+           "nic_fraction": 0.5, "scaling_efficiency": 0.9, "nic_tx_bytes_per_step": 1e6,
+           "phase_seconds_per_step": {"forward_backward": 1.5, "optimizer_step": 0.5}}
+    target = undilate_row(row, 50)
+    assert target["img_per_sec"] == 500 and target["img_per_sec_per_worker_ci95"] == 25
+    assert target["img_secs_per_worker"] == [200, 300]
+    assert target["step_seconds"] == 0.04 and target["ideal_step_s"] == 0.02
+    assert target["phase_seconds_per_step"] == {"forward_backward": 0.03,
+                                                "optimizer_step": 0.01}
+    # ratios and bytes are the same in either time; the emulated figures are kept
+    for key in ("nic_fraction", "scaling_efficiency", "nic_tx_bytes_per_step", "system"):
+        assert target[key] == row[key]
+    assert target["emulated"]["img_per_sec"] == 10.0 and target["emulated"]["step_seconds"] == 2
+    assert undilate_row(row, 1.0) == row
+
+
+def test_medians_and_cuda_event_times_are_pure_and_need_no_gpu():
+    steps = [StepTimes(0.1, 0.2, 0.01, [0.05, 0.19]), StepTimes(0.3, 0.4, 0.03, [0.07, 0.39]),
+             StepTimes(0.2, 0.3, 0.02, [0.06, 0.29])]
+    medians = summarize(steps)
+    assert medians["forward_s"] == 0.2 and medians["backward_s"] == 0.3
+    assert medians["optimizer_s"] == 0.02 and medians["ready_s"] == [0.06, 0.29]
+    assert medians["step_s"] == pytest.approx(0.52)
+    with pytest.raises(ValueError, match="parameter 1 got no gradient"):
+        summarize([StepTimes(0.1, 0.2, 0.01, [0.05, None])])
+    # CUDA events stand for their times in milliseconds; elapsed_time(a, b) is b - a
+    marks = {"start": 0.0, "backward": 10.0, "backward_end": 30.0, "end": 31.0}
+    times = cuda_step_times(lambda a, b: b - a, marks, [25.0, None, 12.0])
+    assert (times.forward_s, times.backward_s, times.optimizer_s) == \
+        pytest.approx((0.010, 0.020, 0.001))
+    assert times.ready_s == pytest.approx([0.015, None, 0.002])
+
+
+# --------------------------------------------------------------------------- files
+
+def _good() -> dict:
+    return _profile([("fc.weight", (3, 2), 0.01)]).to_json()
+
+
+@pytest.mark.parametrize("content, expected", [
+    (None, "no such file"),
+    ('{"version": 1, "kind": "bpsctl-pro', "not JSON, or cut short"),
+    (json.dumps([1, 2]), "not a bpsctl profile"),
+    (json.dumps({**_good(), "version": 0}), "version: this bpsctl reads profiles of version 1, "
+                                            "got 0"),
+    (json.dumps({k: v for k, v in _good().items() if k != "forward_s"}),
+     "forward_s: expected a number of seconds"),
+    (json.dumps({**_good(), "parameters": [{"name": "w", "shape": [0], "dtype": "float32",
+                                            "ready_s": 0.1}]}),
+     "parameters[0] (w): shape: expected a list of positive whole numbers"),
+    (json.dumps({**_good(), "model": "alexnet"}), "model: expected one of vgg16, resnet50"),
+    (json.dumps({**_good(), "source": "derived"}), "must say what it was derived from"),
+], ids=["missing", "truncated", "foreign", "old", "key", "shape", "model", "derived"])
+def test_a_bad_profile_is_refused_naming_the_file_and_what_is_wrong(tmp_path, content,
+                                                                    expected):
+    path = tmp_path / "p.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ProfileError) as caught:
+        read(path)
+    assert str(caught.value).startswith(f"{path}: ") and expected in str(caught.value)
+    assert caught.value.exit_code == 2
+
+
+def _derive_tool():
+    path = Path(__file__).resolve().parents[1] / "tools" / "derive-profiles.py"
+    spec = importlib.util.spec_from_file_location("derive_profiles", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_shipped_profiles_are_the_models_and_the_derived_ones_say_so():
+    assert shipped_names() == ["cpu-resnet50", "cpu-vgg16", "h200-resnet50", "h200-vgg16"]
+    resnet = [(name, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+              for name, p in build("resnet50").named_parameters()]
+    sizes = {"resnet50": (161, 25_557_032), "vgg16": (32, 138_357_544)}
+    for name in shipped_names():
+        profile = load(name)
+        parameters = profile.parameters
+        assert (len(parameters), sum(p.numel for p in parameters)) == sizes[profile.model]
+        if profile.model == "resnet50":
+            assert [(p.name, p.shape, p.dtype) for p in parameters] == resnet
+        # backward reaches the classifier first and the first convolution last
+        first = min(parameters, key=lambda p: p.ready_s)
+        last = max(parameters, key=lambda p: p.ready_s)
+        assert first.name.startswith(("fc.", "classifier.6.")), (name, first.name)
+        assert last.name in ("conv1.weight", "features.0.weight", "features.0.bias"), name
+        assert 0 < last.ready_s <= profile.backward_s
+        if name.startswith("cpu-"):
+            assert profile.source == "recorded" and profile.device == "cpu"
+            assert profile.steps >= 3 and not profile.derived_from
+        else:
+            # never passed off as a recording: derived from the CPU's, scaled to the step
+            # times an H200 measured for the model at batch 64 of 224x224
+            assert profile.source == "derived" and profile.derived_from == f"cpu-{profile.model}"
+            assert "not recorded on this device" in profile.note
+            assert profile.device == "cuda" and profile.device_name == "NVIDIA H200"
+            assert (profile.batch_size, profile.image_size) == (64, 224)
+            step_ms, forward_backward_ms = {"resnet50": (32.1, 32.0),
+                                            "vgg16": (47.4, 46.9)}[profile.model]
+            assert profile.total_s * 1e3 == pytest.approx(step_ms)
+            assert (profile.forward_s + profile.backward_s) * 1e3 == \
+                pytest.approx(forward_backward_ms)
+            base = load(profile.derived_from)
+            assert profile.forward_s / profile.backward_s == \
+                pytest.approx(base.forward_s / base.backward_s)
+            # derived from the CPU profile shipped beside it (tools/derive-profiles.py ran
+            # after the last recording)
+            tool = _derive_tool()
+            derived = profile_mod.derive(base, profile.derived_from, "NVIDIA H200",
+                                         *tool.H200[profile.model], 64, 224, tool.MEASURED)
+            assert derived.to_json() == profile.to_json()
+
+
+def test_profile_list_shows_each_shipped_profile_recorded_or_derived(tmp_path):
+    result = _invoke(["profile", "--list"], tmp_path)
+    assert result.exit_code == 0, result.output
+    for name in shipped_names():
+        assert name in result.output
+    assert "derived from cpu-resnet50" in result.output and "NVIDIA H200" in result.output
+    assert result.output.count("recorded") == 2
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread, steadier beside other tests on a busy machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_profile_records_every_parameter_in_registration_order(tmp_path, one_thread):
+    """`bpsctl profile resnet50` on this CPU, at its smallest: every parameter's gradient
+    timed, in the model's order, within the backward pass; the file loads back."""
+    out = tmp_path / "r.json"
+    result = _invoke(["profile", "resnet50", "--device", "cpu", "--batch-size", "2",
+                      "--image-size", "32", "--steps", "1", "--warmup", "1", "-o", str(out)],
+                     tmp_path)
+    assert result.exit_code == 0, result.output
+    assert f"wrote {out}" in " ".join(result.output.split())
+    profile = read(out)
+    assert json.loads(out.read_text())["version"] == 1
+    # the model's parameters as the shipped profile of it lists them (checked against the
+    # model itself below)
+    assert [(p.name, p.shape) for p in profile.parameters] == \
+        [(p.name, p.shape) for p in load("cpu-resnet50").parameters]
+    assert (profile.model, profile.device, profile.batch_size, profile.image_size) == \
+        ("resnet50", "cpu", 2, 32)
+    assert profile.torch_version == torch.__version__ and profile.source == "recorded"
+    assert profile.steps == 1 and profile.forward_s > 0 and profile.optimizer_s > 0
+    assert profile.threads == 1
+    assert all(0 < p.ready_s <= profile.backward_s for p in profile.parameters)
+    assert max(profile.parameters, key=lambda p: p.ready_s).name == "conv1.weight"
+    assert profile.recorded_at.endswith("Z")
+
+
+def test_profile_without_a_model_or_file_exits_2_saying_what_to_give(tmp_path, one_thread):
+    result = _invoke(["profile", "resnet50"], tmp_path)
+    assert result.exit_code == 2 and "-o FILE" in result.output
+    # a batch torch cannot train: exit 2 with torch's reason, no traceback, no file
+    out = tmp_path / "one.json"
+    result = _invoke(["profile", "resnet50", "--batch-size", "1", "--image-size", "32",
+                      "--steps", "1", "--warmup", "1", "-o", str(out)], tmp_path)
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "batch 1 of 32x32 images cannot be trained on cpu" in said
+    assert "Traceback" not in said and not out.exists()
+
+
+# --------------------------------------------------------------------------- the stand-in
+
+def test_the_stand_in_fires_each_hook_in_the_recorded_order_never_early():
+    """Real hooks on the stand-in's parameters (as bpsctl, Horovod and DDP register them)
+    fire in the order the profile recorded, each at its offset from the start of backward
+    or a little later (the clock is slept on, never early); the forward pass and the
+    optimizer step take their recorded times, and the gradients are the parameters' sizes."""
+    profile = _profile([("layer.0.weight", (64, 32), 0.12), ("layer.0.bias", (64,), 0.09),
+                        ("head.weight", (10, 64), 0.03), ("head.bias", (10,), 0.02)],
+                       forward_s=0.05, backward_s=0.15, optimizer_s=0.04)
+    model = ReplayModel(profile)
+    assert [name for name, _ in model.named_parameters()] == \
+        ["layer.0.weight", "layer.0.bias", "head.weight", "head.bias"]
+    fired: list[tuple[str, float]] = []
+    start = {"backward": 0.0}
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(
+            lambda p, name=name: fired.append((name, time.perf_counter() - start["backward"])))
+    # the way bpsctl's and Horovod's DistributedOptimizer rebuild the optimizer
+    plain = ReplayOptimizer(model.parameters(), step_s=model.schedule.optimizer_s)
+    optimizer = type("SGD", (ReplayOptimizer,), {})(plain.param_groups)
+    began = time.perf_counter()
+    loss = F.cross_entropy(model(torch.zeros(2, 1)), torch.zeros(2, dtype=torch.long))
+    start["backward"] = time.perf_counter()
+    assert start["backward"] - began >= 0.05
+    loss.backward()
+    backward_s = time.perf_counter() - start["backward"]
+    optimizer.step()
+    assert time.perf_counter() - start["backward"] - backward_s >= 0.04
+    assert [name for name, _ in fired] == ["head.bias", "head.weight", "layer.0.bias",
+                                           "layer.0.weight"]
+    for (name, at), recorded in zip(fired, (0.02, 0.03, 0.09, 0.12), strict=True):
+        assert recorded <= at < recorded + 0.25, (name, at)
+    assert backward_s >= 0.15
+    for name, param in model.named_parameters():
+        assert param.grad is not None and param.grad.shape == param.shape, name
+        assert torch.all(param.grad == GRADIENT_VALUE)
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+def test_a_replayed_report_says_whose_time_its_figures_are_in():
+    report = train_report({"horovod": 1.2, "ddp": 1.1}, nic=500)
+    report["replay"] = {"profile": "h200-vgg16", "source": "derived",
+                        "derived_from": "cpu-vgg16", "dilation": 50.0,
+                        "target_nic_mbit": 25_000, "emulated_nic_mbit": 500,
+                        "label": replay_label("h200-vgg16", 50, 25_000, 500)}
+    text = render(print_train, report)
+    assert_table_fits_80(text, rows=3)
+    said = sentence(text)
+    assert ("replayed from h200-vgg16, x50 dilation: 25 Gbit emulated at 500 Mbit (a derived "
+            "profile: cpu-vgg16's fractions, not a recording); img/sec and s/step are given in "
+            "the 25 Gbit cluster's time") in said
+    assert "through emulated 500 Mbit/s NICs standing for 25000 Mbit/s ones" in said
+    assert "fell behind" not in said
+    # one worker alone well slower than the profile: the replay says it could not keep up
+    report["results"].append({**report["results"][0], "system": "plain", "workers": 1,
+                              "step_seconds": 0.0612})
+    report["replay"]["profile_step_s"] = 0.0474
+    said = sentence(render(print_train, report))
+    assert ("The replay fell behind its profile: one worker alone took 61.2 ms a step against "
+            "the recorded 47.4 ms") in said and "dilate more" in said
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["resnet50", "--replay", "nosuch"], "neither a file nor a shipped profile"),
+    (["vgg16", "--replay", "cpu-resnet50"], "a profile of resnet50, not vgg16"),
+    (["resnet50", "--replay", "h200-resnet50", "--batch-size", "8"], "recorded at batch 64"),
+    (["resnet50", "--replay", "h200-resnet50", "--target-nic", "25gbit"],
+     "--target-nic: the replay is dilated"),
+    (["resnet50", "--target-nic", "25gbit"], "--target-nic: only a replay"),
+    (["resnet50", "--replay", "h200-resnet50", "--target-nic", "fast"],
+     "--target-nic: expected a rate"),
+    (["resnet50", "--replay", "h200-resnet50", "--cross-barrier"], "drop --cross-barrier"),
+], ids=["unknown", "model", "batch", "no-nic", "no-replay", "rate", "cross-barrier"])
+def test_bad_replay_flags_exit_2_naming_the_flag_before_anything_starts(tmp_path, args,
+                                                                      expected):
+    result = _invoke(["bench", *args], tmp_path)
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split())
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
+
+
+def _bpsctl(args: list[str], state_dir, timeout_s: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "80"}
+    return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env, text=True,
+                          capture_output=True, timeout=timeout_s, check=False)
+
+
+@pytest.mark.timeout(240)
+def test_a_dilated_replay_against_the_baselines_on_emulated_hosts(tmp_path):
+    """The H200's ResNet50 replayed by 2 emulated hosts at 500 Mbit standing for 25 Gbit:
+    every system trains the stand-in through its own hooks, the figures are given in the
+    25 Gbit cluster's time and say so, and one worker alone keeps the recorded pace."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    compare = "horovod,ddp" if horovod_mod.installed_version() else "ddp"
+    out = tmp_path / "replay.json"
+    result = _bpsctl(["bench", "resnet50", "--replay", "h200-resnet50", "--workers", "2",
+                      "--servers", "2", "--emulate", "--nic", "500mbit", "--target-nic",
+                      "25gbit", "--warmup", "1", "--iters", "2", "--compare", compare,
+                      "--json", str(out)], tmp_path / "state", 220)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    replay = report["replay"]
+    assert (replay["profile"], replay["source"], replay["dilation"]) == \
+        ("h200-resnet50", "derived", 50)
+    assert (replay["target_nic_mbit"], replay["emulated_nic_mbit"]) == (25_000, 500)
+    assert (report["batch_size"], report["image_size"], report["gradient_tensors"]) == \
+        (64, 224, 161)
+    assert [row["system"] for row in report["results"]] == ["bpsctl", *compare.split(","),
+                                                            "plain"]
+    profile = load("h200-resnet50")
+    for row in report["results"]:
+        assert row["img_per_sec"] == pytest.approx(50 * row["emulated"]["img_per_sec"])
+        assert row["step_seconds"] == pytest.approx(row["emulated"]["step_seconds"] / 50)
+        # no system beats the recorded step: communication only adds to it
+        assert row["step_seconds"] > 0.95 * profile.total_s, row["system"]
+    plain = report["results"][-1]
+    assert plain["step_seconds"] < 1.5 * profile.total_s
+    said = sentence(result.stderr)
+    assert "replayed from h200-resnet50, x50 dilation: 25 Gbit emulated at 500 Mbit" in said
+    assert "in the 25 Gbit cluster's time" in said
+    assert_table_fits_80(result.stderr, rows=len(report["results"]))
+    leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not leftovers
+
+
+def test_recording_on_a_gpu_times_every_parameter_with_cuda_events():
+    """`bpsctl profile --device cuda`: the hooks record CUDA events, read after the step's
+    synchronize; every gradient is ready within backward, the classifier's first."""
+    from bpsctl.bench.profile import record
+    profile = record("resnet50", "cuda", batch_size=8, image_size=64, steps=2, warmup=1)
+    assert profile.device == "cuda" and profile.device_name == torch.cuda.get_device_name()
+    assert all(0 < p.ready_s <= profile.backward_s for p in profile.parameters)
+    assert min(profile.parameters, key=lambda p: p.ready_s).name.startswith("fc.")
+    assert profile.forward_s > 0 and profile.optimizer_s > 0
