@@ -204,7 +204,9 @@ def test_profile_list_shows_each_shipped_profile_recorded_or_derived(tmp_path):
     assert result.exit_code == 0, result.output
     for name in shipped_names():
         assert name in result.output
-    assert "derived from cpu-resnet50" in result.output and "NVIDIA H200" in result.output
+    # the source column may wrap on a narrow terminal: "derived from" and, below it, the name
+    assert "derived from" in result.output and "NVIDIA H200" in result.output
+    assert result.output.count("cpu-resnet50") == 2        # its own row, and h200-resnet50's
     assert result.output.count("recorded") == 2
 
 
@@ -346,36 +348,36 @@ def _bpsctl(args: list[str], state_dir, timeout_s: float) -> subprocess.Complete
 
 @pytest.mark.timeout(240)
 def test_a_dilated_replay_against_the_baselines_on_emulated_hosts(tmp_path):
-    """The H200's ResNet50 replayed by 2 emulated hosts at 500 Mbit standing for 25 Gbit:
+    """The H200's ResNet50 replayed by 2 emulated hosts at 1 Gbit standing for 25 Gbit:
     every system trains the stand-in through its own hooks, the figures are given in the
     25 Gbit cluster's time and say so, and one worker alone keeps the recorded pace."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     compare = "horovod,ddp" if horovod_mod.installed_version() else "ddp"
     out = tmp_path / "replay.json"
     result = _bpsctl(["bench", "resnet50", "--replay", "h200-resnet50", "--workers", "2",
-                      "--servers", "2", "--emulate", "--nic", "500mbit", "--target-nic",
+                      "--servers", "2", "--emulate", "--nic", "1gbit", "--target-nic",
                       "25gbit", "--warmup", "1", "--iters", "2", "--compare", compare,
                       "--json", str(out)], tmp_path / "state", 220)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(out.read_text())
     replay = report["replay"]
     assert (replay["profile"], replay["source"], replay["dilation"]) == \
-        ("h200-resnet50", "derived", 50)
-    assert (replay["target_nic_mbit"], replay["emulated_nic_mbit"]) == (25_000, 500)
+        ("h200-resnet50", "derived", 25)
+    assert (replay["target_nic_mbit"], replay["emulated_nic_mbit"]) == (25_000, 1000)
     assert (report["batch_size"], report["image_size"], report["gradient_tensors"]) == \
         (64, 224, 161)
     assert [row["system"] for row in report["results"]] == ["bpsctl", *compare.split(","),
                                                             "plain"]
     profile = load("h200-resnet50")
     for row in report["results"]:
-        assert row["img_per_sec"] == pytest.approx(50 * row["emulated"]["img_per_sec"])
-        assert row["step_seconds"] == pytest.approx(row["emulated"]["step_seconds"] / 50)
+        assert row["img_per_sec"] == pytest.approx(25 * row["emulated"]["img_per_sec"])
+        assert row["step_seconds"] == pytest.approx(row["emulated"]["step_seconds"] / 25)
         # no system beats the recorded step: communication only adds to it
         assert row["step_seconds"] > 0.95 * profile.total_s, row["system"]
     plain = report["results"][-1]
     assert plain["step_seconds"] < 1.5 * profile.total_s
     said = sentence(result.stderr)
-    assert "replayed from h200-resnet50, x50 dilation: 25 Gbit emulated at 500 Mbit" in said
+    assert "replayed from h200-resnet50, x25 dilation: 25 Gbit emulated at 1 Gbit" in said
     assert "in the 25 Gbit cluster's time" in said
     assert_table_fits_80(result.stderr, rows=len(report["results"]))
     leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
