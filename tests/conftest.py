@@ -156,6 +156,8 @@ TIERS: dict[str, set[str]] = {
     "tracebacks": {"slow", "ssh extra"},
     "test_cli.py::test_ctrl_c_on_a_benchmark_stops_it_as_an_interruption_not_a_crash":
         {"slow"},
+    "test_cli.py::test_ctrl_c_in_a_terminal_stops_bench_load_with_one_line_and_no_traceback":
+        {"slow"},
     "test_ssh_cluster.py": {"slow", "root", "sshd", "ssh extra"},
     "test_bench_ssh.py": {"slow", "root", "sshd", "ssh extra"},
     # a real Slurm (slurmctld + one slurmd per emulated host): 5-15 s each; the bench jobs

@@ -358,6 +358,49 @@ def test_ctrl_c_on_a_benchmark_stops_it_as_an_interruption_not_a_crash(tmp_path,
         list(tmp_path.iterdir())
 
 
+def test_ctrl_c_in_a_terminal_stops_bench_load_with_one_line_and_no_traceback(tmp_path):
+    """A terminal's Ctrl-C signals the whole foreground process group, so `bench load`'s
+    worker processes get SIGINT too: the parent's one line, exit 130, no worker's traceback,
+    nothing left running."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "COLUMNS": "200",
+           "BPSCTL_STATE_DIR": str(tmp_path / "state")}
+    proc = subprocess.Popen([sys.executable, "-m", "bpsctl.cli", "bench", "load", "--workers",
+                             "2", "--servers", "1", "--steps", "100000", "--warmup", "10",
+                             "--scale", "0.001"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    try:
+        started: list[psutil.Process] = []
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and proc.poll() is None:
+            started = psutil.Process(proc.pid).children(recursive=True)
+            if len([p for p in started if _is_load_worker(p)]) >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the load's workers never started: {proc.communicate()}")
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, (out, err)
+    assert "interrupted (SIGINT); stopped what was started" in err, err
+    assert "Traceback" not in out + err, err
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not all(gone(p.pid) for p in started):
+        time.sleep(0.1)
+    assert all(gone(p.pid) for p in started), [p.pid for p in started if not gone(p.pid)]
+
+
+def _is_load_worker(process: psutil.Process) -> bool:
+    try:
+        return "multiprocessing.spawn" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
+
+
 def _is_bench_worker(process: psutil.Process) -> bool:
     try:
         return any(arg.startswith("bpsctl.bench.") for arg in process.cmdline())

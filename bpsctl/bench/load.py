@@ -24,6 +24,7 @@ import dataclasses
 import math
 import multiprocessing
 import queue
+import signal
 import statistics
 import time
 import uuid
@@ -82,6 +83,8 @@ def gradient_sizes(scale: float) -> list[int]:
 
 def _worker(rank: int, settings: LoadSettings, config: Config, scheduler: str, secret: str,
             job: str, events: Any, resume: list[Any]) -> None:
+    # started with SIGINT ignored (see run_load): from here on Ctrl-C ends this worker
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     worker = Worker(dataclasses.replace(config, role="worker", rank=rank,
                                         world_size=settings.workers, job_id=job,
                                         num_servers=settings.servers, scheduler=scheduler,
@@ -131,6 +134,10 @@ def _worker(rank: int, settings: LoadSettings, config: Config, scheduler: str, s
     except (EngineError, LoadError) as exc:
         events.put(("error", rank, str(exc)))
         raise SystemExit(1) from None
+    except KeyboardInterrupt:
+        # Ctrl-C reaches every process of the terminal's group: the parent says it was
+        # interrupted and stops the cluster; a traceback from each worker would only bury that
+        raise SystemExit(130) from None
     finally:
         worker.shutdown()
 
@@ -162,10 +169,16 @@ def run_load(config: Config, settings: LoadSettings,
         procs = [ctx.Process(target=_worker, args=(rank, settings, config, cluster.scheduler,
                                                    cluster.secret, job, events, resume))
                  for rank in range(settings.workers)]
-        for rank, proc in enumerate(procs):
-            proc.start()
-            assert proc.pid is not None                 # set by start()
-            pids[f"worker:{rank}"] = proc.pid
+        # a Ctrl-C reaches the whole process group: the workers start with SIGINT ignored,
+        # so that one pressed while they import is not a traceback from each of them
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for rank, proc in enumerate(procs):
+                proc.start()
+                assert proc.pid is not None                 # set by start()
+                pids[f"worker:{rank}"] = proc.pid
+        finally:
+            signal.signal(signal.SIGINT, previous)
         readings: dict[int, dict[str, int]] = {}          # settled
         at_barrier: dict[int, dict[str, int]] = {}
         arrived: dict[int, int] = {}
@@ -196,6 +209,12 @@ def run_load(config: Config, settings: LoadSettings,
                         resume[checkpoints.index(value)].set()
                 elif kind == "done":
                     step_s.append(value)
+        except BaseException:
+            # a failure or Ctrl-C: the workers still stepping would wait for the others
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+            raise
         finally:
             for proc in procs:
                 proc.join(timeout=30)
