@@ -26,6 +26,7 @@ import multiprocessing
 import queue
 import signal
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -171,14 +172,17 @@ def run_load(config: Config, settings: LoadSettings,
                  for rank in range(settings.workers)]
         # a Ctrl-C reaches the whole process group: the workers start with SIGINT ignored,
         # so that one pressed while they import is not a traceback from each of them
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # (only the main thread may set a handler; elsewhere Ctrl-C is not ours to handle)
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             for rank, proc in enumerate(procs):
                 proc.start()
                 assert proc.pid is not None                 # set by start()
                 pids[f"worker:{rank}"] = proc.pid
         finally:
-            signal.signal(signal.SIGINT, previous)
+            if main:
+                signal.signal(signal.SIGINT, previous)
         readings: dict[int, dict[str, int]] = {}          # settled
         at_barrier: dict[int, dict[str, int]] = {}
         arrived: dict[int, int] = {}
