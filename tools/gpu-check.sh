@@ -13,6 +13,9 @@
 #   tools/gpu-check.sh parts      # the forced staged step of both models with one partition per
 #                                 # bucket (BPSCTL_PARTITION_DEPTH=0, 64 MiB partitions) beside the
 #                                 # defaults: what the engine's per-partition work costs a GPU step
+#   tools/gpu-check.sh profiles   # `bpsctl profile` of both models at batch 64 of 224x224 (the
+#                                 # recorded profiles that replace the shipped derived h200-*
+#                                 # ones: copy them to bpsctl/bench/profiles/, about 1 minute)
 #   tools/gpu-check.sh profile    # torch.profiler's view of the forced ResNet50 step at 4,096,000
 #                                 # and 32 MiB CUDA buckets beside plain (tools/gpu-profile.py:
 #                                 # the compute stream's idle gaps and what each thread did then)
@@ -45,7 +48,15 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
 
 if [[ $what == all || $what == tests ]]; then
     step tests 180 "$python" -m pytest -q -n 4 -p no:cacheprovider -rs --durations=15 \
-        tests/test_torch_gpu.py tests/test_paths.py tests/test_staging.py tests/test_lend.py
+        tests/test_torch_gpu.py tests/test_paths.py tests/test_staging.py tests/test_lend.py \
+        tests/test_replay.py::test_recording_on_a_gpu_times_every_parameter_with_cuda_events
+fi
+
+if [[ $what == profiles ]]; then
+    for model in resnet50 vgg16; do
+        step "$model-recorded" 120 "${bpsctl[@]}" profile "$model" --device cuda \
+            --batch-size 64 --image-size 224 -o "$OUT/h200-$model.json"
+    done
 fi
 
 if [[ $what == all || $what == bench ]]; then
