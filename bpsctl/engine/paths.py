@@ -24,8 +24,7 @@ GRADIENT_PATHS = {
                     "the servers, NCCL all-gather",
     "host-staged": "CUDA tensors copied to host memory, summed by the host path, copied back",
     "shm-local": "one host: summed in shared memory, no servers",
-    "servers": "through the servers (after the host's shared-memory stage where workers share "
-               "a host)",
+    "servers": "through the servers, after a shared-memory stage on hosts of several workers",
 }
 
 #: the paths of :data:`GRADIENT_PATHS` on which no gradient reaches a server
