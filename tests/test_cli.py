@@ -492,3 +492,17 @@ def test_a_value_after_a_tune_switch_says_why_it_is_refused():
     assert tune_switch_problem(["--state-dir", "x", "tune", "--credit", "8"]) is not None
     assert tune_switch_problem(["run", "-np", "1", "--", "tune", "--credit", "8"]) is None
     assert "BPSCTL_NUM_SERVERS" in switch_given_a_value(["tune", "--server-count", "2"])
+
+
+def test_the_command_line_and_the_schedulers_supervisor_start_without_numpy():
+    """Every `bpsctl` call and every scheduler's supervisor is a new process: they load neither
+    NumPy (and its BLAS threads) nor asyncio, which only the engine's workers and servers use.
+    The engine's API still loads on first use."""
+    code = ("import sys, bpsctl.cli, bpsctl.engine.supervise, bpsctl.engine as bps\n"
+            "print(sorted(m for m in ('numpy', 'asyncio', 'torch') if m in sys.modules))\n"
+            "bps.push_pull, bps.Worker\n"
+            "print('numpy' in sys.modules, bps.push_pull.__module__)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[]", "True bpsctl.engine.api"]

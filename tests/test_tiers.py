@@ -70,6 +70,8 @@ FAST_TEST_OF = {
     "config.py": "test_config.py::test_bpsctl_variables_are_parsed_by_kind",
     "engine/basics.py": HOROVOD_OF_ONE,
     "engine/__init__.py":
+        "test_cli.py::test_the_command_line_and_the_schedulers_supervisor_start_without_numpy",
+    "engine/api.py":
         "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
     "engine/byteps.py":
         "test_bpslaunch.py::test_every_byteps_knob_of_env_md_is_honoured_or_named_as_ignored",

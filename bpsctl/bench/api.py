@@ -34,7 +34,6 @@ from ..errors import BpsctlError
 from ..model import GOODPUT_SHARE as GOODPUT_SHARE  # (where bench and its tests find it)
 from ..model import goodput_bytes_s, job_shares, round_seconds
 from .collectives import BYTES_OF, OPS, REDUCES, bus_factor
-from .comm import zmq_pair_seconds
 from .common import RESULT_MARKER
 from .gpu import gpu_keys
 
@@ -619,6 +618,7 @@ def comm_point(config: Config, settings: CommSettings, size: int, nic_mbit: floa
                                                      nic_mbit or 0) / layout["model_seconds"]
     if settings.raw and nic_mbit is None and hosts_cluster(config.state_dir) is None \
             and settings.device == "cpu":
+        from .comm import zmq_pair_seconds  # NumPy: loaded by the commands that measure
         raw_seconds = zmq_pair_seconds(size, min(config.partition_bytes, size),
                                        repeats=max(5, settings.repeats))
         import zmq

@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..engine.trace import interface_of, read_nic
 from .common import add_horovod_arguments, print_result, use_horovod_env
 from .gpu import add_device_arguments, use_gpu
 from .report import shm_shares
@@ -80,6 +79,7 @@ def _host_nic() -> str | None:
     the step really put on the wire. None on loopback, where every process of the machine,
     servers included, counts on ``lo``."""
     from ..config import Config
+    from ..engine.trace import interface_of
     name = interface_of(Config.from_env(role="worker").host)
     return None if name in (None, "lo") else name
 
@@ -256,6 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     timed(args.warmup)
     phases.update(backward_seconds=0.0, step_seconds=0.0)
     path = _gradient_path(args, cuda)
+    from ..engine.trace import read_nic  # here: the command line imports this module too
     nic = _host_nic() if rank == 0 else None
     nic_before = read_nic(nic) if nic else None
     img_secs = []

@@ -13,144 +13,56 @@ CUDA arrays (CuPy's) are staged through pinned host memory and come back on thei
 """
 from __future__ import annotations
 
-import atexit
-import sys
-from typing import Any, NoReturn
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ..config import Config
-from . import cuda
-from .collectives import SERVER_REDUCTIONS, ReduceOp, check_op, gather_by_sum
-from .common import EngineError, JobFinished
-from .worker import Handle, Worker
+from .common import EngineError, JobFinished  # noqa: F401  (the API raises and catches these)
+
+if TYPE_CHECKING:       # for type checkers; at run time these come from __getattr__
+    from . import cuda  # noqa: F401
+    from .api import (  # noqa: F401
+        Handle,
+        ReduceOp,
+        Worker,
+        _staging,
+        _w,
+        allgather,
+        allreduce,
+        allreduce_async,
+        barrier,
+        declare,
+        init,
+        is_initialized,
+        join,
+        local_rank,
+        local_size,
+        nothing_to_do,
+        poll,
+        push_pull,
+        push_pull_async,
+        rank,
+        shutdown,
+        size,
+        synchronize,
+    )
 
 __all__ = ["init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
            "push_pull", "push_pull_async", "poll", "synchronize", "declare", "barrier", "join",
            "allgather", "allreduce", "allreduce_async", "ReduceOp",
            "Worker", "Handle", "EngineError", "Config"]
 
-_worker: Worker | None = None
-_staging = cuda.CudaStaging()
+#: names of :mod:`bpsctl.engine.api` the package hands out (the plugins' ``_w``, ``_staging``,
+#: ``nothing_to_do`` and ``cuda`` included); the worker's state stays in that module
+_API_NAMES = frozenset(__all__) - {"EngineError", "Config"} | {
+    "_w", "_staging", "nothing_to_do", "cuda"}
 
 
-def init(config: Config | None = None) -> None:
-    """Join the job described by ``config`` (default: the environment). Idempotent."""
-    global _worker
-    if _worker is None:
-        try:
-            _worker = Worker(config)
-        except JobFinished as exc:
-            nothing_to_do(exc)
-
-
-def nothing_to_do(finished: JobFinished) -> NoReturn:
-    """A restarted worker whose job finished before it could rejoin: the job succeeded
-    without it, so the process says so and exits 0 rather than failing the run."""
-    print(f"bpsctl: {finished}; nothing to do", file=sys.stderr, flush=True)
-    raise SystemExit(0)
-
-
-def shutdown() -> None:
-    global _worker
-    if _worker is not None:
-        _worker.shutdown()
-        _worker = None
-
-
-atexit.register(shutdown)
-
-
-def is_initialized() -> bool:
-    return _worker is not None
-
-
-def _w() -> Worker:
-    if _worker is None:
-        raise EngineError("bpsctl engine is not initialized: call init() first")
-    return _worker
-
-
-def rank() -> int:
-    return _w().rank
-
-
-def size() -> int:
-    return _w().size
-
-
-def local_rank() -> int:
-    return _w().local_rank
-
-
-def local_size() -> int:
-    return _w().local_size
-
-
-def push_pull_async(array: Any, name: str | None = None, average: bool = True,
-                    priority: int = 0, out: Any = None) -> Handle | cuda.CudaHandle:
-    if cuda.is_cuda_array(array):
-        return cuda.push_pull_async(_w(), _staging, array, name, average, priority, out)
-    return _w().push_pull_async(array, name, average, priority, out)
-
-
-def push_pull(array: Any, name: str | None = None, average: bool = True, priority: int = 0,
-              out: Any = None) -> Any:
-    return synchronize(push_pull_async(array, name, average, priority, out))
-
-
-def poll(handle: Handle | cuda.CudaHandle) -> bool:
-    return handle.done()
-
-
-def synchronize(handle: Handle | cuda.CudaHandle, timeout_s: float | None = None) -> Any:
-    """The result: a NumPy array, or for a CUDA array one on its device."""
-    if isinstance(handle, cuda.CudaHandle):
-        return handle.wait(_w(), timeout_s)
-    return _w().synchronize(handle, timeout_s)
-
-
-def declare(name: str, shape: tuple[int, ...], dtype: Any) -> None:
-    _w().declare(name, shape, dtype)
-
-
-def barrier(timeout_s: float | None = None) -> None:
-    _w().barrier(timeout_s)
-
-
-def join() -> int:
-    """Horovod's join: this worker has no more data; the others' push_pulls count it as zeros
-    until every worker has joined. Returns the rank that joined last (see Worker.join)."""
-    return _w().join()
-
-
-def allreduce_async(array: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-                    priority: int = 0, out: Any = None) -> Handle | cuda.CudaHandle:
-    """Start reducing ``array`` across workers by ``op`` (Horovod's ops): Average and Sum are
-    push_pull's; Min, Max and Product are applied elementwise by the servers, over the same
-    partitioned, prioritized path (neither averaged nor compressed). Floor division is not
-    applied to integers: Average of an integer array is refused, as push_pull refuses it."""
-    op = ReduceOp(op)
-    check_op(op, [ReduceOp.Average, ReduceOp.Sum, *SERVER_REDUCTIONS], "allreduce")
-    average = op is ReduceOp.Average
-    reduction = SERVER_REDUCTIONS.get(op, 0)
-    if cuda.is_cuda_array(array):
-        return cuda.push_pull_async(_w(), _staging, array, name, average, priority, out,
-                                    reduction=reduction)
-    return _w().push_pull_async(array, name, average, priority, out, reduction=reduction)
-
-
-def allreduce(array: Any, name: str | None = None, op: ReduceOp = ReduceOp.Average,
-              priority: int = 0, out: Any = None) -> Any:
-    """:func:`allreduce_async`, waited for: the reduced array."""
-    return synchronize(allreduce_async(array, name, op, priority, out))
-
-
-def allgather(array: Any, name: str) -> Any:
-    """Every worker's ``array`` (host memory) concatenated along the first dimension in rank
-    order (workers may differ in that dimension only), through summation, each worker
-    pushing its own rows: see :func:`bpsctl.engine.collectives.gather_by_sum`. ``name`` is
-    the same on every worker."""
-    worker = _w()
-
-    def push_pull_sum(a: Any, n: str, mine: tuple[int, int] | None = None) -> Any:
-        return worker.push_pull(a, name=n, average=False, mine=mine)
-    return gather_by_sum(array, worker.rank, worker.size, push_pull_sum, name)
+def __getattr__(name: str) -> Any:
+    """Load the API on first use (PEP 562). Loading it imports the worker and NumPy; a
+    scheduler, a supervisor or ``bpsctl --help`` never pays for that."""
+    if name not in _API_NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(".api", __name__), name)
+    globals()[name] = value         # later look-ups are plain attribute reads
+    return value

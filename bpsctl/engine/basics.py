@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import _w
+from .api import _w
 from .collectives import timeline_path
 
 __all__: list[str] = [

@@ -13,7 +13,6 @@ from typing import Any
 
 import psutil
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from bpsctl.errors import BpsctlError
 
@@ -230,7 +229,9 @@ def monitor_events(mon: zmq.Socket) -> list[int]:
             frames = mon.recv_multipart(zmq.NOBLOCK)
         except zmq.Again:
             return events
-        events.append(parse_monitor_message(frames)["event"])
+        # libzmq's monitor message: its first frame is the event (16 bits), then a 32-bit
+        # value (read here directly: pyzmq's parser would load asyncio into every process)
+        events.append(int.from_bytes(frames[0][:2], sys.byteorder))
 
 
 def write_ready_file(path: str, info: dict[str, Any]) -> None:

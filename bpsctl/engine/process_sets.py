@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _w, is_initialized, rank, size
+from .api import _w, is_initialized, rank, size
 from .common import EngineError
 
 __all__: list[str] = ["ProcessSet", "ProcessSetUnsupported", "global_process_set",

@@ -14,6 +14,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+if __name__ == "__main__":
+    # A scheduler uses NumPy for dtypes alone and never calls BLAS. One BLAS thread spares
+    # the process the pool that OpenBLAS starts at import (a thread per core: most of the CPU
+    # time of importing NumPy). Set before NumPy loads; a value the user gave wins.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import numpy as np
 import zmq
 

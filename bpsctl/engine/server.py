@@ -56,6 +56,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+if __name__ == "__main__":
+    # A server sums with NumPy's elementwise ufuncs and never calls BLAS. One BLAS thread spares
+    # the process the pool that OpenBLAS starts at import (a thread per core: most of the CPU
+    # time of importing NumPy). Set before NumPy loads; a value the user gave wins.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import numpy as np
 import zmq
 

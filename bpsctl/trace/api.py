@@ -18,7 +18,6 @@ from typing import Any
 
 from bpsctl import __version__
 from bpsctl.config import ConfigError
-from bpsctl.engine.trace import FORMAT
 
 
 @dataclass
@@ -94,6 +93,7 @@ def _read(path: Path) -> dict[str, Any]:
     except ValueError as exc:
         raise ConfigError(f"{path}: not JSON, or cut short ({exc}); was the process stopped "
                           "while it wrote the trace?") from None
+    from bpsctl.engine.trace import FORMAT  # here: that module loads NumPy, `bpsctl` need not
     meta = data.get("otherData") if isinstance(data, dict) else None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT \
             or not isinstance(data.get("traceEvents"), list):
@@ -191,6 +191,7 @@ def _alignment(metas: list[dict[str, Any]]) -> tuple[list[int], dict[str, Any]]:
 
 def merge(timeline: Timeline) -> Path:
     """Write every process's events, on the merged clock, to ``<dir>/merged.json``."""
+    from bpsctl.engine.trace import FORMAT
     events: list[dict[str, Any]] = []
     for process in timeline.processes:
         events.extend(process.events)
