@@ -163,9 +163,11 @@ TIERS: dict[str, set[str]] = {
     # a real Slurm (slurmctld + one slurmd per emulated host): 5-15 s each; the bench jobs
     # 20-55 s (comm against allreduce) and 80-140 s (ResNet50 against Horovod and DDP)
     "test_slurm.py": {"slow", "root", "slurm"},
-    # the H200's ResNet50 replayed x50 against DDP and Horovod on emulated hosts: about 2 min
+    # the H200's ResNet50 replayed x25 against DDP and Horovod on emulated hosts: 40-50 s
     "test_replay.py::test_a_dilated_replay_against_the_baselines_on_emulated_hosts":
         {"slow", "root"},
+    # a sweep of 1 and 2 workers, bpsctl and DDP on each, a small profile: 10-20 s
+    "test_replay.py::test_a_replay_sweep_runs_every_system_at_each_worker_count": {"slow"},
     "test_replay.py::test_recording_on_a_gpu_times_every_parameter_with_cuda_events":
         {"gpu", "slow"},
     # ResNet50 training against DDP and Horovod: 20-30 s each

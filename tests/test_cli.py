@@ -500,7 +500,7 @@ def test_the_command_line_and_the_schedulers_supervisor_start_without_numpy():
     The engine's API still loads on first use."""
     code = ("import sys, bpsctl.cli, bpsctl.engine.supervise, bpsctl.engine as bps\n"
             "print(sorted(m for m in ('numpy', 'asyncio', 'torch') if m in sys.modules))\n"
-            "bps.push_pull, bps.Worker\n"
+            "assert bps._worker is None and not bps.is_initialized()\n"
             "print('numpy' in sys.modules, bps.push_pull.__module__)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)

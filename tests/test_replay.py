@@ -29,15 +29,17 @@ from bpsctl.bench.profile import (
     cuda_step_times,
     dilation_factor,
     load,
+    predicted_step_s,
     read,
     replay_label,
     replay_schedule,
     shipped_names,
     summarize,
+    transfer_groups,
     undilate_row,
 )
 from bpsctl.bench.replay import GRADIENT_VALUE, ReplayModel, ReplayOptimizer
-from bpsctl.bench.report import print_train
+from bpsctl.bench.report import print_train, print_train_sweep
 from bpsctl.cli import app
 from bpsctl.config import ConfigError
 
@@ -296,6 +298,47 @@ def test_the_stand_in_fires_each_hook_in_the_recorded_order_never_early():
         assert torch.all(param.grad == GRADIENT_VALUE)
 
 
+def test_the_step_model_overlaps_backward_with_the_transfer_of_what_is_ready():
+    # two gradients of 1 MiB each, ready 10 and 20 ms into a 30 ms backward
+    mib = (1 << 18,)                                   # float32: 1 MiB
+    profile = _profile([("a", mib, 0.020), ("b", mib, 0.010)], forward_s=0.005,
+                       backward_s=0.030, optimizer_s=0.002)
+    assert transfer_groups(profile, "bpsctl") == [(0.010, 0.5), (0.020, 0.5)]
+    # no network: the recorded step
+    assert predicted_step_s(profile, "bpsctl", None) == pytest.approx(profile.total_s)
+    # a step's bytes in 40 ms: b goes 10-30 ms, a 30-50 ms, the optimizer after that
+    assert predicted_step_s(profile, "bpsctl", 0.040) == pytest.approx(0.005 + 0.050 + 0.002)
+    # a fast network hides under backward entirely
+    assert predicted_step_s(profile, "horovod", 0.010) == pytest.approx(profile.total_s)
+    # DDP: a bucket leaves once its last gradient is ready; the first bucket is 1 MiB, so
+    # b (registered last, bucketed first) goes alone at 10 ms, then a at 20 ms
+    assert transfer_groups(profile, "ddp") == [(0.010, 0.5), (0.020, 0.5)]
+    small = _profile([(f"p{i}", (1024,), 0.001 * (10 - i)) for i in range(10)])
+    assert transfer_groups(small, "ddp") == [(0.010, 1.0)]       # 40 KiB: one bucket
+    assert transfer_groups(small, "bpsctl")[0] == (0.001, 0.1)    # each as it is ready
+
+
+def test_a_sweep_prints_each_worker_count_with_the_step_models_error_in_80_columns():
+    points = []
+    for workers, speedup in ((1, 1.0), (2, 1.3)):
+        point = train_report({"ddp": speedup}, nic=1000)
+        point["workers"], point["servers"] = workers, workers
+        point["results"].append({**point["results"][0], "system": "plain", "workers": 1})
+        for row in point["results"]:
+            row.update(scaling_efficiency=0.9, model_step_s=0.05, model_error=0.12)
+        point["replay"] = {"profile": "h200-resnet50", "source": "recorded", "dilation": 1.0,
+                           "label": "replayed from h200-resnet50, in real time"}
+        points.append(point)
+    report = {"kind": "train_sweep", "model": "resnet50", "nic_mbit": 1000,
+              "worker_counts": [1, 2], "points": points}
+    text = render(print_train_sweep, report)
+    assert_table_fits_80(text, rows=5)      # bpsctl, ddp, plain at 1; bpsctl, ddp at 2
+    said = sentence(text)
+    assert "replayed from h200-resnet50, in real time" in said
+    assert "servers: 1 at 1, 2 at 2" in said and "+12%" in text
+    assert "bpsctl 1.30x" in text
+
+
 # --------------------------------------------------------------------------- the benchmark
 
 def test_a_replayed_report_says_whose_time_its_figures_are_in():
@@ -376,6 +419,11 @@ def test_a_dilated_replay_against_the_baselines_on_emulated_hosts(tmp_path):
         assert row["step_seconds"] > 0.95 * profile.total_s, row["system"]
     plain = report["results"][-1]
     assert plain["step_seconds"] < 1.5 * profile.total_s
+    # the step model beside each row: one worker alone is the recorded step
+    for row in report["results"]:
+        assert row["model_step_s"] >= profile.total_s * 0.999, row["system"]
+        assert row["model_error"] == pytest.approx(row["step_seconds"] / row["model_step_s"] - 1)
+    assert plain["model_step_s"] == pytest.approx(profile.total_s)
     said = sentence(result.stderr)
     assert "replayed from h200-resnet50, x25 dilation: 25 Gbit emulated at 1 Gbit" in said
     assert "in the 25 Gbit cluster's time" in said
@@ -393,3 +441,32 @@ def test_recording_on_a_gpu_times_every_parameter_with_cuda_events():
     assert all(0 < p.ready_s <= profile.backward_s for p in profile.parameters)
     assert min(profile.parameters, key=lambda p: p.ready_s).name.startswith("fc.")
     assert profile.forward_s > 0 and profile.optimizer_s > 0
+
+
+@pytest.mark.timeout(240)
+def test_a_replay_sweep_runs_every_system_at_each_worker_count(tmp_path):
+    """`--sweep workers=1,2` on the embedded default: a cluster per count, every system on
+    each, img/sec per worker, the scaling and the step model's prediction in every row."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    small = tmp_path / "small.json"
+    _profile([(f"layer{i}.weight", (64, 64), 0.002 * (4 - i)) for i in range(4)],
+             forward_s=0.004, backward_s=0.010, optimizer_s=0.001).write(small)
+    out, plot = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    result = _bpsctl(["bench", "resnet50", "--replay", str(small), "--sweep", "workers=1,2",
+                      "--warmup", "1", "--iters", "2", "--compare", "ddp", "--json", str(out),
+                      "--plot", str(plot)], tmp_path / "state", 220)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["kind"] == "train_sweep" and report["worker_counts"] == [1, 2]
+    assert [(p["workers"], p["servers"]) for p in report["points"]] == [(1, 1), (2, 2)]
+    for point in report["points"]:
+        assert [row["system"] for row in point["results"]] == ["bpsctl", "ddp", "plain"]
+        for row in point["results"]:
+            assert row["img_per_sec_per_worker"] > 0 and row["scaling_efficiency"] > 0
+            assert row["model_step_s"] > 0 and "model_error" in row
+    assert plot.stat().st_size > 0
+    text = " ".join(result.stderr.split())
+    assert "bench resnet50 --sweep on CPU: loopback" in text and "servers: 1 at 1, 2 at 2" in text
+    assert_table_fits_80(result.stderr, rows=5)
+    leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not leftovers

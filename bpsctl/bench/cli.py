@@ -33,9 +33,11 @@ from .report import (
     plot_comm,
     plot_convergence,
     plot_train,
+    plot_train_sweep,
     print_comm,
     print_convergence,
     print_train,
+    print_train_sweep,
 )
 from .training import (
     ConvergenceSettings,
@@ -44,6 +46,7 @@ from .training import (
     probe_gpus,
     run_convergence,
     run_train,
+    run_train_sweep,
 )
 
 WORKERS_HELP = ("Worker processes (with --emulate: worker hosts; on a live emulated cluster: "
@@ -304,7 +307,7 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            staleness: int | None = None, async_mode: bool | None = None,
            workers_per_host: int = 1, colocated_servers: bool | None = None,
            cpu_share: str | None = None, device: str = "auto", replay: str | None = None,
-           target_nic: str | None = None) -> None:
+           target_nic: str | None = None, sweep: str | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
                                  trace_dir, straggler, backup_workers, staleness, async_mode,
@@ -329,7 +332,11 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
         if device == "cuda" and workers is None and not config.emulate and \
                 (live is None or (live.kind == "local" and not live.emulation)):
             workers = gpus[0].count             # one worker per GPU of this machine
-        workers, servers = cluster_size(config, workers, servers, workers_per_host=workers_per_host)
+        worker_counts = _sweep(sweep)
+        given_servers = servers
+        workers, servers = cluster_size(config, workers, servers,
+                                        "--sweep" if sweep is not None else "",
+                                        workers_per_host=workers_per_host)
         host_workers, host_gpus, gpu_by = physical_hosts(config, workers, gpus)
         backend, backend_why = baseline_backend(device, host_workers, host_gpus)
         if device == "cuda" and "horovod" in baselines:
@@ -338,7 +345,8 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                 raise ConfigError(f"--compare horovod on GPUs: {backend_why}, but Horovod takes "
                                   "CUDA tensors over NCCL only; run at most one worker per GPU "
                                   "(--workers), or drop horovod from --compare")
-        check_backup_workers(config.backup_workers, workers)
+        for count in [c * workers_per_host for c in worker_counts] if worker_counts else [workers]:
+            check_backup_workers(config.backup_workers, count)
         check_training_mode(config, {"staleness": "--staleness", "async_mode": "--async",
                                      "backup_workers": "--backup-workers"},
                             compression=compression or None)
@@ -356,6 +364,12 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                                  device=device, gpu_by=gpu_by, backend=backend,
                                  backend_why=backend_why, gpus=tuple(gpus),
                                  replay=replay or "", target_nic_mbit=target_mbit)
+        if worker_counts is not None:
+            _run_bench(model, config, lambda progress: run_train_sweep(
+                config, settings, worker_counts, given_servers,
+                progress=lambda message: progress(f"training, {message}")),
+                print_train_sweep, json_file, plot_file, plot_train_sweep)
+            return
         _run_bench(model, config, lambda progress: run_train(
             config, settings, progress=lambda message: progress(f"training with {message}")),
             print_train, json_file, plot_file, plot_train)
@@ -422,6 +436,11 @@ def _train_command(model: str, title: str) -> None:
                          "every recorded time is multiplied by RATE over --nic, and img/sec "
                          "and s/step are reported in the target's time (e.g. --nic 500mbit "
                          "--target-nic 25gbit: x50)."),
+                sweep: str | None = typer.Option(
+                    None, "--sweep", metavar="workers=1,2,4,8",
+                    help="A cluster per worker count (servers = workers unless --servers), "
+                         "every system on each: img/sec per worker and scaling; with --replay, "
+                         "the step model's prediction beside each row."),
                 emulate: bool | None = knob_option("emulate", "--emulate"),
                 nic: str | None = knob_option("nic", "--nic"),
                 straggler: str | None = knob_option("straggler", "--straggler"),
@@ -442,7 +461,7 @@ def _train_command(model: str, title: str) -> None:
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file, trace_dir, straggler, compression,
                backup_workers, cross_barrier, staleness, async_mode, workers_per_host,
-               colocated_servers, cpu_share, device, replay, target_nic)
+               colocated_servers, cpu_share, device, replay, target_nic, sweep)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")

@@ -508,3 +508,53 @@ def undilate_row(row: dict[str, Any], dilation: float) -> dict[str, Any]:
         out["phase_seconds_per_step"] = {phase: seconds / dilation for phase, seconds
                                          in row["phase_seconds_per_step"].items()}
     return out
+
+
+# --------------------------------------------------------------------------- the step model
+
+#: bytes per element of each profile dtype
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+#: torch DDP's gradient buckets, filled in reverse registration order: a first small one, so
+#: that communication starts early, then 25 MiB each (``bucket_cap_mb``)
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+DDP_BUCKET_BYTES = 25 << 20
+
+
+def transfer_groups(profile: Profile, system: str) -> list[tuple[float, float]]:
+    """What ``system`` sends of one step, in the order it goes: (seconds from the start of
+    backward when the group may leave, its share of the step's bytes).
+
+    bpsctl pushes each tensor as soon as it is ready (in partitions, earlier layers first
+    among those waiting) and Horovod fuses whatever is ready at each cycle (a millisecond):
+    per tensor, at its ready time, for both. DDP allreduces a bucket once its last gradient
+    is ready, buckets in the order it filled them (reverse registration)."""
+    sizes = [p.numel * DTYPE_BYTES.get(p.dtype, 4) for p in profile.parameters]
+    total = sum(sizes) or 1
+    if system not in ("ddp", "ddp-powersgd"):
+        return sorted((p.ready_s, size / total)
+                      for p, size in zip(profile.parameters, sizes, strict=True))
+    groups: list[tuple[float, float]] = []
+    ready, filled, cap = 0.0, 0, DDP_FIRST_BUCKET_BYTES
+    for p, size in reversed(list(zip(profile.parameters, sizes, strict=True))):
+        ready, filled = max(ready, p.ready_s), filled + size
+        if filled >= cap:
+            groups.append((ready, filled / total))
+            ready, filled, cap = 0.0, 0, DDP_BUCKET_BYTES
+    if filled:
+        groups.append((ready, filled / total))
+    return groups
+
+
+def predicted_step_s(profile: Profile, system: str, network_s: float | None) -> float:
+    """The step the model predicts for ``system`` when moving a whole step's bytes over the
+    busiest NIC takes ``network_s`` (the NIC-bound ideal, in the profile's time; None or 0:
+    nothing crosses a NIC): the forward pass, then backward with the network moving each of
+    :func:`transfer_groups` from when it may leave, one after another at that rate, then the
+    optimizer step once both have ended. What it leaves out: the CPU time of the systems
+    themselves, and a server's or a ring's latency per message."""
+    network_s = network_s or 0.0
+    done = 0.0                  # when the network is free, from the start of backward
+    for ready_s, share in transfer_groups(profile, system):
+        done = max(done, ready_s) + share * network_s
+    backward_s = max([profile.backward_s] + [p.ready_s for p in profile.parameters])
+    return profile.forward_s + max(backward_s, done) + profile.optimizer_s

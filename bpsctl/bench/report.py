@@ -440,6 +440,7 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
     if replay:
         plain = [row["step_seconds"] for row in report["results"] if row["system"] == "plain"]
         console.print(replay_line(replay, plain[0] if plain else None), highlight=False)
+        console.print(model_line(report), highlight=False)
     ours = report["results"][0]
     if ours.get("gradient_path"):
         from ..engine.paths import GRADIENT_PATHS
@@ -497,6 +498,84 @@ def plot_train(report: dict[str, Any], path: Path) -> None:
                  f"{nic}, batch {report['batch_size']}")
     ax.set_ylabel("img/sec (whole job), ± 1.96σ")
     ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def model_line(report: dict[str, Any]) -> str:
+    """For a replay: the step model's prediction per system beside the measured step, e.g.
+    "the step model predicts 0.052 s a step for bpsctl (measured +3%), ..." ("" otherwise)."""
+    rows = [row for row in report["results"] if row.get("model_step_s") is not None]
+    if not rows:
+        return ""
+    return ("the step model (backward overlapped with the NIC-bound transfer) predicts "
+            + ", ".join(f"{row['model_step_s']:.3f} s a step for {row['system']} (measured "
+                        f"{row['model_error']:+.0%})" for row in rows))
+
+
+def print_train_sweep(console: Console, report: dict[str, Any]) -> None:
+    """One row per worker count and system: img/sec per worker, the scaling (over one worker
+    alone without communication), the step model's error for a replay, bpsctl's speedup."""
+    points = report["points"]
+    first = points[0]
+    cuda = first.get("device") == "cuda"
+    model = any(row.get("model_step_s") is not None for p in points for row in p["results"])
+    columns = ["workers", "system", "per GPU" if cuda else "per worker", "scaling"] \
+        + (["model\ns/step", "vs\nmodel"] if model else []) + ["speedup"]
+    table = _table(f"bench {report['model']} --sweep on {_device(first)}: {_network(first)}",
+                   columns, ("system",))
+    for point in points:
+        for row in point["results"]:
+            if row["system"] == "plain" and point is not first:
+                continue            # one worker alone: the same at every count
+            speedup = point["speedup"].get(row["system"])
+            cells = [str(point["workers"]), row["system"], f"{row['img_per_sec_per_worker']:.2f}",
+                     _fmt(row.get("scaling_efficiency"), ".2f")]
+            if model:
+                cells += [_fmt(row.get("model_step_s"), ".3f"),
+                          _fmt(row.get("model_error"), "+.0%")]
+            cells.append("" if speedup is None else f"bpsctl {speedup:.2f}x")
+            table.add_row(*cells)
+    console.print(table)
+    if first.get("replay"):
+        console.print(replay_line(first["replay"]), highlight=False)
+    console.print("scaling: img/sec per " + ("GPU" if cuda else "worker") + " over plain's (one "
+                  "worker alone, no communication); servers: "
+                  + ", ".join(f"{p['servers']} at {p['workers']}" for p in points)
+                  + (". vs model: the measured step over the step model's (backward "
+                     "overlapped with the NIC-bound transfer), less 1" if model else ""),
+                  highlight=False)
+
+
+def plot_train_sweep(report: dict[str, Any], path: Path) -> None:
+    """Scaling efficiency against workers per system; for a replay, the step model's as
+    dashed lines of the same colour."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    points = report["points"]
+    workers = [p["workers"] for p in points]
+    systems = [row["system"] for row in points[0]["results"] if row["system"] != "plain"]
+    for index, system in enumerate(systems):
+        rows = [next(row for row in p["results"] if row["system"] == system) for p in points]
+        color = f"C{index}"
+        ax.plot(workers, [row["scaling_efficiency"] for row in rows], "o-", color=color,
+                label=system)
+        if all(row.get("model_step_s") for row in rows):
+            plain = next(row for row in points[0]["results"] if row["system"] == "plain")
+            alone = plain["model_step_s"]
+            ax.plot(workers, [alone / row["model_step_s"] for row in rows], "--", color=color,
+                    label=f"{system} (step model)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(workers, [str(n) for n in workers])
+    ax.set_ylim(0, 1.1)
+    ax.set_xlabel("workers")
+    ax.set_ylabel("scaling efficiency (per worker / one alone)")
+    replay = points[0].get("replay")
+    ax.set_title(f"{report['model']}: {_network(points[0])}"
+                 + (f"\n{replay['label']}" if replay else ""), fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -6,6 +6,7 @@ DDP and PowerSGD on the same hosts, each a job of :mod:`bpsctl.bench.train` work
 """
 from __future__ import annotations
 
+import dataclasses
 import socket
 import statistics
 import sys
@@ -31,7 +32,14 @@ from .api import (
 )
 from .gpu import HostGPUs, gpu_keys, last_json, probe_code, probe_here
 from .horovod import check_installed, horovod_rendezvous, worker_args
-from .profile import dilation_factor, replay_label, resolve, shipped_names, undilate_row
+from .profile import (
+    dilation_factor,
+    predicted_step_s,
+    replay_label,
+    resolve,
+    shipped_names,
+    undilate_row,
+)
 from .train import throughput
 
 TRAIN_BASELINES = ("horovod", "ddp", "ddp-powersgd")
@@ -266,6 +274,10 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     if settings.replay:
         # the figures in the time of the cluster the replay stands for
         results = [undilate_row(row, dilation) for row in results]
+        for row in results:
+            # the step model's prediction, in the same time, beside what was measured
+            row["model_step_s"] = predicted_step_s(profile, row["system"], row["ideal_step_s"])
+            row["model_error"] = row["step_seconds"] / row["model_step_s"] - 1
         name, path = resolve(settings.replay)
         replay = {"replay": {
             "profile": name, "file": str(path), "source": profile.source,
@@ -297,6 +309,29 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         "speedup": {system: statistics.median(values) for system, values in ratios.items()},
         **({"speedup_by_round": ratios} if settings.rounds > 1 else {}),
     }
+
+
+def run_train_sweep(config: Config, settings: TrainSettings, worker_counts: Sequence[int],
+                    servers: int | None, output: IO[str] | None = None,
+                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """`--sweep workers=1,2,4,...`: a fresh cluster per worker count and a run of every system
+    on it (:func:`run_train`); servers = workers unless ``servers`` is given (with colocated
+    servers: one on each worker host and ``servers`` CPU hosts); with
+    ``settings.workers_per_host`` K, each count is of worker hosts, K workers each. The
+    points are `train` reports, the step model's prediction in each row of a replay."""
+    points = []
+    for n in worker_counts:
+        total = (servers or 0) + n if config.colocated_servers else servers or n
+        point = dataclasses.replace(settings, workers=n * settings.workers_per_host,
+                                    servers=total)
+        where = f"{n} worker{'s' if n > 1 else ''}"
+
+        def said(message: str, where: str = where) -> None:
+            if progress:
+                progress(f"{where}: {message}")
+        points.append(run_train(config, point, output, progress=said))
+    return {"kind": "train_sweep", "model": settings.model, "nic_mbit": points[0]["nic_mbit"],
+            "worker_counts": list(worker_counts), "points": points}
 
 
 def wire_bytes_per_step(model: Any, config: Config, spec: str, servers: int = 1) -> int:

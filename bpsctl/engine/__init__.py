@@ -61,6 +61,8 @@ _API_NAMES = frozenset(__all__) - {"EngineError", "Config"} | {
 def __getattr__(name: str) -> Any:
     """Load the API on first use (PEP 562). Loading it imports the worker and NumPy; a
     scheduler, a supervisor or ``bpsctl --help`` never pays for that."""
+    if name == "_worker":       # this process's Worker or None: read where it lives, each time
+        return importlib.import_module(".api", __name__)._worker
     if name not in _API_NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(".api", __name__), name)
