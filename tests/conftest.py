@@ -30,6 +30,13 @@ from bpsctl.config import Config
 from bpsctl.engine import Worker
 from bpsctl.launch import api
 
+# Every process the tests start (pytest's workers, the command line, servers, training workers)
+# inherits this. OpenBLAS starts a thread per core as NumPy loads, most of the CPU time of
+# importing NumPy (and a seventh of torch's), and no test needs BLAS threads: on 2 cores, with
+# many processes at once, that start-up only takes CPU from the tests. (bpsctl's servers and
+# schedulers set it themselves; a user's training script keeps what its environment says.)
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 # --------------------------------------------------------------------------- tiers and needs
 #
 # Decided here and nowhere else. `python -m pytest -m "not slow"` is the developer loop (about
