@@ -173,7 +173,7 @@ TIERS: dict[str, set[str]] = {
     # the H200's ResNet50 replayed x25 against DDP and Horovod on emulated hosts: 40-50 s
     "test_replay.py::test_a_dilated_replay_against_the_baselines_on_emulated_hosts":
         {"slow", "root"},
-    # a sweep of 1 and 2 workers, bpsctl and DDP on each, a small profile: 10-20 s
+    # a sweep of 1 and 2 workers on the embedded default, a small profile: 10-20 s
     "test_replay.py::test_a_replay_sweep_runs_every_system_at_each_worker_count": {"slow"},
     "test_replay.py::test_recording_on_a_gpu_times_every_parameter_with_cuda_events":
         {"gpu", "slow"},
