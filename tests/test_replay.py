@@ -337,6 +337,13 @@ def test_a_sweep_prints_each_worker_count_with_the_step_models_error_in_80_colum
     assert "replayed from h200-resnet50, in real time" in said
     assert "servers: 1 at 1, 2 at 2" in said and "+12%" in text
     assert "bpsctl 1.30x" in text
+    # a row well above the model is named, with what the model leaves out
+    assert "more than the network explains" not in said
+    points[1]["results"][0]["model_error"] = 0.35
+    said = sentence(render(print_train_sweep, report))
+    assert ("more than the network explains: bpsctl at 2 (+35%); the step model leaves out "
+            "the CPU time of each system's own workers and servers (here every emulated host "
+            "shares this machine's CPU cores)") in said
 
 
 # --------------------------------------------------------------------------- the benchmark
