@@ -381,7 +381,9 @@ def test_a_replayed_report_says_whose_time_its_figures_are_in():
     (["resnet50", "--replay", "h200-resnet50", "--target-nic", "fast"],
      "--target-nic: expected a rate"),
     (["resnet50", "--replay", "h200-resnet50", "--cross-barrier"], "drop --cross-barrier"),
-], ids=["unknown", "model", "batch", "no-nic", "no-replay", "rate", "cross-barrier"])
+    (["resnet50", "--replay", "h200-resnet50", "--sweep", "workers=0,2"],
+     "--sweep: expected workers="),
+], ids=["unknown", "model", "batch", "no-nic", "no-replay", "rate", "cross-barrier", "sweep"])
 def test_bad_replay_flags_exit_2_naming_the_flag_before_anything_starts(tmp_path, args,
                                                                       expected):
     result = _invoke(["bench", *args], tmp_path)
