@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from bpsctl.bench import horovod as horovod_mod
 from bpsctl.bench import profile as profile_mod
+from bpsctl.bench.api import sweep_servers
 from bpsctl.bench.models import build
 from bpsctl.bench.profile import (
     ParameterTiming,
@@ -41,7 +42,7 @@ from bpsctl.bench.profile import (
 from bpsctl.bench.replay import GRADIENT_VALUE, ReplayModel, ReplayOptimizer
 from bpsctl.bench.report import print_train, print_train_sweep
 from bpsctl.cli import app
-from bpsctl.config import ConfigError
+from bpsctl.config import Config, ConfigError
 
 
 def _profile(ready: list[tuple[str, tuple[int, ...], float]], forward_s: float = 0.01,
@@ -316,6 +317,13 @@ def test_the_step_model_overlaps_backward_with_the_transfer_of_what_is_ready():
     small = _profile([(f"p{i}", (1024,), 0.001 * (10 - i)) for i in range(10)])
     assert transfer_groups(small, "ddp") == [(0.010, 1.0)]       # 40 KiB: one bucket
     assert transfer_groups(small, "bpsctl")[0] == (0.001, 0.1)    # each as it is ready
+
+
+def test_a_sweep_point_has_a_server_per_worker_host_unless_told_and_colocated_adds_them():
+    dedicated, colocated = Config(), Config(colocated_servers=True)
+    assert [sweep_servers(dedicated, None, n) for n in (1, 4)] == [1, 4]
+    assert [sweep_servers(dedicated, 2, n) for n in (1, 4)] == [2, 2]
+    assert [sweep_servers(colocated, None, 4), sweep_servers(colocated, 2, 4)] == [4, 6]
 
 
 def test_a_sweep_prints_each_worker_count_with_the_step_models_error_in_80_columns():

@@ -800,6 +800,15 @@ def _with_security_modes(points: list[list[dict[str, Any]]], modes: tuple[str, .
     return report
 
 
+def sweep_servers(config: Config, servers: int | None, worker_hosts: int) -> int:
+    """The servers of a `--sweep` point of ``worker_hosts``: ``servers`` if given, else one
+    per worker host; with colocated servers, one on each worker host and ``servers`` CPU
+    hosts besides."""
+    if config.colocated_servers:
+        return (servers or 0) + worker_hosts
+    return servers or worker_hosts
+
+
 def run_sweep(config: Config, settings: CommSettings, worker_counts: list[int],
               servers: int | None, output: IO[str] | None = None,
               progress: Callable[[str], None] | None = None) -> dict[str, Any]:
@@ -808,7 +817,7 @@ def run_sweep(config: Config, settings: CommSettings, worker_counts: list[int],
     each), bpsctl against allreduce at each, and the theory 2(n-1)/n beside it."""
     points = []
     for n in worker_counts:
-        total = (servers or 0) + n if config.colocated_servers else servers or n
+        total = sweep_servers(config, servers, n)
         point_settings = CommSettings(workers=n * settings.workers_per_host,
                                       servers=total, sizes=settings.sizes[:1],
                                       tensors=settings.tensors, warmup=settings.warmup,

@@ -440,7 +440,9 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
     if replay:
         plain = [row["step_seconds"] for row in report["results"] if row["system"] == "plain"]
         console.print(replay_line(replay, plain[0] if plain else None), highlight=False)
-        console.print(model_line(report), highlight=False)
+        model = model_line(report)
+        if model:
+            console.print(model, highlight=False)
     ours = report["results"][0]
     if ours.get("gradient_path"):
         from ..engine.paths import GRADIENT_PATHS
@@ -451,8 +453,7 @@ def print_train(console: Console, report: dict[str, Any]) -> None:
         console.print(f"DDP over {report.get('baseline_backend')}: "
                       f"{report.get('baseline_backend_why')}", highlight=False)
     if scaling:
-        console.print("scaling: img/sec per " + ("GPU" if cuda else "worker") + " over "
-                      "plain's (one worker alone, no communication)", highlight=False)
+        console.print(_scaling_said(cuda), highlight=False)
     batches = report["batches_per_iter"]
     versions = ", ".join(row["version"] for row in report["results"] if row.get("version"))
     console.print(f"batch {report['batch_size']} per worker, {report['image_size']}x"
@@ -506,6 +507,12 @@ def plot_train(report: dict[str, Any], path: Path) -> None:
 #: how far above the step model a measured step may be before the report says what the model
 #: leaves out
 MODEL_MISS = 0.15
+_STEP_MODEL = "the step model (backward overlapped with the NIC-bound transfer)"
+
+
+def _scaling_said(cuda: bool) -> str:
+    return ("scaling: img/sec per " + ("GPU" if cuda else "worker")
+            + " over plain's (one worker alone, no communication)")
 
 
 def model_miss(reports: list[dict[str, Any]]) -> str:
@@ -532,7 +539,7 @@ def model_line(report: dict[str, Any]) -> str:
     if not rows:
         return ""
     miss = model_miss([report])
-    return ("the step model (backward overlapped with the NIC-bound transfer) predicts "
+    return (f"{_STEP_MODEL} predicts "
             + ", ".join(f"{row['model_step_s']:.3f} s a step for {row['system']} (measured "
                         f"{row['model_error']:+.0%})" for row in rows)
             + (f"; {miss}" if miss else ""))
@@ -564,11 +571,10 @@ def print_train_sweep(console: Console, report: dict[str, Any]) -> None:
     console.print(table)
     if first.get("replay"):
         console.print(replay_line(first["replay"]), highlight=False)
-    console.print("scaling: img/sec per " + ("GPU" if cuda else "worker") + " over plain's (one "
-                  "worker alone, no communication); servers: "
+    console.print(_scaling_said(cuda) + "; servers: "
                   + ", ".join(f"{p['servers']} at {p['workers']}" for p in points)
-                  + (". vs model: the measured step over the step model's (backward "
-                     "overlapped with the NIC-bound transfer), less 1" if model else ""),
+                  + (f". vs model: the measured step over {_STEP_MODEL}'s, less 1"
+                     if model else ""),
                   highlight=False)
     miss = model_miss(points)
     if miss:
@@ -583,16 +589,15 @@ def plot_train_sweep(report: dict[str, Any], path: Path) -> None:
     points = report["points"]
     workers = [p["workers"] for p in points]
     systems = [row["system"] for row in points[0]["results"] if row["system"] != "plain"]
+    alone = next(row for row in points[0]["results"] if row["system"] == "plain")
     for index, system in enumerate(systems):
         rows = [next(row for row in p["results"] if row["system"] == system) for p in points]
         color = f"C{index}"
         ax.plot(workers, [row["scaling_efficiency"] for row in rows], "o-", color=color,
                 label=system)
-        if all(row.get("model_step_s") for row in rows):
-            plain = next(row for row in points[0]["results"] if row["system"] == "plain")
-            alone = plain["model_step_s"]
-            ax.plot(workers, [alone / row["model_step_s"] for row in rows], "--", color=color,
-                    label=f"{system} (step model)")
+        if alone.get("model_step_s") and all(row.get("model_step_s") for row in rows):
+            ax.plot(workers, [alone["model_step_s"] / row["model_step_s"] for row in rows], "--",
+                    color=color, label=f"{system} (step model)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(workers, [str(n) for n in workers])
     ax.set_ylim(0, 1.1)

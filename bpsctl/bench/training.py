@@ -28,6 +28,7 @@ from .api import (
     host_streams,
     hosts_cluster,
     ideal_step_seconds,
+    sweep_servers,
     worker_hosts,
 )
 from .gpu import HostGPUs, gpu_keys, last_json, probe_code, probe_here
@@ -321,9 +322,8 @@ def run_train_sweep(config: Config, settings: TrainSettings, worker_counts: Sequ
     points are `train` reports, the step model's prediction in each row of a replay."""
     points = []
     for n in worker_counts:
-        total = (servers or 0) + n if config.colocated_servers else servers or n
         point = dataclasses.replace(settings, workers=n * settings.workers_per_host,
-                                    servers=total)
+                                    servers=sweep_servers(config, servers, n))
         where = f"{n} worker{'s' if n > 1 else ''}"
 
         def said(message: str, where: str = where) -> None:
