@@ -354,6 +354,17 @@ class Config:
     credit_bytes: int = knob(67108864, "BPSCTL_CREDIT_BYTES",
                              "most bytes a worker has pushed and not yet seen acknowledged", "size",
                              in_file=True)
+    pacing: bool = knob(True, "BPSCTL_PACING",
+                        "when servers sum unequal shares (the mixed layout), a worker's bytes in "
+                        "flight stay within BPSCTL_PACING_WINDOW, so that they leave in the "
+                        "order of the servers' shares (0: off, the credit alone binds)", "bool",
+                        in_file=True)
+    # 6 MiB: the 4 + 2 mixed layout at 500 Mbit comes closest to its model (docs/benchmarks-
+    # layouts.md); what the NIC drains in about 0.1 s there
+    pacing_window_bytes: int = knob(6291456, "BPSCTL_PACING_WINDOW",
+                                    "under pacing, most bytes a worker has pushed and not yet "
+                                    "seen acknowledged (the credit, when that is smaller)",
+                                    "size", in_file=True)
     fusion_bytes: int = knob(4096000, "BPSCTL_FUSION_BYTES",
                              "DistributedOptimizer packs gradients smaller than this, consecutive "
                              "in backward order, into one push_pull of up to this size (0: off)",
@@ -548,6 +559,8 @@ class Config:
             (0 <= self.partition_depth <= 65536, "BPSCTL_PARTITION_DEPTH", "0..65536 (0: off)",
              self.partition_depth),
             (self.credit_bytes >= 1, "BPSCTL_CREDIT_BYTES", "at least 1 byte", self.credit_bytes),
+            (self.pacing_window_bytes >= 1, "BPSCTL_PACING_WINDOW", "at least 1 byte",
+             self.pacing_window_bytes),
             (self.fusion_bytes >= 0, "BPSCTL_FUSION_BYTES", "0 or more bytes", self.fusion_bytes),
             (self.cuda_fusion_bytes >= 0, "BPSCTL_CUDA_FUSION_BYTES", "0 or more bytes",
              self.cuda_fusion_bytes),

@@ -250,6 +250,14 @@ def test_tune_table_fits_80_columns_when_the_choice_is_the_current_config():
                                                  "round_seconds": None, "why": "4 worker hosts"}))
     assert_table_fits_80(text, rows=2)
     assert "0.6" in text and "traffic model 0.600" in text
+    assert "pacing" not in text
+    # a mixed layout chosen: its round paced by share beside the same point unpaced
+    text = render(print_tune, dict(report, knobs=["partition_bytes", "credit", "layout"],
+                                   finalists=[point, other], best=point, baseline=point,
+                                   model_layout={"cpu_share": 0.6, "round_factor": 1.2,
+                                                 "round_seconds": None, "why": "4 worker hosts"},
+                                   unpaced={"score": point["score"] / 1.1, "passes": [1.0]}))
+    assert "paced by share" in text and "1.10x" in text
 
 
 def test_top_level_help_describes_all_of_bpsctl():

@@ -90,6 +90,8 @@ FAST_TEST_OF = {
     "engine/mxnet/__init__.py": "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_one_worker",
     "engine/mxnet/mpi_ops.py": "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_one_worker",
     "engine/mxnet/ops.py": "test_horovod_mxnet.py::test_a_horovod_mxnet_script_on_one_worker",
+    "engine/pacing.py":
+        "test_pacing.py::test_unequal_shares_bound_the_bytes_in_flight_by_the_pacing_window",
     "engine/partition.py": "test_engine.py::test_sizes_the_partition_size_does_not_divide",
     "engine/paths.py":
         "test_paths.py::test_one_worker_sends_nothing_unless_forced_and_gets_the_same_sums",

@@ -69,6 +69,7 @@ from .common import (
     release_free_memory,
     watch_link,
 )
+from .pacing import credit_for
 from .paths import solo_job
 from .security import Login, Security, handshake_failed, refused_handshake
 from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
@@ -373,6 +374,10 @@ class Worker:
         self._seq = itertools.count()
         self._inflight_bytes = 0
         self._unacked: dict[int, int] = {}                     # part id -> bytes
+        # the bound on _inflight_bytes: the credit, or the pacing window when the servers
+        # sum unequal shares (engine/pacing.py); None: to be worked out again (the servers or
+        # their shares changed)
+        self._credit: int | None = None
         self._active: dict[int, tuple[_Task, list[int]]] = {}  # part id -> (task, part)
         # (server index, part id) of a process set's partitions whose SCOPE that server has
         self._scoped: set[tuple[int, int]] = set()
@@ -1322,7 +1327,14 @@ class Worker:
         """Send queued partitions while the credit lasts. At most half a heartbeat interval
         at a time (compressing a large tensor's first push here can take seconds): returns
         True if it stopped for that with more to send, so the loop comes straight back."""
-        queue, credit, trace = self._queue, self.config.credit_bytes, self._trace
+        queue, trace = self._queue, self._trace
+        credit = self._credit
+        if credit is None:
+            cfg = self.config
+            credit = self._credit = credit_for(
+                [float(s.get("share") or 0.0) for i, s in enumerate(self._servers)
+                 if i not in self._servers_lost], cfg.credit_bytes, cfg.pacing_window_bytes,
+                cfg.pacing)
         give_way = time.monotonic() + self.config.heartbeat_interval_s / 2
         while queue:
             if time.monotonic() >= give_way:
@@ -1952,6 +1964,7 @@ class Worker:
         server = self._servers[index]
         for i in taker:         # it sums the lost one's share now (a restarted scheduler asks)
             self._servers[i]["share"] = server.get("share")
+        self._credit = None     # the survivors' shares may be equal now, or no longer
         try:        # stop reconnecting to it
             self._server_socks[index].disconnect(f"tcp://{server['host']}:{server['port']}")
         except zmq.ZMQError:

@@ -182,6 +182,9 @@ class Tuning:
     #: the re-measured points (finalists and the current config): median over the passes
     finalists: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] | None = None
+    #: the chosen point of a mixed layout measured again with pacing off (BPSCTL_PACING=0):
+    #: {"score", "passes"}; None where pacing does not apply
+    unpaced: dict[str, Any] | None = None
 
     def report(self) -> dict[str, Any]:
         base = next((f for f in self.finalists if f["current"]), None)
@@ -201,6 +204,7 @@ class Tuning:
                 "why": self.guess.why},
             "model_note": self.guess_note,
             "model_layout": self.layout_model,
+            "unpaced": self.unpaced,
         }
 
     def searched(self) -> list[str]:
@@ -221,11 +225,21 @@ class Tuning:
 Progress = Callable[[int, int, str], None]
 
 
+def paced(point_share: float | None, layout_model: dict[str, Any] | None,
+          config: Config) -> bool:
+    """Whether a job at a point whose CPU hosts' share is ``point_share`` (None: the cluster's
+    layout) is paced (engine/pacing.py): servers of both kinds summing unequal shares, and
+    pacing on. 0 and 1 leave one kind of server summing everything, evenly."""
+    return config.pacing and layout_model is not None and \
+        (point_share is None or 0.0 < point_share < 1.0)
+
+
 def _measure(config: Config, point: Point, settings: TuneSettings, workers: int,
-             nic_mbit: float | None, repeats: int, output: Any) -> tuple[float, float]:
+             nic_mbit: float | None, repeats: int, output: Any,
+             pacing: bool = True) -> tuple[float, float]:
     """(score, seconds) of one fresh job at ``point``: higher score is better."""
     job_config = config.replace(partition_bytes=point.partition_bytes,
-                                credit_bytes=point.credit_bytes,
+                                credit_bytes=point.credit_bytes, pacing=config.pacing and pacing,
                                 cpu_share=config.cpu_share if point.cpu_share is None
                                 else repr(point.cpu_share))
     if settings.model is None:
@@ -339,11 +353,13 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
                     layout_model)
     search = len(space) if settings.grid else min(settings.trials, len(space))
     total = 1 + search + settings.final_passes * (min(settings.finalists, search) + 1)
+    total += settings.final_passes if layout_model is not None else 0       # unpaced, maybe
     scores: dict[Point, float] = {}
 
-    def measure(point: Point, stage: str) -> float:
+    def measure(point: Point, stage: str, pacing: bool = True) -> float:
         progress(len(tuning.trials), total, f"{stage} {_describe(point)}")
-        score, seconds = _measure(config, point, settings, workers, nic, settings.repeats, output)
+        score, seconds = _measure(config, point, settings, workers, nic, settings.repeats, output,
+                                  pacing)
         tuning.trials.append({"number": len(tuning.trials), "stage": stage,
                               "partition_bytes": point.partition_bytes, "servers": point.servers,
                               "credit": point.credit_bytes, "cpu_share": point.cpu_share,
@@ -375,6 +391,10 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
                        if (f["partition_bytes"], f["servers"], f["credit"], f["cpu_share"]) ==
                        (winner.partition_bytes, winner.servers, winner.credit_bytes,
                         winner.cpu_share))
+    if paced(winner.cpu_share, layout_model, config):
+        # what pacing by share gives the chosen layout: the same point with it off
+        unpaced = [measure(winner, "unpaced", pacing=False) for _ in range(settings.final_passes)]
+        tuning.unpaced = {"score": statistics.median(unpaced), "passes": unpaced}
     progress(len(tuning.trials), total, "done")
     return tuning
 

@@ -139,6 +139,12 @@ def print_tune(console: Console, report: dict[str, Any]) -> None:
         console.print(f"layout: measured best CPU hosts' share "
                       f"{'auto' if chosen is None else format(chosen, '.3g')}, traffic model "
                       f"{model_layout['cpu_share']:.3f} ({model_layout['why']})", highlight=False)
+    unpaced = report.get("unpaced")
+    if unpaced:
+        score = report["best"]["score"]
+        console.print(f"pacing: the chosen layout {score:.1f} paced by share, "
+                      f"{unpaced['score']:.1f} without (BPSCTL_PACING=0): "
+                      f"{score / unpaced['score']:.2f}x", highlight=False)
     guess = report["model_guess"]
     if layout:
         return                  # every job used all the servers: no count was chosen
