@@ -529,6 +529,7 @@ def render(workers: int = typer.Option(..., "--workers", help="Worker pods (an I
 
 from bpsctl.bench.cli import bench_app, profile  # noqa: E402  (sub-apps after the root app)
 from bpsctl.bench.install import install_app  # noqa: E402
+from bpsctl.chaos.cli import chaos  # noqa: E402
 from bpsctl.trace.cli import trace  # noqa: E402
 from bpsctl.tune.cli import switch_given_a_value, tune  # noqa: E402
 
@@ -536,6 +537,7 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(install_app, name="install")
 app.add_typer(k8s_app, name="k8s")
 app.command(name="tune")(tune)
+app.command(name="chaos")(chaos)
 app.command(name="trace")(trace)
 app.command(name="profile")(profile)
 

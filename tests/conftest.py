@@ -150,6 +150,13 @@ TIERS: dict[str, set[str]] = {
         {"slow"},
     "test_horovod_api.py::test_an_mnist_style_horovod_script_trains_on_two_emulated_hosts":
         {"slow", "root"},
+    "test_chaos.py::test_a_partition_cuts_a_host_off_both_ways_and_heals": {"slow", "root"},
+    "test_chaos.py::test_a_pause_stops_every_process_of_the_host_until_it_ends_and_a_kill_ends_them":
+        {"slow", "root"},
+    "test_chaos.py::test_a_lossy_link_and_a_collapsed_one_are_shaped_then_restored":
+        {"slow", "root"},
+    "test_chaos.py::test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it":
+        {"slow", "root"},
     "test_emulate.py::test_create_reach_destroy": {"slow", "root"},
     "test_emulate.py::test_teardown_on_keyboard_interrupt": {"slow", "root"},
     "test_emulate.py::test_leftovers_of_a_crashed_run_are_found_and_removed": {"slow", "root"},

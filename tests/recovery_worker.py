@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import bpsctl.engine.torch as bps
+from bpsctl.chaos.job import batch, make_model  # the same model and data as bpsctl chaos
 
 
 def main() -> None:
@@ -77,21 +78,6 @@ def main() -> None:
     if errors is not None:
         errors.close()
     bps.shutdown()
-
-
-def make_model() -> torch.nn.Module:
-    """The same initial parameters on every rank and in every run (seed 0)."""
-    torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(512, 512), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers, torch.nn.Linear(512, 10))
-
-
-def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank ``rank``'s data at ``step``: the same in every run and after a restart."""
-    data = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(32, 512, generator=data), torch.randint(0, 10, (32,), generator=data)
 
 
 def average_error(model: torch.nn.Module, before: torch.nn.Module, step: int,

@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("bpsctl.cli",),                    # `bpsctl`: every command group
     ("bpsctl.trace",),                  # `bpsctl trace`: merges and draws timelines
     ("bpsctl.tune",),                   # `bpsctl tune`: runs benchmarks to pick the knobs
+    ("bpsctl.chaos",),                  # faults injected into a running emulated cluster
     ("bpsctl.bench",),                  # `bpsctl bench` and its worker programs
     ("bpsctl.cliutil",),                # what the command groups share (typer, rich)
     ("bpsctl.launch",),                 # clusters: local, emulated, SSH, Slurm, Kubernetes

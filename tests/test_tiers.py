@@ -39,6 +39,14 @@ HOROVOD_OF_ONE = "test_small_parts.py::test_horovods_collectives_of_one_worker_g
 
 FAST_TEST_OF = {
     "__init__.py": "test_cli.py::test_status_without_a_cluster",
+    "chaos/api.py":
+        "test_chaos.py::test_the_checker_finds_ranks_that_differ_stalls_and_a_drifted_model",
+    "chaos/cli.py": "test_chaos.py::test_the_chaos_table_names_each_fault_and_each_invariant",
+    "chaos/faults.py": "test_chaos.py::test_a_collapse_needs_a_shaped_nic_and_a_kind_is_checked",
+    "chaos/job.py":
+        "test_chaos.py::test_the_job_is_the_same_in_every_run_and_each_rank_gets_its_own_batches",
+    "chaos/schedule.py":
+        "test_chaos.py::test_a_seed_gives_the_same_schedule_and_every_schedule_keeps_its_rules",
     "bench/allreduce.py":
         "test_small_parts.py::test_the_allreduce_baseline_checks_its_sum_and_reports_its_rounds",
     "bench/api.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",

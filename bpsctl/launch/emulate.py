@@ -202,6 +202,18 @@ def netns_command(namespace: str | EmulatedHost, argv: Sequence[str]) -> list[st
     return ["ip", "netns", "exec", ns, *argv]
 
 
+def run_in_root(argv: Sequence[str]) -> str:
+    """Run ``argv`` (``ip netns add``, ...) in this machine's namespace; its output, or an
+    :class:`EmulationError` naming the command."""
+    return _run(argv)
+
+
+def run_in(namespace: str | EmulatedHost, argv: Sequence[str], *, stdin: str | None = None) -> str:
+    """Run ``argv`` inside a host's namespace and return its output; an
+    :class:`EmulationError` naming the command (and a failed ``tc -batch`` line) if it fails."""
+    return _run(netns_command(namespace, argv), stdin=stdin)
+
+
 def hosts_file_text(plan: NetworkPlan, host: EmulatedHost) -> str:
     """``/etc/hosts`` as the host's processes see it: this machine's hostname is the host's
     own address (gloo and Horovod resolve it), and every emulated host has its name."""
@@ -235,15 +247,16 @@ def shaping_batch(plan: NetworkPlan, host: EmulatedHost, side: str) -> str:
              f"class add dev {dev} parent 1:1 classid 1:2 htb rate {ack_kbit}kbit "
              f"ceil {total_kbit}kbit prio 0 quantum {_quantum(ack_kbit)}"]
     # an ACK is a TCP packet of IP total length 32-127 bytes (two masks). Not 0-127: a GSO
-    # packet over 64 KiB carries total length 0 (IPv4 BIG TCP), and it is data
+    # packet over 64 KiB carries total length 0 (IPv4 BIG TCP), and it is data. (Filter
+    # priority 1 is left for chaos/faults.py's partitions, which must come before the ACKs.)
     for value, mask in ((0x0020, 0xffe0), (0x0040, 0xffc0)):
-        lines.append(f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip protocol 6 "
+        lines.append(f"filter add dev {dev} parent 1: protocol ip prio 2 u32 match ip protocol 6 "
                      f"0xff match u16 0x{value:04x} 0x{mask:04x} at 2 flowid 1:2")
     for index, peer in enumerate(peers):
         classid = f"1:{0x10 + index:x}"
         lines.append(f"class add dev {dev} parent 1:1 classid {classid} htb rate {share_kbit}kbit "
                      f"ceil {total_kbit}kbit prio 1 quantum {_quantum(share_kbit)}")
-        lines.append(f"filter add dev {dev} parent 1: protocol ip prio 2 u32 "
+        lines.append(f"filter add dev {dev} parent 1: protocol ip prio 3 u32 "
                      f"match ip {match} {peer.address}/32 flowid {classid}")
     return "\n".join(lines) + "\n"
 

@@ -1,0 +1,308 @@
+"""`bpsctl chaos` as a function: a training job on an emulated cluster while a seeded schedule
+of faults hits its hosts, then the checker (docs/chaos.md).
+
+One cluster serves both runs: a fault-free reference run of the job first (its length is the
+schedule's duration unless one is given), then the same job under the faults. The checker
+reads what the job's workers recorded (bpsctl/chaos/job.py: each step's parameter digest and
+time, the final parameters) and what the cluster left behind.
+"""
+from __future__ import annotations
+
+import io
+import itertools
+import re
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .. import launch
+from ..config import Config, ConfigError
+from ..launch import emulate
+from .faults import Undo, apply
+from .schedule import KINDS, Fault, make_schedule
+
+#: final parameters against the fault-free run's, relative L2: servers sum in arrival order,
+#: so two runs round differently, and this model turns one early rounding difference into
+#: about 2e-4 (tests/rounding_sensitivity.py); a rank missing for half the run gives 3e-3
+FINAL_DIFF_BOUND = 1e-3
+#: what a worker's output says when bpsctl notices a fault and acts on it
+NOTICED = re.compile(r"lost|moved|took over|restart|rejoin|joined|went on|fenc|unreachable",
+                     re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class ChaosSettings:
+    workers: int = 4
+    servers: int = 4
+    steps: int = 300
+    seed: int = 0
+    duration_s: float | None = None     # None: the fault-free run's length
+    kinds: tuple[str, ...] = tuple(KINDS)
+    count: tuple[int, int] = (3, 6)
+
+
+@dataclass
+class FaultRecord:
+    """One fault as it happened: when it was applied and undone (seconds from the job's start),
+    and the first thing bpsctl said about it."""
+
+    fault: Fault
+    applied_s: float | None = None
+    undone_s: float | None = None
+    noticed_s: float | None = None
+    action: str = ""
+    error: str = ""
+
+
+class Lines(io.TextIOBase):
+    """The workers' output, each line with when it came (seconds from ``start``)."""
+
+    def __init__(self, start: float) -> None:
+        super().__init__()
+        self.start = start
+        self.lines: list[tuple[float, str]] = []
+        self._partial = ""
+        self._lock = threading.Lock()
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            now = time.monotonic() - self.start
+            self._partial += text
+            *whole, self._partial = self._partial.split("\n")
+            self.lines.extend((now, line) for line in whole)
+        return len(text)
+
+
+def run_chaos(config: Config, settings: ChaosSettings,
+              progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+    """Bring up an emulated cluster (``config.nic``, ``config.spare_servers``), run the job
+    fault-free and under a schedule seeded by ``settings.seed``, check, tear down; the report."""
+    emulate.check_prerequisites()
+    with tempfile.TemporaryDirectory(prefix="bpsctl-chaos-") as tmp:
+        state_dir = Path(tmp) / "state"
+        config = config.replace(emulate=True, state_dir=state_dir,
+                                world_size=settings.workers,
+                                min_workers=config.min_workers or settings.workers - 1)
+        progress(f"building {settings.workers} worker and {settings.servers} server host(s)")
+        cluster = launch.up(config, servers=settings.servers, workers=settings.workers)
+        assert cluster.emulation is not None
+        plan = emulate.plan_network(len(cluster.emulation["workers"]),
+                                    len(cluster.emulation["servers"]), config.nic or None,
+                                    cluster_id=cluster.emulation["cluster_id"])
+        try:
+            reference = Path(tmp) / "reference"
+            progress(f"the fault-free run: {settings.steps} steps")
+            ref_run, ref_s, _, _ = _job(config, settings, reference, plan, [])
+            if ref_run.exit_code != 0:
+                raise ConfigError(f"chaos: the fault-free run failed (exit {ref_run.exit_code}); "
+                                  "nothing to compare with")
+            duration = settings.duration_s or ref_s
+            faults = make_schedule(settings.seed, duration, [h.name for h in plan.workers],
+                                   [h.name for h in plan.servers][:settings.servers],
+                                   settings.kinds, settings.count)
+            progress(f"the run under {len(faults)} fault(s), seed {settings.seed}")
+            chaos = Path(tmp) / "chaos"
+            result, took_s, records, output = _job(config, settings, chaos, plan, faults)
+            report = _check(config, settings, reference, chaos, result, records)
+            # what the workers said about the faults, and how the job ended
+            report["said"] = [f"{t:7.2f} {line}" for t, line in output.lines
+                              if NOTICED.search(line)][:40]
+            report["output_tail"] = [f"{t:7.2f} {line}" for t, line in output.lines[-30:]]
+            report.update(seed=settings.seed, duration_s=round(duration, 1),
+                          reference_s=round(ref_s, 1), run_s=round(took_s, 1))
+        finally:
+            down = launch.down(state_dir)
+        left = emulate.find_leftovers([plan.cluster_id])
+        report["left_behind"] = [*down.survivors,
+                                 *(f"namespace {ns}" for leftover in left
+                                   for ns in leftover.namespaces)]
+        report["invariants"]["nothing left behind"] = not report["left_behind"]
+        report["ok"] = all(held is not False for held in report["invariants"].values())
+        return report
+
+
+def _job(config: Config, settings: ChaosSettings, out: Path, plan: emulate.NetworkPlan,
+         faults: list[Fault]) -> tuple[launch.RunResult, float, list[FaultRecord], Lines]:
+    """Run the job into ``out`` while ``faults`` are applied and undone on time, the clock
+    starting at its first step; (how it ended, how long it trained, each fault's record, the
+    workers' output)."""
+    out.mkdir(parents=True)
+    output = Lines(time.monotonic())
+    records = [FaultRecord(fault) for fault in faults]
+    done = threading.Event()
+    clock: list[float] = []         # when the first step ended: the schedule's zero
+    injector = threading.Thread(target=_inject, args=(plan, records, out, clock, done),
+                                name="chaos-injector", daemon=True)
+    injector.start()
+    try:
+        result = launch.run([sys.executable, "-m", "bpsctl.chaos.job", str(out),
+                             str(settings.steps)], config, servers=settings.servers,
+                            stdout=output, stderr=output)
+    finally:
+        done.set()
+        injector.join(60)
+    start = clock[0] if clock else output.start
+    took = time.monotonic() - start
+    output.lines = [(t + output.start - start, line) for t, line in output.lines]
+    for record in records:
+        if record.applied_s is None:
+            continue
+        said = next(((t, line) for t, line in output.lines if t >= record.applied_s and
+                     NOTICED.search(line) and
+                     _names(plan.host(record.fault.target).address, line)), None)
+        if said is not None:
+            record.noticed_s, record.action = round(said[0], 2), said[1].strip()[:160]
+    (out / "output.txt").write_text("\n".join(f"{t:8.2f} {line}" for t, line in output.lines))
+    return result, took, records, output
+
+
+def _names(address: str, line: str) -> bool:
+    """Whether a line of output speaks of the emulated host at ``address`` (the engine names a
+    lost worker, server or scheduler by its address)."""
+    return re.search(rf"\b{re.escape(address)}\b(?![.\d])", line) is not None
+
+
+def _inject(plan: emulate.NetworkPlan, records: list[FaultRecord], out: Path,
+            clock: list[float], done: threading.Event) -> None:
+    """Once the job has trained its first step (a worker recorded it in ``out``: the
+    schedule's zero, put in ``clock`` and, as wall-clock time, in ``out/start``), apply each
+    fault at its start and undo it at its end; undo everything once the job ends (``done``),
+    whatever is still applied."""
+    while not any(p.stat().st_size for p in out.glob("steps-*")):
+        if done.wait(0.02):
+            return
+    start = time.monotonic()
+    clock.append(start)
+    (out / "start").write_text(f"{time.time():.3f}")
+    pending: list[tuple[float, int, str]] = sorted(
+        [(r.fault.start_s, i, "apply") for i, r in enumerate(records)])
+    undos: dict[int, Undo] = {}
+    while pending and not done.is_set():
+        at, index, what = pending[0]
+        if done.wait(max(0.0, start + at - time.monotonic())):
+            break
+        pending.pop(0)
+        record = records[index]
+        now = round(time.monotonic() - start, 2)
+        try:
+            if what == "apply":
+                undos[index] = apply(plan, record.fault)
+                record.applied_s = now
+                if record.fault.length_s is not None:
+                    pending.append((at + record.fault.length_s, index, "undo"))
+                    pending.sort()
+            else:
+                undos.pop(index)()
+                record.undone_s = now
+        except Exception as exc:        # a fault that could not be applied is reported, not fatal
+            record.error = f"{what}: {exc}"
+    for index, undo in undos.items():   # the job ended first
+        try:
+            undo()
+            records[index].undone_s = round(time.monotonic() - start, 2)
+        except Exception as exc:
+            records[index].error = f"undo: {exc}"
+
+
+def _survivable(settings: ChaosSettings, records: list[FaultRecord], min_workers: int) -> bool:
+    """Whether the faults as applied always left the job a way on: at each moment a server up
+    (spares aside), the scheduler's host (beside server 0) up while any server is down, and at
+    least ``min_workers`` workers up. Down: paused, cut off from every host, or killed;
+    a slow or lossy link is up."""
+    windows = [(r.applied_s, r.undone_s if r.undone_s is not None else float("inf"),
+                r.fault.target) for r in records if r.applied_s is not None and
+               r.fault.kind in ("pause", "kill") or r.fault.kind == "partition" and
+               r.applied_s is not None and not r.fault.params.get("peers")]
+    for at, _, _ in windows:
+        down = {target for start, end, target in windows if start <= at < end}
+        servers = {t for t in down if t.startswith("s")}
+        workers = {t for t in down if t.startswith("w")}
+        if len(servers) >= settings.servers or ("s0" in down and servers) or \
+                settings.workers - len(workers) < max(1, min_workers):
+            return False
+    return True
+
+
+def _steps(out: Path) -> dict[int, dict[int, tuple[str, float, float]]]:
+    """rank -> step -> (digest, seconds, wall clock) from the workers' records (a restarted
+    worker's later record of a step wins)."""
+    steps: dict[int, dict[int, tuple[str, float, float]]] = {}
+    for path in out.glob("steps-*"):
+        rank = int(path.name.split("-")[1])
+        for line in path.read_text().splitlines():
+            step, digest, seconds, wall = line.split()
+            steps.setdefault(rank, {})[int(step)] = (digest, float(seconds), float(wall))
+    return steps
+
+
+def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path,
+           result: launch.RunResult, records: list[FaultRecord]) -> dict[str, Any]:
+    """The report, with each invariant True (held), False (failed) or None (does not apply)."""
+    import numpy as np  # here: `bpsctl` itself starts without NumPy
+    steps = _steps(chaos)
+    exit_code = result.exit_code
+    # a worker that left the job (lost, restarted) took its share out of some averages: then
+    # the final parameters differ from the fault-free run's by design
+    left = [f.rank for f in (*result.restarted, *result.left_behind)]
+    # ranks bitwise equal after every step
+    unequal = sorted(step for step in {s for rank in steps.values() for s in rank}
+                     if len({steps[r][step][0] for r in steps if step in steps[r]}) > 1)
+    # the final parameters against the fault-free run's
+    finals = sorted(chaos.glob("final-*.npy"))
+    worst = None
+    if finals:
+        mine = np.load(finals[0]).astype(np.float64)
+        theirs = np.load(reference / finals[0].name).astype(np.float64)
+        scale = float(np.linalg.norm(theirs)) or 1e-30
+        worst = float(np.linalg.norm(mine - theirs)) / scale
+    # the worst stall: a step's time over the median step's; a step under a collapsed link
+    # may be as slow as the link, so those do not count
+    began = float((chaos / "start").read_text()) if (chaos / "start").exists() else 0.0
+    collapsed = [(r.applied_s or 0.0, r.undone_s if r.undone_s is not None else float("inf"))
+                 for r in records if r.fault.kind == "collapse" and r.applied_s is not None]
+
+    def under_collapse(seconds: float, wall: float) -> bool:
+        end = wall - began
+        return any(end >= a and end - seconds <= b for a, b in collapsed)
+
+    # the job's progress: when some rank first finished each step; a stall is a gap between
+    # two steps beyond the median gap
+    first = sorted(min(rank[step][2] for rank in steps.values() if step in rank)
+                   for step in {s for rank in steps.values() for s in rank})
+    gaps = [(b - a, b) for a, b in itertools.pairwise(first)]
+    median = statistics.median(gap for gap, _ in gaps) if gaps else 0.0
+    stall = max((gap - median for gap, wall in gaps if not under_collapse(gap, wall)),
+                default=0.0)
+    bound = config.heartbeat_timeout_s + 2.0
+    survivable = _survivable(settings, records, config.min_workers)
+    completed = all(max(rank, default=-1) == settings.steps - 1 for rank in steps.values()) \
+        and bool(steps)
+    return {
+        "kind": "chaos", "workers": settings.workers, "servers": settings.servers,
+        "steps": settings.steps, "nic": config.nic, "spare_servers": config.spare_servers,
+        "max_restarts": config.max_restarts, "exit_code": exit_code,
+        "faults": [dict(asdict(r), fault=asdict(r.fault)) for r in records],
+        "unequal_steps": unequal[:20], "final_rel_diff": worst, "workers_left": left,
+        "worst_stall_s": round(stall, 2), "median_step_s": round(median, 4),
+        "stall_bound_s": bound, "survivable": survivable,
+        "invariants": {
+            # faults that left no server, no scheduler beside a lost server, or too few
+            # workers reachable may end the job, with an error that names the loss
+            "exit 0, or a named error where the faults left no way on":
+                exit_code == 0 or not survivable and bool(result.lost or result.failures),
+            # a job the faults ended (above) has no steps or stalls to judge
+            "every step done": completed if exit_code == 0 or survivable else None,
+            "ranks bitwise equal after every step": not unequal,
+            f"final parameters within {FINAL_DIFF_BOUND:g} of the fault-free run's":
+                None if left else worst is not None and worst <= FINAL_DIFF_BOUND,
+            "worst stall within the heartbeat timeout + 2 s":
+                stall <= bound if exit_code == 0 or survivable else None,
+            "every fault applied and undone": all(not r.error for r in records),
+        },
+    }

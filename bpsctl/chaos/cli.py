@@ -1,0 +1,96 @@
+"""`bpsctl chaos`: the command line of bpsctl/chaos/api.py, and its table."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from ..cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
+from ..config import ConfigError
+from .api import ChaosSettings, run_chaos
+from .faults import netem_available
+from .schedule import parse_kinds
+
+
+def chaos(ctx: typer.Context,
+          workers: int = typer.Option(4, "--workers", min=2, help="Emulated worker hosts."),
+          servers: int = typer.Option(4, "--servers", min=1,
+                                      help="Emulated server hosts (spares besides)."),
+          nic: str | None = knob_option("nic", "--nic"),
+          spare_servers: int | None = knob_option("spare_servers", "--spare-servers"),
+          max_restarts: int | None = knob_option("max_restarts", "--max-restarts", min=0),
+          steps: int = typer.Option(300, "--steps", min=10, help="Steps of the training job."),
+          seed: int = typer.Option(0, "--seed", help="Seeds the schedule: the same seed, the "
+                                                     "same faults at the same times."),
+          duration: float | None = typer.Option(
+              None, "--duration", help="Seconds over which faults start (default: the length "
+                                       "of the fault-free run)."),
+          faults: str = typer.Option("all", "--faults", metavar="KIND[,KIND]",
+                                     help="Kinds of fault: kill, pause, partition, lossy, "
+                                          "collapse, or all."),
+          json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
+          config_file: Path | None = config_file_option(),
+          ) -> None:
+    """Train through seeded faults on an emulated cluster (root), then check that nothing was
+    lost or applied twice.
+
+    Builds the cluster, runs a small training job once without faults and once while a
+    schedule seeded by --seed kills, pauses, partitions, slows or collapses its hosts' links,
+    then checks: exit 0, ranks bitwise equal after every step, final parameters equal to the
+    fault-free run's within float32 rounding of summation order, no step stalled past the
+    heartbeat timeout + 2 s (but under a collapsed link), every fault undone, nothing left
+    behind. Exits 1 if an invariant failed. Unless given: --nic 1gbit, --spare-servers 1,
+    --max-restarts 1, --min-workers one less than --workers.
+    """
+    with cli_errors():
+        config = build_config(ctx, {"nic": (nic or "1gbit", "--nic"),
+                                    "spare_servers": (1 if spare_servers is None
+                                                      else spare_servers, "--spare-servers"),
+                                    "max_restarts": (1 if max_restarts is None
+                                                     else max_restarts, "--max-restarts")},
+                              config_file, read_file=True)
+        kinds = parse_kinds(faults)
+        if "lossy" in kinds and not netem_available():
+            if faults.strip() != "all":
+                raise ConfigError("--faults lossy: a lossy link needs the kernel's netem qdisc "
+                                  "(sch_netem), which this kernel does not have; leave lossy "
+                                  "out")
+            kinds = tuple(k for k in kinds if k != "lossy")
+            err_console.print("note: lossy links left out: this kernel has no netem "
+                              "(sch_netem)", highlight=False)
+        settings = ChaosSettings(workers=workers, servers=servers, steps=steps, seed=seed,
+                                 duration_s=duration, kinds=kinds)
+        with err_console.status("chaos") as spinner:
+            report = run_chaos(config, settings, lambda text: spinner.update(text))
+    print_chaos(report)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report, indent=2))
+        err_console.print(f"wrote {json_out}", highlight=False)
+    raise typer.Exit(0 if report["ok"] else 1)
+
+
+def print_chaos(report: dict[str, Any]) -> None:
+    """Each fault with when bpsctl noticed it and what it did; then each invariant."""
+    table = Table(title=f"bpsctl chaos, seed {report['seed']}: {len(report['faults'])} faults "
+                        f"over {report['duration_s']:g} s")
+    for column in ("fault", "target", "at s", "for s", "noticed s", "what bpsctl did"):
+        table.add_column(column, justify="right" if " s" in column else "left")
+    for record in report["faults"]:
+        fault = record["fault"]
+        what = record["error"] or record["action"] or "-"
+        table.add_row(fault["kind"], fault["target"], f"{fault['start_s']:g}",
+                      "-" if fault["length_s"] is None else f"{fault['length_s']:g}",
+                      "-" if record["noticed_s"] is None else f"{record['noticed_s']:g}",
+                      what[:60])
+    err_console.print(table)
+    err_console.print(f"steps: median {report['median_step_s']:.3f} s, worst stall "
+                      f"{report['worst_stall_s']:.1f} s (bound {report['stall_bound_s']:g} s); "
+                      f"final parameters {report['final_rel_diff']:.2e} from the fault-free "
+                      "run's" if report["final_rel_diff"] is not None else
+                      "steps: no worker finished", highlight=False)
+    for name, held in report["invariants"].items():
+        mark = {True: "[green]held[/]", False: "[bold red]FAILED[/]", None: "n/a "}[held]
+        err_console.print(f"  {mark}  {name}", highlight=False)

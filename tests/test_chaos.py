@@ -1,0 +1,287 @@
+"""Chaos (docs/chaos.md): the seeded schedule of faults, and each fault applied to a real
+emulated host and undone (root)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import psutil
+import pytest
+from conftest import kill_pids, wait_until
+
+from bpsctl.chaos.faults import apply, netem_available
+from bpsctl.chaos.schedule import KINDS, Fault, make_schedule, parse_kinds
+from bpsctl.config import ConfigError
+from bpsctl.launch import emulate
+
+WORKERS, SERVERS = ("w0", "w1", "w2", "w3"), ("s0", "s1", "s2", "s3")
+
+
+def test_a_seed_gives_the_same_schedule_and_every_schedule_keeps_its_rules():
+    assert make_schedule(7, 120, WORKERS, SERVERS) == make_schedule(7, 120, WORKERS, SERVERS)
+    assert make_schedule(7, 120, WORKERS, SERVERS) != make_schedule(8, 120, WORKERS, SERVERS)
+    seen: set[str] = set()
+    together = 0
+    for seed in range(200):
+        faults = make_schedule(seed, 120, WORKERS, SERVERS)
+        assert 3 <= len(faults) <= 6
+        assert faults == sorted(faults, key=lambda f: (f.start_s, f.target))
+        for i, a in enumerate(faults):
+            assert 0 < a.start_s < 120 and a.kind in KINDS
+            span = KINDS[a.kind][0]
+            assert (a.length_s is None) == (span is None)
+            if span is not None:
+                assert span[0] <= a.length_s <= span[1]
+            for b in faults[i + 1:]:          # one fault at a time on a host
+                assert a.target != b.target or a.end_s <= b.start_s or b.end_s <= a.start_s
+        kills = [f.target for f in faults if f.kind == "kill"]
+        assert len([k for k in kills if k in WORKERS]) <= 1
+        assert len([k for k in kills if k in SERVERS]) < len(SERVERS)
+        starts = [f.start_s for f in faults]
+        together += len(starts) != len(set(starts))
+        seen.update(f.kind for f in faults)
+    assert seen == set(KINDS) and together > 0      # every kind, and two at once, happen
+
+
+def test_the_kinds_asked_for_and_a_bad_one_named():
+    assert parse_kinds("pause, partition") == ("pause", "partition")
+    assert parse_kinds("all") == tuple(KINDS)
+    faults = make_schedule(3, 60, WORKERS, SERVERS, kinds=("pause",))
+    assert {f.kind for f in faults} == {"pause"}
+    with pytest.raises(ConfigError, match="unknown kind.*pauze.*expected"):
+        parse_kinds("pause,pauze")
+    with pytest.raises(ConfigError, match="--duration"):
+        make_schedule(1, 0, WORKERS, SERVERS)
+
+
+def test_a_lone_server_is_never_killed():
+    for seed in range(50):
+        faults = make_schedule(seed, 60, WORKERS, ("s0",), kinds=("kill",))
+        assert all(f.target != "s0" for f in faults)
+
+
+def test_a_collapse_needs_a_shaped_nic_and_a_kind_is_checked():
+    unshaped = emulate.plan_network(2, 1, None)
+    with pytest.raises(ValueError, match="needs a shaped NIC .--nic.; w0's is not"):
+        apply(unshaped, Fault("collapse", "w0", 0, 10, {"factor": 0.02}))
+    with pytest.raises(ValueError, match="unknown fault kind 'flood'"):
+        apply(unshaped, Fault("flood", "w0", 0, 10))
+    with pytest.raises(KeyError, match="no emulated host 'w9'"):
+        apply(unshaped, Fault("pause", "w9", 0, 10))
+
+
+@pytest.fixture(scope="module")
+def network():
+    plan = emulate.plan_network(2, 1, "100mbit")
+    with emulate.emulated_network(plan):
+        yield plan
+
+
+def _connects(plan, source: str, target: str) -> bool:
+    """Whether a TCP connection from host ``source`` to the listener on ``target`` opens."""
+    code = (f"import socket; socket.create_connection(('{plan.host(target).address}', 5555), "
+            "timeout=1).close()")
+    done = subprocess.run(emulate.netns_command(plan.host(source).namespace,
+                                                [sys.executable, "-c", code]),
+                          capture_output=True, timeout=10)
+    return done.returncode == 0
+
+
+def _start_in(plan, host: str, code: str) -> subprocess.Popen:
+    return subprocess.Popen(emulate.netns_command(plan.host(host).namespace,
+                                                  [sys.executable, "-c", code]))
+
+
+LISTEN = ("import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
+          "socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 5555)); s.listen(64)\n"
+          "while True: s.accept()[0].close()")
+
+
+def test_a_partition_cuts_a_host_off_both_ways_and_heals(network):
+    listener = _start_in(network, "s0", LISTEN)
+    try:
+        wait_until(lambda: _connects(network, "w0", "s0"), 10, "the listener on s0")
+        undo = apply(network, Fault("partition", "s0", 0, 5))
+        assert not _connects(network, "w0", "s0") and not _connects(network, "w1", "s0")
+        undo()
+        assert _connects(network, "w0", "s0")
+        # from some peers only: w0 cut off from s0, w1 not
+        undo = apply(network, Fault("partition", "w0", 0, 5, {"peers": ("s0",)}))
+        assert not _connects(network, "w0", "s0") and _connects(network, "w1", "s0")
+        undo()
+        undo()                                  # twice is once
+        assert _connects(network, "w0", "s0")
+    finally:
+        kill_pids([listener.pid])
+        listener.wait(10)
+
+
+def test_a_pause_stops_every_process_of_the_host_until_it_ends_and_a_kill_ends_them(network):
+    sleeper = _start_in(network, "w1", "import time; time.sleep(60)")
+    try:
+        def inside() -> list[psutil.Process]:
+            return [psutil.Process(p) for p in emulate.namespace_pids(network.host("w1").namespace)]
+        wait_until(lambda: inside(), 10, "the process in w1's namespace")
+        undo = apply(network, Fault("pause", "w1", 0, 5))
+        assert all(p.status() == psutil.STATUS_STOPPED for p in inside())
+        undo()
+        wait_until(lambda: all(p.status() != psutil.STATUS_STOPPED for p in inside()), 5,
+                   "the processes to resume")
+        apply(network, Fault("kill", "w1", 0, None))
+        sleeper.wait(10)
+        assert not emulate.namespace_pids(network.host("w1").namespace)
+    finally:
+        kill_pids([sleeper.pid])
+
+
+def _tc(plan, host: str, *what: str) -> str:
+    return emulate.run_in(plan.host(host).namespace, ["tc", *what, "show", "dev",
+                                                      plan.host(host).interface])
+
+
+def test_a_lossy_link_and_a_collapsed_one_are_shaped_then_restored(network):
+    lossy = Fault("lossy", "w0", 0, 10, {"loss_percent": 3, "delay_ms": 40})
+    if netem_available():
+        undo = apply(network, lossy)
+        shown = _tc(network, "w0", "qdisc")
+        assert shown.count("netem") >= 3 and "loss 3%" in shown and "delay 40ms" in shown
+        undo()
+        assert "netem" not in _tc(network, "w0", "qdisc")
+    else:       # a kernel built without netem (this VM's): said, and nothing is left half-done
+        before = _tc(network, "w0", "qdisc")
+        with pytest.raises(ValueError, match="needs the kernel's netem qdisc"):
+            apply(network, lossy)
+        assert _tc(network, "w0", "qdisc") == before
+    before = _tc(network, "w0", "class")
+    undo = apply(network, Fault("collapse", "w0", 0, 10, {"factor": 0.02}))
+    assert "rate 2Mbit ceil 2Mbit" in _tc(network, "w0", "class")
+    switch = emulate.run_in(network.switch_namespace, ["tc", "class", "show", "dev",
+                                                       network.host("w0").switch_port])
+    assert "rate 2Mbit ceil 2Mbit" in switch
+    undo()
+    assert _tc(network, "w0", "class") == before
+
+
+#: seeds of the CI run of `bpsctl chaos` (BPSCTL_CHAOS_SEEDS=1,2,... for more)
+SEEDS = [int(s) for s in os.environ.get("BPSCTL_CHAOS_SEEDS", "2").split(",")]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, seed):
+    """The command end to end, as a user runs it: a small job on 2 + 2 emulated hosts through
+    faults that come back (partitions and pauses; seed 2 cuts both servers off past the
+    heartbeat timeout, so the job must end with an error naming the loss); every fault
+    applied and undone, every invariant held or not applying, nothing left."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    out = tmp_path / "chaos.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "bpsctl.cli", "chaos", "--workers", "2", "--servers", "2",
+         "--steps", "60", "--seed", str(seed), "--faults", "partition,pause",
+         "--json", str(out)], capture_output=True, text=True, timeout=240,
+        env={**os.environ, "COLUMNS": "100", "BPSCTL_STATE_DIR": str(tmp_path / "state")})
+    assert out.exists(), result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["kind"] == "chaos" and report["seed"] == seed
+    assert 3 <= len(report["faults"]) <= 6
+    for record in report["faults"]:
+        assert record["applied_s"] is not None and record["undone_s"] is not None, record
+        assert not record["error"], record
+    failed = [name for name, held in report["invariants"].items() if held is False]
+    assert not failed, (failed, result.stderr[-3000:])
+    assert result.returncode == 0 and report["ok"]
+    assert report["left_behind"] == []
+    # the table says it: each fault, then each invariant
+    assert f"bpsctl chaos, seed {seed}" in result.stderr and "held" in result.stderr
+    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
+
+
+def _record(out, rank: int, rows: list[tuple[int, str, float, float]]) -> None:
+    out.mkdir(exist_ok=True)
+    with open(out / f"steps-{rank}", "a") as f:
+        for step, digest, seconds, wall in rows:
+            f.write(f"{step} {digest} {seconds} {wall}\n")
+
+
+def test_the_checker_finds_ranks_that_differ_stalls_and_a_drifted_model(tmp_path):
+    import numpy as np
+
+    from bpsctl.chaos.api import ChaosSettings, FaultRecord, _check
+    from bpsctl.config import Config
+    from bpsctl.launch.types import RunResult, WorkerFailure
+    reference, chaos = tmp_path / "reference", tmp_path / "chaos"
+    reference.mkdir()
+    np.save(reference / "final-0.npy", np.ones(100, dtype=np.float32))
+    settings, config = ChaosSettings(workers=2, servers=2, steps=4), Config()
+    walls = [1000.0, 1001.0, 1002.0, 1003.0]
+    _record(chaos, 0, [(s, f"h{s}", 0.1, walls[s]) for s in range(4)])
+    _record(chaos, 1, [(s, f"h{s}", 0.1, walls[s]) for s in range(4)])
+    (chaos / "start").write_text("1000.0")
+    np.save(chaos / "final-0.npy", np.ones(100, dtype=np.float32))
+    clean = _check(config, settings, reference, chaos, RunResult(0), [])
+    assert all(clean["invariants"].values()) and clean["final_rel_diff"] == 0.0
+    # ranks that differ at step 2, 20 s without progress before step 3, a model that drifted,
+    # and a job that failed although the faults left it a way on
+    _record(chaos, 1, [(2, "other", 0.1, 1002.0), (3, "h3", 0.1, 1023.0)])
+    _record(chaos, 0, [(3, "h3", 0.1, 1023.0)])
+    np.save(chaos / "final-0.npy", np.full(100, 1.01, dtype=np.float32))
+    failed = RunResult(1, failures=(WorkerFailure(0, 1, 1, None, ()),))
+    bad = _check(config, settings, reference, chaos, failed, [])
+    assert bad["unequal_steps"] == [2] and bad["worst_stall_s"] == pytest.approx(20.0)
+    assert [name for name, held in bad["invariants"].items() if held is False] == [
+        "exit 0, or a named error where the faults left no way on",
+        "ranks bitwise equal after every step",
+        "final parameters within 0.001 of the fault-free run's",
+        "worst stall within the heartbeat timeout + 2 s"]
+    # both servers paused at once: a failure naming the loss is the right ending
+    both = [FaultRecord(Fault("pause", f"s{i}", 1.0, 9.0), applied_s=1.0, undone_s=10.0)
+            for i in range(2)]
+    assert _check(config, settings, reference, chaos, failed, both)["invariants"][
+        "exit 0, or a named error where the faults left no way on"]
+    # the stall under a collapsed link is allowed; a worker that left makes the model n/a
+    collapsed = FaultRecord(Fault("collapse", "w1", 0.0, 30.0), applied_s=0.5, undone_s=30.0)
+    left = RunResult(0, restarted=(WorkerFailure(1, 1, 137, "SIGKILL", ()),))
+    lenient = _check(config, settings, reference, chaos, left, [collapsed])
+    assert lenient["invariants"]["worst stall within the heartbeat timeout + 2 s"]
+    assert lenient["invariants"]["final parameters within 0.001 of the fault-free run's"] is None
+    assert lenient["workers_left"] == [1]
+
+
+def test_the_chaos_table_names_each_fault_and_each_invariant():
+    from rich.console import Console
+
+    from bpsctl.chaos import cli
+    report = {"seed": 4, "duration_s": 12.0, "median_step_s": 0.05, "worst_stall_s": 0.4,
+              "stall_bound_s": 7.0, "final_rel_diff": 3e-5,
+              "faults": [{"fault": {"kind": "partition", "target": "s1", "start_s": 2.5,
+                                    "length_s": 6.0}, "noticed_s": 7.6, "error": "",
+                          "action": "[0] worker 0: server 1 lost; its partitions moved"}],
+              "invariants": {"exit 0": True, "final parameters": None, "nothing left": False}}
+    console = Console(record=True, width=100)
+    original, cli.err_console = cli.err_console, console
+    try:
+        cli.print_chaos(report)
+    finally:
+        cli.err_console = original
+    text = console.export_text()
+    assert "bpsctl chaos, seed 4: 1 faults over 12 s" in text
+    assert "partition" in text and "server 1 lost" in text and "7.6" in text
+    assert "held  exit 0" in text and "n/a   final parameters" in text
+    assert "FAILED  nothing left" in text
+
+
+def test_the_job_is_the_same_in_every_run_and_each_rank_gets_its_own_batches():
+    from bpsctl.chaos.job import batch, make_model
+    first, again = make_model(), make_model()
+    assert all((a == b).all() for a, b in zip(first.parameters(), again.parameters(),
+                                              strict=True))
+    assert (batch(0, 3)[0] == batch(0, 3)[0]).all()
+    assert not (batch(0, 3)[0] == batch(1, 3)[0]).all()
+
+
+def test_what_bpsctl_said_is_matched_to_the_host_it_names():
+    from bpsctl.chaos.api import _names
+    assert _names("10.77.0.10", "[1] worker 1: lost worker 0 (10.77.0.10, pid 31266): no heartbeat")
+    assert not _names("10.77.0.1", "[1] worker 1: lost worker 0 (10.77.0.10, pid 31266)")
+    assert _names("10.77.0.130", "[0] worker 0: lost the scheduler at 10.77.0.130:45199: closed")
