@@ -386,6 +386,8 @@ TIERS: dict[str, set[str]] = {
     "test_cli.py::test_ctrl_c_stops_every_worker": {"slow"},
     # a server killed and replaced mid-job (about 5 s); a lost server's push counted once stays
     "test_resilience.py::test_a_killed_server_is_replaced_and_every_sum_stays_exact": {"slow"},
+    "test_resilience.py::test_a_paused_server_declared_lost_is_fenced_when_it_comes_back":
+        {"slow"},
     # a server killed between a broadcast's pushes (PUSH_ZERO pushed again): a private cluster
     "test_resilience.py::test_a_push_of_zeros_is_pushed_again_to_the_server_that_takes_over":
         {"slow"},

@@ -176,11 +176,18 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
     applied and undone, every invariant held or not applying, nothing left."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     out = tmp_path / "chaos.json"
-    result = subprocess.run(
+    command = subprocess.Popen(
         [sys.executable, "-m", "bpsctl.cli", "chaos", "--workers", "2", "--servers", "2",
          "--steps", "60", "--seed", str(seed), "--faults", "partition,pause",
-         "--json", str(out)], capture_output=True, text=True, timeout=240,
+         "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "COLUMNS": "100", "BPSCTL_STATE_DIR": str(tmp_path / "state")})
+    try:
+        stdout, stderr = command.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        command.terminate()         # SIGTERM: the command tears its cluster down first
+        stdout, stderr = command.communicate(timeout=60)
+        pytest.fail(f"bpsctl chaos did not end within 200 s:\n{stderr[-3000:]}")
+    result = subprocess.CompletedProcess(command.args, command.returncode, stdout, stderr)
     assert out.exists(), result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["kind"] == "chaos" and report["seed"] == seed

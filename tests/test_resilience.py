@@ -73,6 +73,38 @@ def test_a_killed_server_is_replaced_and_every_sum_stays_exact(cluster):
         assert max(seconds) <= usual + HEARTBEAT_TIMEOUT_S + 2, seconds
 
 
+def test_a_paused_server_declared_lost_is_fenced_when_it_comes_back(cluster):
+    """SIGSTOP one of three servers past the heartbeat timeout: its partitions move and the job
+    goes on with every sum exact; SIGCONT it and the scheduler tells it it was declared lost,
+    so it exits naming the fence instead of serving stale rounds (a paused VM that resumes)."""
+    steps, pause_at = 30, 10
+    victim = next(p for p in cluster.processes if p.role == "server" and p.rank == 1)
+    log = api.log_files(cluster.state_dir, "server:1")[0]
+
+    def body(worker):
+        grads = [np.zeros(64 * KiB, np.float32) for _ in range(4)]
+        for step in range(steps):
+            if step == pause_at:
+                worker.barrier()            # as above: no sum half-delivered when it stops
+                if worker.rank == 0:
+                    os.kill(victim.pid, signal.SIGSTOP)
+            exact_integer_step(worker, grads, step)
+            if step == pause_at + 2 and worker.rank == 0:
+                os.kill(victim.pid, signal.SIGCONT)     # it was lost at least a step ago
+        return step
+
+    try:
+        results = run_job(cluster, 2, 3, body, partition_bytes=64 * KiB,
+                          heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
+        assert results == [steps - 1, steps - 1]
+        wait_until(lambda: gone(victim.pid), 10, "the fenced server to exit")
+        said = log.read_text()
+        assert "was declared lost" in said and "it is fenced" in said, said[-2000:]
+    finally:
+        if not gone(victim.pid):
+            os.kill(victim.pid, signal.SIGCONT)
+
+
 def test_a_push_the_lost_server_had_summed_is_not_counted_twice(cluster):
     """Ranks 0 and 1 push a partition, the server that holds it acknowledges both and is
     killed before rank 2 pushes: after the move all three push again to the new server, and

@@ -31,6 +31,10 @@ from .schedule import KINDS, Fault, make_schedule
 #: so two runs round differently, and this model turns one early rounding difference into
 #: about 2e-4 (tests/rounding_sensitivity.py); a rank missing for half the run gives 3e-3
 FINAL_DIFF_BOUND = 1e-3
+#: the longest a push_pull of the chaos job may wait (BPSCTL_OP_TIMEOUT; 300 s by default): a
+#: lost machine is noticed and replaced within the heartbeat timeout and a few seconds, and a
+#: collapsed link slows a step to seconds, so a wait of this long is a hang
+OP_WAIT_S = 30.0
 #: what a worker's output says when bpsctl notices a fault and acts on it
 NOTICED = re.compile(r"lost|moved|took over|restart|rejoin|joined|went on|fenc|unreachable",
                      re.IGNORECASE)
@@ -86,9 +90,11 @@ def run_chaos(config: Config, settings: ChaosSettings,
     emulate.check_prerequisites()
     with tempfile.TemporaryDirectory(prefix="bpsctl-chaos-") as tmp:
         state_dir = Path(tmp) / "state"
+        # a push_pull that waits past OP_WAIT_S has hung: the job fails naming it, in time
         config = config.replace(emulate=True, state_dir=state_dir,
                                 world_size=settings.workers,
-                                min_workers=config.min_workers or settings.workers - 1)
+                                min_workers=config.min_workers or settings.workers - 1,
+                                op_timeout_s=min(config.op_timeout_s, OP_WAIT_S))
         progress(f"building {settings.workers} worker and {settings.servers} server host(s)")
         cluster = launch.up(config, servers=settings.servers, workers=settings.workers)
         assert cluster.emulation is not None
@@ -210,20 +216,27 @@ def _inject(plan: emulate.NetworkPlan, records: list[FaultRecord], out: Path,
             records[index].error = f"undo: {exc}"
 
 
-def _survivable(settings: ChaosSettings, records: list[FaultRecord], min_workers: int) -> bool:
+def _survivable(settings: ChaosSettings, records: list[FaultRecord], min_workers: int,
+                timeout_s: float) -> bool:
     """Whether the faults as applied always left the job a way on: at each moment a server up
-    (spares aside), the scheduler's host (beside server 0) up while any server is down, and at
-    least ``min_workers`` workers up. Down: paused, cut off from every host, or killed;
-    a slow or lossy link is up."""
-    windows = [(r.applied_s, r.undone_s if r.undone_s is not None else float("inf"),
-                r.fault.target) for r in records if r.applied_s is not None and
-               r.fault.kind in ("pause", "kill") or r.fault.kind == "partition" and
-               r.applied_s is not None and not r.fault.params.get("peers")]
+    (spares aside), the scheduler's host (beside server 0) up while another server is down,
+    and at least ``min_workers`` workers up. Down: killed, or paused or cut off from every host
+    for longer than the heartbeat timeout (a shorter one must be ridden through); a slow or
+    lossy link is up."""
+    windows = []
+    for r in records:
+        whole = r.fault.kind in ("pause", "kill") or \
+            r.fault.kind == "partition" and not r.fault.params.get("peers")
+        if r.applied_s is None or not whole:
+            continue
+        end = r.undone_s if r.undone_s is not None else float("inf")
+        if end - r.applied_s > timeout_s:
+            windows.append((r.applied_s, end, r.fault.target))
     for at, _, _ in windows:
         down = {target for start, end, target in windows if start <= at < end}
         servers = {t for t in down if t.startswith("s")}
         workers = {t for t in down if t.startswith("w")}
-        if len(servers) >= settings.servers or ("s0" in down and servers) or \
+        if len(servers) >= settings.servers or ("s0" in down and servers - {"s0"}) or \
                 settings.workers - len(workers) < max(1, min_workers):
             return False
     return True
@@ -280,7 +293,7 @@ def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path
     stall = max((gap - median for gap, wall in gaps if not under_collapse(gap, wall)),
                 default=0.0)
     bound = config.heartbeat_timeout_s + 2.0
-    survivable = _survivable(settings, records, config.min_workers)
+    survivable = _survivable(settings, records, config.min_workers, config.heartbeat_timeout_s)
     completed = all(max(rank, default=-1) == settings.steps - 1 for rank in steps.values()) \
         and bool(steps)
     return {

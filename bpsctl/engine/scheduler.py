@@ -141,6 +141,10 @@ class Job:
     min_workers: int = 0          # go on while this many live (0: every worker)
     max_workers: int = 0          # ranks below this may join while it runs (`run --attach`)
     donors: dict[int, int] = field(default_factory=dict)    # joining rank -> its donor's rank
+    # why the last worker to leave had failed (its engine broken), if it had: a job whose
+    # last worker left that way did not finish (workers that fail and leave while others go
+    # on do not make it so)
+    failed: str = ""
     next_key: int = 0             # the key of the next tensor declared
     # a restarted scheduler: declarations held until every live worker has registered again
     # (one that has not may know tensors the others do not, and their partitions' ids)
@@ -170,6 +174,10 @@ class Scheduler:
         if config.control_socket:
             self.sock.bind(f"ipc://{config.control_socket}")
         self.members: dict[bytes, Member] = {}
+        # connections of members declared lost: what they are told if they speak again (a
+        # paused or cut-off process that comes back is fenced, not taken back)
+        self.fenced: OrderedDict[bytes, str] = OrderedDict()
+        self.isolated = False       # every member silent at once: this scheduler was cut off
         self.clock_peers: OrderedDict[bytes, int] = OrderedDict()   # clock exchanges left
         self.servers: list[Member] = []
         self.job: Job | None = None
@@ -254,6 +262,8 @@ class Scheduler:
             self._register(rid, msg)
         elif msg_type == P.STATUS:
             self._status(rid, msg)
+        elif rid in self.fenced and (member is None or member.state == "lost"):
+            self._fence(rid, msg_type)
         elif member is None:
             if msg_type not in (P.HEARTBEAT, P.LEAVE):     # late words of an ended job's worker
                 self._send(rid, P.ERROR, {"message": "not registered with the scheduler"})
@@ -266,7 +276,7 @@ class Scheduler:
         elif msg_type == P.BARRIER:
             self._barrier(member, msg)
         elif msg_type == P.LEAVE:
-            self._leave(member)
+            self._leave(member, str(msg.get("failed") or ""))
         elif msg_type == P.JOIN_DONE:
             self._join_done(member, msg)
         elif msg_type == P.HVD_JOIN:
@@ -959,19 +969,27 @@ class Scheduler:
 
     # ------------------------------------------------------------------ endings
 
-    def _leave(self, member: Member) -> None:
+    def _leave(self, member: Member, failed: str = "") -> None:
+        """``member`` left the job (it shut down); ``failed``: why its engine had failed, if it
+        had (a job all of whose workers left after failing did not finish)."""
         member.state = "left"
         self.members.pop(member.rid, None)
         job = self.job
         if job is None or job.workers.get(member.rank) is not member:
             return
+        job.failed = failed             # the last to leave says how the job ended
         if member.rank in job.donors:   # before it was admitted: nobody waits for its pushes
             self._go_on_without(job, member, f"{member.describe()} left before it joined")
             return
         if all(w.state in ("left", "lost") for w in job.workers.values()) \
                 and len(job.workers) >= job.world_size:
-            self.log.info("job %s finished", job.id)
-            self._end_job(None, notify=(), finished=True)
+            if job.failed:
+                self.log.warning("job %s ended: its workers left after it failed (%s)", job.id,
+                                 job.failed)
+                self._end_job(f"its workers failed: {job.failed}", notify=())
+            else:
+                self.log.info("job %s finished", job.id)
+                self._end_job(None, notify=(), finished=True)
             return
         joiners = [w for w in job.workers.values() if w.state == "joining"]
         if joiners and all(w.state in ("left", "lost", "joining") for w in job.workers.values()):
@@ -1011,6 +1029,23 @@ class Scheduler:
 
     def _check_liveness(self) -> None:
         now = time.monotonic()
+        live = [m for m in self.members.values()
+                if m.state in ("running", "joining") and not m.awaited]
+        if len(live) > 1 and all(now - m.last_seen > self.config.heartbeat_timeout_s
+                                 for m in live):
+            # every member silent at once, servers and workers alike: it is this scheduler
+            # that was cut off (or paused), not all of them; nobody is declared lost, and each
+            # is judged again once it is heard from (docs/chaos.md)
+            if not self.isolated:
+                self.isolated = True
+                self.log.warning("heard from none of the %d members for over %g s: this "
+                                 "scheduler was cut off or paused; declaring nobody lost",
+                                 len(live), self.config.heartbeat_timeout_s)
+            return
+        if self.isolated:
+            self.isolated = False
+            for member in live:         # silent because this scheduler was: time from now
+                member.last_seen = max(member.last_seen, now - self.config.heartbeat_interval_s)
         for member in list(self.members.values()):
             if (member.state not in ("running", "joining")
                     or now - member.last_seen <= self.config.heartbeat_timeout_s):
@@ -1023,10 +1058,24 @@ class Scheduler:
             if self.job is not None:
                 self._release_held(self.job)
 
+    def _fence(self, rid: bytes, msg_type: int) -> None:
+        """A member declared lost spoke again (it was paused, or cut off, past its heartbeat
+        timeout, and the job went on without it): it is told so, once, and its words are not
+        acted on; it exits (docs/chaos.md, "A machine that comes back")."""
+        message = self.fenced.pop(rid)
+        self.log.warning("%s spoke again (%s) after it was declared lost: fenced", message,
+                         P.TYPE_NAMES.get(msg_type, msg_type))
+        self._send(rid, P.ERROR, {"message": f"{message}; it is fenced: the job does not wait "
+                                  "for it, nothing it sends is used, and it must exit",
+                                  "fenced": True})
+
     def _lose(self, member: Member, reason: str) -> None:
         """``member`` is lost: the job goes on without it where it can, else it ends."""
         member.state = "lost"
         self.log.warning("lost %s: %s", member.describe(), reason)
+        self.fenced[member.rid] = f"{member.describe()} was declared lost ({reason})"
+        while len(self.fenced) > 1024:
+            self.fenced.popitem(last=False)
         if member.role == "server" and self.hvd_join is not None:
             self._join_goes_on(member)
         lost = {"role": member.role, "rank": member.rank, "host": member.host,

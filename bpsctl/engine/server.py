@@ -1227,6 +1227,10 @@ class Server:
             elif msg_type == P.WORKER_LOST:
                 self._worker_lost(int(msg["rank"]), int(msg.get("incarnation", 0)),
                                   {int(r) for r in msg["live"]}, str(msg["message"]))
+            elif msg_type == P.ERROR and msg.get("fenced") is True:
+                # declared lost while paused or cut off: the job went on without this server,
+                # its partitions live elsewhere now, and nothing it holds may be sent
+                raise EngineError(f"server {self.rank}: {msg.get('message')}")
             elif msg_type == P.ERROR:
                 self.log.warning("scheduler: %s", msg.get("message"))
 

@@ -1258,7 +1258,10 @@ class Worker:
                 for sums in self._shm_sums.values():
                     sums.pin_with(payload)
             elif kind == "stop":
-                self._to_scheduler(P.control(P.LEAVE), keep=True)
+                # a broken worker says why, so that a job whose workers all failed is not
+                # taken for a finished one (a restarted worker must not find "nothing to do")
+                failed = {} if self._broken is None else {"failed": str(self._broken)[:500]}
+                self._to_scheduler(P.control(P.LEAVE, failed), keep=True)
                 self._leaving = True
                 # a broken worker's job has failed: nobody needs to hear that it left
                 self._stop = self._sched_gone is None or self._broken is not None
