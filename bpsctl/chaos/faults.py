@@ -56,7 +56,7 @@ def pause(host: EmulatedHost) -> Undo:
     """Stop every process of the host (a VM frozen by its hypervisor) until the undo."""
     pids = emulate.namespace_pids(host.namespace)
     _signal(pids, signal.SIGSTOP)
-    return lambda: _signal(pids, signal.SIGCONT)
+    return _once(lambda: _signal(pids, signal.SIGCONT))
 
 
 def partition(plan: NetworkPlan, host: EmulatedHost, peers: Sequence[str] = ()) -> Undo:
@@ -95,7 +95,7 @@ def partition(plan: NetworkPlan, host: EmulatedHost, peers: Sequence[str] = ()) 
 def netem_available() -> bool:
     """Whether this kernel has netem (``lossy`` needs it; some VM kernels are built without
     it): tried on the loopback of a namespace of its own."""
-    probe = f"bps-probe-{os.getpid()}"
+    probe = f"netem-probe-{os.getpid()}"      # not bps-...: no emulated cluster's name
     try:
         emulate.run_in_root(["ip", "netns", "add", probe])
     except emulate.EmulationError:
