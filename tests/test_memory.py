@@ -20,7 +20,7 @@ from conftest import cluster_config, run_job
 
 from bpsctl.config import Config, ConfigError
 from bpsctl.engine import Worker
-from bpsctl.engine.common import rss_bytes
+from bpsctl.engine.common import jemalloc_preload, rss_bytes
 from bpsctl.launch import api
 
 
@@ -35,10 +35,13 @@ def test_the_allocator_choice_is_checked():
 def test_a_server_runs_on_jemalloc_unless_told_to_use_glibc(choice):
     with api.local_cluster(cluster_config(server_malloc=choice), servers=1) as cluster:
         server, = [p for p in cluster.processes if p.role == "server"]
-        # the launcher's recorded pid is the process that serves: the server re-executes itself
-        # in place (same pid) with jemalloc preloaded
+        # the launcher starts it with jemalloc preloaded, so the recorded pid is the process
+        # that serves, from its first instruction (one interpreter, not one re-executed)
         maps = Path(f"/proc/{server.pid}/maps").read_text()
         assert ("libjemalloc" in maps) == (choice == "auto"), choice
+        environ = Path(f"/proc/{server.pid}/environ").read_bytes().split(b"\0")
+        assert any(v.startswith(b"LD_PRELOAD=") and b"libjemalloc" in v
+                   for v in environ) == (choice == "auto"), choice
 
         def body(w: Worker):
             return w.push_pull(np.full(300_000, w.rank + 1, np.float32), name="x", average=False)
@@ -49,6 +52,19 @@ def test_a_server_runs_on_jemalloc_unless_told_to_use_glibc(choice):
     expected = ("allocator: jemalloc" if choice == "auto"
                 else "allocator: glibc's malloc (BPSCTL_SERVER_MALLOC=glibc)")
     assert expected in log, log
+
+
+def test_what_a_launcher_preloads_for_a_server():
+    library = ctypes.util.find_library("jemalloc")
+    if library is None:
+        assert jemalloc_preload("auto", {}) == {}
+        return
+    assert jemalloc_preload("auto", {}) == {"BPSCTL_MALLOC_REEXEC": "1", "LD_PRELOAD": library}
+    # what the user preloads stays, before jemalloc; preloaded already, nothing is added twice
+    assert jemalloc_preload("auto", {"LD_PRELOAD": "libx.so"})["LD_PRELOAD"] == \
+        f"libx.so {library}"
+    assert "LD_PRELOAD" not in jemalloc_preload("auto", {"LD_PRELOAD": library})
+    assert jemalloc_preload("glibc", {}) == {}
 
 
 # ------------------------------------------------------------------ giving memory back when quiet

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,28 @@ def jemalloc_loaded() -> bool:
     return loaded_allocator() == "jemalloc"
 
 
+@functools.cache
+def _jemalloc_library() -> str | None:
+    """jemalloc's soname (e.g. libjemalloc.so.2), or None; looked up once (``ldconfig -p``)."""
+    return ctypes.util.find_library("jemalloc")
+
+
+def jemalloc_preload(choice: str, env: Mapping[str, str]) -> dict[str, str]:
+    """What to add to ``env`` so that a server started with it has jemalloc from its first
+    instruction (the variables :func:`exec_with_jemalloc` would re-execute it with), or {} when
+    ``choice`` is not "auto" or jemalloc is not installed. A launcher on the server's own
+    machine passes these, and the server does not start a second interpreter to load it."""
+    if choice != "auto":
+        return {}
+    library = _jemalloc_library()
+    if library is None:
+        return {}
+    preload = env.get("LD_PRELOAD", "")
+    if library in preload.split():
+        return {_REEXEC_MARK: "1"}
+    return {_REEXEC_MARK: "1", "LD_PRELOAD": " ".join(x for x in (preload, library) if x)}
+
+
 def exec_with_jemalloc(module: str, choice: str) -> None:
     """Re-execute this process (same pid, same arguments) as ``python -m module`` with
     jemalloc preloaded, if ``choice`` is "auto", jemalloc is installed and not yet loaded;
@@ -115,12 +139,10 @@ def exec_with_jemalloc(module: str, choice: str) -> None:
     keeps glibc's defaults: see :func:`keep_large_buffers`)."""
     if choice != "auto" or os.environ.get(_REEXEC_MARK) or jemalloc_loaded():
         return
-    library = ctypes.util.find_library("jemalloc")     # its soname, e.g. libjemalloc.so.2
-    if library is None:
+    preload = jemalloc_preload(choice, os.environ)
+    if not preload:
         return
-    env = dict(os.environ)
-    env[_REEXEC_MARK] = "1"
-    env["LD_PRELOAD"] = " ".join(x for x in (env.get("LD_PRELOAD", ""), library) if x)
+    env = {**os.environ, **preload}
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]], env)

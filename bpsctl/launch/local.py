@@ -27,6 +27,7 @@ from typing import IO, Any
 from bpsctl.config import Config, ConfigError
 from bpsctl.engine import EngineError, shm
 from bpsctl.engine.client import scheduler_status
+from bpsctl.engine.common import jemalloc_preload
 from bpsctl.engine.security import new_secret
 from bpsctl.launch import emulate, state
 from bpsctl.launch.output import OutputRelay
@@ -92,6 +93,8 @@ def _start_child(role: str, index: int, config: Config, state_dir: Path,
     ready_path.unlink(missing_ok=True)
     log_path = state.logs_dir(state_dir) / f"{stem}.log"
     env = _child_env(config.replace(ready_file=str(ready_path)))
+    if role == "server":            # its allocator from the start: no second interpreter
+        env.update(jemalloc_preload(config.server_malloc, env))
     # The scheduler runs under a supervisor that restarts it when it dies (the same group:
     # stopping it stops both). Run from the directory holding bpsctl/, so that `python -m`
     # imports the very bpsctl this launcher runs, installed or not.
