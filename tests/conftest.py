@@ -589,6 +589,13 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return group_of_nodeid(nodeid)
 
+        def _assign_work_unit(self, node: Any) -> None:
+            # the machine's group, the longest by far, goes first: started late, it would hold
+            # one worker long after the other had run out of work
+            if MACHINE_GROUP in self.workqueue:
+                self.workqueue.move_to_end(MACHINE_GROUP, last=False)
+            super()._assign_work_unit(node)
+
     return ByGroup(config, log)
 
 
