@@ -12,7 +12,7 @@ import pytest
 from conftest import kill_pids, wait_until
 
 from bpsctl.chaos.faults import apply, netem_available
-from bpsctl.chaos.schedule import KINDS, Fault, make_schedule, parse_kinds
+from bpsctl.chaos.schedule import DISK, KINDS, Fault, make_schedule, parse_kinds
 from bpsctl.config import ConfigError
 from bpsctl.launch import emulate
 
@@ -30,6 +30,7 @@ def test_a_seed_gives_the_same_schedule_and_every_schedule_keeps_its_rules():
         assert faults == sorted(faults, key=lambda f: (f.start_s, f.target))
         for i, a in enumerate(faults):
             assert 0 < a.start_s < 120 and a.kind in KINDS
+            assert (a.target == DISK) == (a.kind == "disk")     # the logs' disk, not a host
             span = KINDS[a.kind][0]
             assert (a.length_s is None) == (span is None)
             if span is not None:
@@ -164,21 +165,48 @@ def test_a_lossy_link_and_a_collapsed_one_are_shaped_then_restored(network):
     assert _tc(network, "w0", "class") == before
 
 
-#: seeds of the CI run of `bpsctl chaos` (BPSCTL_CHAOS_SEEDS=1,2,... for more)
+def test_a_full_disk_is_every_byte_of_its_file_system_until_undone(tmp_path):
+    import errno
+
+    from bpsctl.chaos.faults import fill
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "chaos-test", str(disk)],
+                   check=True, timeout=30)
+    try:
+        (disk / "a.log").write_text("room\n")
+        undo = fill(disk)
+        with pytest.raises(OSError) as full:
+            with open(disk / "a.log", "a") as log:
+                log.write("x" * 5000)
+        assert full.value.errno == errno.ENOSPC
+        undo()
+        undo()                              # an undo may run twice
+        with open(disk / "a.log", "a") as log:
+            log.write("room again\n")
+        assert os.listdir(disk) == ["a.log"]
+    finally:
+        subprocess.run(["umount", str(disk)], check=True, timeout=30)
+
+
+#: seeds of the CI run of `bpsctl chaos` (BPSCTL_CHAOS_SEEDS=1,2,... for more) and the kinds
+#: of fault each draws from
 SEEDS = [int(s) for s in os.environ.get("BPSCTL_CHAOS_SEEDS", "2").split(",")]
+RUNS = [(seed, "partition,pause") for seed in SEEDS] + [(1, "disk")]
 
 
-@pytest.mark.parametrize("seed", SEEDS)
-def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, seed):
+@pytest.mark.parametrize("seed, kinds", RUNS)
+def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, seed, kinds):
     """The command end to end, as a user runs it: a small job on 2 + 2 emulated hosts through
-    faults that come back (partitions and pauses; seed 2 cuts both servers off past the
-    heartbeat timeout, so the job must end with an error naming the loss); every fault
-    applied and undone, every invariant held or not applying, nothing left."""
+    faults that come back (partitions and pauses: seed 2 cuts both servers off past the
+    heartbeat timeout, so the job must end with an error naming the loss; or the disk under
+    the logs filled, which must stop nothing and be said once); every fault applied and
+    undone, every invariant held or not applying, nothing left."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     out = tmp_path / "chaos.json"
     command = subprocess.Popen(
         [sys.executable, "-m", "bpsctl.cli", "chaos", "--workers", "2", "--servers", "2",
-         "--steps", "60", "--seed", str(seed), "--faults", "partition,pause",
+         "--steps", "60", "--seed", str(seed), "--faults", kinds,
          "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "COLUMNS": "100", "BPSCTL_STATE_DIR": str(tmp_path / "state")})
     try:
@@ -191,7 +219,12 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
     assert out.exists(), result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["kind"] == "chaos" and report["seed"] == seed
-    assert 3 <= len(report["faults"]) <= 6
+    assert 1 <= len(report["faults"]) <= 6
+    assert {r["fault"]["kind"] for r in report["faults"]} <= set(kinds.split(","))
+    if kinds == "disk":         # the job went on through it, and the workers said it
+        assert report["exit_code"] == 0
+        assert report["invariants"]["a full disk stopped nothing and was said once"] is True
+        assert all(r["noticed_s"] is not None for r in report["faults"]), report["faults"]
     for record in report["faults"]:
         assert record["applied_s"] is not None and record["undone_s"] is not None, record
         assert not record["error"], record
@@ -292,3 +325,89 @@ def test_what_bpsctl_said_is_matched_to_the_host_it_names():
     assert _names("10.77.0.10", "[1] worker 1: lost worker 0 (10.77.0.10, pid 31266): no heartbeat")
     assert not _names("10.77.0.1", "[1] worker 1: lost worker 0 (10.77.0.10, pid 31266)")
     assert _names("10.77.0.130", "[0] worker 0: lost the scheduler at 10.77.0.130:45199: closed")
+
+
+# ------------------------------------------------------------------ a full disk under the logs
+
+def _on_full_disk(fd: int) -> int:
+    """Point ``fd`` at /dev/full (every write fails: no space left); the saved original."""
+    saved = os.dup(fd)
+    full = os.open("/dev/full", os.O_WRONLY)
+    os.dup2(full, fd)
+    os.close(full)
+    return saved
+
+
+def test_a_process_log_on_a_full_disk_drops_lines_then_says_how_many(tmp_path):
+    """A server's or the scheduler's log (its stderr, a file): while the disk is full each
+    line is dropped without an error or a traceback, and the first line written once there is
+    room says how many were lost."""
+    import logging
+
+    from bpsctl.engine.common import FullDiskTolerantHandler
+    log = tmp_path / "server.log"
+    with open(log, "w") as stream:
+        handler = FullDiskTolerantHandler(stream)
+        handler.setFormatter(logging.Formatter("[%(name)s] %(levelname)s %(message)s"))
+        logger = logging.getLogger("chaos-test-full-disk")
+        logger.propagate = False
+        logger.addHandler(handler)
+        try:
+            logger.warning("before")
+            saved = _on_full_disk(stream.fileno())
+            try:
+                for i in range(3):
+                    logger.warning("lost %d", i)            # no exception, nothing printed
+            finally:
+                os.dup2(saved, stream.fileno())
+                os.close(saved)
+            logger.warning("after")
+            logger.warning("later")
+        finally:
+            logger.removeHandler(handler)
+    lines = log.read_text().splitlines()
+    assert lines[0] == "[chaos-test-full-disk] WARNING before"
+    assert "3 line(s) of this log were lost from" in lines[1] and "disk was full" in lines[1]
+    assert lines[2:] == ["[chaos-test-full-disk] WARNING after",
+                         "[chaos-test-full-disk] WARNING later"]
+
+
+def test_a_workers_output_goes_on_when_its_log_disk_is_full(tmp_path):
+    """`bpsctl run` relays each worker's output to the terminal and its log: on a full disk
+    the terminal still gets every line (the worker never blocks on a pipe nobody drains),
+    hears once that the log cannot be written, and once there is room the log says how many
+    lines it misses."""
+    import io
+
+    from bpsctl.launch.output import OutputRelay
+    read_out, write_out = os.pipe()
+    read_err, write_err = os.pipe()
+    terminal = io.StringIO()
+    log = tmp_path / "worker-0.log"
+    relay = OutputRelay(0, os.fdopen(read_out, "rb"), os.fdopen(read_err, "rb"), terminal,
+                        terminal, log)
+    saved = _on_full_disk(relay._log.fileno())
+    lines = 2000        # 200 KB: more than a pipe holds, so a relay that stopped blocks us
+
+    def relayed() -> list[str]:
+        return [x for x in terminal.getvalue().splitlines() if x.startswith("[0] step ")]
+    try:
+        with os.fdopen(write_out, "wb") as out, os.fdopen(write_err, "wb") as err:
+            for i in range(lines):
+                out.write(f"step {i} ".encode() + b"." * 90 + b"\n")
+            out.flush()
+            err.write(b"a warning\n")
+            err.flush()
+            wait_until(lambda: len(relayed()) == lines and "a warning" in terminal.getvalue(),
+                       30, "every line on the terminal")
+            os.dup2(saved, relay._log.fileno())            # room again
+            out.write(b"after\n")
+    finally:
+        relay.close(timeout_s=10)
+        os.close(saved)
+    said = terminal.getvalue().splitlines()
+    told = [x for x in said if "[bpsctl] cannot write" in x]
+    assert len(told) == 1 and "No space left on device" in told[0], told
+    assert said[-1] == "[0] after"
+    assert log.read_text().splitlines() == [
+        f"[bpsctl] {lines + 1} line(s) of this log were lost: its disk was full", "after"]

@@ -8,15 +8,17 @@ time, the final parameters) and what the cluster left behind.
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,15 @@ FINAL_DIFF_BOUND = 1e-3
 #: collapsed link slows a step to seconds, so a wait of this long is a hang
 OP_WAIT_S = 30.0
 #: what a worker's output says when bpsctl notices a fault and acts on it
+#: what a worker's output says, once, when the disk under its log is full; what a log says
+#: once there is room again (bpsctl/launch/output.py, bpsctl/engine/common.py)
+CANNOT_LOG = re.compile(r"\[bpsctl\] cannot write \S+\.log: ")
+LOST_LINES = "line(s) of this log were lost"
+#: the invariant of full-disk faults
+FULL_DISK = "a full disk stopped nothing and was said once"
+#: the size of the state directory's own file system when --faults has disk: room for every
+#: log of a chaos run, small enough to fill at once
+STATE_DISK_BYTES = 64 << 20
 NOTICED = re.compile(r"lost|moved|took over|restart|rejoin|joined|went on|fenc|unreachable",
                      re.IGNORECASE)
 
@@ -88,8 +99,8 @@ def run_chaos(config: Config, settings: ChaosSettings,
     """Bring up an emulated cluster (``config.nic``, ``config.spare_servers``), run the job
     fault-free and under a schedule seeded by ``settings.seed``, check, tear down; the report."""
     emulate.check_prerequisites()
-    with tempfile.TemporaryDirectory(prefix="bpsctl-chaos-") as tmp:
-        state_dir = Path(tmp) / "state"
+    with tempfile.TemporaryDirectory(prefix="bpsctl-chaos-") as tmp, \
+            _state_disk(Path(tmp) / "state", "disk" in settings.kinds) as (state_dir, disk):
         # a push_pull that waits past OP_WAIT_S has hung: the job fails naming it, in time
         config = config.replace(emulate=True, state_dir=state_dir,
                                 world_size=settings.workers,
@@ -104,7 +115,7 @@ def run_chaos(config: Config, settings: ChaosSettings,
         try:
             reference = Path(tmp) / "reference"
             progress(f"the fault-free run: {settings.steps} steps")
-            ref_run, ref_s, _, _ = _job(config, settings, reference, plan, [])
+            ref_run, ref_s, _, _ = _job(config, settings, reference, plan, [], disk)
             if ref_run.exit_code != 0:
                 raise ConfigError(f"chaos: the fault-free run failed (exit {ref_run.exit_code}); "
                                   "nothing to compare with")
@@ -114,8 +125,10 @@ def run_chaos(config: Config, settings: ChaosSettings,
                                    settings.kinds, settings.count)
             progress(f"the run under {len(faults)} fault(s), seed {settings.seed}")
             chaos = Path(tmp) / "chaos"
-            result, took_s, records, output = _job(config, settings, chaos, plan, faults)
+            result, took_s, records, output = _job(config, settings, chaos, plan, faults,
+                                                   disk)
             report = _check(config, settings, reference, chaos, result, records)
+            report["invariants"][FULL_DISK] = _full_disk_said(records, output, state_dir)
             # what the workers said about the faults, and how the job ended
             report["said"] = [f"{t:7.2f} {line}" for t, line in output.lines
                               if NOTICED.search(line)][:40]
@@ -134,16 +147,17 @@ def run_chaos(config: Config, settings: ChaosSettings,
 
 
 def _job(config: Config, settings: ChaosSettings, out: Path, plan: emulate.NetworkPlan,
-         faults: list[Fault]) -> tuple[launch.RunResult, float, list[FaultRecord], Lines]:
+         faults: list[Fault], disk: Path | None = None
+         ) -> tuple[launch.RunResult, float, list[FaultRecord], Lines]:
     """Run the job into ``out`` while ``faults`` are applied and undone on time, the clock
-    starting at its first step; (how it ended, how long it trained, each fault's record, the
-    workers' output)."""
+    starting at its first step (``disk``: the directory a full-disk fault fills); (how it
+    ended, how long it trained, each fault's record, the workers' output)."""
     out.mkdir(parents=True)
     output = Lines(time.monotonic())
     records = [FaultRecord(fault) for fault in faults]
     done = threading.Event()
     clock: list[float] = []         # when the first step ended: the schedule's zero
-    injector = threading.Thread(target=_inject, args=(plan, records, out, clock, done),
+    injector = threading.Thread(target=_inject, args=(plan, records, out, clock, done, disk),
                                 name="chaos-injector", daemon=True)
     injector.start()
     try:
@@ -159,9 +173,13 @@ def _job(config: Config, settings: ChaosSettings, out: Path, plan: emulate.Netwo
     for record in records:
         if record.applied_s is None:
             continue
-        said = next(((t, line) for t, line in output.lines if t >= record.applied_s and
-                     NOTICED.search(line) and
-                     _names(plan.host(record.fault.target).address, line)), None)
+        if record.fault.kind == "disk":
+            said = next(((t, line) for t, line in output.lines if t >= record.applied_s and
+                         CANNOT_LOG.search(line)), None)
+        else:
+            said = next(((t, line) for t, line in output.lines if t >= record.applied_s and
+                         NOTICED.search(line) and
+                         _names(plan.host(record.fault.target).address, line)), None)
         if said is not None:
             record.noticed_s, record.action = round(said[0], 2), said[1].strip()[:160]
     (out / "output.txt").write_text("\n".join(f"{t:8.2f} {line}" for t, line in output.lines))
@@ -175,7 +193,7 @@ def _names(address: str, line: str) -> bool:
 
 
 def _inject(plan: emulate.NetworkPlan, records: list[FaultRecord], out: Path,
-            clock: list[float], done: threading.Event) -> None:
+            clock: list[float], done: threading.Event, disk: Path | None = None) -> None:
     """Once the job has trained its first step (a worker recorded it in ``out``: the
     schedule's zero, put in ``clock`` and, as wall-clock time, in ``out/start``), apply each
     fault at its start and undo it at its end; undo everything once the job ends (``done``),
@@ -198,7 +216,7 @@ def _inject(plan: emulate.NetworkPlan, records: list[FaultRecord], out: Path,
         now = round(time.monotonic() - start, 2)
         try:
             if what == "apply":
-                undos[index] = apply(plan, record.fault)
+                undos[index] = apply(plan, record.fault, disk)
                 record.applied_s = now
                 if record.fault.length_s is not None:
                     pending.append((at + record.fault.length_s, index, "undo"))
@@ -214,6 +232,38 @@ def _inject(plan: emulate.NetworkPlan, records: list[FaultRecord], out: Path,
             records[index].undone_s = round(time.monotonic() - start, 2)
         except Exception as exc:
             records[index].error = f"undo: {exc}"
+
+
+@contextlib.contextmanager
+def _state_disk(state_dir: Path, small: bool) -> Iterator[tuple[Path, Path | None]]:
+    """The cluster's state and log directory; with ``small``, on a tmpfs of its own of
+    STATE_DISK_BYTES (what a full-disk fault fills), unmounted at the end. (the directory, the
+    directory a full-disk fault fills or None)"""
+    state_dir.mkdir(parents=True)
+    if not small:
+        yield state_dir, None
+        return
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={STATE_DISK_BYTES},mode=0700",
+                    "bpsctl-chaos", str(state_dir)], check=True, capture_output=True,
+                   timeout=30)
+    try:
+        yield state_dir, state_dir
+    finally:
+        subprocess.run(["umount", "--lazy", str(state_dir)], check=False, capture_output=True,
+                       timeout=30)
+
+
+def _full_disk_said(records: list[FaultRecord], output: Lines, state_dir: Path) -> bool | None:
+    """Whether each full disk was said, once: the workers' output says that a log could not be
+    written at least once per disk fault, and no log counts its lost lines more often than
+    there were disk faults. None without a disk fault."""
+    filled = sum(1 for r in records if r.fault.kind == "disk" and r.applied_s is not None)
+    if not filled:
+        return None
+    said = sum(1 for _, line in output.lines if CANNOT_LOG.search(line))
+    logs = (state_dir / "logs").glob("*.log") if (state_dir / "logs").is_dir() else []
+    counted = [path.read_text(errors="replace").count(LOST_LINES) for path in logs]
+    return filled <= said and all(n <= filled for n in counted)
 
 
 def _survivable(settings: ChaosSettings, records: list[FaultRecord], min_workers: int,

@@ -30,7 +30,7 @@ def chaos(ctx: typer.Context,
                                        "of the fault-free run)."),
           faults: str = typer.Option("all", "--faults", metavar="KIND[,KIND]",
                                      help="Kinds of fault: kill, pause, partition, lossy, "
-                                          "collapse, or all."),
+                                          "collapse, disk, or all."),
           json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
           config_file: Path | None = config_file_option(),
           ) -> None:
@@ -38,10 +38,11 @@ def chaos(ctx: typer.Context,
     lost or applied twice.
 
     Builds the cluster, runs a small training job once without faults and once while a
-    schedule seeded by --seed kills, pauses, partitions, slows or collapses its hosts' links,
-    then checks: exit 0, ranks bitwise equal after every step, final parameters equal to the
-    fault-free run's within float32 rounding of summation order, no step stalled past the
-    heartbeat timeout + 2 s (but under a collapsed link), every fault undone, nothing left
+    schedule seeded by --seed kills, pauses, partitions, slows or collapses its hosts' links
+    and fills the disk under its logs, then checks: exit 0, ranks bitwise equal after every
+    step, final parameters equal to the fault-free run's within float32 rounding of
+    summation order, no step stalled past the heartbeat timeout + 2 s (but under a collapsed
+    link), a full disk said once and stopping nothing, every fault undone, nothing left
     behind. Exits 1 if an invariant failed. Unless given: --nic 1gbit, --spare-servers 1,
     --max-restarts 1, --min-workers one less than --workers.
     """

@@ -12,15 +12,19 @@ returns the function that undoes it (a no-op for ``kill``); an undo may be calle
   the NIC's htb classes (on an unshaped NIC: as its root qdisc), where the kernel has netem;
 - ``collapse``: the NIC's htb rate and ceiling, both ways, at ``factor`` of its rate;
 - ``kill``: SIGKILL to every process in the host's namespace but the scheduler's supervisor,
-  which restarts the scheduler (a scheduler host's kill is the scheduler's crash).
+  which restarts the scheduler (a scheduler host's kill is the scheduler's crash);
+- ``disk``: the cluster's state and log directory, a small tmpfs of its own, filled to the
+  last byte by one file, removed at the end.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import signal
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -34,8 +38,14 @@ Undo = Callable[[], None]
 BLACKHOLE, BLACKHOLE_PRIO = 0xfff, 1
 
 
-def apply(plan: NetworkPlan, fault: Fault) -> Undo:
-    """Apply ``fault`` to its host of the cluster ``plan`` built; the function that undoes it."""
+def apply(plan: NetworkPlan, fault: Fault, disk: Path | None = None) -> Undo:
+    """Apply ``fault`` to its host of the cluster ``plan`` built (a ``disk`` fault: to the
+    directory ``disk``); the function that undoes it."""
+    if fault.kind == "disk":
+        if disk is None:
+            raise ValueError("a full-disk fault needs the state directory on a small file "
+                             "system of its own (bpsctl chaos mounts one when --faults has disk)")
+        return fill(disk)
     host = plan.host(fault.target)
     if fault.kind == "kill":
         _signal(_killable(emulate.namespace_pids(host.namespace)), signal.SIGKILL)
@@ -50,6 +60,23 @@ def apply(plan: NetworkPlan, fault: Fault) -> Undo:
     if fault.kind == "collapse":
         return collapse(plan, host, float(fault.params.get("factor", 0.02)))
     raise ValueError(f"unknown fault kind {fault.kind!r}")
+
+
+def fill(directory: Path) -> Undo:
+    """Fill the file system under ``directory`` to its last byte with one file (a log disk
+    that filled up) until the undo, which removes it."""
+    filler = directory / ".chaos-full-disk"
+    with open(filler, "wb", buffering=0) as out:
+        for size in (1 << 20, 4096, 1):       # whole pages, then what a page has left
+            chunk = bytes(size)
+            try:
+                while out.write(chunk):
+                    pass
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    filler.unlink(missing_ok=True)
+                    raise
+    return _once(lambda: filler.unlink(missing_ok=True))
 
 
 def pause(host: EmulatedHost) -> Undo:

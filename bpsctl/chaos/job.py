@@ -5,8 +5,9 @@
 An MLP of about 4 MiB of float32 parameters (spread over every server), SGD with momentum, data
 seeded by (rank, step), so that a restarted worker and a fault-free run see the same batches.
 After each step a worker appends ``STEP SHA1-OF-ITS-PARAMETERS SECONDS WALL`` to
-``steps-RANK`` (the checker compares ranks step by step and finds the stalls); at the end its
-parameters go to ``final-RANK.npy``. A worker that rejoins (``--max-restarts``) goes on from
+``steps-RANK`` (the checker compares ranks step by step and finds the stalls); every 10 steps
+it prints its loss (into its log, as a training script does); at the end its parameters go to
+``final-RANK.npy``. A worker that rejoins (``--max-restarts``) goes on from
 the job's step.
 """
 from __future__ import annotations
@@ -40,9 +41,12 @@ def main() -> None:
             x, y = batch(rank, step)
             began = time.monotonic()
             optimizer.zero_grad()
-            F.cross_entropy(model(x), y).backward()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
             optimizer.step()
             took = time.monotonic() - began
+            if step % 10 == 0:      # what a training script says as it goes: into its log
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
             record.write(f"{step} {hashlib.sha1(flat.tobytes()).hexdigest()} {took:.4f} "
                          f"{time.time():.3f}\n")

@@ -17,7 +17,11 @@ KINDS: dict[str, tuple[tuple[float, float] | None, dict[str, tuple[float, float]
     "partition": ((1.0, 30.0), {}),
     "lossy": ((10.0, 60.0), {"loss_percent": (1.0, 5.0), "delay_ms": (10.0, 100.0)}),
     "collapse": ((10.0, 60.0), {"factor": (0.01, 0.05)}),
+    "disk": ((5.0, 30.0), {}),
 }
+#: the target of a ``disk`` fault: the cluster's state and log directory, which every emulated
+#: host shares (they share this machine's file system)
+DISK = "logs"
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,7 @@ def make_schedule(seed: int, duration_s: float, workers: Sequence[str], servers:
             if len(faults) >= wanted:
                 break
             kind = rng.choice(list(kinds))
-            target = rng.choice(hosts)
+            target = DISK if kind == "disk" else rng.choice(hosts)
             span, ranges = KINDS[kind]
             length = None if span is None else round(rng.uniform(*span), 1)
             fault = Fault(kind, target, at, length,

@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import json
 import logging
 import os
 import signal
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -266,8 +268,50 @@ def write_ready_file(path: str, info: dict[str, Any]) -> None:
     os.replace(tmp, target)
 
 
+#: a write that fails with one of these lost its line to a full disk (or quota): the process
+#: goes on without it
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+
+
+class FullDiskTolerantHandler(logging.StreamHandler):
+    """Writes each record to the stream's file descriptor in one ``write()``, unbuffered. While
+    the disk under the log is full the records are dropped and counted, and the first one
+    written after says how many were lost and since when: a server or scheduler, whose log is
+    its only output, neither dies of a full disk nor keeps a growing buffer of lines, and says
+    once what it could not write."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self.lost = 0
+        self.lost_since = 0.0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + "\n"
+            if self.lost:
+                since = time.strftime("%H:%M:%S", time.localtime(self.lost_since))
+                notice = logging.LogRecord(
+                    record.name, logging.WARNING, __file__, 0, "%d line(s) of this log were "
+                    "lost from %s on: its disk was full", (self.lost, since), None)
+                line = self.format(notice) + "\n" + line
+            self.stream.flush()         # what was written to the stream itself comes first
+            os.write(self.stream.fileno(), line.encode("utf-8", "replace"))
+            self.lost = 0
+        except OSError as exc:
+            if exc.errno not in DISK_FULL_ERRNOS:
+                self.handleError(record)
+                return
+            if not self.lost:
+                self.lost_since = record.created
+            self.lost += 1
+        except Exception:
+            self.handleError(record)
+
+
 def setup_process_logging(name: str) -> logging.Logger:
-    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+    """The process's logging (a server's, the scheduler's, its supervisor's): to stderr, which
+    the launcher points at the process's log file, through :class:`FullDiskTolerantHandler`."""
+    logging.basicConfig(level=logging.INFO, handlers=[FullDiskTolerantHandler(sys.stderr)],
                         format="%(asctime)s [%(name)s] %(levelname)s %(message)s")
     return logging.getLogger(name)
 

@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 
 from ..config import Config
-from .common import setup_process_logging, write_ready_file
+from .common import DISK_FULL_ERRNOS, setup_process_logging, write_ready_file
 
 _FIRST_BACKOFF_S = 0.2
 _MAX_BACKOFF_S = 5.0
@@ -99,8 +99,17 @@ class Supervisor:
 
     def _write(self) -> None:
         tmp = self.record.with_name(self.record.name + ".tmp")
-        tmp.write_text(json.dumps(self.info))
-        os.replace(tmp, self.record)
+        try:
+            tmp.write_text(json.dumps(self.info))
+            os.replace(tmp, self.record)
+        except OSError as exc:
+            if exc.errno not in DISK_FULL_ERRNOS:
+                raise
+            # the record is for `bpsctl status`; the scheduler goes on without it, and the
+            # next change writes it whole
+            self.log.warning("cannot write %s (%s); it stays as it was until there is room",
+                             self.record, exc.strerror)
+            tmp.unlink(missing_ok=True)
 
     def run(self) -> int:
         code = self._start()

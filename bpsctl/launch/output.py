@@ -6,6 +6,8 @@ import threading
 from pathlib import Path
 from typing import IO
 
+from bpsctl.engine.common import DISK_FULL_ERRNOS
+
 # One lock for every relay in the process, so lines of different ranks never interleave.
 _WRITE_LOCK = threading.Lock()
 
@@ -23,6 +25,8 @@ class OutputRelay:
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         # unbuffered, so each line is one write() and lines of the two pipes stay whole
         self._log = open(log_path, "wb", buffering=0)
+        self._log_path = log_path
+        self._lost = 0              # lines the log missed since the disk under it filled
         self._threads = [
             threading.Thread(target=self._relay, args=(stdout_pipe, out), daemon=True,
                              name=f"relay-{rank}-stdout"),
@@ -39,14 +43,38 @@ class OutputRelay:
                     raw_line += b"\n"
                 line = raw_line.decode("utf-8", errors="replace")
                 with _WRITE_LOCK:
-                    if not self._log.closed:    # close() may have given up waiting for us
-                        self._log.write(raw_line)
+                    said = self._to_log(raw_line)
                     self._tail.append(line.rstrip("\n"))
                     try:
+                        if said:
+                            stream.write(self.prefix + said + "\n")
                         stream.write(self.prefix + line)
                         stream.flush()
                     except (OSError, ValueError):
                         pass    # our own stdout is gone (closed pipe): keep draining, keep the log
+
+    def _to_log(self, raw_line: bytes) -> str:
+        """Write a line to the log file; what to tell our stream once when the disk under the
+        log is full (the worker's output goes on there, so training does not wait on the
+        disk), else "". The first line written once there is room again says how many the
+        log is missing."""
+        if self._log.closed:            # close() may have given up waiting for us
+            return ""
+        try:
+            if self._lost:
+                self._log.write(f"[bpsctl] {self._lost} line(s) of this log were lost: its "
+                                "disk was full\n".encode())
+            self._log.write(raw_line)
+            self._lost = 0
+            return ""
+        except OSError as exc:
+            if exc.errno not in DISK_FULL_ERRNOS:
+                raise
+            self._lost += 1
+            if self._lost > 1:
+                return ""
+            return (f"[bpsctl] cannot write {self._log_path}: {exc.strerror}; this worker's "
+                    "output goes on here only until there is room")
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Wait for both pipes to reach end of file (the worker's group has exited), then close."""
