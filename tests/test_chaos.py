@@ -192,7 +192,7 @@ def test_a_full_disk_is_every_byte_of_its_file_system_until_undone(tmp_path):
 #: seeds of the CI run of `bpsctl chaos` (BPSCTL_CHAOS_SEEDS=1,2,... for more) and the kinds
 #: of fault each draws from
 SEEDS = [int(s) for s in os.environ.get("BPSCTL_CHAOS_SEEDS", "2").split(",")]
-RUNS = [(seed, "partition,pause") for seed in SEEDS] + [(1, "disk")]
+RUNS = [(seed, "partition,pause") for seed in SEEDS] + [(2, "disk")]
 
 
 @pytest.mark.parametrize("seed, kinds", RUNS)
@@ -221,10 +221,13 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
     assert report["kind"] == "chaos" and report["seed"] == seed
     assert 1 <= len(report["faults"]) <= 6
     assert {r["fault"]["kind"] for r in report["faults"]} <= set(kinds.split(","))
-    if kinds == "disk":         # the job went on through it, and the workers said it
+    if kinds == "disk":
+        # seed 2 fills the disk early and for longer than the job: the workers' logs outgrow
+        # the pages they had, the job goes on, and the terminal hears it once per log
         assert report["exit_code"] == 0
-        assert report["invariants"]["a full disk stopped nothing and was said once"] is True
+        assert report["invariants"]["a full disk was said at most once per log"] is True
         assert all(r["noticed_s"] is not None for r in report["faults"]), report["faults"]
+        assert any("cannot write" in line for line in report["said"]), report["said"]
     for record in report["faults"]:
         assert record["applied_s"] is not None and record["undone_s"] is not None, record
         assert not record["error"], record

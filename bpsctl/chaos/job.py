@@ -5,8 +5,8 @@
 An MLP of about 4 MiB of float32 parameters (spread over every server), SGD with momentum, data
 seeded by (rank, step), so that a restarted worker and a fault-free run see the same batches.
 After each step a worker appends ``STEP SHA1-OF-ITS-PARAMETERS SECONDS WALL`` to
-``steps-RANK`` (the checker compares ranks step by step and finds the stalls); every 10 steps
-it prints its loss (into its log, as a training script does); at the end its parameters go to
+``steps-RANK`` (the checker compares ranks step by step and finds the stalls) and prints it
+with its loss (into its log, as a training script does); at the end its parameters go to
 ``final-RANK.npy``. A worker that rejoins (``--max-restarts``) goes on from
 the job's step.
 """
@@ -45,12 +45,14 @@ def main() -> None:
             loss.backward()
             optimizer.step()
             took = time.monotonic() - began
-            if step % 10 == 0:      # what a training script says as it goes: into its log
-                print(f"step {step} loss {loss.item():.4f}", flush=True)
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-            record.write(f"{step} {hashlib.sha1(flat.tobytes()).hexdigest()} {took:.4f} "
-                         f"{time.time():.3f}\n")
+            digest = hashlib.sha1(flat.tobytes()).hexdigest()
+            record.write(f"{step} {digest} {took:.4f} {time.time():.3f}\n")
             record.flush()
+            # what a training script says as it goes, into its log (and enough of it that a
+            # short job's log outgrows the pages it had when a disk fault fills the disk)
+            print(f"step {step} loss {loss.item():.4f} parameters {digest} "
+                  f"{1000 * took:.1f} ms", flush=True)
     np.save(os.path.join(out, f"final-{rank}.npy"), flat)
     bps.shutdown()
 
