@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,7 @@ TIERS: dict[str, set[str]] = {
     "test_bench_comm.py::test_collectives_against_horovod_on_two_emulated_hosts":
         {"slow", "root"},
     # a throwaway virtualenv with the newest allowed dependencies, and a smoke subset in it
-    "test_fresh_install.py::test_the_newest_allowed_dependencies_pass_a_smoke_subset":
-        {"slow", "long"},
+    "test_fresh_install.py::test_the_newest_allowed_dependencies_pass_a_smoke_subset": {"slow"},
     # hypothesis against live sockets: 2-5 s each
     "test_fuzz_wire.py": {"slow"},
     # allocators and idle release, each waiting for a quiet spell: 2-5 s each
@@ -116,7 +115,7 @@ TIERS: dict[str, set[str]] = {
     "test_stragglers.py::test_a_cpu_straggler_host_runs_its_processes_in_a_throttled_cgroup":
         {"slow", "root"},
     # three systems, each a 2-worker training job to a target accuracy: about 30 s
-    "test_stragglers.py::test_every_system_reaches_its_target_accuracy": {"slow", "long"},
+    "test_stragglers.py::test_every_system_reaches_its_target_accuracy": {"slow"},
     # three 2-worker training jobs of 200 steps (sync, onebit, onebit:noef): about 10-25 s
     "test_compression.py::test_bench_convergence_shows_what_error_feedback_is_for": {"slow"},
     # a 1-worker training job to the target: about 5 s
@@ -156,7 +155,6 @@ TIERS: dict[str, set[str]] = {
         {"slow", "root"},
     "test_chaos.py::test_a_lossy_link_and_a_collapsed_one_are_shaped_then_restored":
         {"slow", "root"},
-    "test_chaos.py::test_a_full_disk_is_every_byte_of_its_file_system_until_undone": {"root"},
     "test_chaos.py::test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it":
         {"slow", "root"},
     "test_emulate.py::test_create_reach_destroy": {"slow", "root"},
@@ -189,7 +187,7 @@ TIERS: dict[str, set[str]] = {
     # ResNet50 training against DDP and Horovod: 20-30 s each
     "test_bench_train.py::test_train_bench_on_emulated_hosts_against_the_baselines":
         {"slow", "root"},
-    "test_bench_train.py::test_rounds_rotate_the_order_and_pair_the_ratios": {"slow", "long"},
+    "test_bench_train.py::test_rounds_rotate_the_order_and_pair_the_ratios": {"slow"},
     "test_bench_train.py::test_async_training_reports_the_sum_of_each_workers_rate": {"slow"},
     # full training on 4 workers (the module's fixture trains every variant: about 12 s)
     "test_torch_training.py": {"slow"},
@@ -304,7 +302,7 @@ TIERS: dict[str, set[str]] = {
     "test_bpslaunch.py::test_workers_started_without_bpslaunch_join_as_bytepss_own_tests_start_them":
         {"slow"},
     "test_bpslaunch.py::test_two_machines_of_two_gpus_each_train_as_four_workers_of_bpsctl_run":
-        {"slow", "long"},
+        {"slow"},
     # three bpslaunch processes refused by their deadlines: 1.5-3.5 s on busy cores
     "test_bpslaunch.py::test_bad_variables_and_an_unreachable_root_end_each_role_by_its_deadline":
         {"slow"},
@@ -545,9 +543,6 @@ def missing(need: str) -> str | None:
 #: among them too, so that it never starts last and holds the run while the other worker idles
 MACHINE_TAGS = {"root", "sshd", "slurm", "cores"}
 MACHINE_GROUP = "machine"
-#: the tag of a test of another group that takes 20 s or more on a busy 2-core machine: its
-#: group is scheduled right after the machine's, so that it never starts last
-LONG_TAG = "long"
 
 
 def xdist_group(item_tags: set[str], module: str) -> str:
@@ -594,27 +589,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return group_of_nodeid(nodeid)
 
-        ordered = False
-
         def _assign_work_unit(self, node: Any) -> None:
-            # the machine's group, the longest by far, goes first, then the groups of a long
-            # test: started late, one would hold a worker after the other had run out of work
-            if not self.ordered:
-                for group in reversed(schedule_order(self.workqueue)):
-                    self.workqueue.move_to_end(group, last=False)
-                self.ordered = True
+            # the machine's group, the longest by far, goes first: started late, it would hold
+            # one worker long after the other had run out of work
+            if MACHINE_GROUP in self.workqueue:
+                self.workqueue.move_to_end(MACHINE_GROUP, last=False)
             super()._assign_work_unit(node)
 
     return ByGroup(config, log)
-
-
-def schedule_order(groups: Mapping[str, Iterable[str]]) -> list[str]:
-    """The order the xdist workers take ``groups`` (name -> its tests' node ids) in: the
-    machine's group first, then those of a long test, then the others as they came."""
-    long = [group for group, nodeids in groups.items()
-            if group != MACHINE_GROUP and any(LONG_TAG in tags_of_nodeid(n) for n in nodeids)]
-    machine = [MACHINE_GROUP] if MACHINE_GROUP in groups else []
-    return [*machine, *long, *(g for g in groups if g not in long and g not in machine)]
 
 
 def namespaces_left_behind(before: set[str]) -> list[str]:

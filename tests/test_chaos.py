@@ -126,7 +126,9 @@ def test_a_pause_stops_every_process_of_the_host_until_it_ends_and_a_kill_ends_t
             return [psutil.Process(p) for p in emulate.namespace_pids(network.host("w1").namespace)]
         wait_until(lambda: inside(), 10, "the process in w1's namespace")
         undo = apply(network, Fault("pause", "w1", 0, 5))
-        assert all(p.status() == psutil.STATUS_STOPPED for p in inside())
+        # a signal is delivered after kill() returns: the process stops soon, not at once
+        wait_until(lambda: all(p.status() == psutil.STATUS_STOPPED for p in inside()), 5,
+                   "the processes to stop")
         undo()
         wait_until(lambda: all(p.status() != psutil.STATUS_STOPPED for p in inside()), 5,
                    "the processes to resume")

@@ -28,8 +28,7 @@ def test_each_key_names_a_module_or_test_that_exists(key):
 
 @pytest.mark.parametrize("key", sorted(TIERS))
 def test_each_tag_is_a_marker_or_a_need(key):
-    known = set(MARKERS) | set(NEEDS) | conftest.MACHINE_TAGS | {conftest.LONG_TAG}
-    assert TIERS[key] <= known, key
+    assert TIERS[key] <= set(MARKERS) | set(NEEDS) | conftest.MACHINE_TAGS, key
 
 
 #: for every module of bpsctl/, a test of the fast tier that runs its code (in the test's
@@ -268,16 +267,3 @@ def test_tests_are_scheduled_by_module_and_the_machines_tests_together():
     assert conftest.group_of_nodeid("tests/test_x.py::test_y@somewhere") == "somewhere"
     assert conftest.group_of_nodeid("tests/test_x.py::test_y[a@b]") == "test_x.py"
     assert hasattr(conftest, "pytest_xdist_make_scheduler")
-
-
-def test_the_machines_group_is_taken_first_then_those_of_a_long_test():
-    groups = {"test_a.py": ["tests/test_a.py::test_x"],
-              "test_fresh_install.py": [
-                  "tests/test_fresh_install.py::test_every_requirement_is_bounded_above_and_the_"
-                  "runner_is_among_them",
-                  "tests/test_fresh_install.py::test_the_newest_allowed_dependencies_pass_a_"
-                  "smoke_subset"],
-              "test_b.py": ["tests/test_b.py::test_y"],
-              conftest.MACHINE_GROUP: ["tests/test_load.py::test_z"]}
-    assert conftest.schedule_order(groups) == [conftest.MACHINE_GROUP, "test_fresh_install.py",
-                                               "test_a.py", "test_b.py"]
