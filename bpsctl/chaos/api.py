@@ -38,7 +38,6 @@ FINAL_DIFF_BOUND = 1e-3
 #: lost machine is noticed and replaced within the heartbeat timeout and a few seconds, and a
 #: collapsed link slows a step to seconds, so a wait of this long is a hang
 OP_WAIT_S = 30.0
-#: what a worker's output says when bpsctl notices a fault and acts on it
 #: what a worker's output says, once, when the disk under its log is full; what a log says
 #: once there is room again (bpsctl/launch/output.py, bpsctl/engine/common.py)
 CANNOT_LOG = re.compile(r"\[bpsctl\] cannot write (\S+\.log): ")
@@ -48,6 +47,7 @@ FULL_DISK = "a full disk was said at most once per log"
 #: the size of the state directory's own file system when --faults has disk: room for every
 #: log of a chaos run, small enough to fill at once
 STATE_DISK_BYTES = 64 << 20
+#: what a worker's output says when bpsctl notices a fault and acts on it
 NOTICED = re.compile(r"lost|moved|took over|restart|rejoin|joined|went on|fenc|unreachable",
                      re.IGNORECASE)
 
@@ -244,9 +244,13 @@ def _state_disk(state_dir: Path, small: bool) -> Iterator[tuple[Path, Path | Non
     if not small:
         yield state_dir, None
         return
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={STATE_DISK_BYTES},mode=0700",
-                    "bpsctl-chaos", str(state_dir)], check=True, capture_output=True,
-                   timeout=30)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o",
+                              f"size={STATE_DISK_BYTES},mode=0700", "bpsctl-chaos",
+                              str(state_dir)], capture_output=True, text=True, timeout=30)
+    if mounted.returncode:
+        raise ConfigError(f"--faults disk: could not mount a tmpfs on {state_dir} "
+                          f"({mounted.stderr.strip() or f'exit {mounted.returncode}'}); it needs "
+                          "root and mount(8), or leave disk out of --faults")
     try:
         yield state_dir, state_dir
     finally:
