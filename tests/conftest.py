@@ -49,8 +49,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 #: is anything over about 5 s on a busy 2-core machine, setup included (a module-scoped
 #: fixture's cost falls on the module's first test), and the kinds that take minutes.
 TIERS: dict[str, set[str]] = {
-    # 8 workers x 4 servers for 1000 steps: about 2 minutes
-    "test_load.py::test_8_workers_4_servers_1000_steps_exact_sums_and_flat_memory":
+    # 8 workers x 4 servers for 500 steps: about a minute
+    "test_load.py::test_8_workers_4_servers_500_steps_exact_sums_and_flat_memory":
         {"slow", "cores"},
     # kill -9 / cut links on emulated clusters (2 runs of each fault): about 60 s
     "test_fault_injection.py": {"slow", "root"},
