@@ -494,6 +494,19 @@ def test_the_division_for_averaging_rounds_as_the_engine_does(dtype, divisor):
     assert torch.equal(got, want), (got.float() - want.float()).abs().max()
 
 
+def test_the_bench_knows_a_cpu_build_of_torch_without_importing_it():
+    """The bench's GPU probe reads a CPU build from the package's metadata; what it says is
+    what the imported torch says (this machine's torch, CPU or CUDA build)."""
+    import torch
+
+    from bpsctl.bench.training import cpu_torch_version
+    said = cpu_torch_version()
+    if said is None:
+        assert torch.version.cuda is not None or "+cpu" not in torch.__version__
+    else:
+        assert said == torch.__version__ and torch.version.cuda is None
+
+
 @pytest.mark.skipif(CUDA, reason="checks the CPU-only case; this machine has CUDA")
 def test_cpu_users_touch_no_cuda(tmp_path):
     code = ("import torch, bpsctl.engine.torch, bpsctl.engine.intranode; "

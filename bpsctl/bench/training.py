@@ -7,6 +7,7 @@ DDP and PowerSGD on the same hosts, each a job of :mod:`bpsctl.bench.train` work
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import socket
 import statistics
 import sys
@@ -157,6 +158,9 @@ def probe_gpus(config: Config, horovod: bool = False) -> list[HostGPUs]:
             answer = last_json(text) if ok else None
             result.append(HostGPUs.from_answer(host, answer or {"error": text or "no answer"}))
         return result
+    cpu_build = cpu_torch_version()
+    if cpu_build is not None:       # no GPU to find, and no need to import torch to say so
+        return [HostGPUs(host=socket.gethostname(), torch=cpu_build)]
     try:
         import torch
     except ImportError:
@@ -164,6 +168,17 @@ def probe_gpus(config: Config, horovod: bool = False) -> list[HostGPUs]:
     if torch.version.cuda is None:          # a CPU build: no need for a fresh interpreter
         return [HostGPUs(host=socket.gethostname(), torch=torch.__version__)]
     return [probe_here(socket.gethostname(), code)]
+
+
+def cpu_torch_version() -> str | None:
+    """The installed torch's version if its package says it is a CPU build (PyTorch's CPU
+    wheels carry the local version ``+cpu``), else None. Read from the package's metadata:
+    importing torch costs the bench's own process seconds of CPU before any worker starts."""
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return version if version.endswith("+cpu") else None
 
 
 def physical_hosts(config: Config, workers: int, gpus: Sequence[HostGPUs]
