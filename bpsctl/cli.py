@@ -537,7 +537,7 @@ app.add_typer(bench_app, name="bench")
 app.add_typer(install_app, name="install")
 app.add_typer(k8s_app, name="k8s")
 app.command(name="tune")(tune)
-app.command(name="chaos")(chaos)
+app.command(name="chaos", context_settings={"allow_interspersed_args": False})(chaos)
 app.command(name="trace")(trace)
 app.command(name="profile")(profile)
 

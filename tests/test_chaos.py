@@ -196,20 +196,61 @@ def test_a_full_disk_is_every_byte_of_its_file_system_until_undone(tmp_path):
 SEEDS = [int(s) for s in os.environ.get("BPSCTL_CHAOS_SEEDS", "2").split(",")]
 RUNS = [(seed, "partition,pause") for seed in SEEDS] + [(2, "disk")]
 
+#: a training script of one's own, run by `bpsctl chaos -- python train.py`: it records its
+#: steps for the checker with bpsctl.chaos.job.Recorder, and prints a line per step
+OWN_SCRIPT = """\
+import time
+
+import torch
+import torch.nn.functional as F
+
+import bpsctl.engine.torch as bps
+from bpsctl.chaos.job import Recorder, flat_parameters
+
+torch.set_num_threads(1)
+bps.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                     named_parameters=model.named_parameters())
+bps.broadcast_parameters(model.state_dict(), root_rank=0)
+record = Recorder(bps.rank())
+for step in range(bps.step_count(), 60):
+    data = torch.Generator().manual_seed(1000 * bps.rank() + step)
+    x, y = torch.randn(16, 256, generator=data), torch.randint(0, 10, (16,), generator=data)
+    began = time.monotonic()
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    optimizer.step()
+    took = time.monotonic() - began
+    digest = record.step(step, flat_parameters(model), took)
+    print(f"step {step} loss {loss.item():.4f} parameters {digest} {1000 * took:.1f} ms",
+          flush=True)
+record.final(flat_parameters(model))
+bps.shutdown()
+"""
+
 
 @pytest.mark.parametrize("seed, kinds", RUNS)
 def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, seed, kinds):
     """The command end to end, as a user runs it: a small job on 2 + 2 emulated hosts through
     faults that come back (partitions and pauses: seed 2 cuts both servers off past the
     heartbeat timeout, so the job must end with an error naming the loss; or the disk under
-    the logs filled, which must stop nothing and be said once); every fault applied and
-    undone, every invariant held or not applying, nothing left."""
+    the logs filled, which must stop nothing and be said once, with a training script of
+    one's own after --); every fault applied and undone, every invariant held or not
+    applying, nothing left."""
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     out = tmp_path / "chaos.json"
+    if kinds == "disk":
+        (tmp_path / "train.py").write_text(OWN_SCRIPT)
+        job = ["--", sys.executable, "train.py"]
+    else:
+        job = ["--steps", "60"]
     command = subprocess.Popen(
         [sys.executable, "-m", "bpsctl.cli", "chaos", "--workers", "2", "--servers", "2",
-         "--steps", "60", "--seed", str(seed), "--faults", kinds,
-         "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+         "--seed", str(seed), "--faults", kinds, "--json", str(out), *job],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
         env={**os.environ, "COLUMNS": "100", "BPSCTL_STATE_DIR": str(tmp_path / "state")})
     try:
         stdout, stderr = command.communicate(timeout=200)
@@ -227,6 +268,11 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
         # seed 2 fills the disk early and for longer than the job: the workers' logs outgrow
         # the pages they had, the job goes on, and the terminal hears it once per log
         assert report["exit_code"] == 0
+        assert report["command"] == job[1:] and report["steps"] is None
+        # the script recorded its steps: the checks of steps applied, and held
+        assert report["invariants"]["every step done"] is True
+        assert report["invariants"]["ranks bitwise equal after every step"] is True
+        assert report["final_rel_diff"] is not None
         assert report["invariants"]["a full disk was said at most once per log"] is True
         assert all(r["noticed_s"] is not None for r in report["faults"]), report["faults"]
         assert any("cannot write" in line for line in report["said"]), report["said"]
@@ -291,6 +337,57 @@ def test_the_checker_finds_ranks_that_differ_stalls_and_a_drifted_model(tmp_path
     assert lenient["invariants"]["worst stall within the heartbeat timeout + 2 s"]
     assert lenient["invariants"]["final parameters within 0.001 of the fault-free run's"] is None
     assert lenient["workers_left"] == [1]
+
+
+def test_a_script_of_ones_own_that_records_no_steps_is_judged_by_how_it_ended(tmp_path):
+    from bpsctl.chaos.api import ChaosSettings, _check
+    from bpsctl.config import Config
+    from bpsctl.launch.types import RunResult, WorkerFailure
+    reference, chaos = tmp_path / "reference", tmp_path / "chaos"
+    reference.mkdir()
+    chaos.mkdir()
+    settings = ChaosSettings(workers=2, servers=2, command=("python", "train.py"))
+    report = _check(Config(), settings, reference, chaos, RunResult(0), [])
+    assert report["command"] == ["python", "train.py"] and report["steps"] is None
+    judged = {name: held for name, held in report["invariants"].items() if held is not None}
+    assert judged == {"exit 0, or a named error where the faults left no way on": True,
+                      "every fault applied and undone": True}
+    failed = RunResult(1, failures=(WorkerFailure(0, 1, 1, None, ()),))
+    assert not _check(Config(), settings, reference, chaos, failed, [])["invariants"][
+        "exit 0, or a named error where the faults left no way on"]
+    # the default job that recorded nothing did not run: that is a failure, not n/a
+    default = _check(Config(), ChaosSettings(workers=2, servers=2), reference, chaos,
+                     RunResult(0), [])
+    assert default["invariants"]["every step done"] is False
+
+
+def test_the_recorder_writes_what_the_checker_reads_only_under_bpsctl_chaos(tmp_path,
+                                                                            monkeypatch):
+    import numpy as np
+
+    from bpsctl.chaos import CHAOS_DIR
+    from bpsctl.chaos.api import _steps
+    from bpsctl.chaos.job import Recorder
+    monkeypatch.delenv(CHAOS_DIR, raising=False)
+    outside = Recorder(0)
+    assert outside.step(0, np.ones(4, np.float32), 0.5) and not list(tmp_path.iterdir())
+    monkeypatch.setenv(CHAOS_DIR, str(tmp_path))
+    record = Recorder(1)
+    digests = [record.step(s, np.full(4, s, np.float32), 0.25) for s in range(3)]
+    record.final(np.full(4, 2, np.float32))
+    steps = _steps(tmp_path)
+    assert [steps[1][s][0] for s in range(3)] == digests and len(set(digests)) == 3
+    assert steps[1][2][1] == 0.25
+    assert (np.load(tmp_path / "final-1.npy") == 2).all()
+
+
+def test_chaos_refuses_steps_for_a_command_and_a_script_that_is_not_there(tmp_path):
+    for args, said in ((["--steps", "20", "--", "python", "x.py"], "--steps: the number of"),
+                       (["--", sys.executable, "missing.py"], "cannot open 'missing.py'")):
+        done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "chaos", *args], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
 
 
 def test_the_chaos_table_names_each_fault_and_each_invariant():

@@ -39,6 +39,8 @@ HOROVOD_OF_ONE = "test_small_parts.py::test_horovods_collectives_of_one_worker_g
 
 FAST_TEST_OF = {
     "__init__.py": "test_cli.py::test_status_without_a_cluster",
+    "chaos/__init__.py":
+        "test_chaos.py::test_the_recorder_writes_what_the_checker_reads_only_under_bpsctl_chaos",
     "chaos/api.py":
         "test_chaos.py::test_the_checker_finds_ranks_that_differ_stalls_and_a_drifted_model",
     "chaos/cli.py": "test_chaos.py::test_the_chaos_table_names_each_fault_and_each_invariant",

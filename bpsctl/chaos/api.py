@@ -12,6 +12,7 @@ import collections
 import contextlib
 import io
 import itertools
+import os
 import re
 import statistics
 import subprocess
@@ -27,6 +28,7 @@ from typing import Any
 from .. import launch
 from ..config import Config, ConfigError
 from ..launch import emulate
+from . import CHAOS_DIR
 from .faults import Undo, apply
 from .schedule import KINDS, Fault, make_schedule
 
@@ -61,6 +63,10 @@ class ChaosSettings:
     duration_s: float | None = None     # None: the fault-free run's length
     kinds: tuple[str, ...] = tuple(KINDS)
     count: tuple[int, int] = (3, 6)
+    #: a training command of one's own (``bpsctl chaos -- CMD``) instead of the default job
+    #: (bpsctl/chaos/job.py, ``steps`` steps); it records its steps for the checker with
+    #: bpsctl.chaos.job.Recorder, or the checks of steps do not apply
+    command: tuple[str, ...] = ()
 
 
 @dataclass
@@ -158,13 +164,19 @@ def _job(config: Config, settings: ChaosSettings, out: Path, plan: emulate.Netwo
     records = [FaultRecord(fault) for fault in faults]
     done = threading.Event()
     clock: list[float] = []         # when the first step ended: the schedule's zero
-    injector = threading.Thread(target=_inject, args=(plan, records, out, clock, done, disk),
+    # the schedule's zero: the default job's first step; a script of one's own may record
+    # none, so its first step or its first line of output, whichever comes first
+    began = (lambda: bool(output.lines)) if settings.command else (lambda: False)
+    injector = threading.Thread(target=_inject,
+                                args=(plan, records, out, clock, done, disk, began),
                                 name="chaos-injector", daemon=True)
     injector.start()
+    argv = list(settings.command) or [sys.executable, "-m", "bpsctl.chaos.job", str(out),
+                                      str(settings.steps)]
     try:
-        result = launch.run([sys.executable, "-m", "bpsctl.chaos.job", str(out),
-                             str(settings.steps)], config, servers=settings.servers,
-                            stdout=output, stderr=output)
+        with _environ(CHAOS_DIR, str(out)):
+            result = launch.run(argv, config, servers=settings.servers, stdout=output,
+                                stderr=output)
     finally:
         done.set()
         injector.join(60)
@@ -194,12 +206,13 @@ def _names(address: str, line: str) -> bool:
 
 
 def _inject(plan: emulate.NetworkPlan, records: list[FaultRecord], out: Path,
-            clock: list[float], done: threading.Event, disk: Path | None = None) -> None:
-    """Once the job has trained its first step (a worker recorded it in ``out``: the
-    schedule's zero, put in ``clock`` and, as wall-clock time, in ``out/start``), apply each
-    fault at its start and undo it at its end; undo everything once the job ends (``done``),
-    whatever is still applied."""
-    while not any(p.stat().st_size for p in out.glob("steps-*")):
+            clock: list[float], done: threading.Event, disk: Path | None = None,
+            began: Callable[[], bool] = lambda: False) -> None:
+    """Once the job has trained its first step (a worker recorded it in ``out``), or
+    ``began()`` says it has: the schedule's zero, put in ``clock`` and, as wall-clock time, in
+    ``out/start``; apply each fault at its start and undo it at its end; undo everything
+    once the job ends (``done``), whatever is still applied."""
+    while not any(p.stat().st_size for p in out.glob("steps-*")) and not began():
         if done.wait(0.02):
             return
     start = time.monotonic()
@@ -233,6 +246,21 @@ def _inject(plan: emulate.NetworkPlan, records: list[FaultRecord], out: Path,
             records[index].undone_s = round(time.monotonic() - start, 2)
         except Exception as exc:
             records[index].error = f"undo: {exc}"
+
+
+@contextlib.contextmanager
+def _environ(name: str, value: str) -> Iterator[None]:
+    """``name`` set to ``value`` in this process's environment (which the job's workers
+    inherit) for the block."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 @contextlib.contextmanager
@@ -326,7 +354,7 @@ def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path
     # the final parameters against the fault-free run's
     finals = sorted(chaos.glob("final-*.npy"))
     worst = None
-    if finals:
+    if finals and (reference / finals[0].name).exists():
         mine = np.load(finals[0]).astype(np.float64)
         theirs = np.load(reference / finals[0].name).astype(np.float64)
         scale = float(np.linalg.norm(theirs)) or 1e-30
@@ -351,12 +379,20 @@ def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path
                 default=0.0)
     bound = config.heartbeat_timeout_s + 2.0
     survivable = _survivable(settings, records, config.min_workers, config.heartbeat_timeout_s)
-    completed = all(max(rank, default=-1) == settings.steps - 1 for rank in steps.values()) \
-        and bool(steps)
+    # a script of one's own that records no steps (bpsctl.chaos.job.Recorder): the checks
+    # of steps do not apply; it is judged by how it ended, its faults, and what it left
+    judged = bool(steps) or not settings.command
+    if settings.command:        # its own number of steps: the most any rank recorded
+        completed = bool(steps) and len({max(rank) for rank in steps.values()}) == 1
+    else:
+        completed = bool(steps) and all(max(rank, default=-1) == settings.steps - 1
+                                        for rank in steps.values())
     return {
         "kind": "chaos", "workers": settings.workers, "servers": settings.servers,
-        "steps": settings.steps, "nic": config.nic, "spare_servers": config.spare_servers,
-        "max_restarts": config.max_restarts, "exit_code": exit_code,
+        "steps": None if settings.command else settings.steps,
+        "command": list(settings.command) or None, "nic": config.nic,
+        "spare_servers": config.spare_servers, "max_restarts": config.max_restarts,
+        "exit_code": exit_code,
         "faults": [dict(asdict(r), fault=asdict(r.fault)) for r in records],
         "unequal_steps": unequal[:20], "final_rel_diff": worst, "workers_left": left,
         "worst_stall_s": round(stall, 2), "median_step_s": round(median, 4),
@@ -367,12 +403,14 @@ def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path
             "exit 0, or a named error where the faults left no way on":
                 exit_code == 0 or not survivable and bool(result.lost or result.failures),
             # a job the faults ended (above) has no steps or stalls to judge
-            "every step done": completed if exit_code == 0 or survivable else None,
-            "ranks bitwise equal after every step": not unequal,
+            "every step done":
+                completed if judged and (exit_code == 0 or survivable) else None,
+            "ranks bitwise equal after every step": not unequal if judged else None,
             f"final parameters within {FINAL_DIFF_BOUND:g} of the fault-free run's":
-                None if left else worst is not None and worst <= FINAL_DIFF_BOUND,
+                None if left or not (finals or judged) else
+                worst is not None and worst <= FINAL_DIFF_BOUND,
             "worst stall within the heartbeat timeout + 2 s":
-                stall <= bound if exit_code == 0 or survivable else None,
+                stall <= bound if judged and (exit_code == 0 or survivable) else None,
             "every fault applied and undone": all(not r.error for r in records),
         },
     }

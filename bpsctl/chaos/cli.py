@@ -8,7 +8,14 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from ..cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
+from ..cliutil import (
+    build_config,
+    cli_errors,
+    config_file_option,
+    err_console,
+    knob_option,
+    missing_python_script,
+)
 from ..config import ConfigError
 from .api import ChaosSettings, run_chaos
 from .faults import netem_available
@@ -22,7 +29,8 @@ def chaos(ctx: typer.Context,
           nic: str | None = knob_option("nic", "--nic"),
           spare_servers: int | None = knob_option("spare_servers", "--spare-servers"),
           max_restarts: int | None = knob_option("max_restarts", "--max-restarts", min=0),
-          steps: int = typer.Option(300, "--steps", min=10, help="Steps of the training job."),
+          steps: int | None = typer.Option(
+              None, "--steps", min=10, help="Steps of the default training job (300)."),
           seed: int = typer.Option(0, "--seed", help="Seeds the schedule: the same seed, the "
                                                      "same faults at the same times."),
           duration: float | None = typer.Option(
@@ -33,6 +41,10 @@ def chaos(ctx: typer.Context,
                                           "collapse, disk, or all."),
           json_out: Path | None = typer.Option(None, "--json", help="Write the report here."),
           config_file: Path | None = config_file_option(),
+          cmd: list[str] | None = typer.Argument(
+              None, metavar="[-- CMD]",
+              help="A training command of one's own instead of the default job, e.g. python "
+                   "train.py (docs/chaos.md: what it records for the checks of steps)."),
           ) -> None:
     """Train through seeded faults on an emulated cluster (root), then check that nothing was
     lost or applied twice.
@@ -44,7 +56,9 @@ def chaos(ctx: typer.Context,
     summation order, no step stalled past the heartbeat timeout + 2 s (but under a collapsed
     link), a full disk said once and stopping nothing, every fault undone, nothing left
     behind. Exits 1 if an invariant failed. Unless given: --nic 1gbit, --spare-servers 1,
-    --max-restarts 1, --min-workers one less than --workers.
+    --max-restarts 1, --min-workers one less than --workers. After --, a training command
+    of one's own runs instead of the default job (bpsctl.chaos.job.Recorder records its
+    steps for the checks of steps; without it they do not apply).
     """
     with cli_errors():
         config = build_config(ctx, {"nic": (nic or "1gbit", "--nic"),
@@ -54,6 +68,15 @@ def chaos(ctx: typer.Context,
                                                      else max_restarts, "--max-restarts")},
                               config_file, read_file=True)
         kinds = parse_kinds(faults)
+        if cmd and steps is not None:
+            raise ConfigError("--steps: the number of steps of the default job; a command of "
+                              "one's own (-- CMD) decides its own; drop --steps")
+        cmd = cmd or []
+        missing = missing_python_script(cmd, Path.cwd()) if cmd else None
+        if missing is not None:
+            raise ConfigError(f"chaos: {cmd[0]} cannot open {missing!r}: no such file in "
+                              f"{Path.cwd()} (the command after -- runs there on every "
+                              "worker; check the script's path)")
         if "lossy" in kinds and not netem_available():
             if faults.strip() != "all":
                 raise ConfigError("--faults lossy: a lossy link needs the kernel's netem qdisc "
@@ -62,8 +85,9 @@ def chaos(ctx: typer.Context,
             kinds = tuple(k for k in kinds if k != "lossy")
             err_console.print("note: lossy links left out: this kernel has no netem "
                               "(sch_netem)", highlight=False)
-        settings = ChaosSettings(workers=workers, servers=servers, steps=steps, seed=seed,
-                                 duration_s=duration, kinds=kinds)
+        settings = ChaosSettings(workers=workers, servers=servers,
+                                 steps=300 if steps is None else steps, seed=seed,
+                                 duration_s=duration, kinds=kinds, command=tuple(cmd))
         with err_console.status("chaos") as spinner:
             report = run_chaos(config, settings, lambda text: spinner.update(text))
     print_chaos(report)
@@ -91,6 +115,9 @@ def print_chaos(report: dict[str, Any]) -> None:
                       f"{report['worst_stall_s']:.1f} s (bound {report['stall_bound_s']:g} s); "
                       f"final parameters {report['final_rel_diff']:.2e} from the fault-free "
                       "run's" if report["final_rel_diff"] is not None else
+                      "steps: none recorded (a command of one's own records its steps with "
+                      "bpsctl.chaos.job.Recorder)" if report["command"] and
+                      report["invariants"]["every step done"] is None else
                       "steps: no worker finished", highlight=False)
     for name, held in report["invariants"].items():
         mark = {True: "[green]held[/]", False: "[bold red]FAILED[/]", None: "n/a "}[held]

@@ -1,4 +1,5 @@
-"""The training job `bpsctl chaos` runs by default (``bpsctl run`` starts it on each worker).
+"""The training job `bpsctl chaos` runs by default (``bpsctl run`` starts it on each worker),
+and what any training script run under `bpsctl chaos -- CMD` may record for its checker.
 
     python -m bpsctl.chaos.job REPORT_DIR STEPS
 
@@ -8,7 +9,9 @@ After each step a worker appends ``STEP SHA1-OF-ITS-PARAMETERS SECONDS WALL`` to
 ``steps-RANK`` (the checker compares ranks step by step and finds the stalls) and prints it
 with its loss (into its log, as a training script does); at the end its parameters go to
 ``final-RANK.npy``. A worker that rejoins (``--max-restarts``) goes on from
-the job's step.
+the job's step. A script of one's own records the same through :class:`Recorder`, which
+writes under ``BPSCTL_CHAOS_DIR`` (set by `bpsctl chaos` for every worker) and does nothing
+when the script runs outside it.
 """
 from __future__ import annotations
 
@@ -22,6 +25,41 @@ import torch
 import torch.nn.functional as F
 
 import bpsctl.engine.torch as bps
+from bpsctl.chaos import CHAOS_DIR
+
+
+class Recorder:
+    """What the checker of `bpsctl chaos` reads of one rank: after each step the parameters'
+    digest and the step's time (``steps-RANK``), at the end the parameters (``final-RANK.npy``),
+    in ``directory`` (default: ``BPSCTL_CHAOS_DIR``; without it nothing is written)."""
+
+    def __init__(self, rank: int, directory: str | None = None) -> None:
+        self.rank = rank
+        self.directory = directory or os.environ.get(CHAOS_DIR) or None
+        self._file = None if self.directory is None else \
+            open(os.path.join(self.directory, f"steps-{rank}"), "a")
+
+    def step(self, step: int, parameters: np.ndarray, seconds: float) -> str:
+        """Record ``step`` done in ``seconds`` with these (flat, float32) parameters; their
+        digest."""
+        digest = hashlib.sha1(np.ascontiguousarray(parameters).tobytes()).hexdigest()
+        if self._file is not None:
+            self._file.write(f"{step} {digest} {seconds:.4f} {time.time():.3f}\n")
+            self._file.flush()
+        return digest
+
+    def final(self, parameters: np.ndarray) -> None:
+        """Record the parameters the rank ended with, and close."""
+        if self.directory is not None:
+            np.save(os.path.join(self.directory, f"final-{self.rank}.npy"), parameters)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def flat_parameters(model: torch.nn.Module) -> np.ndarray:
+    """Every parameter of ``model`` in one float32 array, in the order of ``parameters()``."""
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
 
 
 def main() -> None:
@@ -35,25 +73,23 @@ def main() -> None:
         named_parameters=model.named_parameters())
     bps.broadcast_parameters(model.state_dict(), root_rank=0)
     bps.broadcast_optimizer_state(optimizer, root_rank=0)
+    record = Recorder(rank, out)
     flat = np.zeros(0, dtype=np.float32)
-    with open(os.path.join(out, f"steps-{rank}"), "a") as record:
-        for step in range(bps.step_count(), steps):
-            x, y = batch(rank, step)
-            began = time.monotonic()
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-            optimizer.step()
-            took = time.monotonic() - began
-            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
-            digest = hashlib.sha1(flat.tobytes()).hexdigest()
-            record.write(f"{step} {digest} {took:.4f} {time.time():.3f}\n")
-            record.flush()
-            # what a training script says as it goes, into its log (and enough of it that a
-            # short job's log outgrows the pages it had when a disk fault fills the disk)
-            print(f"step {step} loss {loss.item():.4f} parameters {digest} "
-                  f"{1000 * took:.1f} ms", flush=True)
-    np.save(os.path.join(out, f"final-{rank}.npy"), flat)
+    for step in range(bps.step_count(), steps):
+        x, y = batch(rank, step)
+        began = time.monotonic()
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        took = time.monotonic() - began
+        flat = flat_parameters(model)
+        digest = record.step(step, flat, took)
+        # what a training script says as it goes, into its log (and enough of it that a
+        # short job's log outgrows the pages it had when a disk fault fills the disk)
+        print(f"step {step} loss {loss.item():.4f} parameters {digest} "
+              f"{1000 * took:.1f} ms", flush=True)
+    record.final(flat)
     bps.shutdown()
 
 
