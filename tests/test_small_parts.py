@@ -93,10 +93,33 @@ def test_the_codec_benchmark_states_each_compressors_bytes():
 @pytest.mark.timeout(120)
 def test_the_per_tensor_benchmark_pushes_resnet50s_tensors():
     # torchvision's resnet50: 161 parameter tensors, 25,557,032 values
-    from bpsctl.bench.grads import resnet50_shapes
+    from bpsctl.bench.shapes import resnet50_shapes
     shapes = resnet50_shapes()
     assert len(shapes) == 161 and sum(math.prod(s) for s in shapes) == 25_557_032
     assert shapes[0] == (64, 3, 7, 7) and shapes[-2:] == [(1000, 2048), (1000,)]
+
+
+@pytest.mark.parametrize("name, classes", [("vgg16", 1000), ("resnet50", 1000),
+                                           ("resnet50", 2)])
+def test_the_benchs_shapes_are_its_models_and_fuse_into_the_same_pushes(name, classes):
+    """The bench's own process counts values and pushes from bench.shapes, without torch:
+    the same shapes, in the same order, as the models its workers build, and the same buckets
+    (names, members, priorities) as the torch plugin makes of the real parameters."""
+    import torch
+
+    from bpsctl.bench.models import build
+    from bpsctl.bench.shapes import parameters
+    from bpsctl.engine.fusion import buckets
+    with torch.device("meta"):          # the layers' shapes, no memory
+        real = list(build(name, classes).parameters())
+    shaped = parameters(name, classes)
+    assert [tuple(p.shape) for p in real] == [p.shape for p in shaped]
+    assert [p.numel() for p in real] == [p.numel() for p in shaped]
+
+    def fused(params):
+        names = {p: f"grad.{i}" for i, p in enumerate(params)}
+        return [(b.name, len(b.params), b.priority) for b in buckets(params, names, 4 << 20, "g")]
+    assert fused(real) == fused(shaped) and len(fused(real)) < len(real)
 
 
 def test_the_per_tensor_overhead_benchmark_checks_its_sums_and_reports(tmp_path):

@@ -49,6 +49,8 @@ FAST_TEST_OF = {
         "test_chaos.py::test_the_job_is_the_same_in_every_run_and_each_rank_gets_its_own_batches",
     "chaos/schedule.py":
         "test_chaos.py::test_a_seed_gives_the_same_schedule_and_every_schedule_keeps_its_rules",
+    "bench/shapes.py":
+        "test_small_parts.py::test_the_benchs_shapes_are_its_models_and_fuse_into_the_same_pushes",
     "bench/allreduce.py":
         "test_small_parts.py::test_the_allreduce_baseline_checks_its_sum_and_reports_its_rounds",
     "bench/api.py": "test_bench_comm.py::test_comm_bench_reports_design_keys_and_leaves_nothing",
@@ -79,6 +81,8 @@ FAST_TEST_OF = {
     "cliutil.py": "test_cli.py::test_bad_environment_is_a_config_error",
     "config.py": "test_config.py::test_bpsctl_variables_are_parsed_by_kind",
     "engine/basics.py": HOROVOD_OF_ONE,
+    "engine/fusion.py":
+        "test_small_parts.py::test_the_benchs_shapes_are_its_models_and_fuse_into_the_same_pushes",
     "engine/__init__.py":
         "test_cli.py::test_the_command_line_and_the_schedulers_supervisor_start_without_numpy",
     "engine/api.py":

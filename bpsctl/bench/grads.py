@@ -23,21 +23,7 @@ import numpy as np
 from ..config import Config
 from ..engine import Worker
 from ..launch.api import local_cluster
-
-
-def resnet50_shapes() -> list[tuple[int, ...]]:
-    """Parameter shapes of torchvision's resnet50, in its named_parameters() order."""
-    shapes: list[tuple[int, ...]] = [(64, 3, 7, 7), (64,), (64,)]
-    inplanes = 64
-    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for block in range(blocks):
-            shapes += [(width, inplanes, 1, 1), (width,), (width,),
-                       (width, width, 3, 3), (width,), (width,),
-                       (width * 4, width, 1, 1), (width * 4,), (width * 4,)]
-            if block == 0:
-                shapes += [(width * 4, inplanes, 1, 1), (width * 4,), (width * 4,)]
-            inplanes = width * 4
-    return shapes + [(1000, 2048), (1000,)]
+from .shapes import resnet50_shapes
 
 
 def _worker(rank: int, workers: int, scheduler: str, secret: str, security: str, job: str,

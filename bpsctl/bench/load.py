@@ -40,7 +40,7 @@ from ..engine import EngineError, Worker
 from ..engine.common import rss_bytes
 from ..errors import BpsctlError
 from ..launch.api import local_cluster
-from .grads import resnet50_shapes
+from .shapes import resnet50_shapes
 
 CANARY_ELEMENTS = 4096
 CHECKPOINT_TIMEOUT_S = 120.0        # a step, or waiting at a checkpoint, never takes longer

@@ -8,10 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-MODELS = ("vgg16", "resnet50")
-
-_VGG16_LAYERS = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
-                 512, 512, 512, "M")
+from .shapes import MODELS
+from .shapes import VGG16_LAYERS as _VGG16_LAYERS
 
 
 class VGG(nn.Module):

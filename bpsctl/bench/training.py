@@ -82,7 +82,7 @@ class TrainSettings:
     def __post_init__(self) -> None:
         from ..engine.compression import parse
         check_per_host_split(self.workers, self.workers_per_host)
-        from .models import MODELS
+        from .shapes import MODELS
         if self.model not in MODELS:
             raise ConfigError(f"model: expected one of {', '.join(MODELS)}, got {self.model!r}")
         if self.compression:
@@ -235,17 +235,19 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     progress = progress or (lambda message: None)
     if "horovod" in settings.compare:
         check_installed(config)
-    model: Any
+    # the model's parameters by shape: this process counts values and bytes, the workers
+    # train (a replay's stand-in is built, and small)
+    parameters: list[Any]
     if settings.replay:
         from .replay import ReplayModel
         profile = settings.replayed()
-        model = ReplayModel(profile)
+        parameters = list(ReplayModel(profile).parameters())
     else:
-        from .models import build
-        model = build(settings.model, settings.num_classes)
-    params = [p.numel() for p in model.parameters()]
-    wire = wire_bytes_per_step(model, config, settings.compression, settings.servers)
-    del model
+        from .shapes import parameters as shaped
+        parameters = list(shaped(settings.model, settings.num_classes))
+    params = [p.numel() for p in parameters]
+    wire = wire_bytes_per_step(parameters, config, settings.compression, settings.servers)
+    del parameters
     # plain: one worker training alone, no communication, for the scaling efficiency
     systems = ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare], "plain")
     rounds: list[dict[str, dict[str, Any]]] = []
@@ -349,18 +351,20 @@ def run_train_sweep(config: Config, settings: TrainSettings, worker_counts: Sequ
             "worker_counts": list(worker_counts), "points": points}
 
 
-def wire_bytes_per_step(model: Any, config: Config, spec: str, servers: int = 1) -> int:
+def wire_bytes_per_step(parameters: Sequence[Any], config: Config, spec: str,
+                        servers: int = 1) -> int:
     """The bytes one bpsctl worker pushes per step (and pulls back) as the compressors state
-    them: DistributedOptimizer's buckets, cut into partitions, each compressed unless its
-    tensor is under the minimum size."""
+    them: DistributedOptimizer's buckets of the model's ``parameters`` (torch's, or
+    bench.shapes'), cut into partitions, each compressed unless its tensor is under the
+    minimum size."""
     from ..engine.compression import KIND_BF16, KIND_FP16, parse
+    from ..engine.fusion import buckets
     from ..engine.partition import piece_bytes, split
-    from ..engine.torch import _buckets
     compressor = parse(spec) if spec else None
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in parameters if p.requires_grad]
     names = {p: f"grad.{i}" for i, p in enumerate(params)}
     total = 0
-    for bucket in _buckets(params, names, config.fusion_bytes, "grad"):
+    for bucket in buckets(params, names, config.fusion_bytes, "grad"):
         nbytes = sum(p.numel() * p.element_size() for p in bucket.params)
         itemsize = bucket.params[0].element_size()
         size = piece_bytes(nbytes, servers, config.partition_bytes, config.partition_depth)
@@ -488,11 +492,11 @@ def run_convergence(config: Config, settings: ConvergenceSettings,
     results = []
     # the student as the workers build it (features 16, classes 4: their defaults), for the
     # bytes each step pushes
-    model = student(16, 4, settings.hidden) if compressions else None
+    parameters = list(student(16, 4, settings.hidden).parameters()) if compressions else []
     gradient_bytes = None
     with bench_cluster(config, settings.workers, settings.servers) as (cluster_config, nic):
         if compressions:
-            gradient_bytes = wire_bytes_per_step(model, cluster_config, "")
+            gradient_bytes = wire_bytes_per_step(parameters, cluster_config, "")
         for name, spec in rows:
             progress(f"{name}+{spec}: {SYSTEMS[name].description}, {spec} compression" if spec
                      else f"{name}: {SYSTEMS[name].description}")
@@ -516,7 +520,7 @@ def run_convergence(config: Config, settings: ConvergenceSettings,
                                settings.workers, settings.servers, output)
             if spec:
                 row.update(compression=spec, min_compress_bytes=0, local_reduce="off",
-                           wire_bytes_per_step=wire_bytes_per_step(model, system_config, spec))
+                           wire_bytes_per_step=wire_bytes_per_step(parameters, system_config, spec))
             results.append(row)
     return {
         "kind": "convergence", "workers": settings.workers, "servers": settings.servers,

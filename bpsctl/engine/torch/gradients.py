@@ -8,25 +8,13 @@ from collections.abc import Callable
 import torch
 
 from ... import engine as _engine
+from ..fusion import Bucket as _Bucket
+from ..fusion import buckets as _buckets
 from ..trace import now_ns
 from .compression import Compression, CompressionArg
 from .ops import Hyperparameters, _start_async, push_pull_async_inplace, synchronize
 from .plugin import _p
 from .staleness import StaleGradients
-
-
-class _Bucket:
-    """Gradients pushed as one tensor: one parameter's own gradient (no copy), or several small
-    ones consecutive in backward order, packed into a flat buffer allocated once."""
-
-    __slots__ = ("params", "name", "priority", "flat", "views", "ready", "handle")
-
-    def __init__(self, params: list[torch.nn.Parameter], name: str, priority: int):
-        self.params, self.name, self.priority = params, name, priority
-        self.flat: torch.Tensor | None = None
-        self.views: list[torch.Tensor] = []    # flat's slice of each member, in its shape
-        self.ready = 0                      # members whose gradient is final for this step
-        self.handle: int | None = None
 
 
 def _member_views(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
@@ -48,49 +36,6 @@ def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
             d.copy_(s)
     else:
         foreach(dst, src)
-
-
-def _buckets(params: list[torch.nn.Parameter], names: dict, fusion_bytes: int,
-             prefix: str, group_of: dict | None = None,
-             cuda_fusion_bytes: int | None = None) -> list[_Bucket]:
-    """Group ``params`` (in registration order) for pushing. Backward produces gradients roughly
-    in reverse order, so runs of small gradients adjacent in that order share a bucket of at most
-    ``fusion_bytes`` (``cuda_fusion_bytes`` for parameters on a GPU, if given); a gradient of
-    that size or more travels alone. Every worker derives
-    the same buckets from the same model, so the names agree across workers. Priorities follow
-    layer order (the first parameter highest): the next forward pass needs the first layers
-    first, and the engine sends larger priority first. With ``group_of`` (parameter -> its
-    param group) a bucket holds one group's parameters only."""
-    index = {p: i for i, p in enumerate(params)}
-    buckets: list[_Bucket] = []
-    run: list[torch.nn.Parameter] = []
-    run_bytes = 0
-
-    def close_run() -> None:
-        nonlocal run_bytes
-        run_bytes = 0
-        if len(run) == 1:
-            buckets.append(_Bucket(list(run), names[run[0]], -index[run[0]]))
-        elif run:
-            buckets.append(_Bucket(list(run), f"{prefix}.fused.{len(buckets)}",
-                                   -min(index[p] for p in run)))
-        run.clear()
-
-    for p in reversed(params):
-        size = p.numel() * p.element_size()
-        limit = cuda_fusion_bytes if p.is_cuda and cuda_fusion_bytes is not None \
-            else fusion_bytes
-        fits = (run and p.dtype == run[0].dtype and p.device == run[0].device
-                and run_bytes + size <= limit
-                and (group_of is None or group_of[p] == group_of[run[0]]))
-        if not fits:
-            close_run()
-        run.append(p)
-        run_bytes += size
-        if size >= limit:
-            close_run()
-    close_run()
-    return buckets
 
 
 class _GradientSync:
