@@ -319,6 +319,9 @@ def test_version_and_short_help():
         assert shown.exit_code == 0 and "Usage:" in shown.output, (args, shown.output)
 
 
+# (its own deadlines, 90 s for the workers to start on a loaded machine and 60 s to stop, are
+# the bounds: the module's 60 s would cut them short)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("bench", [["comm", "--workers", "2", "--size", "64MiB",
                                     "--repeats", "100000"],
                                    ["resnet50", "--iters", "100000", "--compare", "ddp"]],
@@ -358,6 +361,7 @@ def test_ctrl_c_on_a_benchmark_stops_it_as_an_interruption_not_a_crash(tmp_path,
         list(tmp_path.iterdir())
 
 
+@pytest.mark.timeout(180)       # as above: its own deadlines are the bounds
 def test_ctrl_c_in_a_terminal_stops_bench_load_with_one_line_and_no_traceback(tmp_path):
     """A terminal's Ctrl-C signals the whole foreground process group, so `bench load`'s
     worker processes get SIGINT too: the parent's one line, exit 130, no worker's traceback,

@@ -48,3 +48,37 @@ def test_8_workers_4_servers_500_steps_exact_sums_and_flat_memory():
     assert (roles["server"]["processes"], roles["worker"]["processes"]) == (4, 8)
     assert report["ok"]
 
+
+
+def test_a_ctrl_c_while_the_workers_start_stops_the_load_and_every_worker():
+    """Ctrl-C reaches every process of the terminal's group; one pressed while `bench load`
+    starts its workers is neither lost (the load would run on) nor a traceback from a worker
+    still importing: it stops the load once they are started, and every worker is gone."""
+    import signal
+    import threading
+    from multiprocessing.context import SpawnProcess
+
+    import psutil
+
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach only the main thread, and this test runs in another")
+    started: list[int] = []
+    original = SpawnProcess.start
+
+    def start_then_ctrl_c(self):
+        original(self)
+        started.append(self.pid)
+        os.kill(self.pid, signal.SIGINT)        # the group's Ctrl-C: the new worker's,
+        os.kill(os.getpid(), signal.SIGINT)     # and this process's
+
+    SpawnProcess.start = start_then_ctrl_c
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_load(Config(), LoadSettings(workers=2, servers=1, steps=20, warmup=2,
+                                            scale=0.001))
+    finally:
+        SpawnProcess.start = original
+    assert len(started) == 2
+    for pid in started:
+        assert not psutil.pid_exists(pid) or \
+            psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid

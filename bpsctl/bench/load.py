@@ -84,13 +84,15 @@ def gradient_sizes(scale: float) -> list[int]:
 
 def _worker(rank: int, settings: LoadSettings, config: Config, scheduler: str, secret: str,
             job: str, events: Any, resume: list[Any]) -> None:
-    # started with SIGINT ignored (see run_load): from here on Ctrl-C ends this worker
     signal.signal(signal.SIGINT, signal.default_int_handler)
     worker = Worker(dataclasses.replace(config, role="worker", rank=rank,
                                         world_size=settings.workers, job_id=job,
                                         num_servers=settings.servers, scheduler=scheduler,
                                         secret=secret, op_timeout_s=CHECKPOINT_TIMEOUT_S))
     try:
+        # started with SIGINT blocked (run_load): a Ctrl-C pressed while this process started
+        # lands here, where it ends the worker quietly (below)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
         size = settings.workers
         grads = [np.full(n, rank + 1, np.float32) for n in gradient_sizes(settings.scale)]
         outs = [np.empty_like(g) for g in grads]
@@ -170,25 +172,34 @@ def run_load(config: Config, settings: LoadSettings,
         procs = [ctx.Process(target=_worker, args=(rank, settings, config, cluster.scheduler,
                                                    cluster.secret, job, events, resume))
                  for rank in range(settings.workers)]
-        # a Ctrl-C reaches the whole process group: the workers start with SIGINT ignored,
-        # so that one pressed while they import is not a traceback from each of them
-        # (only the main thread may set a handler; elsewhere Ctrl-C is not ours to handle)
+        # A Ctrl-C reaches the whole process group. While the workers start it is neither lost
+        # nor a traceback: this process notes it, to stop the workers once they are started,
+        # and each worker starts with SIGINT blocked (a process inherits the mask of the thread
+        # that started it) and takes it once it can end quietly (_worker). (Only the main
+        # thread handles signals; elsewhere Ctrl-C is not ours to handle.)
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-        try:
-            for rank, proc in enumerate(procs):
-                proc.start()
-                assert proc.pid is not None                 # set by start()
-                pids[f"worker:{rank}"] = proc.pid
-        finally:
-            if main:
-                signal.signal(signal.SIGINT, previous)
+        pressed: list[int] = []
+        previous = None
+        if main:
+            previous = signal.signal(signal.SIGINT, lambda signum, _: pressed.append(signum))
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         readings: dict[int, dict[str, int]] = {}          # settled
         at_barrier: dict[int, dict[str, int]] = {}
         arrived: dict[int, int] = {}
         step_s: list[float] = []
-        last_event = time.monotonic()
         try:
+            try:
+                for rank, proc in enumerate(procs):
+                    proc.start()
+                    assert proc.pid is not None             # set by start()
+                    pids[f"worker:{rank}"] = proc.pid
+            finally:
+                if main:
+                    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+                    signal.signal(signal.SIGINT, previous)
+            if pressed:
+                raise KeyboardInterrupt         # pressed while the workers started
+            last_event = time.monotonic()
             while len(step_s) < settings.workers:
                 try:
                     kind, rank, value = events.get(timeout=1.0)
@@ -221,6 +232,8 @@ def run_load(config: Config, settings: LoadSettings,
             raise
         finally:
             for proc in procs:
+                if proc.pid is None:                    # never started
+                    continue
                 proc.join(timeout=30)
                 if proc.is_alive():
                     proc.kill()
