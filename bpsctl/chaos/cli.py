@@ -116,7 +116,7 @@ def print_chaos(report: dict[str, Any]) -> None:
                       f"final parameters {report['final_rel_diff']:.2e} from the fault-free "
                       "run's" if report["final_rel_diff"] is not None else
                       "steps: none recorded (a command of one's own records its steps with "
-                      "bpsctl.chaos.job.Recorder)" if report["command"] and
+                      "bpsctl.chaos.job.Recorder)" if report.get("command") and
                       report["invariants"]["every step done"] is None else
                       "steps: no worker finished", highlight=False)
     for name, held in report["invariants"].items():
