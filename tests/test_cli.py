@@ -350,6 +350,7 @@ def test_ctrl_c_on_a_benchmark_stops_it_as_an_interruption_not_a_crash(tmp_path,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+            _stop(started)          # its private cluster runs in sessions of its own
     assert proc.returncode == 130, (out, err)
     assert "interrupted (SIGINT); stopped what was started" in err, err
     assert "failed" not in err, err
@@ -389,6 +390,7 @@ def test_ctrl_c_in_a_terminal_stops_bench_load_with_one_line_and_no_traceback(tm
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            _stop(started)          # its private cluster runs in sessions of its own
     assert proc.returncode == 130, (out, err)
     assert "interrupted (SIGINT); stopped what was started" in err, err
     assert "Traceback" not in out + err, err
@@ -396,6 +398,16 @@ def test_ctrl_c_in_a_terminal_stops_bench_load_with_one_line_and_no_traceback(tm
     while time.monotonic() < deadline and not all(gone(p.pid) for p in started):
         time.sleep(0.1)
     assert all(gone(p.pid) for p in started), [p.pid for p in started if not gone(p.pid)]
+
+
+def _stop(processes: list[psutil.Process]) -> None:
+    """SIGKILL to each of ``processes`` still running (a test that had to kill the command
+    itself: what it started in sessions of its own outlives it)."""
+    for process in processes:
+        try:
+            process.kill()          # psutil checks that the pid is still this process
+        except psutil.Error:
+            pass
 
 
 def _is_load_worker(process: psutil.Process) -> bool:
