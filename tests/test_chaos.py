@@ -381,13 +381,17 @@ def test_the_recorder_writes_what_the_checker_reads_only_under_bpsctl_chaos(tmp_
     assert (np.load(tmp_path / "final-1.npy") == 2).all()
 
 
-def test_chaos_refuses_steps_for_a_command_and_a_script_that_is_not_there(tmp_path):
+def test_chaos_refuses_steps_for_a_command_and_a_script_that_is_not_there(tmp_path,
+                                                                           monkeypatch):
+    from typer.testing import CliRunner
+
+    from bpsctl.cli import app
+    monkeypatch.chdir(tmp_path)
     for args, said in ((["--steps", "20", "--", "python", "x.py"], "--steps: the number of"),
                        (["--", sys.executable, "missing.py"], "cannot open 'missing.py'")):
-        done = subprocess.run([sys.executable, "-m", "bpsctl.cli", "chaos", *args], cwd=tmp_path,
-                              capture_output=True, text=True, timeout=60)
-        assert done.returncode == 2 and said in done.stderr, done.stderr
-        assert "Traceback" not in done.stderr
+        done = CliRunner().invoke(app, ["chaos", *args])
+        assert done.exit_code == 2 and said in done.output, done.output
+        assert done.exception is None or isinstance(done.exception, SystemExit)
 
 
 def test_the_chaos_table_names_each_fault_and_each_invariant():
