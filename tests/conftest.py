@@ -49,6 +49,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 #: is anything over about 5 s on a busy 2-core machine, setup included (a module-scoped
 #: fixture's cost falls on the module's first test), and the kinds that take minutes.
 TIERS: dict[str, set[str]] = {
+    # a private cluster and two spawned workers stopped by a Ctrl-C (1-3 s)
+    "test_load.py::test_a_ctrl_c_while_the_workers_start_stops_the_load_and_every_worker":
+        {"slow"},
     # 8 workers x 4 servers for 500 steps: about a minute
     "test_load.py::test_8_workers_4_servers_500_steps_exact_sums_and_flat_memory":
         {"slow", "cores"},
