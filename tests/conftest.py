@@ -37,6 +37,15 @@ from bpsctl.launch import api
 # schedulers set it themselves; a user's training script keeps what its environment says.)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+# pytest rewrites the asserts of every test module in each of its processes (the controller
+# and each xdist worker): 4-5 CPU-s per process for this suite. It keeps the result beside the
+# module (tests/__pycache__, ignored by git) and reads it back next time, but writes it only
+# where Python may write bytecode; containers and CI machines often set PYTHONDONTWRITEBYTECODE,
+# and then every run of the fast tier paid the rewrite again. The tests' own cache is written
+# whatever that variable says (as pytest_configure below does for bpsctl's modules); it does
+# not pass to the processes the tests start.
+sys.dont_write_bytecode = False
+
 # --------------------------------------------------------------------------- tiers and needs
 #
 # Decided here and nowhere else. `python -m pytest -m "not slow"` is the developer loop (about
@@ -214,15 +223,12 @@ TIERS: dict[str, set[str]] = {
     # job on one host and the unit tests of the arena stay in the fast tier
     # over 3 s each on an idle machine: two worker processes summing through the host's arena,
     # and the per-tensor benchmark's 161 tensors through a cluster (their pure parts stay fast)
-    "test_shm_local.py::test_sums_and_averages_are_exact[2-local]": {"slow"},
     "test_small_parts.py::test_the_per_tensor_overhead_benchmark_checks_its_sums_and_reports":
         {"slow"},
     "test_shm_local.py::test_sums_and_averages_are_exact[1-local]": {"slow"},
-    "test_shm_local.py::test_sums_and_averages_are_exact[2-servers]": {"slow"},
     "test_shm_local.py::test_sums_and_averages_are_exact[2-gloo]": {"slow"},
     "test_shm_local.py::test_sums_and_averages_are_exact[3-servers]": {"slow"},
     "test_shm_local.py::test_sums_and_averages_are_exact[4-local]": {"slow"},
-    "test_shm_local.py::test_sums_and_averages_are_exact[4-servers]": {"slow"},
     "test_shm_local.py::test_tensors_larger_than_the_arena_bound_sum_exactly_in_pieces": {"slow"},
     "test_shm_local.py::test_a_killed_local_worker_is_named_within_10_s_and_its_shared_memory_is_gone":
         {"slow"},
