@@ -163,6 +163,8 @@ TIERS: dict[str, set[str]] = {
     "test_horovod_api.py::test_an_mnist_style_horovod_script_trains_on_two_emulated_hosts":
         {"slow", "root"},
     "test_chaos.py::test_a_partition_cuts_a_host_off_both_ways_and_heals": {"slow", "root"},
+    "test_chaos.py::test_a_connection_cut_for_4_s_carries_data_again_within_a_second_and_a_half_of_healing":
+        {"slow", "root"},
     "test_chaos.py::test_a_pause_stops_every_process_of_the_host_until_it_ends_and_a_kill_ends_them":
         {"slow", "root"},
     "test_chaos.py::test_a_lossy_link_and_a_collapsed_one_are_shaped_then_restored":

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
+import time
 
 import psutil
 import pytest
@@ -117,6 +120,60 @@ def test_a_partition_cuts_a_host_off_both_ways_and_heals(network):
     finally:
         kill_pids([listener.pid])
         listener.wait(10)
+
+
+#: on s0: the arrival time of every byte on one connection, a line each
+RECEIVE = ("import socket, time; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, "
+           "socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 5556)); s.listen(1)\n"
+           "c = s.accept()[0]\n"
+           "while c.recv(4096): print(time.time(), flush=True)")
+#: on w0: a byte every 50 ms on one connection (once the receiver listens), for 20 s
+SEND = ("import socket, sys, time\n"
+        "for _ in range(100):\n"
+        "    try: c = socket.create_connection((sys.argv[1], 5556), timeout=5); break\n"
+        "    except OSError: time.sleep(0.1)\n"
+        "for _ in range(400): c.send(b'x'); time.sleep(0.05)")
+
+
+@pytest.mark.skipif(not emulate.tcp_rto_max_capped(),
+                    reason="this kernel has no net.ipv4.tcp_rto_max_ms (Linux 6.11+)")
+def test_a_connection_cut_for_4_s_carries_data_again_within_a_second_and_a_half_of_healing(
+        network):
+    """TCP's retransmissions back off while a cut lasts (0.2, 0.4, ... 3.2 s apart), so an
+    emulated host caps the wait at TCP_RTO_MAX_MS: w0's segments, lost at s0 while it is cut
+    off for 4 s, are sent again within 1 s of the cut healing, not 2.2 s after it (6.2 s of
+    silence, past a 5 s heartbeat timeout). (A packet dropped by the sender's own NIC is
+    retried every 0.5 s instead: the cut is s0's, the receiver's.)"""
+    for host in network.hosts:
+        assert emulate.run_in(host.namespace, ["cat", str(emulate.TCP_RTO_MAX_SYSCTL)]).strip() \
+            == str(emulate.TCP_RTO_MAX_MS)
+    processes = [subprocess.Popen(emulate.netns_command(network.host("s0").namespace,
+                                                        [sys.executable, "-c", RECEIVE]),
+                                  stdout=subprocess.PIPE, text=True)]
+    arrivals: queue.SimpleQueue[float] = queue.SimpleQueue()
+
+    def read(stream) -> None:
+        for line in stream:
+            arrivals.put(float(line))
+    try:
+        threading.Thread(target=read, args=(processes[0].stdout,), daemon=True).start()
+        processes.append(subprocess.Popen(emulate.netns_command(
+            network.host("w0").namespace,
+            [sys.executable, "-c", SEND, network.host("s0").address])))
+        arrivals.get(timeout=15)                        # the connection carries data
+        undo = apply(network, Fault("partition", "s0", 0, 4))
+        time.sleep(4)                                   # the cut's length, on the clock
+        undo()
+        healed = time.time()
+        arrived = 0.0
+        while arrived < healed:
+            arrived = arrivals.get(timeout=10)          # queue.Empty: it never came back
+        assert arrived - healed < 1.5, \
+            f"data crossed again {arrived - healed:.2f} s after the cut healed"
+    finally:
+        kill_pids([p.pid for p in processes])
+        for process in processes:
+            process.wait(10)
 
 
 def test_a_pause_stops_every_process_of_the_host_until_it_ends_and_a_kill_ends_them(network):
@@ -262,6 +319,8 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
     assert out.exists(), result.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["kind"] == "chaos" and report["seed"] == seed
+    assert report["tcp_rto_max_ms"] == (emulate.TCP_RTO_MAX_MS if emulate.tcp_rto_max_capped()
+                                        else None)
     assert 1 <= len(report["faults"]) <= 6
     assert {r["fault"]["kind"] for r in report["faults"]} <= set(kinds.split(","))
     if kinds == "disk":

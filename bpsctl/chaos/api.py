@@ -140,6 +140,9 @@ def run_chaos(config: Config, settings: ChaosSettings,
             report["said"] = [f"{t:7.2f} {line}" for t, line in output.lines
                               if NOTICED.search(line) or CANNOT_LOG.search(line)][:40]
             report["output_tail"] = [f"{t:7.2f} {line}" for t, line in output.lines[-30:]]
+            # the cap on TCP's backoff in the emulated hosts (None: this kernel has none)
+            report["tcp_rto_max_ms"] = (emulate.TCP_RTO_MAX_MS if emulate.tcp_rto_max_capped()
+                                        else None)
             report.update(seed=settings.seed, duration_s=round(duration, 1),
                           reference_s=round(ref_s, 1), run_s=round(took_s, 1))
         finally:

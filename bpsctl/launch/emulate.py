@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -401,6 +401,7 @@ def _build(plan: NetworkPlan) -> None:
     _set_gso(sw, [BRIDGE] + [h.switch_port for h in plan.hosts])
     for h in plan.hosts:
         _set_gso(h.namespace, [h.interface])
+        _cap_tcp_backoff(h.namespace)
     if plan.nic_mbit is not None and len(plan.hosts) > 1:
         for h in plan.hosts:
             _run(["tc", "-n", h.namespace, "-batch", "-"], stdin=shaping_batch(plan, h, "host"))
@@ -432,41 +433,79 @@ def _set_gso(namespace: str, devices: Sequence[str], size: int = GSO_BYTES) -> N
     that enters the namespace. A kernel without BIG TCP rejects or ignores the sizes: the
     network then works as before, only at a higher CPU cost per byte.
     """
-    failure: list[BaseException] = []
+    def configure() -> None:
+        with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
+            nl.settimeout(COMMAND_TIMEOUT_S)
+            for seq, device in enumerate(devices, 1):
+                body = struct.pack("BxHiII", socket.AF_UNSPEC, 0,
+                                   socket.if_nametoindex(device), 0, 0)
+                for attribute in (_IFLA_GSO_IPV4_MAX_SIZE, _IFLA_GRO_IPV4_MAX_SIZE):
+                    body += struct.pack("HHI", 8, attribute, size)
+                nl.send(struct.pack("IHHII", 16 + len(body), _RTM_NEWLINK,
+                                    _NLM_F_REQUEST_ACK, seq, 0) + body)
+                reply = nl.recv(4096)
+                kind, = struct.unpack_from("H", reply, 4)
+                code = -struct.unpack_from("i", reply, 16)[0]      # 0: done
+                if kind == _NLMSG_ERROR and code not in _GSO_OK_ANSWERS:
+                    raise OSError(code, f"{device}: gso_ipv4_max_size {size}: "
+                                        f"{os.strerror(code)}")
+
+    _in_namespace(namespace, "setting the segment size", configure)
+
+
+#: the longest TCP waits between retransmissions in an emulated host (Linux 6.11+;
+#: net.ipv4.tcp_rto_max_ms, 120 s by default). After a cut of c seconds a connection's next
+#: retransmission comes up to about c later (the wait doubles: 0.2, 0.4, ... 3.2 s), so a cut
+#: shorter than the heartbeat timeout still silenced it past the timeout, and a machine that
+#: was only cut off briefly was declared lost. With the cap, a cut that heals is crossed again
+#: within 1 s, as in a datacenter tuned for failover; docs/chaos.md says how to set it on
+#: real hosts.
+TCP_RTO_MAX_MS = 1000
+TCP_RTO_MAX_SYSCTL = Path("/proc/sys/net/ipv4/tcp_rto_max_ms")
+
+
+def tcp_rto_max_capped() -> bool:
+    """Whether this kernel lets an emulated host cap TCP's retransmission backoff."""
+    return TCP_RTO_MAX_SYSCTL.exists()
+
+
+def _cap_tcp_backoff(namespace: str) -> None:
+    """Set ``TCP_RTO_MAX_MS`` in ``namespace`` (a per-namespace sysctl); on an older kernel,
+    which has no such setting, nothing."""
+    if not tcp_rto_max_capped():
+        return
 
     def configure() -> None:
+        # /proc/sys/net is the namespace of the thread that opens it: this thread's
+        TCP_RTO_MAX_SYSCTL.write_text(str(TCP_RTO_MAX_MS))
+
+    _in_namespace(namespace, "capping TCP's retransmission backoff", configure)
+
+
+def _in_namespace(namespace: str, what: str, configure: Callable[[], None]) -> None:
+    """Run ``configure`` in a thread that has entered ``namespace``'s network (setns moves the
+    calling thread only, so this process stays where it is); its error, as EmulationError."""
+    failure: list[BaseException] = []
+
+    def enter_and_configure() -> None:
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             with open(f"/run/netns/{namespace}") as ns:
                 if libc.setns(ns.fileno(), _CLONE_NEWNET) != 0:    # this thread only
                     raise OSError(ctypes.get_errno(), f"setns into {namespace}")
-            with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, socket.NETLINK_ROUTE) as nl:
-                nl.settimeout(COMMAND_TIMEOUT_S)
-                for seq, device in enumerate(devices, 1):
-                    body = struct.pack("BxHiII", socket.AF_UNSPEC, 0,
-                                       socket.if_nametoindex(device), 0, 0)
-                    for attribute in (_IFLA_GSO_IPV4_MAX_SIZE, _IFLA_GRO_IPV4_MAX_SIZE):
-                        body += struct.pack("HHI", 8, attribute, size)
-                    nl.send(struct.pack("IHHII", 16 + len(body), _RTM_NEWLINK,
-                                        _NLM_F_REQUEST_ACK, seq, 0) + body)
-                    reply = nl.recv(4096)
-                    kind, = struct.unpack_from("H", reply, 4)
-                    code = -struct.unpack_from("i", reply, 16)[0]      # 0: done
-                    if kind == _NLMSG_ERROR and code not in _GSO_OK_ANSWERS:
-                        raise OSError(code, f"{device}: gso_ipv4_max_size {size}: "
-                                            f"{os.strerror(code)}")
+            configure()
         except BaseException as exc:       # noqa: BLE001 - handed to the caller's thread
             failure.append(exc)
 
-    worker = threading.Thread(target=configure, name=f"gso-{namespace}", daemon=True)
+    worker = threading.Thread(target=enter_and_configure, name=f"netns-{namespace}",
+                              daemon=True)
     worker.start()
     worker.join(COMMAND_TIMEOUT_S)
     if worker.is_alive():
-        raise EmulationError(f"setting the segment size in {namespace} did not finish "
-                             f"within {COMMAND_TIMEOUT_S:g} s")
+        raise EmulationError(f"{what} in {namespace} did not finish within "
+                             f"{COMMAND_TIMEOUT_S:g} s")
     if failure:
-        raise EmulationError(f"setting the segment size in {namespace} failed: "
-                             f"{failure[0]}") from failure[0]
+        raise EmulationError(f"{what} in {namespace} failed: {failure[0]}") from failure[0]
 
 
 def destroy(network: EmulatedNetwork | NetworkPlan | str, *, stop_processes: bool = True) -> None:
