@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -447,7 +448,8 @@ def test_chaos_refuses_steps_for_a_command_and_a_script_that_is_not_there(tmp_pa
     from bpsctl.cli import app
     monkeypatch.chdir(tmp_path)
     for args, said in ((["--steps", "20", "--", "python", "x.py"], "--steps: the number of"),
-                       (["--", sys.executable, "missing.py"], "cannot open 'missing.py'")):
+                       (["--", sys.executable, "missing.py"], "cannot open 'missing.py'"),
+                       (["--seed", "4-1"], "give a seed (7), seeds (1,4,9) or a range")):
         done = CliRunner().invoke(app, ["chaos", *args])
         assert done.exit_code == 2 and said in done.output, done.output
         assert done.exception is None or isinstance(done.exception, SystemExit)
@@ -474,6 +476,41 @@ def test_the_chaos_table_names_each_fault_and_each_invariant():
     assert "partition" in text and "server 1 lost" in text and "7.6" in text
     assert "held  exit 0" in text and "n/a   final parameters" in text
     assert "FAILED  nothing left" in text
+
+
+def test_seeds_are_one_a_list_or_a_range_and_the_summary_counts_each_kind():
+    from rich.console import Console
+
+    from bpsctl.chaos import cli
+    from bpsctl.chaos.api import _by_kind, parse_seeds
+    assert parse_seeds("7") == [7]
+    assert parse_seeds("1,4, 9") == [1, 4, 9]
+    assert parse_seeds("3-6,10") == [3, 4, 5, 6, 10]
+    for bad, words in (("x", "give a seed (7)"), ("5-2", "a range (1-50)"),
+                       ("1,2-3,3", "a seed is given twice")):
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            parse_seeds(bad)
+
+    def record(kind: str, applied: float | None, noticed: float | None) -> dict:
+        return {"fault": {"kind": kind}, "applied_s": applied, "noticed_s": noticed}
+    runs = [{"seed": 1, "ok": True, "faults": [record("pause", 1.0, 6.2),
+                                               record("partition", 2.0, None)]},
+            {"seed": 2, "ok": False, "faults": [record("pause", 0.5, None),
+                                                record("pause", None, None)]}]
+    by_kind = _by_kind(runs)
+    # a fault the job ended before its start was never injected
+    assert by_kind == {"pause": {"injected": 2, "noticed": 1, "survived": 1},
+                       "partition": {"injected": 1, "noticed": 0, "survived": 1}}
+    console = Console(record=True, width=100)
+    original, cli.err_console = cli.err_console, console
+    try:
+        cli.print_summary({"runs": runs, "by_kind": by_kind})
+    finally:
+        cli.err_console = original
+    text = console.export_text()
+    assert "bpsctl chaos, 2 seeded runs" in text
+    assert re.search(r"pause\s+│\s+2\s+│\s+1\s+│\s+1", text), text
+    assert "1 of 2 runs held every invariant; failed: seed 2" in text
 
 
 def test_the_job_is_the_same_in_every_run_and_each_rank_gets_its_own_batches():

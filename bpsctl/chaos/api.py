@@ -1,8 +1,9 @@
 """`bpsctl chaos` as a function: a training job on an emulated cluster while a seeded schedule
 of faults hits its hosts, then the checker (docs/chaos.md).
 
-One cluster serves both runs: a fault-free reference run of the job first (its length is the
-schedule's duration unless one is given), then the same job under the faults. The checker
+A fault-free reference run of the job comes first (its length is the schedule's duration
+unless one is given), then the same job under the faults of each seed, each on a cluster of
+its own. The checker
 reads what the job's workers recorded (bpsctl/chaos/job.py: each step's parameter digest and
 time, the final parameters) and what the cluster left behind.
 """
@@ -105,7 +106,18 @@ def run_chaos(config: Config, settings: ChaosSettings,
               progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
     """Bring up an emulated cluster (``config.nic``, ``config.spare_servers``), run the job
     fault-free and under a schedule seeded by ``settings.seed``, check, tear down; the report."""
+    return run_chaos_seeds(config, settings, [settings.seed], progress)["runs"][0]
+
+
+def run_chaos_seeds(config: Config, settings: ChaosSettings, seeds: list[int],
+                    progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+    """:func:`run_chaos` for each of ``seeds``, one after another: the job runs fault-free
+    once (on the first seed's cluster), and each seed gets a cluster of its own, built before
+    its run and torn down after it (a seed's faults may have killed or fenced its machines);
+    the report of each run, each fault kind's count of faults injected, noticed and survived
+    (in a run that held every invariant), and whether every run held."""
     emulate.check_prerequisites()
+    runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bpsctl-chaos-") as tmp, \
             _state_disk(Path(tmp) / "state", "disk" in settings.kinds) as (state_dir, disk):
         # a push_pull that waits past OP_WAIT_S has hung: the job fails naming it, in time
@@ -113,47 +125,99 @@ def run_chaos(config: Config, settings: ChaosSettings,
                                 world_size=settings.workers,
                                 min_workers=config.min_workers or settings.workers - 1,
                                 op_timeout_s=min(config.op_timeout_s, OP_WAIT_S))
-        progress(f"building {settings.workers} worker and {settings.servers} server host(s)")
-        cluster = launch.up(config, servers=settings.servers, workers=settings.workers)
-        assert cluster.emulation is not None
-        plan = emulate.plan_network(len(cluster.emulation["workers"]),
-                                    len(cluster.emulation["servers"]), config.nic or None,
-                                    cluster_id=cluster.emulation["cluster_id"])
-        try:
-            reference = Path(tmp) / "reference"
-            progress(f"the fault-free run: {settings.steps} steps")
-            ref_run, ref_s, _, _ = _job(config, settings, reference, plan, [], disk)
-            if ref_run.exit_code != 0:
-                raise ConfigError(f"chaos: the fault-free run failed (exit {ref_run.exit_code}); "
-                                  "nothing to compare with")
-            duration = settings.duration_s or ref_s
-            faults = make_schedule(settings.seed, duration, [h.name for h in plan.workers],
-                                   [h.name for h in plan.servers][:settings.servers],
-                                   settings.kinds, settings.count)
-            progress(f"the run under {len(faults)} fault(s), seed {settings.seed}")
-            chaos = Path(tmp) / "chaos"
-            result, took_s, records, output = _job(config, settings, chaos, plan, faults,
-                                                   disk)
-            report = _check(config, settings, reference, chaos, result, records)
-            report["invariants"][FULL_DISK] = _full_disk_said(records, output, state_dir)
-            # what the workers said about the faults, and how the job ended
-            report["said"] = [f"{t:7.2f} {line}" for t, line in output.lines
-                              if NOTICED.search(line) or CANNOT_LOG.search(line)][:40]
-            report["output_tail"] = [f"{t:7.2f} {line}" for t, line in output.lines[-30:]]
-            # the cap on TCP's backoff in the emulated hosts (None: this kernel has none)
-            report["tcp_rto_max_ms"] = (emulate.TCP_RTO_MAX_MS if emulate.tcp_rto_max_capped()
-                                        else None)
-            report.update(seed=settings.seed, duration_s=round(duration, 1),
-                          reference_s=round(ref_s, 1), run_s=round(took_s, 1))
-        finally:
-            down = launch.down(state_dir)
-        left = emulate.find_leftovers([plan.cluster_id])
-        report["left_behind"] = [*down.survivors,
-                                 *(f"namespace {ns}" for leftover in left
-                                   for ns in leftover.namespaces)]
-        report["invariants"]["nothing left behind"] = not report["left_behind"]
-        report["ok"] = all(held is not False for held in report["invariants"].values())
-        return report
+        reference = Path(tmp) / "reference"
+        ref_s = 0.0
+        for seed in seeds:
+            progress(f"seed {seed}: building {settings.workers} worker and {settings.servers} "
+                     "server host(s)")
+            cluster = launch.up(config, servers=settings.servers, workers=settings.workers)
+            assert cluster.emulation is not None
+            plan = emulate.plan_network(len(cluster.emulation["workers"]),
+                                        len(cluster.emulation["servers"]), config.nic or None,
+                                        cluster_id=cluster.emulation["cluster_id"])
+            report: dict[str, Any] = {}
+            try:
+                if not runs:
+                    progress(f"the fault-free run: {settings.steps} steps")
+                    ref_run, ref_s, _, _ = _job(config, settings, reference, plan, [], disk)
+                    if ref_run.exit_code != 0:
+                        raise ConfigError(f"chaos: the fault-free run failed (exit "
+                                          f"{ref_run.exit_code}); nothing to compare with")
+                report = _seeded_run(config, settings, seed, plan, reference, ref_s, disk,
+                                     Path(tmp) / f"chaos-{seed}", state_dir, progress)
+            finally:
+                down = launch.down(state_dir)
+            left = emulate.find_leftovers([plan.cluster_id])
+            report["left_behind"] = [*down.survivors,
+                                     *(f"namespace {ns}" for leftover in left
+                                       for ns in leftover.namespaces)]
+            report["invariants"]["nothing left behind"] = not report["left_behind"]
+            report["ok"] = all(held is not False for held in report["invariants"].values())
+            runs.append(report)
+    return {"kind": "chaos_runs", "seeds": list(seeds), "runs": runs,
+            "by_kind": _by_kind(runs), "ok": all(run["ok"] for run in runs)}
+
+
+def _seeded_run(config: Config, settings: ChaosSettings, seed: int, plan: emulate.NetworkPlan,
+                reference: Path, ref_s: float, disk: Path | None, out: Path, state_dir: Path,
+                progress: Callable[[str], None]) -> dict[str, Any]:
+    """The job under the schedule of ``seed`` on the cluster of ``plan``, checked against the
+    fault-free run in ``reference`` (``ref_s`` long); its report, but for what the cluster
+    left behind (known once it is down)."""
+    duration = settings.duration_s or ref_s
+    faults = make_schedule(seed, duration, [h.name for h in plan.workers],
+                           [h.name for h in plan.servers][:settings.servers],
+                           settings.kinds, settings.count)
+    progress(f"seed {seed}: the run under {len(faults)} fault(s)")
+    result, took_s, records, output = _job(config, settings, out, plan, faults, disk)
+    report = _check(config, settings, reference, out, result, records)
+    report["invariants"][FULL_DISK] = _full_disk_said(records, output, state_dir)
+    # what the workers said about the faults, and how the job ended
+    report["said"] = [f"{t:7.2f} {line}" for t, line in output.lines
+                      if NOTICED.search(line) or CANNOT_LOG.search(line)][:40]
+    report["output_tail"] = [f"{t:7.2f} {line}" for t, line in output.lines[-30:]]
+    # the cap on TCP's backoff in the emulated hosts (None: this kernel has none)
+    report["tcp_rto_max_ms"] = (emulate.TCP_RTO_MAX_MS if emulate.tcp_rto_max_capped()
+                                else None)
+    report.update(seed=seed, duration_s=round(duration, 1), reference_s=round(ref_s, 1),
+                  run_s=round(took_s, 1))
+    return report
+
+
+def _by_kind(runs: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per fault kind: faults injected (applied), noticed (bpsctl said something of their
+    host), and survived (in a run that held every invariant)."""
+    counts: dict[str, dict[str, int]] = {}
+    for run in runs:
+        for record in run["faults"]:
+            kind = counts.setdefault(record["fault"]["kind"],
+                                     {"injected": 0, "noticed": 0, "survived": 0})
+            if record["applied_s"] is None:
+                continue
+            kind["injected"] += 1
+            kind["noticed"] += record["noticed_s"] is not None
+            kind["survived"] += bool(run["ok"])
+    return counts
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``--seed``: one seed (``7``), a list (``1,4,9``) or a range (``1-50``, both ends in)."""
+    seeds: list[int] = []
+    try:
+        for part in text.split(","):
+            first, dash, last = part.strip().partition("-")
+            if dash and first:
+                if int(last) < int(first):
+                    raise ValueError
+                seeds.extend(range(int(first), int(last) + 1))
+            else:
+                seeds.append(int(part))
+    except ValueError:
+        raise ConfigError(f"--seed {text!r}: give a seed (7), seeds (1,4,9) or a range "
+                          "(1-50)") from None
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"--seed {text!r}: a seed is given twice; each runs once")
+    return seeds
 
 
 def _job(config: Config, settings: ChaosSettings, out: Path, plan: emulate.NetworkPlan,

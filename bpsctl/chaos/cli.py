@@ -17,7 +17,7 @@ from ..cliutil import (
     missing_python_script,
 )
 from ..config import ConfigError
-from .api import ChaosSettings, run_chaos
+from .api import ChaosSettings, parse_seeds, run_chaos_seeds
 from .faults import netem_available
 from .schedule import parse_kinds
 
@@ -31,8 +31,10 @@ def chaos(ctx: typer.Context,
           max_restarts: int | None = knob_option("max_restarts", "--max-restarts", min=0),
           steps: int | None = typer.Option(
               None, "--steps", min=10, help="Steps of the default training job (300)."),
-          seed: int = typer.Option(0, "--seed", help="Seeds the schedule: the same seed, the "
-                                                     "same faults at the same times."),
+          seed: str = typer.Option("0", "--seed", metavar="SEED[,SEED|A-B]",
+                                   help="Seeds the schedule: the same seed, the same faults "
+                                        "at the same times. Several (1,4,9 or 1-50): a run "
+                                        "under each, on a cluster of its own, and a summary."),
           duration: float | None = typer.Option(
               None, "--duration", help="Seconds over which faults start (default: the length "
                                        "of the fault-free run)."),
@@ -85,16 +87,21 @@ def chaos(ctx: typer.Context,
             kinds = tuple(k for k in kinds if k != "lossy")
             err_console.print("note: lossy links left out: this kernel has no netem "
                               "(sch_netem)", highlight=False)
+        seeds = parse_seeds(seed)
         settings = ChaosSettings(workers=workers, servers=servers,
-                                 steps=300 if steps is None else steps, seed=seed,
+                                 steps=300 if steps is None else steps, seed=seeds[0],
                                  duration_s=duration, kinds=kinds, command=tuple(cmd))
         with err_console.status("chaos") as spinner:
-            report = run_chaos(config, settings, lambda text: spinner.update(text))
-    print_chaos(report)
+            runs = run_chaos_seeds(config, settings, seeds, lambda text: spinner.update(text))
+    for report in runs["runs"]:
+        print_chaos(report)
+    # one seed: its report as it is; several: every run's, and the summary
+    if len(seeds) > 1:
+        print_summary(runs)
     if json_out is not None:
-        json_out.write_text(json.dumps(report, indent=2))
+        json_out.write_text(json.dumps(runs if len(seeds) > 1 else runs["runs"][0], indent=2))
         err_console.print(f"wrote {json_out}", highlight=False)
-    raise typer.Exit(0 if report["ok"] else 1)
+    raise typer.Exit(0 if runs["ok"] else 1)
 
 
 def print_chaos(report: dict[str, Any]) -> None:
@@ -122,3 +129,18 @@ def print_chaos(report: dict[str, Any]) -> None:
     for name, held in report["invariants"].items():
         mark = {True: "[green]held[/]", False: "[bold red]FAILED[/]", None: "n/a "}[held]
         err_console.print(f"  {mark}  {name}", highlight=False)
+
+
+def print_summary(runs: dict[str, Any]) -> None:
+    """Per fault kind: injected, noticed, survived; then which seeds held every invariant."""
+    table = Table(title=f"bpsctl chaos, {len(runs['runs'])} seeded runs")
+    for column in ("fault", "injected", "noticed", "survived"):
+        table.add_column(column, justify="left" if column == "fault" else "right")
+    for kind, counts in sorted(runs["by_kind"].items()):
+        table.add_row(kind, *(str(counts[c]) for c in ("injected", "noticed", "survived")))
+    err_console.print(table)
+    failed = [run["seed"] for run in runs["runs"] if not run["ok"]]
+    held = len(runs["runs"]) - len(failed)
+    err_console.print(f"{held} of {len(runs['runs'])} runs held every invariant" +
+                      (f"; failed: seed {', '.join(map(str, failed))}" if failed else ""),
+                      highlight=False)
