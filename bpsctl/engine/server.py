@@ -92,6 +92,9 @@ from .trace import STAGE, Trace, attach_nic, best_clock, now_ns, scheduler_clock
 
 #: partitions at least this large are summed on a summation thread
 THREADED_SUM_BYTES = 256 * 1024
+#: how long a stopping server waits for its summation threads to finish the sum in hand and
+#: close their sockets (a partition's sum takes milliseconds)
+SUM_THREAD_STOP_S = 2.0
 _PART_ID = struct.Struct("<I")
 #: what servers hold as parameters under asynchronous training
 ASYNC_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -495,6 +498,13 @@ class Server:
             self._write_trace()
             if self.zap is not None:
                 self.zap.stop()
+            # each summation thread closes its own socket once it has its None; destroy()
+            # closes every socket of the context from this thread, and closing one that its
+            # thread is closing too left the context's term() waiting for ever (the launcher's
+            # SIGTERM then waited its whole grace before the SIGKILL)
+            deadline = time.monotonic() + SUM_THREAD_STOP_S
+            for thread in self.threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
             self.ctx.destroy(linger=0)
 
     def _lost_scheduler(self) -> None:
