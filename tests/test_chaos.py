@@ -137,7 +137,7 @@ SEND = ("import socket, sys, time\n"
 
 
 @pytest.mark.skipif(not emulate.tcp_rto_max_capped(),
-                    reason="this kernel has no net.ipv4.tcp_rto_max_ms (Linux 6.11+)")
+                    reason="this kernel has no net.ipv4.tcp_rto_max_ms (Linux 6.15+)")
 def test_a_connection_cut_for_4_s_carries_data_again_within_a_second_and_a_half_of_healing(
         network):
     """TCP's retransmissions back off while a cut lasts (0.2, 0.4, ... 3.2 s apart), so an

@@ -453,7 +453,7 @@ def _set_gso(namespace: str, devices: Sequence[str], size: int = GSO_BYTES) -> N
     _in_namespace(namespace, "setting the segment size", configure)
 
 
-#: the longest TCP waits between retransmissions in an emulated host (Linux 6.11+;
+#: the longest TCP waits between retransmissions in an emulated host (Linux 6.15+;
 #: net.ipv4.tcp_rto_max_ms, 120 s by default). After a cut of c seconds a connection's next
 #: retransmission comes up to about c later (the wait doubles: 0.2, 0.4, ... 3.2 s), so a cut
 #: shorter than the heartbeat timeout still silenced it past the timeout, and a machine that
