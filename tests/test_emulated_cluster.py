@@ -105,9 +105,12 @@ def test_bench_comm_compares_with_allreduce_on_emulated_hosts(tmp_path):
     assert set(systems) == {"bpsctl", "allreduce"}          # no raw ZeroMQ on emulated NICs
     for row in systems.values():
         # at 200 Mbit, 2 MiB takes at least ~0.09 s: a faster figure would mean the NIC is not
-        # shaped
+        # shaped. A transfer this short may beat the rate a little: htb sends a class's first
+        # (GSO-sized, up to 64 KiB and more) packets at once after an idle spell and charges
+        # them after, so allreduce's 85 ms reach 1.01-1.04 of the ideal on an idle machine and
+        # 1.11 under the suite's load; an unshaped NIC would be many times faster
         assert 0.05 < row["seconds"] < 30
-        assert 0 < row["nic_fraction"] <= 1.1
+        assert 0 < row["nic_fraction"] <= 1.25
     assert report["speedup"]["allreduce"] == pytest.approx(
         systems["allreduce"]["seconds"] / systems["bpsctl"]["seconds"])
     assert not namespaces_left_behind(before)               # its hosts are torn down
