@@ -60,7 +60,6 @@ class ChaosSettings:
     workers: int = 4
     servers: int = 4
     steps: int = 300
-    seed: int = 0
     duration_s: float | None = None     # None: the fault-free run's length
     kinds: tuple[str, ...] = tuple(KINDS)
     count: tuple[int, int] = (3, 6)
@@ -102,20 +101,13 @@ class Lines(io.TextIOBase):
         return len(text)
 
 
-def run_chaos(config: Config, settings: ChaosSettings,
+def run_chaos(config: Config, settings: ChaosSettings, seeds: list[int],
               progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
-    """Bring up an emulated cluster (``config.nic``, ``config.spare_servers``), run the job
-    fault-free and under a schedule seeded by ``settings.seed``, check, tear down; the report."""
-    return run_chaos_seeds(config, settings, [settings.seed], progress)["runs"][0]
-
-
-def run_chaos_seeds(config: Config, settings: ChaosSettings, seeds: list[int],
-                    progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
-    """:func:`run_chaos` for each of ``seeds``, one after another: the job runs fault-free
-    once (on the first seed's cluster), and each seed gets a cluster of its own, built before
+    """Run the job fault-free once, then under the schedule of each of ``seeds`` in turn, each
+    on an emulated cluster of its own (``config.nic``, ``config.spare_servers``), built before
     its run and torn down after it (a seed's faults may have killed or fenced its machines);
-    the report of each run, each fault kind's count of faults injected, noticed and survived
-    (in a run that held every invariant), and whether every run held."""
+    check each run. The report of each run, each fault kind's count of faults injected,
+    noticed and survived (in a run that held every invariant), and whether every run held."""
     emulate.check_prerequisites()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bpsctl-chaos-") as tmp, \

@@ -17,7 +17,7 @@ from ..cliutil import (
     missing_python_script,
 )
 from ..config import ConfigError
-from .api import ChaosSettings, parse_seeds, run_chaos_seeds
+from .api import ChaosSettings, parse_seeds, run_chaos
 from .faults import netem_available
 from .schedule import parse_kinds
 
@@ -89,10 +89,10 @@ def chaos(ctx: typer.Context,
                               "(sch_netem)", highlight=False)
         seeds = parse_seeds(seed)
         settings = ChaosSettings(workers=workers, servers=servers,
-                                 steps=300 if steps is None else steps, seed=seeds[0],
+                                 steps=300 if steps is None else steps,
                                  duration_s=duration, kinds=kinds, command=tuple(cmd))
         with err_console.status("chaos") as spinner:
-            runs = run_chaos_seeds(config, settings, seeds, lambda text: spinner.update(text))
+            runs = run_chaos(config, settings, seeds, lambda text: spinner.update(text))
     for report in runs["runs"]:
         print_chaos(report)
     # one seed: its report as it is; several: every run's, and the summary
