@@ -705,9 +705,10 @@ def test_a_broadcast_whose_root_pushed_nothing_fails_naming_it(job):
     assert job(2, 1, body) == [True, True]
 
 
-def _hello(ctx: zmq.Context, address: str, secret: str, job_id: str) -> zmq.Socket:
-    """A worker's connection to a server, spoken by hand: the hmac handshake, then HELLO of a
-    one-worker job."""
+def _hello(ctx: zmq.Context, address: str, secret: str, job_id: str, rank: int = 0,
+           world_size: int = 1) -> zmq.Socket:
+    """A worker's connection to a server, spoken by hand: the hmac handshake, then HELLO of
+    rank ``rank`` of a job of ``world_size`` workers (one by default)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{address}")
@@ -717,9 +718,69 @@ def _hello(ctx: zmq.Context, address: str, secret: str, job_id: str) -> zmq.Sock
     theirs = bytes.fromhex(json.loads(sock.recv_multipart()[1])["nonce"])
     sock.send_multipart(P.control(P.PROOF, {"proof": Security("hmac", secret)._proof(
         b"connecting", theirs, ours)}))
-    sock.send_multipart(P.control(P.HELLO, {"job": job_id, "rank": 0, "world_size": 1,
+    sock.send_multipart(P.control(P.HELLO, {"job": job_id, "rank": rank,
+                                            "world_size": world_size,
                                             "version": bpsctl.__version__}))
     return sock
+
+
+def test_a_worker_whose_connection_came_back_is_counted_once_and_answered_again(
+        engine_cluster):
+    """Rank 0 of a 2-worker job says HELLO again on a new connection (its old one dropped:
+    a cut link or a pause) and pushes again what was not answered: a round the server had
+    counted from it is counted once, a round completed before its sum arrived is answered
+    again with that sum, and what still comes on the old connection is ignored."""
+    server = next(p for p in engine_cluster.processes if p.role == "server")
+    address = f"{server.host}:{server.port}"
+    job_id = f"test-back-{os.getpid()}-{time.monotonic_ns()}"
+    code = P.DTYPE_CODES[np.dtype(np.float32)]
+    ctx = zmq.Context()
+
+    def hello(rank: int) -> zmq.Socket:
+        return _hello(ctx, address, engine_cluster.secret, job_id, rank, 2)
+
+    def push(sock: zmq.Socket, round_: int, value: float) -> None:
+        sock.send_multipart([P.pack_header(P.PUSH, dtype=code, rank=0, part=7, round=round_,
+                                           nbytes=40), np.full(10, value, np.float32).tobytes()])
+
+    def answers(sock: zmq.Socket, kinds: int) -> list[tuple[int, int, np.ndarray | None]]:
+        """The next ``kinds`` messages: (type, round, sum)."""
+        got = []
+        for _ in range(kinds):
+            assert sock.poll(5000), f"no answer within 5 s (had {got})"
+            frames = sock.recv_multipart()
+            kind, _, _, _, _, round_, _ = P.unpack_header(frames[0])
+            got.append((kind, round_, np.frombuffer(frames[1], np.float32)
+                        if kind == P.RESULT else None))
+        return got
+
+    try:
+        first, other = hello(0), hello(1)
+        push(first, 0, 1.0)
+        assert answers(first, 1)[0][:2] == (P.ACK, 0)
+        again = hello(0)                 # rank 0's connection came back
+        push(again, 0, 1.0)              # pushed again: acknowledged, not counted
+        assert answers(again, 1)[0][:2] == (P.ACK, 0)
+        push(other, 0, 10.0)             # the round's other push completes it
+        [(kind, round_, values)] = answers(again, 1)
+        assert (kind, round_) == (P.RESULT, 0)
+        assert_same(values, np.full(10, 11.0, np.float32))       # 1 + 10, not 1 + 1 + 10
+        assert [a[:2] for a in answers(other, 2)] == [(P.ACK, 0), (P.RESULT, 0)]
+        assert not first.poll(300), "the old connection was answered"
+        # the sum of round 0 is lost on its way: the connection comes back once more, and
+        # the round pushed again is answered with that sum, not summed anew
+        third = hello(0)
+        push(third, 0, 1.0)
+        [(kind, round_, values)] = answers(third, 1)
+        assert (kind, round_) == (P.RESULT, 0)
+        assert_same(values, np.full(10, 11.0, np.float32))
+        push(first, 1, 100.0)            # late, on a connection that is gone: ignored
+        push(third, 1, 2.0)
+        push(other, 1, 20.0)
+        assert [a[:2] for a in answers(third, 2)] == [(P.ACK, 1), (P.RESULT, 1)]
+        assert_same(answers(other, 2)[1][2], np.full(10, 22.0, np.float32))
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_a_push_zero_on_the_wire_is_answered_with_zeros_and_refused_where_it_cannot_apply(

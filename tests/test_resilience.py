@@ -22,6 +22,7 @@ from conftest import (
     wait_until,
 )
 
+from bpsctl.chaos.faults import partition
 from bpsctl.launch import api, emulate
 
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -207,12 +208,15 @@ def _cli(state_dir: Path, *args: str, timeout_s: float = 90) -> subprocess.Compl
                           capture_output=True, text=True, timeout=timeout_s, check=False)
 
 
-@pytest.mark.parametrize("fault", ["kill", "link"])
+@pytest.mark.parametrize("fault", ["kill", "link", "cut"])
 def test_a_job_on_emulated_hosts_goes_on_through_a_lost_server(tmp_path, fault):
     """Emulated 2 workers x 3 server hosts at 1 Gbit: kill -9 a server (not the one beside
     the scheduler), or cut its host's link (its heartbeats stop: it is declared lost),
     mid-run. `bpsctl run` exits 0 after every step, every sum exact, its output says what
     moved, and no step waited more than the heartbeat timeout + 2 s longer than usual.
+    ``cut``: only the link between one worker's host and the server's, until that worker's
+    connection drops; healed then, the connection comes back, the worker pushes again what
+    was not answered and nothing moves (the server never stopped answering the scheduler).
 
     The fault strikes between steps (the workers hold after step 20), so the next step's
     pushes meet a lost server. A fault between one sum's deliveries to two workers (one has
@@ -249,16 +253,27 @@ def test_a_job_on_emulated_hosts_goes_on_through_a_lost_server(tmp_path, fault):
 
             wait_until(lambda: all((reports / f"held-{r}").exists() for r in (0, 1)), 60,
                        f"both workers holding after step {HOLD_AT}, before the fault")
+            name = next(h["name"] for h in state.emulation["servers"]
+                        if h["address"] == victim.host)
+            heal = None
             if fault == "kill":
                 os.kill(victim.pid, signal.SIGKILL)
-            else:
-                name = next(h["name"] for h in state.emulation["servers"]
-                            if h["address"] == victim.host)
+            elif fault == "link":
                 host = emulate.namespace_name(state.emulation["cluster_id"], name)
                 subprocess.run(["ip", "-n", host, "link", "set", emulate.HOST_INTERFACE,
                                 "down"], check=True, timeout=10)
+            else:
+                plan = emulate.plan_network(2, 3, "1gbit",
+                                            cluster_id=state.emulation["cluster_id"])
+                heal = partition(plan, plan.host(state.emulation["workers"][1]["name"]),
+                                 [name])
             (reports / "go").write_text("go")
             seen[progress()] = time.monotonic()     # the hold is not a slow step
+            if heal is not None:
+                dropped = f"lost the connection to server {victim.rank} at"
+                wait_until(lambda: dropped in output.read_text(), 30,
+                           "a worker's connection to the server cut off from it to drop")
+                heal()
             deadline = time.monotonic() + 90
             while launcher.poll() is None and time.monotonic() < deadline:
                 progress()
@@ -271,8 +286,13 @@ def test_a_job_on_emulated_hosts_goes_on_through_a_lost_server(tmp_path, fault):
         text = output.read_text()
         assert code == 0, text
         assert text.count(f"{STEPS} steps, sums exact") == 2, text
-        assert "partitions moved to other servers" in text, text
-        assert f"server {victim.rank}" in text, text
+        if fault == "cut":
+            assert f"the connection to server {victim.rank} at" in text and \
+                "came back" in text, text
+            assert "partitions moved" not in text, text
+        else:
+            assert "partitions moved to other servers" in text, text
+            assert f"server {victim.rank}" in text, text
         times = [seen[s] for s in sorted(seen)]
         gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
         usual = statistics.median(gaps)

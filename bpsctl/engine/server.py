@@ -120,7 +120,7 @@ class PartitionState:
                  "backup", "late_waiting", "pushed_last", "owed", "held", "held_count",
                  "deferred", "shm_alloc", "shm_refs", "first_ref", "copy_single",
                  "reduction", "combine", "folded", "first_shared", "claims", "data_pushes",
-                 "headers_only")
+                 "headers_only", "last")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int,
                  rotation: int = 2, reduction: int = P.REDUCE_SUM):
@@ -176,6 +176,10 @@ class PartitionState:
         # pushers of this round that read nothing of its sum (P.RESULT_HEADER_ONLY): answered
         # with the RESULT header alone
         self.headers_only: set[bytes] = set()
+        # the last completed round: (round, RESULT header, sum), answered again to a pusher
+        # whose connection came back before that answer reached it (I/O thread). The sum's
+        # buffer is not reused before every pusher of that round has pushed the next one
+        self.last: tuple[int, bytes, Any] | None = None
 
     def quorum(self) -> int:
         """Pushes that complete this round: every expected one, less the backup workers'."""
@@ -355,6 +359,11 @@ class Server:
         self.incarnations: dict[bytes, int] = {}    # worker routing id -> its rank's restarts
         self.lost_ranks: set[int] = set()           # workers the job goes on without
         self.lost_peers: set[bytes] = set()         # connections of lost workers: ignored
+        # connections that came back (a worker's HELLO again, on a new connection: the old one
+        # dropped): the new ones, whose pushes of a round already counted are pushed again,
+        # and the old ones, whatever still arrives from which is ignored
+        self.returned: set[bytes] = set()
+        self.retired: set[bytes] = set()
         self.dead: set[tuple[int, int]] = set()     # (rank, incarnation) lost: never admitted
         self.mailbox: dict[tuple[int, int], list[zmq.Frame]] = {}   # a joiner's model, till HELLO
         self.backup_workers = 0                     # the job's BPSCTL_BACKUP_WORKERS
@@ -643,6 +652,11 @@ class Server:
                                  self.config.nic_mbit)
             if warning:
                 self.log.warning(warning)
+        old = next((peer for peer, r in self.peers.items() if r == rank and peer != rid
+                    and self.incarnations.get(peer) == incarnation
+                    and peer not in self.lost_peers), None)
+        if old is not None:
+            self._came_back(old, rid, rank)
         self.peers[rid] = rank
         self.incarnations[rid] = incarnation
         if self.host_id and msg.get("shm") == self.host_id:
@@ -684,6 +698,7 @@ class Server:
         # admits them: a new worker joins exactly as a restarted one rejoins
         self.lost_ranks = set(range(num_workers, max_workers))
         self.lost_peers = set()
+        self.returned, self.retired = set(), set()
         self.dead = set()
         self.mailbox = {}
 
@@ -706,6 +721,8 @@ class Server:
         """A PUSH, or (``claim``: its header's rank field) a PUSH_ZERO: counted as a push of
         the round, answered as one, with nothing folded into the sum. ``header_only``
         (P.RESULT_HEADER_ONLY): its pusher reads nothing of the sum; a plain sum's only."""
+        if rid in self.retired:
+            return          # sent on a connection that dropped: pushed again on its new one
         rank = self.peers.get(rid)
         if rank is None:
             raise P.ProtocolError("push from a connection that has not said HELLO (after proving "
@@ -783,6 +800,8 @@ class Server:
                 f"{state.codec is not None})")
         if state.codec is not None:
             state.codec.check(frames[2].buffer, part)
+        if rid in self.returned and self._pushed_again(state, rid, round_, header_only):
+            return
         if round_ != state.round:
             if state.owed and round_ + 1 == state.round and rid not in state.pushed_last:
                 self._late(state, rid, rank, round_)
@@ -1036,6 +1055,44 @@ class Server:
             while state.answers:
                 self._send_params(state, *state.answers.popleft())
 
+    def _came_back(self, old: bytes, new: bytes, rank: int) -> None:
+        """Worker ``rank`` said HELLO again on a new connection while its old one is still
+        known here: the old one dropped (a link cut, or a pause past the heartbeat timeout)
+        and ZeroMQ connected again. The new connection takes the old one's place in every
+        round; the worker pushes again what was not answered (:meth:`_pushed_again`)."""
+        self.retired.add(old)
+        self.returned.add(new)
+        del self.peers[old]
+        del self.incarnations[old]
+        for state in self.parts.values():
+            for rids in (state.waiting, state.late_waiting, state.pushed_last):
+                rids[:] = [new if rid == old else rid for rid in rids]
+            if old in state.headers_only:
+                state.headers_only.discard(old)
+                state.headers_only.add(new)
+        self.log.warning("worker %d connected again (its connection dropped: a cut link or a "
+                         "pause); it pushes again what was not answered, each round counted "
+                         "once", rank)
+
+    def _pushed_again(self, state: PartitionState, rid: bytes, round_: int,
+                      header_only: bool) -> bool:
+        """A push on a connection that came back, of a round this server already counted
+        from it: acknowledged, not counted again; of the round completed last, before its sum
+        reached the pusher: answered with that sum. False: a push to take as any other."""
+        if round_ == state.round and (rid in state.waiting or rid in state.late_waiting):
+            self._ack(rid, state.part, round_)
+            return True
+        last = state.last
+        if last is None or last[0] != round_ or round_ + 1 != state.round or (
+                state.owed and rid not in state.pushed_last):
+            return False
+        _, header, result = last
+        if header_only:
+            self._send_header(rid, header)
+        else:
+            self._send_result(rid, header, result, None)
+        return True
+
     def _late(self, state: PartitionState, rid: bytes, rank: int, round_: int) -> None:
         """A push of the round before the partition's current one, which completed without it
         (backup workers): not summed; answered with that round's result, held for this."""
@@ -1163,6 +1220,8 @@ class Server:
             for rid in state.late_waiting:
                 self._send_result(rid, late, result,
                                   self._shm_ref(state, result, state.round, rid))
+        state.last = None if refused is not None or state.codec is not None else (
+            state.round, header, result)
         if state.backup:
             # held for the live workers that have not pushed this round yet
             state.owed = state.expected - state.received - len(state.late_waiting)

@@ -320,6 +320,10 @@ class Worker:
         self._sched.connect(f"tcp://{self.scheduler_address}")
         self._servers: list[dict[str, Any]] = []
         self._server_socks: list[zmq.Socket] = []
+        # each server's HELLO, and the logins again of connections that came back (index ->
+        # its Login until the server answers; the server counts as down meanwhile)
+        self._hellos: list[list[bytes]] = []
+        self._relogins: dict[int, Login] = {}
         self._server_monitors: list[zmq.Socket] = []
         self._trace: Trace | None = None        # with BPSCTL_TRACE_DIR; opened once ranked
         self._step_tensor: str | None = None    # traced steps count push_pulls of the first tensor
@@ -551,14 +555,15 @@ class Worker:
             self._server_monitors.append(monitor(sock))
             self._server_socks.append(sock)
             if index in self._lost_at_start:
+                self._hellos.append(hello)
                 continue                    # its partitions live on other servers now
             sock.connect(f"tcp://{server['host']}:{server['port']}")
             local = bool(self._shm_host) and server.get("host_id") == self._shm_host
             if local:       # same machine, network namespace and /dev/shm: shared memory
                 self._shm_local.add(index)
-            logins.append(self.security.login(
-                sock, P.control(P.HELLO, {**hello_body, "shm": self._shm_host}) if local
-                else hello, f"server {server['rank']} at {server['host']}:{server['port']}"))
+            self._hellos.append(P.control(P.HELLO, {**hello_body, "shm": self._shm_host})
+                                if local else hello)
+            logins.append(self.security.login(sock, self._hellos[-1], self._server_name(index)))
         self._await_logins(logins, time.monotonic() + cfg.start_timeout_s)
 
     def _open_trace(self, directory: Path) -> Trace:
@@ -1352,7 +1357,7 @@ class Worker:
             if task.handle.error is not None:       # failed meanwhile (e.g. a key error)
                 continue
             if part[1] in self._server_down:
-                self._parked.append(entry)          # until the scheduler says where it lives
+                self._parked.append(entry)          # until it is reachable again, or moved
                 continue
             part_id, server, offset = part[0], part[1], part[2]
             round_, flags = self._rounds.get(part_id, 0), task.flags
@@ -1451,6 +1456,8 @@ class Worker:
                 self._result(part_id, round_, payload, count or 1 << 16)
             elif msg_type == P.STATE:
                 self._received_state(frames[1], frames[2])
+            elif msg_type == P.CHALLENGE:       # logging in again (_connection_came_back)
+                self._login_again(sock, frames)
             elif msg_type == P.ERROR:
                 _, msg = P.parse_control([frames[0].buffer, frames[1].buffer])
                 part = msg.get("part")
@@ -1914,10 +1921,7 @@ class Worker:
         else:
             came_back = index in self._server_down and zmq.EVENT_CONNECTED in events
         if came_back:
-            # the server is alive and the link was only cut: what was on the old connection
-            # is lost, and the server would not know the new one; fail as without failover
-            self._server_down.pop(index, None)
-            self._fail_server(index)
+            self._connection_came_back(index)
             return
         if zmq.EVENT_DISCONNECTED not in events or index in self._server_down:
             return
@@ -1934,6 +1938,72 @@ class Worker:
                         "move its partitions", self.rank, self._server_name(index))
             return
         self._fail_server(index)
+
+    def _connection_came_back(self, index: int) -> None:
+        """The connection to server ``index`` dropped (a link cut, or this process or the
+        server paused, past the heartbeat timeout) and ZeroMQ has opened a new one: the server
+        is alive, and what was in flight on the old connection, either way, may be lost. Log
+        in again on the new one, then push again every partition of this server not answered
+        yet, at the same round: the server counts a round's push from this rank once and
+        answers a round it has completed since with that round's sum (docs/design.md,
+        "Keeping going", item 7)."""
+        since, _ = self._server_down.pop(index, (time.monotonic(), 0.0))
+        cannot = ("its pushes went through shared memory" if index in self._shm_local else
+                  "its partitions hold the parameters of asynchronous training (BPSCTL_ASYNC)"
+                  if self.config.async_mode else
+                  "compressed pushes carry error feedback that cannot be sent twice"
+                  if any(task.codec is not None for task, part in self._active.values()
+                         if part[1] == index) else "")
+        if cannot:
+            self._fail_all(EngineError(
+                f"worker {self.rank}: the connection to {self._server_name(index)} dropped and "
+                f"came back, but what was on it cannot be pushed again ({cannot}): "
+                + lost_link(self._server_name(index), self.config.heartbeat_timeout_s)))
+            return
+        self._scoped = {(server, part) for server, part in self._scoped if server != index}
+        again = 0
+        for part_id, (task, part) in list(self._active.items()):
+            if part[1] == index:
+                del self._active[part_id]
+                self._inflight_bytes -= self._unacked.pop(part_id, 0)
+                heapq.heappush(self._queue, (-task.priority, next(self._seq), task, part))
+                again += 1
+        login = self.security.login(self._server_socks[index], self._hellos[index],
+                                    self._server_name(index))
+        if login.done:
+            self._unpark(index)
+        else:
+            # pushes wait for the server's CHALLENGE, as long as for a server whose connection
+            # dropped: a paused server's host accepts the connection but nothing answers, and
+            # the scheduler may move its partitions meanwhile (SERVER_MOVED)
+            self._relogins[index] = login
+            now = time.monotonic()
+            self._server_down[index] = (since, now + self.config.heartbeat_timeout_s
+                                        + 2 * self.config.heartbeat_interval_s + 1)
+        log.warning("worker %d: the connection to %s came back %.1f s after it dropped; "
+                    "logging in again and pushing %d partitions again", self.rank,
+                    self._server_name(index), time.monotonic() - since, again)
+
+    def _login_again(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        """A CHALLENGE on a connection that came back: prove the secret (the HELLO follows),
+        then send what waited for it."""
+        index = self._server_socks.index(sock)
+        login = self._relogins.get(index)
+        if login is None:
+            return
+        msg_type, msg = P.parse_control([frame.buffer for frame in frames])
+        login.handle(msg_type, msg)
+        if login.done:
+            del self._relogins[index]
+            self._server_down.pop(index, None)
+            self._unpark(index)
+
+    def _unpark(self, index: int) -> None:
+        """Queue again the pushes held back while server ``index`` was unreachable."""
+        held = [entry for entry in self._parked if entry[3][1] == index]
+        self._parked = [entry for entry in self._parked if entry[3][1] != index]
+        for entry in held:
+            heapq.heappush(self._queue, entry)
 
     def _server_name(self, index: int) -> str:
         server = self._servers[index]
@@ -1961,6 +2031,7 @@ class Worker:
                                        + self._params_gone()))
             return
         since, _ = self._server_down.pop(index, (time.monotonic(), 0.0))
+        self._relogins.pop(index, None)
         self._servers_lost.add(index)
         taker = [i for i, s in enumerate(self._servers) if s["rank"] == msg.get("spare")]
         self._spare_servers -= {index, *taker}
