@@ -273,7 +273,7 @@ optimizer = bps.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05
                                      named_parameters=model.named_parameters())
 bps.broadcast_parameters(model.state_dict(), root_rank=0)
 record = Recorder(bps.rank())
-for step in range(bps.step_count(), 60):
+for step in range(bps.step_count(), 80):
     data = torch.Generator().manual_seed(1000 * bps.rank() + step)
     x, y = torch.randn(16, 256, generator=data), torch.randint(0, 10, (16,), generator=data)
     began = time.monotonic()
@@ -285,6 +285,9 @@ for step in range(bps.step_count(), 60):
     digest = record.step(step, flat_parameters(model), took)
     print(f"step {step} loss {loss.item():.4f} parameters {digest} {1000 * took:.1f} ms",
           flush=True)
+    norm = sum(p.grad.norm() ** 2 for p in model.parameters()) ** 0.5
+    print(f"rank {bps.rank()} step {step}: lr 0.05, batch 16, gradient norm {norm:.4f}, "
+          f"{16 / max(took, 1e-6):.0f} samples/s", flush=True)
 record.final(flat_parameters(model))
 bps.shutdown()
 """
@@ -293,8 +296,9 @@ bps.shutdown()
 @pytest.mark.parametrize("seed, kinds", RUNS)
 def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, seed, kinds):
     """The command end to end, as a user runs it: a small job on 2 + 2 emulated hosts through
-    faults that come back (partitions and pauses: seed 2 cuts both servers off past the
-    heartbeat timeout, so the job must end with an error naming the loss; or the disk under
+    faults that come back (partitions and pauses: seed 2 cuts the scheduler's host and a
+    server off past the heartbeat timeout, so the job may end with an error naming the loss,
+    or ride it through with a spare server; or the disk under
     the logs filled, which must stop nothing and be said once, with a training script of
     one's own after --); every fault applied and undone, every invariant held or not
     applying, nothing left."""
@@ -326,7 +330,8 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
     assert {r["fault"]["kind"] for r in report["faults"]} <= set(kinds.split(","))
     if kinds == "disk":
         # seed 2 fills the disk early and for longer than the job: the workers' logs outgrow
-        # the pages they had, the job goes on, and the terminal hears it once per log
+        # the pages they had (two lines a step, some 150 bytes: over 4 KiB once the disk
+        # is full), the job goes on, and the terminal hears it once per log
         assert report["exit_code"] == 0
         assert report["command"] == job[1:] and report["steps"] is None
         # the script recorded its steps: the checks of steps applied, and held
@@ -397,6 +402,34 @@ def test_the_checker_finds_ranks_that_differ_stalls_and_a_drifted_model(tmp_path
     assert lenient["invariants"]["worst stall within the heartbeat timeout + 2 s"]
     assert lenient["invariants"]["final parameters within 0.001 of the fault-free run's"] is None
     assert lenient["workers_left"] == [1]
+
+
+def test_silences_that_overlap_on_one_host_add_up_to_a_loss():
+    """What the checker counts as a host down: its silence towards the scheduler, its own
+    pauses and cuts merged with a short cut of the scheduler's host, for the heartbeat timeout
+    less an interval (5 s and 0.5 s here). Seed 1 of `--faults partition,pause` on 2 + 2:
+    worker 1 paused for 3.7 s inside a 4.4 s cut of the scheduler's host is silent for 4.5 s,
+    and with worker 0 paused for good no worker is left: the job may end in an error."""
+    from bpsctl.chaos.api import ChaosSettings, FaultRecord, _down_windows, _survivable
+
+    def record(kind: str, target: str, start: float, length: float) -> FaultRecord:
+        return FaultRecord(Fault(kind, target, start, length), applied_s=start,
+                           undone_s=start + length)
+
+    seed_1 = [record("pause", "w0", 0.4, 21.2), record("partition", "s0", 2.5, 4.4),
+              record("pause", "s1", 3.2, 17.0), record("pause", "w1", 3.3, 3.7)]
+    assert [(round(a, 1), round(b, 1), host) for a, b, host in
+            sorted(_down_windows(seed_1, 5.0, 0.5))] == [
+        (0.4, 21.6, "w0"), (2.5, 7.0, "w1"), (2.5, 20.2, "s1")]
+    settings = ChaosSettings(workers=2, servers=2)
+    assert not _survivable(settings, seed_1, 1, 5.0, 0.5)
+    # apart, neither silence is a loss; a cut of the scheduler's host past the timeout is its
+    # own isolation (it declares nobody lost), so a pause inside it adds nothing
+    apart = [record("partition", "s0", 2.5, 4.4), record("pause", "w1", 7.5, 3.7)]
+    isolated = [record("partition", "s0", 2.0, 8.0), record("pause", "w1", 3.0, 3.7)]
+    for faults in (apart, isolated):
+        assert [w for w in _down_windows(faults, 5.0, 0.5) if w[2] != "s0"] == []
+        assert _survivable(settings, faults, 1, 5.0, 0.5)
 
 
 def test_a_script_of_ones_own_that_records_no_steps_is_judged_by_how_it_ended(tmp_path):

@@ -1031,16 +1031,21 @@ class Scheduler:
         now = time.monotonic()
         live = [m for m in self.members.values()
                 if m.state in ("running", "joining") and not m.awaited]
-        if len(live) > 1 and all(now - m.last_seen > self.config.heartbeat_timeout_s
-                                 for m in live):
-            # every member silent at once, servers and workers alike: it is this scheduler
-            # that was cut off (or paused), not all of them; nobody is declared lost, and each
-            # is judged again once it is heard from (docs/chaos.md)
+        # members on other machines (a server beside this scheduler goes on talking to it
+        # while their host is cut off from the rest)
+        remote = [m for m in live if m.host != self.config.host]
+        timeout = self.config.heartbeat_timeout_s
+        if len(live) > 1 and all(now - m.last_seen > timeout for m in live) or \
+                len({m.host for m in remote}) > 1 and all(now - m.last_seen > timeout
+                                                         for m in remote):
+            # every member silent at once, or every one on another machine: it is this
+            # scheduler (or its host) that was cut off or paused, not all of them; nobody is
+            # declared lost, and each is judged again once it is heard from (docs/chaos.md)
             if not self.isolated:
                 self.isolated = True
-                self.log.warning("heard from none of the %d members for over %g s: this "
-                                 "scheduler was cut off or paused; declaring nobody lost",
-                                 len(live), self.config.heartbeat_timeout_s)
+                self.log.warning("heard from none of %d members for over %g s: this "
+                                 "scheduler or its host was cut off or paused; declaring "
+                                 "nobody lost", len(remote) or len(live), timeout)
             return
         if self.isolated:
             self.isolated = False
