@@ -870,3 +870,39 @@ def test_want_is_refused_where_it_cannot_apply(job):
         return True
 
     assert job(1, 1, body) == [True]
+
+
+def test_a_worker_that_registers_again_for_a_job_that_ended_is_told_so(job, engine_cluster):
+    """A worker cut off from the scheduler while its job ended (here: finished without it)
+    registers again once the link is back: the scheduler, which was not restarted, answers
+    that the job ended, instead of rebuilding the job from what that worker says."""
+    [job_id] = {*job(1, 1, lambda w: w.config.job_id)}
+    scheduler = next(p for p in engine_cluster.processes if p.role == "scheduler")
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{scheduler.host}:{scheduler.port}")
+        ours = secrets.token_bytes(16)
+        sock.send_multipart(P.control(P.AUTH, {"version": bpsctl.__version__,
+                                               "nonce": ours.hex()}))
+        assert sock.poll(5000), "no CHALLENGE within 5 s"
+        theirs = bytes.fromhex(json.loads(sock.recv_multipart()[1])["nonce"])
+        sock.send_multipart(P.control(P.PROOF, {"proof": Security(
+            "hmac", engine_cluster.secret)._proof(b"connecting", theirs, ours)}))
+        sock.send_multipart(P.control(P.REGISTER, {
+            "role": "worker", "version": bpsctl.__version__, "host": "127.0.0.1",
+            "pid": os.getpid(), "job": job_id, "world_size": 1, "rank": 0,
+            "partition_bytes": 4096, "start_timeout_s": 10.0,
+            "reregister": {"incarnation": 0, "servers": [
+                {"rank": 0, "host": "127.0.0.1", "port": 1}]}}))
+        while True:
+            assert sock.poll(5000), "the scheduler did not answer within 5 s"
+            kind, body = P.parse_control(sock.recv_multipart())
+            if kind != P.CLOCK:
+                break
+        assert kind == P.ERROR, (kind, body)
+        assert body["message"] == (f"job {job_id!r} ended (finished) while this worker could "
+                                   "not reach the scheduler")
+    finally:
+        ctx.destroy(linger=0)

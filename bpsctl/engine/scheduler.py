@@ -711,6 +711,12 @@ class Scheduler:
         job_id, world_size = str(msg["job"]), int(msg["world_size"])
         rank = P.int_field(msg, "rank", 0, max(world_size, int(msg.get("max_workers") or 0)) - 1)
         job = self.job
+        if job is None and job_id in self.ended:
+            # this scheduler ended the job while the worker was cut off from it (it was not
+            # restarted): nothing to rebuild
+            self._send(rid, P.ERROR, {"message": f"job {job_id!r} ended ({self.ended[job_id]}) "
+                                      "while this worker could not reach the scheduler"})
+            return
         if job is None:
             job = self._rebuild_job(msg, again)
         elif job.id != job_id or job.world_size != world_size or not job.started:
@@ -995,12 +1001,17 @@ class Scheduler:
         if joiners and all(w.state in ("left", "lost", "joining") for w in job.workers.values()):
             # the last live worker left at the end of the job before it could hand the model
             # to a worker restarted (or attached) meanwhile: the job is over without it
-            self.log.info("job %s finished before %s joined", job.id,
-                          ", ".join(w.describe() for w in joiners))
+            # (or, the last of them having failed, ended as failed: not finished)
+            ending = f"its workers failed: {job.failed}" if job.failed else None
+            self.log.warning("job %s %s before %s joined", job.id,
+                             f"ended ({ending})" if ending else "finished",
+                             ", ".join(w.describe() for w in joiners))
             for joiner in joiners:
                 self._send(joiner.rid, P.ERROR, {"finished": True, "message": (
-                    f"job {job.id!r} finished before this worker could join it")})
-            self._end_job(None, notify=(), finished=True)
+                    f"job {job.id!r} finished before this worker could join it")}
+                    if ending is None else {"message": (
+                        f"job {job.id!r} ended ({ending}) before this worker could join it")})
+            self._end_job(ending, notify=(), finished=ending is None)
             return
         # The others may still wait for this worker's pushes: they give in-flight results a
         # moment to arrive, then fail naming it instead of waiting out the op timeout.
