@@ -402,12 +402,23 @@ def test_the_checker_finds_ranks_that_differ_stalls_and_a_drifted_model(tmp_path
     assert lenient["invariants"]["worst stall within the heartbeat timeout + 2 s"]
     assert lenient["invariants"]["final parameters within 0.001 of the fault-free run's"] is None
     assert lenient["workers_left"] == [1]
+    # a job that ended well without a worker that left it for good (restarted too late):
+    # every step done by the rank that stayed; not so had that rank stayed too
+    short = tmp_path / "short"
+    _record(short, 0, [(s, f"h{s}", 0.1, walls[s]) for s in range(4)])
+    _record(short, 1, [(s, f"h{s}", 0.1, walls[s]) for s in range(2)])
+    (short / "start").write_text("1000.0")
+    assert _check(config, settings, reference, short, left, [])["invariants"][
+        "every step done"] is True
+    assert _check(config, settings, reference, short, RunResult(0), [])["invariants"][
+        "every step done"] is False
 
 
 def test_silences_that_overlap_on_one_host_add_up_to_a_loss():
     """What the checker counts as a host down: its silence towards the scheduler, its own
     pauses and cuts merged with a short cut of the scheduler's host, for the heartbeat timeout
-    less an interval (5 s and 0.5 s here). Seed 1 of `--faults partition,pause` on 2 + 2:
+    less an interval and a margin (5, 0.5 and 0.5 s here). Seed 1 of `--faults
+    partition,pause` on 2 + 2:
     worker 1 paused for 3.7 s inside a 4.4 s cut of the scheduler's host is silent for 4.5 s,
     and with worker 0 paused for good no worker is left: the job may end in an error."""
     from bpsctl.chaos.api import ChaosSettings, FaultRecord, _down_windows, _survivable
@@ -420,7 +431,7 @@ def test_silences_that_overlap_on_one_host_add_up_to_a_loss():
               record("pause", "s1", 3.2, 17.0), record("pause", "w1", 3.3, 3.7)]
     assert [(round(a, 1), round(b, 1), host) for a, b, host in
             sorted(_down_windows(seed_1, 5.0, 0.5))] == [
-        (0.4, 21.6, "w0"), (2.5, 7.0, "w1"), (2.5, 20.2, "s1")]
+        (0.4, 21.6, "w0"), (2.5, 6.9, "s0"), (2.5, 7.0, "w1"), (2.5, 20.2, "s1")]
     settings = ChaosSettings(workers=2, servers=2)
     assert not _survivable(settings, seed_1, 1, 5.0, 0.5)
     # apart, neither silence is a loss; a cut of the scheduler's host past the timeout is its

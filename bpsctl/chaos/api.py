@@ -31,7 +31,7 @@ from ..config import Config, ConfigError
 from ..launch import emulate
 from . import CHAOS_DIR
 from .faults import Undo, apply
-from .schedule import DISK, KINDS, Fault, make_schedule
+from .schedule import KINDS, Fault, make_schedule
 
 #: final parameters against the fault-free run's, relative L2: servers sum in arrival order,
 #: so two runs round differently, and this model turns one early rounding difference into
@@ -377,38 +377,44 @@ def _survivable(settings: ChaosSettings, records: list[FaultRecord], min_workers
     return True
 
 
+#: a silence this close to the heartbeat timeout may be declared a loss or not (when the
+#: scheduler checks, when the last heartbeat arrived): either ending is right
+BOUNDARY_S = 0.5
+
+
 def _down_windows(records: list[FaultRecord], timeout_s: float,
                   interval_s: float) -> list[tuple[float, float, str]]:
     """(start, end, host) of each host's time down: killed, or silent towards the scheduler
-    for the heartbeat timeout. A host is silent while it is paused or cut off from every host,
-    and, if it is not the scheduler's (``s0``), while the scheduler's host is, for less than
-    the timeout (a longer one the scheduler takes for its own isolation: it declares nobody
-    lost). Overlapping silences add up, and the last heartbeat may have left an interval
-    before a silence began: one that lasts the timeout less an interval is down."""
-    silent: dict[str, list[tuple[float, float]]] = {}
-    killed: list[tuple[float, float, str]] = []
+    for the heartbeat timeout. A host is silent while it is paused or cut off from every
+    host; a cut or pause of the scheduler's host (``s0``) shorter than the timeout adds to an
+    overlapping silence of another host (alone, it silences every host at once, which the
+    scheduler takes for its own isolation). The last heartbeat may have left an interval
+    before a silence began: one that lasts the timeout, less that interval and
+    :data:`BOUNDARY_S`, is down."""
+    own: dict[str, list[tuple[float, float]]] = {}
+    windows: list[tuple[float, float, str]] = []
     for r in records:
         whole = r.fault.kind in ("pause", "kill") or \
             r.fault.kind == "partition" and not r.fault.params.get("peers")
         if r.applied_s is None or not whole:
             continue
         if r.fault.kind == "kill":
-            killed.append((r.applied_s, float("inf"), r.fault.target))
+            windows.append((r.applied_s, float("inf"), r.fault.target))
             continue
         end = r.undone_s if r.undone_s is not None else float("inf")
-        silent.setdefault(r.fault.target, []).append((r.applied_s, end))
-    hosts = {r.fault.target for r in records if r.fault.target != DISK}
-    scheduler = [(a, b) for a, b in silent.get("s0", []) if b - a + interval_s < timeout_s]
-    windows = list(killed)
-    for host in hosts:
-        spans = sorted(silent.get(host, []) + (scheduler if host != "s0" else []))
-        merged: list[list[float]] = []
-        for a, b in spans:
+        own.setdefault(r.fault.target, []).append((r.applied_s, end))
+    scheduler = [(a, b) for a, b in own.get("s0", []) if b - a + interval_s < timeout_s]
+    for host, spans in own.items():
+        merged: list[list[Any]] = []            # [start, end, has one of the host's own]
+        for a, b, mine in sorted([(a, b, True) for a, b in spans] + (
+                [(a, b, False) for a, b in scheduler] if host != "s0" else [])):
             if merged and a <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], b)
+                merged[-1][2] |= mine
             else:
-                merged.append([a, b])
-        windows += [(a, b, host) for a, b in merged if b - a + interval_s >= timeout_s]
+                merged.append([a, b, mine])
+        windows += [(a, b, host) for a, b, mine in merged
+                    if mine and b - a + interval_s >= timeout_s - BOUNDARY_S]
     return windows
 
 
@@ -471,8 +477,10 @@ def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path
     if settings.command:        # its own number of steps: the most any rank recorded
         completed = bool(steps) and len({max(rank) for rank in steps.values()}) == 1
     else:
-        completed = bool(steps) and all(max(rank, default=-1) == settings.steps - 1
-                                        for rank in steps.values())
+        # by at least one rank, and by every rank that never left the job: one lost (and
+        # restarted too late, or not at all under --min-workers) stops short by design
+        done = {r for r, rank in steps.items() if max(rank, default=-1) == settings.steps - 1}
+        completed = bool(done) and all(r in done for r in steps if r not in left)
     return {
         "kind": "chaos", "workers": settings.workers, "servers": settings.servers,
         "steps": None if settings.command else settings.steps,
