@@ -191,8 +191,11 @@ def test_down_elsewhere_leaves_a_network_that_is_still_being_built(tmp_path):
         builder.kill()
         builder.wait(10)
         result = subprocess.run(down, capture_output=True, text=True, timeout=60, env=env)
-        assert cluster_id in result.stderr and "removed" in result.stderr, result.stderr
-        assert not _namespaces(cluster_id)
+        assert not _namespaces(cluster_id), result.stderr
+        # any `bpsctl down` on this machine removes what crashed runs left: under
+        # pytest-xdist another test's may have taken it first, and this one then says nothing
+        assert cluster_id in result.stderr and "removed" in result.stderr or \
+            "nothing to stop" in result.stderr, result.stderr
     finally:
         if builder.poll() is None:
             builder.kill()

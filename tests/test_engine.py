@@ -9,6 +9,8 @@ import json
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -872,12 +874,10 @@ def test_want_is_refused_where_it_cannot_apply(job):
     assert job(1, 1, body) == [True]
 
 
-def test_a_worker_that_registers_again_for_a_job_that_ended_is_told_so(job, engine_cluster):
-    """A worker cut off from the scheduler while its job ended (here: finished without it)
-    registers again once the link is back: the scheduler, which was not restarted, answers
-    that the job ended, instead of rebuilding the job from what that worker says."""
-    [job_id] = {*job(1, 1, lambda w: w.config.job_id)}
-    scheduler = next(p for p in engine_cluster.processes if p.role == "scheduler")
+def _registered_again(cluster, job_id: str) -> dict:
+    """What the scheduler answers a worker of job ``job_id`` (rank 0 of 1) that registers
+    again, as one cut off from it does once the link is back; spoken by hand."""
+    scheduler = next(p for p in cluster.processes if p.role == "scheduler")
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
@@ -889,7 +889,7 @@ def test_a_worker_that_registers_again_for_a_job_that_ended_is_told_so(job, engi
         assert sock.poll(5000), "no CHALLENGE within 5 s"
         theirs = bytes.fromhex(json.loads(sock.recv_multipart()[1])["nonce"])
         sock.send_multipart(P.control(P.PROOF, {"proof": Security(
-            "hmac", engine_cluster.secret)._proof(b"connecting", theirs, ours)}))
+            "hmac", cluster.secret)._proof(b"connecting", theirs, ours)}))
         sock.send_multipart(P.control(P.REGISTER, {
             "role": "worker", "version": bpsctl.__version__, "host": "127.0.0.1",
             "pid": os.getpid(), "job": job_id, "world_size": 1, "rank": 0,
@@ -900,9 +900,33 @@ def test_a_worker_that_registers_again_for_a_job_that_ended_is_told_so(job, engi
             assert sock.poll(5000), "the scheduler did not answer within 5 s"
             kind, body = P.parse_control(sock.recv_multipart())
             if kind != P.CLOCK:
-                break
-        assert kind == P.ERROR, (kind, body)
-        assert body["message"] == (f"job {job_id!r} ended (finished) while this worker could "
-                                   "not reach the scheduler")
+                assert kind == P.ERROR, (kind, body)
+                return body
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_worker_that_registers_again_for_a_job_that_ended_is_told_so(job, engine_cluster):
+    """A worker cut off from the scheduler while its job ended (here: finished without it)
+    registers again once the link is back: the scheduler, which was not restarted, answers
+    that the job ended, instead of rebuilding the job from what that worker says."""
+    [job_id] = {*job(1, 1, lambda w: w.config.job_id)}
+    assert _registered_again(engine_cluster, job_id)["message"] == (
+        f"job {job_id!r} ended (finished) while this worker could not reach the scheduler")
+
+
+def test_a_worker_that_dies_of_an_uncaught_error_leaves_its_job_failed(engine_cluster):
+    """A script that dies of an uncaught exception (as of a push_pull's timeout, which leaves
+    the engine working) leaves its job saying so: its last worker gone that way, the job
+    ended as failed, not finished (a worker restarted meanwhile must not exit 0)."""
+    job_id = f"test-died-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "BPSCTL_SCHEDULER": engine_cluster.scheduler,
+           "BPSCTL_SECRET": engine_cluster.secret, "BPSCTL_JOB_ID": job_id,
+           "BPSCTL_WORLD_SIZE": "1", "BPSCTL_RANK": "0", "BPSCTL_NUM_SERVERS": "1"}
+    done = subprocess.run([sys.executable, "-c", "import bpsctl.engine as bps\nbps.init()\n"
+                           "raise ValueError('the data ran out')"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "ValueError: the data ran out" in done.stderr, done.stderr
+    assert _registered_again(engine_cluster, job_id)["message"] == (
+        f"job {job_id!r} ended (its workers failed: ValueError: the data ran out) while "
+        "this worker could not reach the scheduler")

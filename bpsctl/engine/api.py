@@ -33,6 +33,26 @@ def init(config: Config | None = None) -> None:
             _worker = Worker(config)
         except JobFinished as exc:
             nothing_to_do(exc)
+        _say_an_uncaught_error()
+
+
+def _say_an_uncaught_error() -> None:
+    """Have this worker leave the job saying it failed when the process dies of an uncaught
+    exception (``sys.excepthook`` runs before the ``atexit`` shutdown): a script that died of
+    a push_pull's error (a timeout) leaves its engine working, and a job whose last worker
+    left that way must not be taken for a finished one (a restarted worker would exit 0,
+    "nothing to do")."""
+    previous = sys.excepthook
+    if getattr(previous, "bpsctl_leaves_failed", False):
+        return
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if _worker is not None:
+            _worker.died_of(f"{kind.__name__}: {value}")
+        previous(kind, value, tb)
+
+    hook.bpsctl_leaves_failed = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def nothing_to_do(finished: JobFinished) -> NoReturn:

@@ -397,6 +397,7 @@ class Worker:
         self._barriers: dict[str, Handle] = {}
         self._barriers_passed = 0               # told to a restarted scheduler
         self._peer_left = ""                                    # why later ops cannot complete
+        self._died = ""                 # the uncaught exception the process is dying of
         self._stop = False
         # a lost scheduler (docs/design.md, "Keeping going", item 4): since when; the
         # re-registration with the one restarted in its place; what waits to be said to it
@@ -1142,6 +1143,11 @@ class Worker:
         if trace is not None and trace.window_ns[1] is None:
             trace.span(STAGE[stage], trace.name_id(name), start_ns, end_ns)
 
+    def died_of(self, why: str) -> None:
+        """The process is dying of an uncaught exception (``why``): its LEAVE says it failed
+        (bpsctl.engine.api installs the hook that calls this)."""
+        self._died = why
+
     def shutdown(self) -> None:
         """Leave the job; outstanding push_pulls fail. Safe to call twice."""
         with self._lock:
@@ -1265,7 +1271,8 @@ class Worker:
             elif kind == "stop":
                 # a broken worker says why, so that a job whose workers all failed is not
                 # taken for a finished one (a restarted worker must not find "nothing to do")
-                failed = {} if self._broken is None else {"failed": str(self._broken)[:500]}
+                why = self._died if self._broken is None else str(self._broken)
+                failed = {"failed": why[:500]} if why else {}
                 self._to_scheduler(P.control(P.LEAVE, failed), keep=True)
                 self._leaving = True
                 # a broken worker's job has failed: nobody needs to hear that it left
