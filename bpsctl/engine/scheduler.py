@@ -1043,12 +1043,16 @@ class Scheduler:
         live = [m for m in self.members.values()
                 if m.state in ("running", "joining") and not m.awaited]
         # members on other machines (a server beside this scheduler goes on talking to it
-        # while their host is cut off from the rest)
+        # while their host is cut off from the rest); a cut silences them at once, but their
+        # last heartbeats may be an interval apart: when the first has been silent for the
+        # timeout, the others for two intervals less at least
         remote = [m for m in live if m.host != self.config.host]
         timeout = self.config.heartbeat_timeout_s
+        quiet = timeout - 2 * self.config.heartbeat_interval_s
         if len(live) > 1 and all(now - m.last_seen > timeout for m in live) or \
-                len({m.host for m in remote}) > 1 and all(now - m.last_seen > timeout
-                                                         for m in remote):
+                len({m.host for m in remote}) > 1 and \
+                all(now - m.last_seen > quiet for m in remote) and \
+                any(now - m.last_seen > timeout for m in remote):
             # every member silent at once, or every one on another machine: it is this
             # scheduler (or its host) that was cut off or paused, not all of them; nobody is
             # declared lost, and each is judged again once it is heard from (docs/chaos.md)
