@@ -438,14 +438,14 @@ def test_silences_that_overlap_on_one_host_add_up_to_a_loss():
             sorted(_down_windows(seed_1, 5.0, 0.5))] == [
         (0.4, 21.6, "w0"), (2.5, 6.9, "s0"), (2.5, 7.0, "w1"), (2.5, 20.2, "s1")]
     settings = ChaosSettings(workers=2, servers=2)
-    assert not _survivable(settings, seed_1, 1, 5.0, 0.5)
+    assert not _survivable(settings, _down_windows(seed_1, 5.0, 0.5), 1)
     # apart, neither silence is a loss; a cut of the scheduler's host past the timeout is its
     # own isolation (it declares nobody lost), so a pause inside it adds nothing
     apart = [record("partition", "s0", 2.5, 4.4), record("pause", "w1", 7.5, 3.7)]
     isolated = [record("partition", "s0", 2.0, 8.0), record("pause", "w1", 3.0, 3.7)]
     for faults in (apart, isolated):
         assert [w for w in _down_windows(faults, 5.0, 0.5) if w[2] != "s0"] == []
-        assert _survivable(settings, faults, 1, 5.0, 0.5)
+        assert _survivable(settings, _down_windows(faults, 5.0, 0.5), 1)
 
 
 def test_a_script_of_ones_own_that_records_no_steps_is_judged_by_how_it_ended(tmp_path):

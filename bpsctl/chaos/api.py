@@ -360,13 +360,12 @@ def _full_disk_said(records: list[FaultRecord], output: Lines, state_dir: Path) 
     return all(n <= filled for n in [*told.values(), *counted])
 
 
-def _survivable(settings: ChaosSettings, records: list[FaultRecord], min_workers: int,
-                timeout_s: float, interval_s: float = 0.5) -> bool:
+def _survivable(settings: ChaosSettings, windows: list[tuple[float, float, str]],
+                min_workers: int) -> bool:
     """Whether the faults as applied always left the job a way on: at each moment a server up
     (spares aside), the scheduler's host (beside server 0) up while another server is down,
-    and at least ``min_workers`` workers up. Down: killed, or silent towards the scheduler for
-    the heartbeat timeout (:func:`_down_windows`); a slow or lossy link is up."""
-    windows = _down_windows(records, timeout_s, interval_s)
+    and at least ``min_workers`` workers up. ``windows``: each host's time down
+    (:func:`_down_windows`); a slow or lossy link is up."""
     for at, _, _ in windows:
         down = {target for start, end, target in windows if start <= at < end}
         servers = {t for t in down if t.startswith("s")}
@@ -469,12 +468,11 @@ def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path
     stall = max((gap - median for gap, wall in gaps if not under_collapse(gap, wall)),
                 default=0.0)
     bound = config.heartbeat_timeout_s + 2.0
-    survivable = _survivable(settings, records, config.min_workers, config.heartbeat_timeout_s,
-                             config.heartbeat_interval_s)
+    windows = _down_windows(records, config.heartbeat_timeout_s, config.heartbeat_interval_s)
+    survivable = _survivable(settings, windows, config.min_workers)
     # nothing moves while the scheduler's host is down (server 0 beside it): the steps wait
     # for it to come back, however long that is, and no stall bound applies
-    scheduler_down = any(host == "s0" for _, _, host in _down_windows(
-        records, config.heartbeat_timeout_s, config.heartbeat_interval_s))
+    scheduler_down = any(host == "s0" for _, _, host in windows)
     # a script of one's own that records no steps (bpsctl.chaos.job.Recorder): the checks
     # of steps do not apply; it is judged by how it ended, its faults, and what it left
     judged = bool(steps) or not settings.command

@@ -1006,11 +1006,11 @@ class Scheduler:
             self.log.warning("job %s %s before %s joined", job.id,
                              f"ended ({ending})" if ending else "finished",
                              ", ".join(w.describe() for w in joiners))
+            said = {"finished": True, "message": f"job {job.id!r} finished before this worker "
+                    "could join it"} if ending is None else {
+                "message": f"job {job.id!r} ended ({ending}) before this worker could join it"}
             for joiner in joiners:
-                self._send(joiner.rid, P.ERROR, {"finished": True, "message": (
-                    f"job {job.id!r} finished before this worker could join it")}
-                    if ending is None else {"message": (
-                        f"job {job.id!r} ended ({ending}) before this worker could join it")})
+                self._send(joiner.rid, P.ERROR, said)
             self._end_job(ending, notify=(), finished=ending is None)
             return
         # The others may still wait for this worker's pushes: they give in-flight results a

@@ -1998,8 +1998,7 @@ class Worker:
         login = self._relogins.get(index)
         if login is None:
             return
-        msg_type, msg = P.parse_control([frame.buffer for frame in frames])
-        login.handle(msg_type, msg)
+        self._answer(login, *P.parse_control([frame.buffer for frame in frames]))
         if login.done:
             del self._relogins[index]
             self._server_down.pop(index, None)
