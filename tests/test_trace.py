@@ -456,3 +456,22 @@ def test_the_summary_prints_the_first_and_last_steps_of_a_long_trace():
     assert len(shown) == STEPS_SHOWN + 1 and shown[3] is None
     assert [r["step"] for r in shown if r is not None] == [0, 1, 2, *range(42, 49)]
     assert shown_steps(rows[:STEPS_SHOWN]) == rows[:STEPS_SHOWN]
+
+
+def test_a_callers_spans_after_the_closing_step_mark_are_left_out(tmp_path):
+    """A plugin records its spans directly while the I/O thread hears of step marks later:
+    the spans of steps that ran after the window's last step mark (before the I/O thread
+    heard of it) are not in the trace, and those of the window's steps are."""
+    trace = Trace(tmp_path / "worker-0" / "comm.json", "worker", 0, start_step=1, end_step=3)
+    wait = trace.name_id("DistributedOptimizer.grad")
+    marks = [1_000 * (step + 1) for step in range(6)]       # step k ends at marks[k]
+    for step in range(6):           # the plugin runs six steps before the I/O thread hears
+        trace.span(STAGE["synchronize"], wait, marks[step] - 100, marks[step] - 10)
+    for step in range(6):           # ... then hears of all six marks
+        trace.next_step(at_ns=marks[step])
+        if trace.written:
+            break
+    spans = _spans(tmp_path / "worker-0" / "comm.json")
+    waits = sorted(s["ts"] for s in spans if s["cat"] == "synchronize")
+    assert waits == [(marks[1] - 100) / 1000, (marks[2] - 100) / 1000]
+    assert len([s for s in spans if s["cat"] == "step"]) == 2

@@ -292,12 +292,13 @@ class Trace:
             if self.nic is not None:
                 self.nic.start()
         elif self.on and self.end_step is not None and self.step >= self.end_step:
-            self._close_window()
+            self._close_window(now)
             self.write()
 
-    def _close_window(self) -> None:
+    def _close_window(self, at_ns: int | None = None) -> None:
+        """The window ends at ``at_ns`` (the closing step's end; now if not given)."""
         self.on = False
-        self.window_ns[1] = now_ns()
+        self.window_ns[1] = now_ns() if at_ns is None else at_ns
         if self.nic is not None:
             self.nic.stop()
 
@@ -330,9 +331,14 @@ class Trace:
         events: list[dict[str, Any]] = [
             {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": pid}}]
         opened = self.window_ns[0] or 0
+        closed = self.window_ns[1]
         for sequence, i in enumerate(order, first):
             if sequence < self.count_at_opening and self.end[i] < opened:
                 continue                        # a caller's span from before the window
+            if closed is not None and self.start[i] > closed:
+                # a caller's span of a step after the window's last: the caller records
+                # directly, and ran on before this thread heard the step mark that closed it
+                continue
             stage = STAGES[self.stage[i]]
             args: dict[str, Any] = {}
             if self.part[i] >= 0:
