@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes.util
 import functools
+import importlib.util
 import os
 import shutil
 import signal
@@ -36,6 +37,21 @@ from bpsctl.launch import api
 # many processes at once, that start-up only takes CPU from the tests. (bpsctl's servers and
 # schedulers set it themselves; a user's training script keeps what its environment says.)
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+# Every Python process the tests start runs tests/lazy_dynamo/sitecustomize.py first, and this
+# one runs it now: torch's optimizers import torch._dynamo, half of a torch process's start and
+# a quarter of the suite's time on 2 cores, though nothing in the tests compiles; it defers that
+# import without changing what torch computes (its docstring says how).
+LAZY_DYNAMO = Path(__file__).resolve().parent / "lazy_dynamo"
+if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != str(LAZY_DYNAMO):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(LAZY_DYNAMO), os.environ.get("PYTHONPATH")]))
+_spec = importlib.util.spec_from_file_location("tests_lazy_dynamo",
+                                               LAZY_DYNAMO / "sitecustomize.py")
+assert _spec is not None and _spec.loader is not None
+lazy_dynamo = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lazy_dynamo)
+lazy_dynamo.install()
 
 # pytest rewrites the asserts of every test module in each of its processes (the controller
 # and each xdist worker): 4-5 CPU-s per process for this suite. It keeps the result beside the
