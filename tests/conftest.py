@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -605,6 +605,53 @@ def pytest_configure(config: pytest.Config) -> None:
     compileall.compile_dir(str(Path(__file__).resolve().parents[1] / "bpsctl"), quiet=1)
 
 
+#: what a test takes on average on the busy 2-core machine, setup included: about 0.06 s in
+#: the fast tier and 4 s in the slow one (the whole suite over its count of each), and 25 s
+#: for one of LONG_TESTS
+EXPECTED_TEST_S = {"fast": 0.06, "slow": 4.0, "long": 25.0}
+
+#: the tests outside the machine's group that take 15-40 s on the busy 2-core machine (keys as
+#: in TIERS): a module of one or two of them is short by count but must not start last
+LONG_TESTS = {
+    "test_fresh_install.py::test_the_newest_allowed_dependencies_pass_a_smoke_subset",
+    "test_bench_train.py::test_rounds_rotate_the_order_and_pair_the_ratios",
+    "test_bench_train.py::test_async_training_reports_the_sum_of_each_workers_rate",
+    "test_stragglers.py::test_every_system_reaches_its_target_accuracy",
+    "test_bpslaunch.py::test_two_machines_of_two_gpus_each_train_as_four_workers_of_bpsctl_run",
+    "test_bpslaunch.py::test_bytepss_recipe_trains_the_example_in_any_start_order_as_bpsctl_run_does",
+    "test_bench_comm.py::test_every_collective_against_horovod_on_the_embedded_default",
+    "test_cross_barrier.py::test_a_restarted_worker_rejoins_a_cross_barrier_job_bitwise_equal",
+    "test_cross_barrier.py::test_the_training_bench_runs_bpsctl_with_cross_barrier",
+    "test_trace.py::test_the_torch_optimizer_waiting_for_its_gradients_is_on_the_timeline",
+    "test_elastic_sampler.py::test_a_lost_worker_s_samples_are_each_processed_exactly_once",
+    "test_compression.py::test_bench_convergence_shows_what_error_feedback_is_for",
+    "test_rejoin.py::test_a_horovod_elastic_script_runs_with_its_import_changed_and_rejoins",
+    "test_rejoin.py::test_a_killed_worker_is_restarted_and_rejoins_bitwise_equal",
+}
+
+
+@functools.cache
+def _lacks(need: str) -> bool:
+    return NEEDS[need]() is not None
+
+
+def expected_seconds(nodeids: Iterable[str], machine: bool = False) -> float:
+    """What a group of tests should take, by their tiers (a test that will skip for a need
+    this machine lacks: nothing), to start the longest first; the machine's group counts as
+    longer than any."""
+    if machine:
+        return float("inf")
+    total = 0.0
+    for nodeid in nodeids:
+        test_tags = tags_of_nodeid(nodeid)
+        if any(_lacks(t) for t in test_tags if t in NEEDS):
+            continue
+        name = nodeid.rpartition("/")[2].split("[")[0]
+        tier = ("long" if name in LONG_TESTS else "slow" if "slow" in test_tags else "fast")
+        total += EXPECTED_TEST_S[tier]
+    return total
+
+
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``--dist loadgroup`` grouped by :func:`group_of_nodeid`. pytest-xdist's own loadgroup
@@ -621,11 +668,18 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             return group_of_nodeid(nodeid)
 
         def _assign_work_unit(self, node: Any) -> None:
-            # the machine's group, the longest by far, goes first: started late, it would hold
-            # one worker long after the other had run out of work
-            if MACHINE_GROUP in self.workqueue:
-                self.workqueue.move_to_end(MACHINE_GROUP, last=False)
+            # the longest groups first, the machine's (the longest by far) before all: a long
+            # group started late holds one worker long after the other has run out of work,
+            # and short ones at the end fill the gaps. (pytest-xdist orders them by their
+            # number of tests, which puts a module of a few slow tests last.)
+            if not self.ordered:
+                self.ordered = True
+                for group in sorted(self.workqueue, key=lambda g: -expected_seconds(
+                        self.workqueue[g], machine=g == MACHINE_GROUP)):
+                    self.workqueue.move_to_end(group)
             super()._assign_work_unit(node)
+
+    ByGroup.ordered = False
 
     return ByGroup(config, log)
 

@@ -26,6 +26,13 @@ def test_each_key_names_a_module_or_test_that_exists(key):
         assert name.split("[")[0] in _test_functions(module), f"{key}: no such test"
 
 
+@pytest.mark.parametrize("key", sorted(conftest.LONG_TESTS))
+def test_each_long_test_exists_and_is_slow(key):
+    module, _, name = key.partition("::")
+    assert name in _test_functions(module), f"{key}: no such test"
+    assert "slow" in conftest.tags_of_nodeid(f"tests/{key}"), f"{key}: long, so slow"
+
+
 @pytest.mark.parametrize("key", sorted(TIERS))
 def test_each_tag_is_a_marker_or_a_need(key):
     assert TIERS[key] <= set(MARKERS) | set(NEEDS) | conftest.MACHINE_TAGS, key
