@@ -39,9 +39,9 @@ from bpsctl.launch import api
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # Every Python process the tests start runs tests/lazy_dynamo/sitecustomize.py first, and this
-# one runs it now: torch's optimizers import torch._dynamo, half of a torch process's start and
-# a quarter of the suite's time on 2 cores, though nothing in the tests compiles; it defers that
-# import without changing what torch computes (its docstring says how).
+# one runs it now: torch's optimizers import torch._dynamo, about half of a torch process's
+# start, and the suite starts hundreds of them, though nothing in the tests compiles; it defers
+# that import without changing what torch computes (its docstring says how).
 LAZY_DYNAMO = Path(__file__).resolve().parent / "lazy_dynamo"
 if os.environ.get("PYTHONPATH", "").split(os.pathsep)[0] != str(LAZY_DYNAMO):
     os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -605,9 +605,9 @@ def pytest_configure(config: pytest.Config) -> None:
     compileall.compile_dir(str(Path(__file__).resolve().parents[1] / "bpsctl"), quiet=1)
 
 
-#: what a test takes on average on the busy 2-core machine, setup included: about 0.06 s in
-#: the fast tier and 4 s in the slow one (the whole suite over its count of each), and 25 s
-#: for one of LONG_TESTS
+#: what a test is expected to take on a busy 2-core machine, setup included, by tier (a whole
+#: run's time in each tier over its count of tests; a test of LONG_TESTS apart): only the
+#: order the groups start in depends on it
 EXPECTED_TEST_S = {"fast": 0.06, "slow": 4.0, "long": 25.0}
 
 #: the tests outside the machine's group that take 15-40 s on the busy 2-core machine (keys as
@@ -646,8 +646,9 @@ def expected_seconds(nodeids: Iterable[str], machine: bool = False) -> float:
         test_tags = tags_of_nodeid(nodeid)
         if any(_lacks(t) for t in test_tags if t in NEEDS):
             continue
-        name = nodeid.rpartition("/")[2].split("[")[0]
-        tier = ("long" if name in LONG_TESTS else "slow" if "slow" in test_tags else "fast")
+        path, _, name = nodeid.partition("::")
+        key = f"{Path(path).name}::{name.split('[')[0]}"
+        tier = "long" if key in LONG_TESTS else "slow" if "slow" in test_tags else "fast"
         total += EXPECTED_TEST_S[tier]
     return total
 
@@ -664,6 +665,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class ByGroup(LoadScopeScheduling):
+        ordered = False                 # the work queue put longest first (once)
+
         def _split_scope(self, nodeid: str) -> str:
             return group_of_nodeid(nodeid)
 
@@ -678,8 +681,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
                         self.workqueue[g], machine=g == MACHINE_GROUP)):
                     self.workqueue.move_to_end(group)
             super()._assign_work_unit(node)
-
-    ByGroup.ordered = False
 
     return ByGroup(config, log)
 

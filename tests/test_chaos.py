@@ -15,6 +15,7 @@ import psutil
 import pytest
 from conftest import kill_pids, wait_until
 
+from bpsctl.chaos.api import FULL_DISK, FaultRecord, Lines, _full_disk_said
 from bpsctl.chaos.faults import apply, netem_available
 from bpsctl.chaos.schedule import DISK, KINDS, Fault, make_schedule, parse_kinds
 from bpsctl.config import ConfigError
@@ -338,7 +339,7 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
         assert report["invariants"]["every step done"] is True
         assert report["invariants"]["ranks bitwise equal after every step"] is True
         assert report["final_rel_diff"] is not None
-        assert report["invariants"]["a full disk was said at most once per log"] is True
+        assert report["invariants"][FULL_DISK] is True
         assert all(r["noticed_s"] is not None for r in report["faults"]), report["faults"]
         assert any("cannot write" in line for line in report["said"]), report["said"]
     for record in report["faults"]:
@@ -662,3 +663,18 @@ def test_a_workers_output_goes_on_when_its_log_disk_is_full(tmp_path):
     assert said[-1] == "[0] after"
     assert log.read_text().splitlines() == [
         f"[bpsctl] {lines + 1} line(s) of this log were lost: its disk was full", "after"]
+
+
+def test_a_restarted_worker_may_say_the_full_disk_once_more_for_its_log(tmp_path):
+    """The full disk is said once per process that writes a log: a worker restarted after
+    the disk filled is a new process writing its rank's log, and says it once too."""
+    import collections
+    disk = FaultRecord(Fault("disk", DISK, 1.0, 20.0), applied_s=1.0, undone_s=21.0)
+    output = Lines(0.0)
+    line = ("[0] [bpsctl] cannot write /state/logs/worker-0.log: No space left on device; "
+            "this worker's output goes on here only until there is room\n")
+    output.write(line + "[0] step 3\n" + line)
+    assert _full_disk_said([disk], output, tmp_path, collections.Counter({0: 1})) is True
+    assert _full_disk_said([disk], output, tmp_path, collections.Counter()) is False
+    assert _full_disk_said([disk], output, tmp_path, collections.Counter({1: 1})) is False
+    assert _full_disk_said([], output, tmp_path, collections.Counter()) is None

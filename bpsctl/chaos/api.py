@@ -46,7 +46,7 @@ OP_WAIT_S = 30.0
 CANNOT_LOG = re.compile(r"\[bpsctl\] cannot write (\S+\.log): ")
 LOST_LINES = "line(s) of this log were lost"
 #: the invariant of full-disk faults
-FULL_DISK = "a full disk was said at most once per log"
+FULL_DISK = "a full disk was said at most once per log by each process"
 #: the size of the state directory's own file system when --faults has disk: room for every
 #: log of a chaos run, small enough to fill at once
 STATE_DISK_BYTES = 64 << 20
@@ -163,7 +163,8 @@ def _seeded_run(config: Config, settings: ChaosSettings, seed: int, plan: emulat
     progress(f"seed {seed}: the run under {len(faults)} fault(s)")
     result, took_s, records, output = _job(config, settings, out, plan, faults, disk)
     report = _check(config, settings, reference, out, result, records)
-    report["invariants"][FULL_DISK] = _full_disk_said(records, output, state_dir)
+    report["invariants"][FULL_DISK] = _full_disk_said(
+        records, output, state_dir, collections.Counter(f.rank for f in result.restarted))
     # what the workers said about the faults, and how the job ended
     report["said"] = [f"{t:7.2f} {line}" for t, line in output.lines
                       if NOTICED.search(line) or CANNOT_LOG.search(line)][:40]
@@ -345,19 +346,28 @@ def _state_disk(state_dir: Path, small: bool) -> Iterator[tuple[Path, Path | Non
                        timeout=30)
 
 
-def _full_disk_said(records: list[FaultRecord], output: Lines, state_dir: Path) -> bool | None:
-    """Whether each full disk was said at most once where it cut a log: the workers' output
-    says a log cannot be written, and a log counts its lost lines, no more often than the
-    disk filled. (A log whose lines still fit the pages it had written stayed whole and says
-    nothing; the job going on is the step invariants'.) None without a disk fault."""
+def _full_disk_said(records: list[FaultRecord], output: Lines, state_dir: Path,
+                    restarts: collections.Counter[int]) -> bool | None:
+    """Whether each full disk was said at most once where it cut a log, by each process that
+    wrote it: the workers' output says a log cannot be written, and a log counts its lost
+    lines, no more often than the disk filled, times the processes that wrote the log (a
+    worker restarted ``restarts[rank]`` times writes its rank's log as a new process, which
+    finds the disk full anew). (A log whose lines still fit the pages it had written stayed
+    whole and says nothing; the job going on is the step invariants'.) None without a disk
+    fault."""
     filled = sum(1 for r in records if r.fault.kind == "disk" and r.applied_s is not None)
     if not filled:
         return None
+
+    def allowed(log: str) -> int:
+        rank = re.fullmatch(r"worker-(\d+)\.log", Path(log).name)
+        return filled * (1 + (restarts[int(rank.group(1))] if rank else 0))
+
     told = collections.Counter(match.group(1) for _, line in output.lines
                                if (match := CANNOT_LOG.search(line)))
     logs = (state_dir / "logs").glob("*.log") if (state_dir / "logs").is_dir() else []
-    counted = [path.read_text(errors="replace").count(LOST_LINES) for path in logs]
-    return all(n <= filled for n in [*told.values(), *counted])
+    counted = {str(path): path.read_text(errors="replace").count(LOST_LINES) for path in logs}
+    return all(n <= allowed(log) for log, n in [*told.items(), *counted.items()])
 
 
 def _survivable(settings: ChaosSettings, windows: list[tuple[float, float, str]],

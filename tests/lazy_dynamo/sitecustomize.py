@@ -3,10 +3,10 @@
 Every Python process the tests start has this directory first on PYTHONPATH (tests/conftest.py
 puts it there), so Python runs this module as it starts. Nearly every torch process the suite
 starts (a few hundred training workers) builds a ``torch.optim`` optimizer, and in torch 2.x
-that imports ``torch._dynamo``, about 1.3 CPU-s, on the optimizer's first method call: the
-methods are wrapped so that torch.compile leaves them alone (``torch._compile._disable_dynamo``)
-and each step marks a graph break (``_use_grad_for_differentiable``). That import is half of
-such a process's start and, on 2 cores, about a quarter of the whole suite's time.
+that imports ``torch._dynamo`` on the optimizer's first method call: the methods are wrapped so
+that torch.compile leaves them alone (``torch._compile._disable_dynamo``) and each step marks
+a graph break (``_use_grad_for_differentiable``). That import costs about as much CPU as
+``import torch`` itself, and on a 2-core machine the suite's time is its CPU time.
 
 While ``torch._dynamo`` has not been imported, nothing is being compiled (torch.compile imports
 it), so "don't compile this" and "break the graph here" have nothing to act on. The two
