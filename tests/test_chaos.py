@@ -447,6 +447,12 @@ def test_silences_that_overlap_on_one_host_add_up_to_a_loss():
     for faults in (apart, isolated):
         assert [w for w in _down_windows(faults, 5.0, 0.5) if w[2] != "s0"] == []
         assert _survivable(settings, _down_windows(faults, 5.0, 0.5), 1)
+    # the scheduler's host cut off for longer than the workers wait for the scheduler (the
+    # heartbeat timeout, then BPSCTL_SCHEDULER_TIMEOUT: 5 + 15 s): server 0's partitions
+    # cannot move meanwhile, so the job may end in an error naming both (seed 19 on 4 + 4)
+    long_cut = [record("partition", "s0", 7.7, 25.2)]
+    assert not _survivable(settings, _down_windows(long_cut, 5.0, 0.5), 1, 20.0)
+    assert _survivable(settings, _down_windows(long_cut, 5.0, 0.5), 1, 30.0)
 
 
 def test_a_script_of_ones_own_that_records_no_steps_is_judged_by_how_it_ended(tmp_path):

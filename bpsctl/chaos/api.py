@@ -371,11 +371,16 @@ def _full_disk_said(records: list[FaultRecord], output: Lines, state_dir: Path,
 
 
 def _survivable(settings: ChaosSettings, windows: list[tuple[float, float, str]],
-                min_workers: int) -> bool:
+                min_workers: int, scheduler_wait_s: float = float("inf")) -> bool:
     """Whether the faults as applied always left the job a way on: at each moment a server up
     (spares aside), the scheduler's host (beside server 0) up while another server is down,
-    and at least ``min_workers`` workers up. ``windows``: each host's time down
-    (:func:`_down_windows`); a slow or lossy link is up."""
+    and at least ``min_workers`` workers up; and the scheduler's host never down for as long
+    as the workers wait for the scheduler (``scheduler_wait_s``: server 0's partitions can
+    only move once it is back). ``windows``: each host's time down (:func:`_down_windows`);
+    a slow or lossy link is up."""
+    if any(host == "s0" and end - start >= scheduler_wait_s - BOUNDARY_S
+           for start, end, host in windows):
+        return False
     for at, _, _ in windows:
         down = {target for start, end, target in windows if start <= at < end}
         servers = {t for t in down if t.startswith("s")}
@@ -479,7 +484,10 @@ def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path
                 default=0.0)
     bound = config.heartbeat_timeout_s + 2.0
     windows = _down_windows(records, config.heartbeat_timeout_s, config.heartbeat_interval_s)
-    survivable = _survivable(settings, windows, config.min_workers)
+    # a worker whose server is lost waits BPSCTL_SCHEDULER_TIMEOUT for the scheduler to
+    # move its partitions, then ends with an error naming both
+    survivable = _survivable(settings, windows, config.min_workers,
+                             config.heartbeat_timeout_s + config.scheduler_timeout_s)
     # nothing moves while the scheduler's host is down (server 0 beside it): the steps wait
     # for it to come back, however long that is, and no stall bound applies
     scheduler_down = any(host == "s0" for _, _, host in windows)
