@@ -94,6 +94,8 @@ TIERS: dict[str, set[str]] = {
     "test_fresh_install.py::test_the_newest_allowed_dependencies_pass_a_smoke_subset": {"slow"},
     # hypothesis against live sockets: 2-5 s each
     "test_fuzz_wire.py": {"slow"},
+    # two torch processes side by side, one of them importing torch._dynamo: 3-4 s
+    "test_lazy_dynamo.py": {"slow"},
     # allocators and idle release, each waiting for a quiet spell: 2-5 s each
     "test_memory.py": {"slow"},
     "test_memory.py::test_a_server_runs_on_jemalloc_unless_told_to_use_glibc": {"jemalloc"},
