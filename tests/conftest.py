@@ -125,7 +125,7 @@ TIERS: dict[str, set[str]] = {
     # job with `bpsctl run --attach`: 10-25 s each
     "test_rejoin.py": {"slow"},
     # emulated clusters (network namespaces): 1-10 s each
-    "test_resilience.py::test_a_job_on_emulated_hosts_goes_on_through_a_lost_server":
+    "test_resilience.py::test_a_link_cut_between_a_worker_and_a_server_heals_and_nothing_moves":
         {"slow", "root"},
     "test_trace.py::test_a_slow_host_is_named_and_the_nic_tracks_count_the_bytes_sent":
         {"slow", "root"},

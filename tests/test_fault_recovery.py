@@ -229,6 +229,9 @@ def _strike(cluster: Cluster, tmp_path: Path, fault: str, index: int,
     text = (out / "output.txt").read_text()
     where = f"seed {seed}: {target} at step {step}"
     assert exit_code == 0, f"{where}: exit code {exit_code}:\n{text}"
+    if fault.startswith("server"):      # the output says what moved, and from which server
+        assert "partitions moved to other servers" in text and \
+            f"server {target.split(':')[1]}" in text, f"{where}: not said:\n{text}"
 
     hashes = {rank: _steps(out, "hashes", rank) for rank in range(4)}
     lost = int(target.split(":")[1]) if fault.startswith("worker") else None
