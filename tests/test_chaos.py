@@ -251,11 +251,13 @@ def test_a_full_disk_is_every_byte_of_its_file_system_until_undone(tmp_path):
 
 
 #: the CI's seeded runs of `bpsctl chaos` (BPSCTL_CHAOS_SEEDS=1,2,... for others), one command:
-#: every kind this kernel has without netem, on 2 + 2 emulated hosts, a 30-step job and a 2 s
-#: heartbeat timeout, so that a run takes seconds. Between them they kill the scheduler's host
-#: and a worker, pause servers and workers (under and past the timeout), cut off a worker,
-#: start two faults at once, collapse links and fill the disk under the logs
-SEEDS = os.environ.get("BPSCTL_CHAOS_SEEDS", "1,8,15,22,23")
+#: every kind this kernel has without netem, on 2 + 2 emulated hosts, a 55-step job, faults
+#: started within 5.5 s and a 2 s heartbeat timeout, so that a run takes seconds. Between them
+#: they kill the scheduler's host and a worker, pause servers and workers (under and past the
+#: timeout), start two faults at once, collapse links and fill the disk under the logs. Seed 4
+#: pauses worker 0 and, 1.9 s later, cuts off the scheduler's host: the scheduler declares the
+#: worker lost into the cut, and the server and worker that reconnect must be told again
+SEEDS = os.environ.get("BPSCTL_CHAOS_SEEDS", "1,4,8,22,23")
 CI_KINDS = "kill,pause,partition,collapse,disk"
 RUNS = [(SEEDS, CI_KINDS), ("2", "disk")]
 
@@ -312,7 +314,7 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
         job = ["--", sys.executable, "train.py"]
         env = {}
     else:
-        job = ["--steps", "30"]
+        job = ["--steps", "55", "--duration", "5.5"]
         env = {"BPSCTL_HEARTBEAT_TIMEOUT": "2"}
     command = subprocess.Popen(
         [sys.executable, "-m", "bpsctl.cli", "chaos", "--workers", "2", "--servers", "2",

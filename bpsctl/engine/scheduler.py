@@ -149,6 +149,12 @@ class Job:
     # a restarted scheduler: declarations held until every live worker has registered again
     # (one that has not may know tensors the others do not, and their partitions' ids)
     held: list[tuple[Member, dict[str, Any]]] = field(default_factory=list)
+    # what the job's members were told of each loss it goes on without (WORKER_LOST by rank
+    # until that rank is back in the rounds; SERVER_MOVED by server index), told again to a
+    # member that registers again: its old connection may have taken the first telling with
+    # it (see Scheduler._tell_again)
+    worker_losses: dict[int, dict[str, Any]] = field(default_factory=dict)
+    server_moves: dict[int, dict[str, Any]] = field(default_factory=dict)
 
     def awaiting(self) -> bool:
         return any(w.awaited and w.state == "running" for w in self.workers.values())
@@ -510,6 +516,7 @@ class Scheduler:
         if joiner is None or joiner.state != "joining":
             return          # lost meanwhile: WORKER_LOST told everyone
         joiner.state = "running"
+        job.worker_losses.pop(rank, None)      # in the rounds again
         live = job.live()
         message = (f"{joiner.describe()} {'rejoined' if joiner.incarnation else 'joined'} the "
                    f"job (model from worker {donor.rank})")
@@ -695,6 +702,8 @@ class Scheduler:
         self.log.warning("%s registered again%s", member.describe(),
                          "" if member.state == "running" else " (already declared lost)")
         self._send(rid, P.REGISTERED, {"rank": rank, **_clock(member)})
+        if self.job is not None and member in self.job.servers and member.state == "running":
+            self._tell_again(self.job, member)
 
     def _reregister_worker(self, rid: bytes, msg: dict[str, Any],
                            common: dict[str, Any]) -> None:
@@ -748,8 +757,23 @@ class Scheduler:
         self.log.warning("%s of job %s registered again", member.describe(), job.id)
         self._send(rid, P.REGISTERED, {"rank": rank, "world_size": job.world_size,
                                        "reregistered": True, **_clock(member)})
+        self._tell_again(job, member)
         self._release_held(job)
         self._release_barriers(job)         # its count of barriers passed may release some
+
+    def _tell_again(self, job: Job, member: Member) -> None:
+        """``member`` registered again after losing this scheduler (a cut or a pause of either
+        host past the heartbeat timeout): it opened a new connection, and what was sent on the
+        old one while it was silent is gone with it. Tell it again of every loss the job goes
+        on without: each lost worker, with the ranks live now (servers and workers), and each
+        lost server's partitions' moves (workers). Each end ignores a loss it already knows,
+        so telling twice changes nothing; a worker's rank back in the rounds is not told."""
+        live = job.live()
+        for body in job.worker_losses.values():
+            self._send(member.rid, P.WORKER_LOST, {**body, "live": live})
+        if member.role == "worker":
+            for body in job.server_moves.values():
+                self._send(member.rid, P.SERVER_MOVED, body)
 
     def _rebuild_job(self, msg: dict[str, Any], again: dict[str, Any]) -> Job:
         book = again.get("servers")
@@ -1132,6 +1156,7 @@ class Scheduler:
             return False
         body = {"rank": worker.rank, "incarnation": worker.incarnation, "message": message,
                 "live": live}
+        job.worker_losses[worker.rank] = body
         self.log.warning("%s; job %s goes on with %d workers (min %d)", message, job.id,
                          len(live), job.min_workers)
         for member in [*job.servers, *job.workers.values()]:
@@ -1192,6 +1217,7 @@ class Scheduler:
             moved_to = sorted({job.servers[new].rank for _, new in moves})
             self.log.warning("%s; job %s goes on: %d partitions moved to server(s) %s", message,
                              job.id, len(moves), moved_to or "(none yet declared)")
+        job.server_moves[index] = body
         for worker in job.workers.values():
             if worker.state == "running":
                 self._send(worker.rid, P.SERVER_MOVED, body)

@@ -358,6 +358,7 @@ class Server:
         self.peers: dict[bytes, int] = {}           # worker routing id -> rank
         self.incarnations: dict[bytes, int] = {}    # worker routing id -> its rank's restarts
         self.lost_ranks: set[int] = set()           # workers the job goes on without
+        self.admitted: dict[int, int] = {}          # rank -> the restart of it admitted last
         self.lost_peers: set[bytes] = set()         # connections of lost workers: ignored
         # connections that came back (a worker's HELLO again, on a new connection: the old one
         # dropped): the new ones, whose pushes of a round already counted are pushed again,
@@ -697,6 +698,7 @@ class Server:
         # ranks the job may grow into (`bpsctl run --attach`) count as lost until a donor
         # admits them: a new worker joins exactly as a restarted one rejoins
         self.lost_ranks = set(range(num_workers, max_workers))
+        self.admitted = {}
         self.lost_peers = set()
         self.returned, self.retired = set(), set()
         self.dead = set()
@@ -1307,7 +1309,11 @@ class Server:
         """The job goes on without worker ``rank``: rounds it already pushed keep its
         contribution; the others complete without it, now if every other push is in. The
         ``live`` workers that have joined (Horovod's join) are not counted until the join
-        ends, whichever of the two this server heard first."""
+        ends, whichever of the two this server heard first. The loss of a process of ``rank``
+        older than the one admitted since (told again by the scheduler after this server
+        registered again) is old news: that rank is in the rounds again."""
+        if incarnation < self.admitted.get(rank, 0):
+            return
         if rank in self.joined:
             self._hvd_unjoin(rank)          # counted as zeros no longer: lost instead
         rid = self._peer(rank, incarnation)
@@ -1450,6 +1456,7 @@ class Server:
                     f"round {state.round}, the donor at {expected_round}, and the previous "
                     "process of that rank may have pushed it")
         self.lost_ranks.discard(rank)
+        self.admitted[rank] = incarnation
         self.num_workers += 1
         for state in self.parts.values():
             if self._counts_in(rank, state.part):

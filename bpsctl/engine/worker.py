@@ -2032,6 +2032,8 @@ class Worker:
         answered to them again (same round: the new server starts each partition empty at
         the round it is pushed), and later rounds there too."""
         index = int(msg["index"])
+        if index in self._servers_lost:
+            return          # told again after registering again: known, and acted on
         if self.config.async_mode:
             self._fail_all(EngineError(f"worker {self.rank}: {msg['message']}"
                                        + self._params_gone()))
