@@ -344,6 +344,7 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
             # seed 2 fills the disk early and for longer than the job: the workers' logs
             # outgrow the pages they had (two lines a step, some 150 bytes: over 4 KiB once
             # the disk is full), the job goes on, and the terminal hears it once per log
+            assert report["exit_code"] == 0
             assert report["command"] == job[1:] and report["steps"] is None
             # the script recorded its steps: the checks of steps applied, and held
             assert report["invariants"]["every step done"] is True
