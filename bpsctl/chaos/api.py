@@ -45,6 +45,8 @@ OP_WAIT_S = 30.0
 #: once there is room again (bpsctl/launch/output.py, bpsctl/engine/common.py)
 CANNOT_LOG = re.compile(r"\[bpsctl\] cannot write (\S+\.log): ")
 LOST_LINES = "line(s) of this log were lost"
+#: the emulated host of the scheduler (beside server 0): the checker's rules treat it apart
+SCHEDULER_HOST = "s0"
 #: the invariant of full-disk faults
 FULL_DISK = "a full disk was said at most once per log by each process"
 #: the size of the state directory's own file system when --faults has disk: room for every
@@ -376,7 +378,8 @@ def _stall_bound(windows: list[tuple[float, float, str]], per_loss_s: float) -> 
     worker lost, then a server 4 s later), the time from the first's start to the last's
     end of wait. ``windows``: each host's time down (:func:`_down_windows`); the scheduler's
     host is left out (no bound applies while it is down)."""
-    waits = sorted((start, start + per_loss_s) for start, _, host in windows if host != "s0")
+    waits = sorted((start, start + per_loss_s) for start, _, host in windows
+                   if host != SCHEDULER_HOST)
     bound, chain = per_loss_s, None
     for start, end in waits:
         if chain is not None and start <= chain[1]:
@@ -395,14 +398,15 @@ def _survivable(settings: ChaosSettings, windows: list[tuple[float, float, str]]
     as the workers wait for the scheduler (``scheduler_wait_s``: server 0's partitions can
     only move once it is back). ``windows``: each host's time down (:func:`_down_windows`);
     a slow or lossy link is up."""
-    if any(host == "s0" and end - start >= scheduler_wait_s - BOUNDARY_S
+    if any(host == SCHEDULER_HOST and end - start >= scheduler_wait_s - BOUNDARY_S
            for start, end, host in windows):
         return False
     for at, _, _ in windows:
         down = {target for start, end, target in windows if start <= at < end}
         servers = {t for t in down if t.startswith("s")}
         workers = {t for t in down if t.startswith("w")}
-        if len(servers) >= settings.servers or ("s0" in down and servers - {"s0"}) or \
+        if len(servers) >= settings.servers or \
+                (SCHEDULER_HOST in down and servers - {SCHEDULER_HOST}) or \
                 settings.workers - len(workers) < max(1, min_workers):
             return False
     return True
@@ -434,11 +438,11 @@ def _down_windows(records: list[FaultRecord], timeout_s: float,
             continue
         end = r.undone_s if r.undone_s is not None else float("inf")
         own.setdefault(r.fault.target, []).append((r.applied_s, end))
-    scheduler = [(a, b) for a, b in own.get("s0", []) if b - a + interval_s < timeout_s]
+    scheduler = [(a, b) for a, b in own.get(SCHEDULER_HOST, []) if b - a + interval_s < timeout_s]
     for host, spans in own.items():
         merged: list[list[Any]] = []            # [start, end, has one of the host's own]
         for a, b, mine in sorted([(a, b, True) for a, b in spans] + (
-                [(a, b, False) for a, b in scheduler] if host != "s0" else [])):
+                [(a, b, False) for a, b in scheduler] if host != SCHEDULER_HOST else [])):
             if merged and a <= merged[-1][1]:
                 merged[-1][1] = max(merged[-1][1], b)
                 merged[-1][2] |= mine
@@ -507,7 +511,7 @@ def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path
                              config.heartbeat_timeout_s + config.scheduler_timeout_s)
     # nothing moves while the scheduler's host is down (server 0 beside it): the steps wait
     # for it to come back, however long that is, and no stall bound applies
-    scheduler_down = any(host == "s0" for _, _, host in windows)
+    scheduler_down = any(host == SCHEDULER_HOST for _, _, host in windows)
     # a script of one's own that records no steps (bpsctl.chaos.job.Recorder): the checks
     # of steps do not apply; it is judged by how it ended, its faults, and what it left
     judged = bool(steps) or not settings.command
