@@ -2,6 +2,7 @@
 emulated host and undone (root)."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -15,7 +16,7 @@ import psutil
 import pytest
 from conftest import kill_pids, wait_until
 
-from bpsctl.chaos.api import FULL_DISK, FaultRecord, Lines, _full_disk_said
+from bpsctl.chaos.api import FULL_DISK, FaultRecord, Lines, _full_disk_said, _stall_bound
 from bpsctl.chaos.faults import apply, netem_available
 from bpsctl.chaos.schedule import DISK, KINDS, Fault, make_schedule, parse_kinds
 from bpsctl.config import ConfigError
@@ -694,7 +695,6 @@ def test_a_workers_output_goes_on_when_its_log_disk_is_full(tmp_path):
 def test_a_restarted_worker_may_say_the_full_disk_once_more_for_its_log(tmp_path):
     """The full disk is said once per process that writes a log: a worker restarted after
     the disk filled is a new process writing its rank's log, and says it once too."""
-    import collections
     disk = FaultRecord(Fault("disk", DISK, 1.0, 20.0), applied_s=1.0, undone_s=21.0)
     output = Lines(0.0)
     line = ("[0] [bpsctl] cannot write /state/logs/worker-0.log: No space left on device; "
@@ -710,7 +710,6 @@ def test_losses_one_after_another_within_a_step_add_up_to_its_stall_bound():
     """A step may wait out a loss (the heartbeat timeout + 2 s), and then another that began
     while it waited: seed 36 on 4 + 4 lost worker 1 at 16.9 s and server 2 at 21.0 s, and
     its step stalled 9 s. Losses apart keep the bound of one."""
-    from bpsctl.chaos.api import _stall_bound
     assert _stall_bound([], 7.0) == 7.0
     assert _stall_bound([(16.9, 34.6, "w1"), (21.0, 47.8, "s2")], 7.0) == pytest.approx(11.1)
     assert _stall_bound([(2.0, 9.0, "w1"), (30.0, 40.0, "s2")], 7.0) == 7.0
