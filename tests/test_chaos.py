@@ -11,12 +11,20 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 from conftest import kill_pids, wait_until
 
-from bpsctl.chaos.api import FULL_DISK, FaultRecord, Lines, _full_disk_said, _stall_bound
+from bpsctl.chaos.api import (
+    FULL_DISK,
+    FaultRecord,
+    Lines,
+    _full_disk_said,
+    _keep,
+    _stall_bound,
+)
 from bpsctl.chaos.faults import apply, netem_available
 from bpsctl.chaos.schedule import DISK, KINDS, Fault, make_schedule, parse_kinds
 from bpsctl.config import ConfigError
@@ -359,7 +367,8 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
                 (seed, record)
             assert not record["error"], (seed, record)
         failed = [name for name, held in report["invariants"].items() if held is False]
-        assert not failed, (seed, failed, report["output_tail"], result.stderr[-3000:])
+        assert not failed, (seed, failed, report["output_tail"], _kept_logs(report),
+                            result.stderr[-3000:])
         if report["survivable"]:        # a way on was left: the job trains to its end
             assert report["exit_code"] == 0, (seed, report["output_tail"])
         assert report["left_behind"] == []
@@ -373,6 +382,34 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
         assert summary["ok"] and set(summary["by_kind"]) == set(kinds.split(","))
     assert result.returncode == 0 and "held" in result.stderr
     assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
+
+
+def _kept_logs(report: dict) -> dict[str, list[str]]:
+    """The end of each log of a failed run's cluster, kept by `bpsctl chaos`: what a failure
+    in CI shows beside the workers' output (the servers' admits, losses and refusals)."""
+    kept = report.get("kept")
+    logs = sorted((Path(kept) / "logs").glob("*.log")) if kept else []
+    return {log.name: log.read_text(errors="replace").splitlines()[-25:] for log in logs}
+
+
+def test_a_failed_run_is_kept_with_its_logs_beside_the_report(tmp_path):
+    """What a run that failed leaves to find the cause with: its output and steps, and its
+    cluster's logs, copied out of the temporary directory before it goes; a second failure
+    of the same seed is kept beside the first, not over it."""
+    run, state = tmp_path / "tmp" / "chaos-4", tmp_path / "tmp" / "state"
+    run.mkdir(parents=True)
+    (run / "output.txt").write_text("   12.23 [1] step 31 loss 2.3035\n")
+    (run / "steps-0").write_text("31 abc 0.1 1.0\n")
+    (state / "logs").mkdir(parents=True)
+    (state / "logs" / "server-0.log").write_text("worker 0 (restart 1) joined\n")
+    first = _keep(run, state, tmp_path / "bpsctl-chaos-seed-4")
+    second = _keep(run, state, tmp_path / "bpsctl-chaos-seed-4")
+    assert (first.name, second.name) == ("bpsctl-chaos-seed-4", "bpsctl-chaos-seed-4.2")
+    for kept in (first, second):
+        assert (kept / "output.txt").read_text().startswith("   12.23 [1] step 31")
+        assert (kept / "steps-0").exists()
+        assert (kept / "logs" / "server-0.log").read_text() == "worker 0 (restart 1) joined\n"
+    assert _kept_logs({"kept": str(first)}) == {"server-0.log": ["worker 0 (restart 1) joined"]}
 
 
 def _record(out, rank: int, rows: list[tuple[int, str, float, float]]) -> None:

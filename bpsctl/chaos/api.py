@@ -15,6 +15,7 @@ import io
 import itertools
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -104,12 +105,15 @@ class Lines(io.TextIOBase):
 
 
 def run_chaos(config: Config, settings: ChaosSettings, seeds: list[int],
-              progress: Callable[[str], None] = lambda message: None) -> dict[str, Any]:
+              progress: Callable[[str], None] = lambda message: None,
+              keep_dir: Path | None = None) -> dict[str, Any]:
     """Run the job fault-free once, then under the schedule of each of ``seeds`` in turn, each
     on an emulated cluster of its own (``config.nic``, ``config.spare_servers``), built before
     its run and torn down after it (a seed's faults may have killed or fenced its machines);
     check each run. The report of each run, each fault kind's count of faults injected,
-    noticed and survived (in a run that held every invariant), and whether every run held."""
+    noticed and survived (in a run that held every invariant), and whether every run held.
+    A run that failed an invariant is kept in ``keep_dir`` (see :func:`_keep`), if given: the
+    rest of the temporary directory goes at the end."""
     emulate.check_prerequisites()
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bpsctl-chaos-") as tmp, \
@@ -147,9 +151,30 @@ def run_chaos(config: Config, settings: ChaosSettings, seeds: list[int],
                                        for ns in leftover.namespaces)]
             report["invariants"]["nothing left behind"] = not report["left_behind"]
             report["ok"] = all(held is not False for held in report["invariants"].values())
+            if not report["ok"] and keep_dir is not None:
+                report["kept"] = str(_keep(Path(tmp) / f"chaos-{seed}", state_dir,
+                                           keep_dir / f"bpsctl-chaos-seed-{seed}"))
             runs.append(report)
     return {"kind": "chaos_runs", "seeds": list(seeds), "runs": runs,
             "by_kind": _by_kind(runs), "ok": all(run["ok"] for run in runs)}
+
+
+def _keep(run_dir: Path, state_dir: Path, where: Path) -> Path:
+    """What a failed run leaves to find its cause with, copied out of the temporary directory:
+    its workers' output (``output.txt``, with the time of each line), the steps each rank
+    recorded, and the logs of its cluster's scheduler, servers and workers (``logs/``: what
+    the output does not say, such as a server admitting a worker). ``where``, or ``where``
+    with a number after it if that exists already."""
+    target = where
+    for number in itertools.count(2):
+        if not target.exists():
+            break
+        target = where.with_name(f"{where.name}.{number}")
+    shutil.copytree(run_dir, target)
+    logs = launch.logs_dir(state_dir)
+    if logs.is_dir():
+        shutil.copytree(logs, target / "logs")
+    return target
 
 
 def _seeded_run(config: Config, settings: ChaosSettings, seed: int, plan: emulate.NetworkPlan,

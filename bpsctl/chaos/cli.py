@@ -57,10 +57,11 @@ def chaos(ctx: typer.Context,
     step, final parameters equal to the fault-free run's within float32 rounding of
     summation order, no step stalled past the heartbeat timeout + 2 s (but under a collapsed
     link), a full disk said once and stopping nothing, every fault undone, nothing left
-    behind. Exits 1 if an invariant failed. Unless given: --nic 1gbit, --spare-servers 1,
-    --max-restarts 1, --min-workers one less than --workers. After --, a training command
-    of one's own runs instead of the default job (bpsctl.chaos.job.Recorder records its
-    steps for the checks of steps; without it they do not apply).
+    behind. Exits 1 if an invariant failed, keeping that run's output, steps and logs in
+    bpsctl-chaos-seed-N/ beside the --json report (or here). Unless given: --nic 1gbit,
+    --spare-servers 1, --max-restarts 1, --min-workers one less than --workers. After --, a
+    training command of one's own runs instead of the default job (bpsctl.chaos.job.Recorder
+    records its steps for the checks of steps; without it they do not apply).
     """
     with cli_errors():
         config = build_config(ctx, {"nic": (nic or "1gbit", "--nic"),
@@ -92,7 +93,9 @@ def chaos(ctx: typer.Context,
                                  steps=300 if steps is None else steps,
                                  duration_s=duration, kinds=kinds, command=tuple(cmd))
         with err_console.status("chaos") as spinner:
-            runs = run_chaos(config, settings, seeds, lambda text: spinner.update(text))
+            # a failed run's output and logs are kept beside the report (or here)
+            runs = run_chaos(config, settings, seeds, lambda text: spinner.update(text),
+                             keep_dir=Path.cwd() if json_out is None else json_out.parent)
     for report in runs["runs"]:
         print_chaos(report)
     # one seed: its report as it is; several: every run's, and the summary
@@ -129,6 +132,9 @@ def print_chaos(report: dict[str, Any]) -> None:
     for name, held in report["invariants"].items():
         mark = {True: "[green]held[/]", False: "[bold red]FAILED[/]", None: "n/a "}[held]
         err_console.print(f"  {mark}  {name}", highlight=False)
+    if report.get("kept"):
+        err_console.print(f"  the run's output, steps and logs are kept in {report['kept']}",
+                          highlight=False)
 
 
 def print_summary(runs: dict[str, Any]) -> None:
