@@ -11,6 +11,7 @@ import ctypes.util
 import functools
 import importlib.util
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -26,9 +27,13 @@ from typing import Any
 
 import psutil
 import pytest
+import zmq
 
+import bpsctl
 from bpsctl.config import Config
 from bpsctl.engine import Worker
+from bpsctl.engine import protocol as P
+from bpsctl.engine.security import Security
 from bpsctl.launch import api
 
 # Every process the tests start (pytest's workers, the command line, servers, training workers)
@@ -908,6 +913,49 @@ def private_cluster(servers: int, **knobs: Any) -> Iterator[api.ClusterState]:
         yield state
     kill_pids(pid for pid in pids if not gone(pid))
     wait_until(lambda: all(gone(pid) for pid in pids), 5, "the cluster's processes to exit")
+
+
+#: how long a :class:`Peer` waits for an answer it expects
+PEER_REPLY_MS = 3000
+
+
+class Peer:
+    """A process speaking bpsctl's wire protocol by hand to a real scheduler or server, one
+    message at a time (a DEALER socket): for what no well-behaved member sends, or sends in
+    an order the network rarely gives."""
+
+    def __init__(self, ctx: zmq.Context, address: str):
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 1000)        # a last LEAVE still goes out on close
+        self.sock.connect(f"tcp://{address}")
+        self.address = address
+
+    def send(self, msg_type: int, body: dict) -> None:
+        self.sock.send_multipart(P.control(msg_type, body))
+
+    def expect(self, wanted: int) -> dict:
+        assert self.sock.poll(PEER_REPLY_MS), f"{self.address} did not answer"
+        msg_type, body = P.parse_control(self.sock.recv_multipart())
+        assert msg_type == wanted, (P.TYPE_NAMES.get(msg_type), body)
+        return body
+
+    def replies(self, wait_ms: int, want: int = 1) -> list[int]:
+        """The types of the replies that came: waits ``wait_ms`` for each of the first ``want``."""
+        types = []
+        while self.sock.poll(wait_ms if len(types) < want else 0):
+            types.append(P.unpack_header(self.sock.recv_multipart()[0])[0])
+        return types
+
+    def prove(self, secret: str) -> None:
+        """The hmac handshake, as Login does it."""
+        guard = Security("hmac", secret)
+        ours = secrets.token_bytes(16)
+        self.send(P.AUTH, {"version": bpsctl.__version__, "nonce": ours.hex()})
+        theirs = bytes.fromhex(self.expect(P.CHALLENGE)["nonce"])
+        self.send(P.PROOF, {"proof": guard._proof(b"connecting", theirs, ours)})
+
+    def close(self) -> None:
+        self.sock.close(0)
 
 
 # worker scripts' check(): records each check's outcome (or traceback) in RESULTS and goes on,

@@ -20,14 +20,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zmq
-from conftest import cluster_config, run_job
+from conftest import Peer, cluster_config, run_job
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import bpsctl
 from bpsctl.engine import compression as C
 from bpsctl.engine import protocol as P
-from bpsctl.engine.security import Security
 from bpsctl.launch import api
 from bpsctl.launch.processes import is_running
 
@@ -121,41 +120,6 @@ batches = st.lists(messages, min_size=1, max_size=4)
 
 
 # --------------------------------------------------------------------------- connections
-
-class Peer:
-    def __init__(self, ctx: zmq.Context, address: str):
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 1000)        # a last LEAVE still goes out on close
-        self.sock.connect(f"tcp://{address}")
-        self.address = address
-
-    def send(self, msg_type: int, body: dict) -> None:
-        self.sock.send_multipart(P.control(msg_type, body))
-
-    def expect(self, wanted: int) -> dict:
-        assert self.sock.poll(REPLY_MS), f"{self.address} did not answer"
-        msg_type, body = P.parse_control(self.sock.recv_multipart())
-        assert msg_type == wanted, (P.TYPE_NAMES.get(msg_type), body)
-        return body
-
-    def replies(self, wait_ms: int, want: int = 1) -> list[int]:
-        """The types of the replies that came: waits ``wait_ms`` for each of the first ``want``."""
-        types = []
-        while self.sock.poll(wait_ms if len(types) < want else 0):
-            types.append(P.unpack_header(self.sock.recv_multipart()[0])[0])
-        return types
-
-    def prove(self, secret: str) -> None:
-        """The hmac handshake, as Login does it."""
-        guard = Security("hmac", secret)
-        ours = secrets.token_bytes(16)
-        self.send(P.AUTH, {"version": bpsctl.__version__, "nonce": ours.hex()})
-        theirs = bytes.fromhex(self.expect(P.CHALLENGE)["nonce"])
-        self.send(P.PROOF, {"proof": guard._proof(b"connecting", theirs, ours)})
-
-    def close(self) -> None:
-        self.sock.close(0)
-
 
 @pytest.fixture
 def ctx():

@@ -9,8 +9,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
+import zmq
+from conftest import Peer, private_cluster
 
+import bpsctl
+from bpsctl.engine import protocol as P
 from bpsctl.launch.local import scheduler_view
 from bpsctl.launch.state import load_job, load_state
 
@@ -356,3 +361,59 @@ def test_an_attached_worker_lost_before_it_joined_leaves_the_job_going(tmp_path)
     for rank in (0, 1):
         sums = (out / f"sums-{rank}").read_text().split()
         assert sums and set(sums) == {"2"}, sums
+
+
+def _result(peer: Peer) -> tuple[int, int, np.ndarray]:
+    """The next RESULT (its count, round and sum) or ERROR a peer gets; ACKs are skipped."""
+    deadline = time.monotonic() + 10
+    while True:
+        assert peer.sock.poll(max(1, int(1000 * (deadline - time.monotonic())))), \
+            "the server answered nothing within 10 s"
+        frames = peer.sock.recv_multipart()
+        msg_type, _, _, count, _, round_, _ = P.unpack_header(frames[0])
+        if msg_type == P.ERROR:
+            raise AssertionError(P.parse_control(frames)[1]["message"])
+        if msg_type == P.RESULT:
+            return count, round_, np.frombuffer(frames[1], np.float32)
+
+
+def test_a_joiners_push_that_comes_before_its_admit_waits_for_it():
+    """Whatever the network's order: a joiner's push that reaches a server before its donor's
+    ADMIT (which comes on another connection) is held until the ADMIT, not counted at once,
+    where it would complete a round without the donor's push (the sums of the two ranks
+    would differ, or the ADMIT would be refused). Ranks 0 and 1 of a job that rank 2 may
+    join (max_workers 3) talk to a real server by hand; rank 2 pushes round 1 first."""
+    job = f"admit-{os.getpid()}"
+    part, round_bytes = 7, 16
+    ctx = zmq.Context()
+    with private_cluster(1) as cluster:
+        server = next(p for p in cluster.processes if p.role == "server")
+        peers = []
+        for rank in range(3):
+            peer = Peer(ctx, f"{server.host}:{server.port}")
+            peers.append(peer)
+            peer.prove(cluster.secret)
+            peer.send(P.HELLO, {"job": job, "rank": rank, "world_size": 2, "hosts": 2,
+                                "max_workers": 3, "version": bpsctl.__version__})
+        first, donor, joiner = peers
+
+        def push(peer: Peer, round_: int, value: float) -> None:
+            peer.sock.send_multipart([P.pack_header(P.PUSH, dtype=9, part=part, round=round_,
+                                                    nbytes=round_bytes),
+                                      np.full(4, value, np.float32).tobytes()])
+
+        try:
+            push(first, 0, 1.0)             # round 0: ranks 0 and 1
+            push(donor, 0, 2.0)
+            for peer in (first, donor):
+                count, round_, total = _result(peer)
+                assert (count, round_, total.tolist()) == (2, 0, [3.0] * 4)
+            push(joiner, 1, 4.0)            # before its ADMIT: not counted yet
+            push(first, 1, 1.0)             # with it, these two would complete round 1
+            donor.send(P.ADMIT, {"rank": 2, "incarnation": 0, "rounds": {str(part): 1}})
+            push(donor, 1, 2.0)
+            for peer in peers:              # one round of all three, the same for each
+                count, round_, total = _result(peer)
+                assert (count, round_, total.tolist()) == (3, 1, [7.0] * 4)
+        finally:
+            ctx.destroy(linger=0)           # closes every peer's socket

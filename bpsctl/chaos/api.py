@@ -490,6 +490,21 @@ def _steps(out: Path) -> dict[int, dict[int, tuple[str, float, float]]]:
     return steps
 
 
+def _unequal_steps(steps: dict[int, dict[int, tuple[str, float, float]]],
+                   left: list[int]) -> list[int]:
+    """The steps after which the ranks' parameters differ. The last step a worker that left
+    took before it went (its next step missing, while the job went on) is not compared: the
+    sum it got may have come from a server lost at about the same time, whose round the
+    others then did again on the server that took over, without that worker's push. Its
+    model goes with it; a restart takes the donor's, and its steps from there are compared."""
+    end = max((step for rank in steps.values() for step in rank), default=-1)
+    gone = {(r, step) for r in set(left) for step in steps.get(r, {})
+            if step < end and step + 1 not in steps[r]}
+    return sorted(step for step in {s for rank in steps.values() for s in rank}
+                  if len({steps[r][step][0] for r in steps
+                          if step in steps[r] and (r, step) not in gone}) > 1)
+
+
 def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path,
            result: launch.RunResult, records: list[FaultRecord]) -> dict[str, Any]:
     """The report, with each invariant True (held), False (failed) or None (does not apply)."""
@@ -499,9 +514,7 @@ def _check(config: Config, settings: ChaosSettings, reference: Path, chaos: Path
     # a worker that left the job (lost, restarted) took its share out of some averages: then
     # the final parameters differ from the fault-free run's by design
     left = [f.rank for f in (*result.restarted, *result.left_behind)]
-    # ranks bitwise equal after every step
-    unequal = sorted(step for step in {s for rank in steps.values() for s in rank}
-                     if len({steps[r][step][0] for r in steps if step in steps[r]}) > 1)
+    unequal = _unequal_steps(steps, left)
     # the final parameters against the fault-free run's
     finals = sorted(chaos.glob("final-*.npy"))
     worst = None

@@ -367,6 +367,9 @@ class Server:
         self.retired: set[bytes] = set()
         self.dead: set[tuple[int, int]] = set()     # (rank, incarnation) lost: never admitted
         self.mailbox: dict[tuple[int, int], list[zmq.Frame]] = {}   # a joiner's model, till HELLO
+        # pushes of a joiner not admitted here yet (connection -> its pushes' arguments, in
+        # order): its donor's ADMIT comes on another connection, and may come after them
+        self.unadmitted: dict[bytes, list[tuple[Any, ...]]] = {}
         self.backup_workers = 0                     # the job's BPSCTL_BACKUP_WORKERS
         self.late_pushes = 0                        # the job's pushes that came too late
         self.parts: dict[int, PartitionState] = {}
@@ -703,6 +706,7 @@ class Server:
         self.returned, self.retired = set(), set()
         self.dead = set()
         self.mailbox = {}
+        self.unadmitted = {}
 
     def _write_trace(self) -> None:
         """The finished job's timeline, if it was traced (a server outlives its jobs)."""
@@ -731,6 +735,14 @@ class Server:
                                   "the cluster secret)")
         if rid in self.lost_peers:
             return          # sent before it was lost: the rounds already go on without it
+        if rank in self.lost_ranks:
+            # a restarted (or attached) worker that this server has not admitted yet: it may
+            # push before its donor's ADMIT arrives (another connection; the donor's link to
+            # this server may even be down). Counted now, it would complete a round without
+            # the donor's push; it waits for the ADMIT instead (or for the joiner's loss)
+            self.unadmitted.setdefault(rid, []).append(
+                (dtype, flags, part, round_, nbytes, frames, claim, header_only))
+            return
         if self.joined and rank in self.joined:
             raise P.ProtocolError(f"rank {rank} pushed partition {part} while it has joined "
                                   "(hvd.join()): a joined rank pushes nothing until every rank "
@@ -1064,6 +1076,7 @@ class Server:
         round; the worker pushes again what was not answered (:meth:`_pushed_again`)."""
         self.retired.add(old)
         self.returned.add(new)
+        self.unadmitted.pop(old, None)      # never counted: pushed again on the new one
         del self.peers[old]
         del self.incarnations[old]
         for state in self.parts.values():
@@ -1320,6 +1333,8 @@ class Server:
         self.dead.add((rank, incarnation))
         self.mailbox.pop((rank, incarnation), None)
         if rid is not None:
+            self.unadmitted.pop(rid, None)
+        if rid is not None:
             self.lost_peers.add(rid)
         if rank in self.lost_ranks:
             return          # a restarted worker lost before it was admitted: never counted
@@ -1433,7 +1448,8 @@ class Server:
         """A restarted worker rejoins, or a new one joins (its donor says so at a step
         boundary, before pushing anything more): count its pushes from each partition's
         current round on. The donor has every round before those, so none of them can
-        complete without it meanwhile."""
+        complete without it meanwhile; what the joiner pushed before this came was held
+        (:attr:`unadmitted`) and counts from now on."""
         if rid not in self.peers:
             raise P.ProtocolError("ADMIT from a connection that has not said HELLO")
         rank = P.int_field(msg, "rank", 0, P.MAX_WORKERS)
@@ -1464,6 +1480,18 @@ class Server:
         self.log.warning("worker %d (%s) joined: rounds go on with %d workers", rank,
                          f"restart {incarnation}" if incarnation else "a new rank",
                          self.num_workers)
+        joiner = self._peer(rank, incarnation)
+        held = self.unadmitted.pop(joiner, []) if joiner is not None else []
+        if held:
+            self.log.info("worker %d (restart %d) pushed %d partitions before it was admitted "
+                          "here: counted now", rank, incarnation, len(held))
+        for args in held:
+            assert joiner is not None
+            try:
+                self._push(joiner, *args)
+            except P.ProtocolError as exc:
+                self._error(joiner, f"server {self.rank} rejected a message: {exc}")
+                return      # that push_pull has failed, and the job with it
 
     def _scope(self, rid: bytes, msg: dict[str, Any]) -> None:
         """A worker's SCOPE, sent before its first push of these partitions: they belong to

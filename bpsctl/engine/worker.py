@@ -393,6 +393,9 @@ class Worker:
         self._servers_lost: set[int] = set(self._lost_at_start)
         self._join_waiting: list[_Task] = []    # push_pulls called before the model came
         self._parked: list[tuple[int, int, _Task, list[int]]] = []   # pushes for a down one
+        # ADMITs for servers whose connection was down when this worker donated: sent first
+        # once it is back (index -> messages)
+        self._owed_admits: dict[int, list[list[bytes]]] = {}
         self._tasks: set[_Task] = set()
         self._barriers: dict[str, Handle] = {}
         self._barriers_passed = 0               # told to a restarted scheduler
@@ -1494,7 +1497,9 @@ class Worker:
     def _donate(self, handle: Handle, rank: int, incarnation: int,
                 state: bytes | memoryview) -> None:
         """ADMIT to every server, then the rounds and ``state`` to the joiner through the
-        first live one (same connection as this worker's later pushes: they come after)."""
+        first live one (same connection as this worker's later pushes: they come after). A
+        server whose connection is down now gets its ADMIT once it is back, before this
+        worker's pushes held for it (the joiner's wait there until it comes)."""
         try:
             if self._tasks or self._queue:
                 raise EngineError(f"worker {self.rank}: donate() needs a step boundary, but "
@@ -1508,6 +1513,9 @@ class Worker:
                                         "rounds": rounds})
             for index in live:
                 self._server_socks[index].send_multipart(admit)
+            for index in self._server_down:
+                if index not in self._servers_lost:
+                    self._owed_admits.setdefault(index, []).append(admit)
             self._server_socks[live[0]].send_multipart([
                 P.pack_header(P.STATE, rank=rank, round=incarnation, nbytes=len(state)),
                 json.dumps(rounds).encode(), state], copy=False)
@@ -2005,7 +2013,10 @@ class Worker:
             self._unpark(index)
 
     def _unpark(self, index: int) -> None:
-        """Queue again the pushes held back while server ``index`` was unreachable."""
+        """Queue again the pushes held back while server ``index`` was unreachable, after
+        the ADMITs it missed meanwhile (:meth:`_donate`)."""
+        for admit in self._owed_admits.pop(index, []):
+            self._server_socks[index].send_multipart(admit)
         held = [entry for entry in self._parked if entry[3][1] == index]
         self._parked = [entry for entry in self._parked if entry[3][1] != index]
         for entry in held:
@@ -2040,6 +2051,7 @@ class Worker:
             return
         since, _ = self._server_down.pop(index, (time.monotonic(), 0.0))
         self._relogins.pop(index, None)
+        self._owed_admits.pop(index, None)     # its partitions' new servers were admitted
         self._servers_lost.add(index)
         taker = [i for i, s in enumerate(self._servers) if s["rank"] == msg.get("spare")]
         self._spare_servers -= {index, *taker}
