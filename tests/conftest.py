@@ -82,8 +82,8 @@ TIERS: dict[str, set[str]] = {
     # a private cluster and two spawned workers stopped by a Ctrl-C (1-3 s)
     "test_load.py::test_a_ctrl_c_while_the_workers_start_stops_the_load_and_every_worker":
         {"slow"},
-    # 8 workers x 4 servers for 500 steps: about a minute
-    "test_load.py::test_8_workers_4_servers_500_steps_exact_sums_and_flat_memory":
+    # 8 workers x 4 servers for 400 steps: about a minute
+    "test_load.py::test_8_workers_4_servers_400_steps_exact_sums_and_flat_memory":
         {"slow", "cores"},
     # kill -9 / cut links on emulated clusters (2 runs of each fault): about 60 s
     "test_fault_injection.py": {"slow", "root"},
