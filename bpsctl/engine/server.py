@@ -1334,7 +1334,6 @@ class Server:
         self.mailbox.pop((rank, incarnation), None)
         if rid is not None:
             self.unadmitted.pop(rid, None)
-        if rid is not None:
             self.lost_peers.add(rid)
         if rank in self.lost_ranks:
             return          # a restarted worker lost before it was admitted: never counted
