@@ -598,6 +598,17 @@ def test_the_chaos_table_names_each_fault_and_each_invariant():
     assert "partition" in text and "server 1 lost" in text and "7.6" in text
     assert "held  exit 0" in text and "n/a   final parameters" in text
     assert "FAILED  nothing left" in text
+    # where the failed run was kept, or why it could not be
+    for kept, said in (({"kept": "/w/bpsctl-chaos-seed-4"}, "are kept in /w/bpsctl-chaos-seed-4"),
+                       ({"kept": None, "kept_error": "No space left on device: /w"},
+                        "could not be kept: No space left on device: /w")):
+        console = Console(record=True, width=200)
+        original, cli.err_console = cli.err_console, console
+        try:
+            cli.print_chaos({**report, **kept})
+        finally:
+            cli.err_console = original
+        assert said in console.export_text()
 
 
 def test_seeds_are_one_a_list_or_a_range_and_the_summary_counts_each_kind():

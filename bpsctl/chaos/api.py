@@ -152,8 +152,12 @@ def run_chaos(config: Config, settings: ChaosSettings, seeds: list[int],
             report["invariants"]["nothing left behind"] = not report["left_behind"]
             report["ok"] = all(held is not False for held in report["invariants"].values())
             if not report["ok"] and keep_dir is not None:
-                report["kept"] = str(_keep(Path(tmp) / f"chaos-{seed}", state_dir,
-                                           keep_dir / f"bpsctl-chaos-seed-{seed}"))
+                try:
+                    report["kept"] = str(_keep(Path(tmp) / f"chaos-{seed}", state_dir,
+                                               keep_dir / f"bpsctl-chaos-seed-{seed}"))
+                except OSError as exc:      # the report and the other seeds matter more
+                    report["kept"] = None
+                    report["kept_error"] = f"{exc.strerror or exc}: {exc.filename or ''}"
             runs.append(report)
     return {"kind": "chaos_runs", "seeds": list(seeds), "runs": runs,
             "by_kind": _by_kind(runs), "ok": all(run["ok"] for run in runs)}

@@ -135,6 +135,9 @@ def print_chaos(report: dict[str, Any]) -> None:
     if report.get("kept"):
         err_console.print(f"  the run's output, steps and logs are kept in {report['kept']}",
                           highlight=False)
+    elif report.get("kept_error"):
+        err_console.print(f"  the run's output, steps and logs could not be kept: "
+                          f"{report['kept_error']}", highlight=False)
 
 
 def print_summary(runs: dict[str, Any]) -> None:
