@@ -577,8 +577,21 @@ def test_chaos_refuses_steps_for_a_command_and_a_script_that_is_not_there(tmp_pa
         assert done.exception is None or isinstance(done.exception, SystemExit)
 
 
-def test_the_chaos_table_names_each_fault_and_each_invariant():
+def _printed(printer, report: dict, width: int = 100) -> str:
+    """What ``printer`` (of bpsctl.chaos.cli) shows on the terminal for ``report``."""
     from rich.console import Console
+
+    from bpsctl.chaos import cli
+    console = Console(record=True, width=width)
+    original, cli.err_console = cli.err_console, console
+    try:
+        printer(report)
+    finally:
+        cli.err_console = original
+    return console.export_text()
+
+
+def test_the_chaos_table_names_each_fault_and_each_invariant():
 
     from bpsctl.chaos import cli
     report = {"seed": 4, "duration_s": 12.0, "median_step_s": 0.05, "worst_stall_s": 0.4,
@@ -587,13 +600,7 @@ def test_the_chaos_table_names_each_fault_and_each_invariant():
                                     "length_s": 6.0}, "noticed_s": 7.6, "error": "",
                           "action": "[0] worker 0: server 1 lost; its partitions moved"}],
               "invariants": {"exit 0": True, "final parameters": None, "nothing left": False}}
-    console = Console(record=True, width=100)
-    original, cli.err_console = cli.err_console, console
-    try:
-        cli.print_chaos(report)
-    finally:
-        cli.err_console = original
-    text = console.export_text()
+    text = _printed(cli.print_chaos, report)
     assert "bpsctl chaos, seed 4: 1 faults over 12 s" in text
     assert "partition" in text and "server 1 lost" in text and "7.6" in text
     assert "held  exit 0" in text and "n/a   final parameters" in text
@@ -602,17 +609,10 @@ def test_the_chaos_table_names_each_fault_and_each_invariant():
     for kept, said in (({"kept": "/w/bpsctl-chaos-seed-4"}, "are kept in /w/bpsctl-chaos-seed-4"),
                        ({"kept": None, "kept_error": "No space left on device: /w"},
                         "could not be kept: No space left on device: /w")):
-        console = Console(record=True, width=200)
-        original, cli.err_console = cli.err_console, console
-        try:
-            cli.print_chaos({**report, **kept})
-        finally:
-            cli.err_console = original
-        assert said in console.export_text()
+        assert said in _printed(cli.print_chaos, {**report, **kept}, width=200)
 
 
 def test_seeds_are_one_a_list_or_a_range_and_the_summary_counts_each_kind():
-    from rich.console import Console
 
     from bpsctl.chaos import cli
     from bpsctl.chaos.api import _by_kind, parse_seeds
@@ -634,13 +634,7 @@ def test_seeds_are_one_a_list_or_a_range_and_the_summary_counts_each_kind():
     # a fault the job ended before its start was never injected
     assert by_kind == {"pause": {"injected": 2, "noticed": 1, "survived": 1},
                        "partition": {"injected": 1, "noticed": 0, "survived": 1}}
-    console = Console(record=True, width=100)
-    original, cli.err_console = cli.err_console, console
-    try:
-        cli.print_summary({"runs": runs, "by_kind": by_kind})
-    finally:
-        cli.err_console = original
-    text = console.export_text()
+    text = _printed(cli.print_summary, {"runs": runs, "by_kind": by_kind})
     assert "bpsctl chaos, 2 seeded runs" in text
     assert re.search(r"pause\s+│\s+2\s+│\s+1\s+│\s+1", text), text
     assert "1 of 2 runs held every invariant; failed: seed 2" in text

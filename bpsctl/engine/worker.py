@@ -1513,9 +1513,8 @@ class Worker:
                                         "rounds": rounds})
             for index in live:
                 self._server_socks[index].send_multipart(admit)
-            for index in self._server_down:
-                if index not in self._servers_lost:
-                    self._owed_admits.setdefault(index, []).append(admit)
+            for index in self._server_down:        # never a lost one (see _server_moved)
+                self._owed_admits.setdefault(index, []).append(admit)
             self._server_socks[live[0]].send_multipart([
                 P.pack_header(P.STATE, rank=rank, round=incarnation, nbytes=len(state)),
                 json.dumps(rounds).encode(), state], copy=False)
