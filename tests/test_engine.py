@@ -785,6 +785,54 @@ def test_a_worker_whose_connection_came_back_is_counted_once_and_answered_again(
         ctx.destroy(linger=0)
 
 
+def test_a_push_again_that_crossed_its_rounds_sum_is_not_answered_twice(engine_cluster):
+    """Rank 0's connection comes back while its round waits for rank 1; rank 1's push then
+    completes the round, whose sum goes out on the new connection, and only after that does
+    a push again of rank 0's (sent before the sum reached it) arrive. Answered again, that
+    sum would be taken for the next round's: a paused server's host, resumed, gives this
+    order."""
+    server = next(p for p in engine_cluster.processes if p.role == "server")
+    address = f"{server.host}:{server.port}"
+    job_id = f"test-crossed-{os.getpid()}-{time.monotonic_ns()}"
+    code = P.DTYPE_CODES[np.dtype(np.float32)]
+    ctx = zmq.Context()
+
+    def push(sock: zmq.Socket, round_: int, value: float) -> None:
+        sock.send_multipart([P.pack_header(P.PUSH, dtype=code, rank=0, part=3, round=round_,
+                                           nbytes=40), np.full(10, value, np.float32).tobytes()])
+
+    def answers(sock: zmq.Socket, kinds: int) -> list[tuple[int, int, float | None]]:
+        """The next ``kinds`` messages: (type, round, the sum's first value)."""
+        got = []
+        for _ in range(kinds):
+            assert sock.poll(5000), f"no answer within 5 s (had {got})"
+            frames = sock.recv_multipart()
+            kind, _, _, _, _, round_, _ = P.unpack_header(frames[0])
+            got.append((kind, round_, float(np.frombuffer(frames[1], np.float32)[0])
+                        if kind == P.RESULT else None))
+        return got
+
+    try:
+        first = _hello(ctx, address, engine_cluster.secret, job_id, 0, 2)
+        other = _hello(ctx, address, engine_cluster.secret, job_id, 1, 2)
+        push(first, 0, 1.0)
+        assert answers(first, 1) == [(P.ACK, 0, None)]
+        again = _hello(ctx, address, engine_cluster.secret, job_id, 0, 2)
+        push(again, 0, 1.0)              # pushed again: acknowledged (its HELLO came first)
+        assert answers(again, 1) == [(P.ACK, 0, None)]
+        push(other, 0, 10.0)             # completes round 0: its sum goes to `again`
+        assert answers(other, 2) == [(P.ACK, 0, None), (P.RESULT, 0, 11.0)]
+        assert answers(again, 1) == [(P.RESULT, 0, 11.0)]
+        push(again, 0, 1.0)              # pushed again once more, crossing that sum
+        push(again, 1, 2.0)              # rank 0's next round, as it goes on
+        push(other, 1, 20.0)
+        # round 1's ACK and sum come next: no second answer to round 0 before them
+        assert answers(again, 2) == [(P.ACK, 1, None), (P.RESULT, 1, 22.0)]
+        assert answers(other, 2) == [(P.ACK, 1, None), (P.RESULT, 1, 22.0)]
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_a_push_zero_on_the_wire_is_answered_with_zeros_and_refused_where_it_cannot_apply(
         engine_cluster):
     """PUSH_ZERO by hand: ACK and a RESULT of zeros of the header's size, counting one push;

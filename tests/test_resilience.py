@@ -14,7 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import zmq
 from conftest import (
+    Peer,
     exact_integer_step,
     gone,
     private_cluster,
@@ -22,7 +24,9 @@ from conftest import (
     wait_until,
 )
 
+import bpsctl
 from bpsctl.chaos.faults import partition
+from bpsctl.engine import protocol as P
 from bpsctl.launch import api, emulate
 
 HEARTBEAT_TIMEOUT_S = 1.0
@@ -104,6 +108,42 @@ def test_a_paused_server_declared_lost_is_fenced_when_it_comes_back(cluster):
     finally:
         if not gone(victim.pid):
             os.kill(victim.pid, signal.SIGCONT)
+
+
+def test_a_lost_server_that_registers_again_on_a_new_connection_is_fenced(cluster):
+    """A server cut off past the heartbeat timeout is declared lost; its old connection went
+    with the cut, so once the link is back it registers again on a new one (as with a
+    restarted scheduler). It is told it was declared lost, fenced, not taken back: its
+    partitions live elsewhere now. Spoken by hand, the server's side."""
+    scheduler = next(p for p in cluster.processes if p.role == "scheduler")
+    [said] = api.log_files(cluster.state_dir, "scheduler")
+    ctx = zmq.Context()
+
+    def register(peer: Peer, **again) -> tuple[int, dict]:
+        peer.prove(cluster.secret)
+        peer.send(P.REGISTER, {"role": "server", "host": "127.0.0.1", "port": 1,
+                               "pid": os.getpid(), "version": bpsctl.__version__, **again})
+        while True:
+            assert peer.sock.poll(5000), "the scheduler did not answer within 5 s"
+            kind, body = P.parse_control(peer.sock.recv_multipart())
+            if kind != P.CLOCK:
+                return kind, body
+
+    try:
+        old = Peer(ctx, f"{scheduler.host}:{scheduler.port}")
+        kind, body = register(old)
+        assert kind == P.REGISTERED, body
+        rank = body["rank"]
+        old.close()                     # cut off: no heartbeat from here on
+        wait_until(lambda: f"lost server {rank} " in said.read_text(), 10,
+                   "the scheduler to declare the silent server lost")
+        kind, body = register(Peer(ctx, f"{scheduler.host}:{scheduler.port}"),
+                              reregister=True, rank=rank)
+        assert kind == P.ERROR and body.get("fenced") is True, body
+        assert f"server {rank} " in body["message"] and "was declared lost" in body["message"]
+        assert "registered again after it was declared lost: fenced" in said.read_text()
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_a_push_the_lost_server_had_summed_is_not_counted_twice(cluster):

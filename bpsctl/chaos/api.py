@@ -271,6 +271,10 @@ def _job(config: Config, settings: ChaosSettings, out: Path, plan: emulate.Netwo
     finally:
         done.set()
         injector.join(60)
+    if result.interrupted:
+        # the user's Ctrl-C (or a SIGTERM): no seed after it runs, and this one is not judged;
+        # its cluster stops as this unwinds
+        raise launch.Interrupted(result.interrupted)
     start = clock[0] if clock else output.start
     took = time.monotonic() - start
     output.lines = [(t + output.start - start, line) for t, line in output.lines]

@@ -18,7 +18,7 @@ from ..cliutil import (
 )
 from ..config import ConfigError
 from .api import ChaosSettings, parse_seeds, run_chaos
-from .faults import netem_available
+from .faults import lossy_support
 from .schedule import parse_kinds
 
 
@@ -80,14 +80,19 @@ def chaos(ctx: typer.Context,
             raise ConfigError(f"chaos: {cmd[0]} cannot open {missing!r}: no such file in "
                               f"{Path.cwd()} (the command after -- runs there on every "
                               "worker; check the script's path)")
-        if "lossy" in kinds and not netem_available():
+        support = lossy_support() if "lossy" in kinds else "netem"
+        if support == "nft":
+            err_console.print("note: lossy links lose packets but are not delayed, reordered "
+                              "or duplicated: this kernel has no netem (sch_netem); they drop "
+                              "packets with nftables", highlight=False)
+        elif not support:
             if faults.strip() != "all":
                 raise ConfigError("--faults lossy: a lossy link needs the kernel's netem qdisc "
-                                  "(sch_netem), which this kernel does not have; leave lossy "
-                                  "out")
+                                  "(sch_netem), which this kernel does not have, or nftables "
+                                  "(apt-get install nftables); leave lossy out")
             kinds = tuple(k for k in kinds if k != "lossy")
             err_console.print("note: lossy links left out: this kernel has no netem "
-                              "(sch_netem)", highlight=False)
+                              "(sch_netem), and nftables' nft is not installed", highlight=False)
         seeds = parse_seeds(seed)
         settings = ChaosSettings(workers=workers, servers=servers,
                                  steps=300 if steps is None else steps,

@@ -10,6 +10,7 @@ returns the function that undoes it (a no-op for ``kill``); an undo may be calle
   actions nor netem, which some VM kernels lack);
 - ``lossy``: ``netem`` loss with delay and jitter, reordering and duplication under each of
   the NIC's htb classes (on an unshaped NIC: as its root qdisc), where the kernel has netem;
+  elsewhere loss alone: an nftables rule drops a share of what the host sends, at random;
 - ``collapse``: the NIC's htb rate and ceiling, both ways, at ``factor`` of its rate;
 - ``kill``: SIGKILL to every process in the host's namespace but the scheduler's supervisor,
   which restarts the scheduler (a scheduler host's kill is the scheduler's crash);
@@ -22,6 +23,7 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import signal
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -55,7 +57,7 @@ def apply(plan: NetworkPlan, fault: Fault, disk: Path | None = None) -> Undo:
     if fault.kind == "partition":
         return partition(plan, host, fault.params.get("peers", ()))
     if fault.kind == "lossy":
-        return lossy(host, float(fault.params.get("loss_percent", 2.0)),
+        return lossy(plan, host, float(fault.params.get("loss_percent", 2.0)),
                      float(fault.params.get("delay_ms", 50.0)))
     if fault.kind == "collapse":
         return collapse(plan, host, float(fault.params.get("factor", 0.02)))
@@ -138,10 +140,20 @@ def netem_available() -> bool:
             emulate.run_in_root(["ip", "netns", "del", probe])
 
 
-def lossy(host: EmulatedHost, loss_percent: float, delay_ms: float) -> Undo:
+def lossy_support() -> str:
+    """How this machine makes a link lossy: ``"netem"`` (loss, delay, reordering and
+    duplication), ``"nft"`` (nftables: loss alone, on kernels built without netem), or ``""``
+    (neither: no lossy links)."""
+    if netem_available():
+        return "netem"
+    return "nft" if shutil.which("nft") else ""
+
+
+def lossy(plan: NetworkPlan, host: EmulatedHost, loss_percent: float,
+          delay_ms: float) -> Undo:
     """What the host sends is lost at ``loss_percent``, delayed ``delay_ms`` (+/- a quarter of
     it), reordered and duplicated a little, until the undo (netem: see
-    :func:`netem_available`)."""
+    :func:`netem_available`); on a kernel without netem, only lost (:func:`drop`)."""
     dev = host.interface
     netem = (f"netem loss {loss_percent:g}% delay {delay_ms:g}ms {delay_ms / 4:g}ms "
              f"reorder 1% duplicate 0.5%")
@@ -153,12 +165,34 @@ def lossy(host: EmulatedHost, loss_percent: float, delay_ms: float) -> Undo:
         _tc(host.namespace, [f"qdisc add dev {dev} parent {leaf} handle {0x100 + i:x}: {netem}"
                              for i, leaf in enumerate(leaves)])
     except emulate.EmulationError as exc:
-        if "qdisc kind is unknown" in str(exc):
+        if "qdisc kind is unknown" not in str(exc):
+            raise
+        if not shutil.which("nft"):
             raise ValueError("a lossy link needs the kernel's netem qdisc (sch_netem), which "
-                             "this kernel does not have; leave lossy out of --faults") from None
-        raise
+                             "this kernel does not have, or nftables (the nft command: "
+                             "apt-get install nftables); leave lossy out of --faults") from None
+        return drop(plan, host, loss_percent)
     return _once(lambda: _tc(host.namespace, [f"qdisc del dev {dev} parent {leaf}"
                                               for leaf in leaves]))
+
+
+def drop(plan: NetworkPlan, host: EmulatedHost, loss_percent: float) -> Undo:
+    """What the host sends is dropped at random, ``loss_percent`` of its packets, until the
+    undo: lost on the wire, as the host's stack sees it (its TCP retransmits; nothing fails
+    to send), by an nftables rule on its switch port's ingress (a table of its own)."""
+    table = f"bpsctl_lossy_{host.name}"
+    per_10k = max(1, round(loss_percent * 100))
+    emulate.run_in(plan.switch_namespace, ["nft", "-f", "-"], stdin=(
+        f"table netdev {table} {{\n"
+        "  chain lossy {\n"
+        f'    type filter hook ingress device "{host.switch_port}" priority 0; policy accept;\n'
+        f"    numgen random mod 10000 < {per_10k} drop\n"
+        "  }\n"
+        "}\n"))
+
+    def heal() -> None:
+        emulate.run_in(plan.switch_namespace, ["nft", "delete", "table", "netdev", table])
+    return _once(heal)
 
 
 def collapse(plan: NetworkPlan, host: EmulatedHost, factor: float) -> Undo:

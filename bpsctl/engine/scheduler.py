@@ -682,7 +682,8 @@ class Scheduler:
     def _reregister_server(self, rid: bytes, msg: dict[str, Any], common: dict[str, Any],
                            port: int, spare: bool) -> None:
         """A server that lost the scheduler registers again with the one restarted in its
-        place: it keeps its rank (workers know it by its place in the job's server list)."""
+        place: it keeps its rank (workers know it by its place in the job's server list). One
+        declared lost is fenced instead."""
         rank = P.int_field(msg, "rank", 0, 1 << 16)
         member = self._server(rank)
         # the same process again (its link dropped and came back): a new connection of it
@@ -690,6 +691,13 @@ class Scheduler:
                 and member.pid != common["pid"]:
             self._send(rid, P.ERROR, {"message": f"server rank {rank} is already taken by "
                                       f"{member.describe()}"})
+            return
+        if member is not None and member.state == "lost":
+            # its partitions live elsewhere now (a pause or a cut long enough that its old
+            # connection is gone too): fenced, as on the old connection (:meth:`_fence`)
+            self.log.warning("%s registered again after it was declared lost: fenced",
+                             member.describe())
+            self._send(rid, P.ERROR, _fenced(f"{member.describe()} was declared lost"))
             return
         if member is None:      # (a placeholder knows from the workers whether it is spare)
             member = Member(rank=rank, port=port, spare=spare, **common)
@@ -699,8 +707,7 @@ class Scheduler:
         else:
             self._adopt(member, rid, common)
             member.port = port
-        self.log.warning("%s registered again%s", member.describe(),
-                         "" if member.state == "running" else " (already declared lost)")
+        self.log.warning("%s registered again", member.describe())
         self._send(rid, P.REGISTERED, {"rank": rank, **_clock(member)})
         if self.job is not None and member in self.job.servers and member.state == "running":
             self._tell_again(self.job, member)
@@ -1109,9 +1116,7 @@ class Scheduler:
         message = self.fenced.pop(rid)
         self.log.warning("%s spoke again (%s) after it was declared lost: fenced", message,
                          P.TYPE_NAMES.get(msg_type, msg_type))
-        self._send(rid, P.ERROR, {"message": f"{message}; it is fenced: the job does not wait "
-                                  "for it, nothing it sends is used, and it must exit",
-                                  "fenced": True})
+        self._send(rid, P.ERROR, _fenced(message))
 
     def _lose(self, member: Member, reason: str) -> None:
         """``member`` is lost: the job goes on without it where it can, else it ends."""
@@ -1239,6 +1244,12 @@ class Scheduler:
 
 
 _DTYPE_NAMES = {str(dtype) for dtype in P.DTYPES}
+
+
+def _fenced(why: str) -> dict[str, Any]:
+    """The ERROR that tells a member declared lost that it is fenced (it exits)."""
+    return {"message": f"{why}; it is fenced: the job does not wait for it, nothing it sends "
+                       "is used, and it must exit", "fenced": True}
 
 
 def _clock(member: Member) -> dict[str, Any]:

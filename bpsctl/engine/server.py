@@ -120,7 +120,7 @@ class PartitionState:
                  "backup", "late_waiting", "pushed_last", "owed", "held", "held_count",
                  "deferred", "shm_alloc", "shm_refs", "first_ref", "copy_single",
                  "reduction", "combine", "folded", "first_shared", "claims", "data_pushes",
-                 "headers_only", "last")
+                 "headers_only", "last", "answered")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int,
                  rotation: int = 2, reduction: int = P.REDUCE_SUM):
@@ -180,6 +180,9 @@ class PartitionState:
         # whose connection came back before that answer reached it (I/O thread). The sum's
         # buffer is not reused before every pusher of that round has pushed the next one
         self.last: tuple[int, bytes, Any] | None = None
+        # the connections that round's sum went to, once a connection has come back (only
+        # those ask again): a push of the round that crossed its answer is not answered twice
+        self.answered: list[bytes] = []
 
     def quorum(self) -> int:
         """Pushes that complete this round: every expected one, less the backup workers'."""
@@ -1093,7 +1096,8 @@ class Server:
                       header_only: bool) -> bool:
         """A push on a connection that came back, of a round this server already counted
         from it: acknowledged, not counted again; of the round completed last, before its sum
-        reached the pusher: answered with that sum. False: a push to take as any other."""
+        reached the pusher: answered with that sum, unless that sum went out on this
+        connection already (the push crossed it). False: a push to take as any other."""
         if round_ == state.round and (rid in state.waiting or rid in state.late_waiting):
             self._ack(rid, state.part, round_)
             return True
@@ -1101,6 +1105,8 @@ class Server:
         if last is None or last[0] != round_ or round_ + 1 != state.round or (
                 state.owed and rid not in state.pushed_last):
             return False
+        if rid in state.answered:
+            return True         # sent before its sum went out on this same connection
         _, header, result = last
         if header_only:
             self._send_header(rid, header)
@@ -1237,6 +1243,9 @@ class Server:
                                   self._shm_ref(state, result, state.round, rid))
         state.last = None if refused is not None or state.codec is not None else (
             state.round, header, result)
+        if self.returned:
+            state.answered[:] = state.waiting
+            state.answered += state.late_waiting
         if state.backup:
             # held for the live workers that have not pushed this round yet
             state.owed = state.expected - state.received - len(state.late_waiting)

@@ -309,6 +309,8 @@ class Worker:
         # results of pushes that came after their round was complete (backup workers): those
         # pushes are not in the sums
         self.late_pushes = 0
+        # ACKs and results of a round this worker was already answered: dropped
+        self.stale_answers = 0
         self.local_rank = self.config.local_rank
         self.local_size = self.config.local_size
 
@@ -1091,16 +1093,18 @@ class Worker:
     def stats(self) -> dict[str, Any]:
         """Counters of this worker's engine: ``late_pushes`` (pushes that came after their
         round was complete, under backup workers: not in the sums, answered with the round's
-        result), ``membership_changes``, ``live_ranks``, and ``shm_pushes`` and
-        ``shm_results``: pushes and results that went through shared memory to and from
-        servers on this host (BPSCTL_SHM_SERVER), ``shm_pushed_bytes``: the bytes of those
-        pushes, ``filled_pushes`` and ``lent_results``: of those, the pushes whose slot the
-        caller had filled and the results it read where they arrived (:meth:`lend`; a GPU's
-        copies, none by the engine), and ``servers``: the job's servers (``rank``,
-        ``host``, ``share`` of the bytes, ``pushed_bytes``: what this worker pushed to it,
-        uncompressed, re-pushes included, ``pulled_bytes``: the sums it answered with,
-        uncompressed; a RESULT's header alone counts nothing)."""
-        return {"late_pushes": self.late_pushes, "membership_changes": self.membership_changes,
+        result), ``stale_answers`` (ACKs and results of a round already answered, after a
+        connection came back: dropped), ``membership_changes``, ``live_ranks``, and
+        ``shm_pushes`` and ``shm_results``: pushes and results that went through shared
+        memory to and from servers on this host (BPSCTL_SHM_SERVER), ``shm_pushed_bytes``:
+        the bytes of those pushes, ``filled_pushes`` and ``lent_results``: of those, the
+        pushes whose slot the caller had filled and the results it read where they arrived
+        (:meth:`lend`; a GPU's copies, none by the engine), and ``servers``: the job's
+        servers (``rank``, ``host``, ``share`` of the bytes, ``pushed_bytes``: what this
+        worker pushed to it, uncompressed, re-pushes included, ``pulled_bytes``: the sums it
+        answered with, uncompressed; a RESULT's header alone counts nothing)."""
+        return {"late_pushes": self.late_pushes, "stale_answers": self.stale_answers,
+                "membership_changes": self.membership_changes,
                 "live_ranks": list(self.live_ranks), "shm_pushes": self.shm_pushes,
                 "shm_results": self.shm_results, "shm_pushed_bytes": self.shm_pushed_bytes,
                 "filled_pushes": self.filled_pushes, "lent_results": self.lent_results,
@@ -1450,6 +1454,12 @@ class Worker:
                 return
             msg_type, _, flags, count, part_id, round_, nbytes = P.unpack_header(
                 frames[0].buffer)
+            if msg_type in (P.ACK, P.RESULT) and round_ != self._rounds.get(part_id, 0):
+                # the answer to a round this worker has its sum of already: a push sent again
+                # on a connection that came back, answered twice (item 7 of "Keeping going" in
+                # docs/design.md); taken, it would be the next round's sum
+                self.stale_answers += 1
+                continue
             if msg_type == P.ACK:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
                 if self._trace is not None and part_id in self._trace_sent:
