@@ -833,6 +833,54 @@ def test_a_push_again_that_crossed_its_rounds_sum_is_not_answered_twice(engine_c
         ctx.destroy(linger=0)
 
 
+@pytest.mark.parametrize("sum_first", [False, True])
+def test_a_lost_servers_last_sum_reaches_the_worker_it_missed_through_the_new_server(
+        engine_cluster, sum_first):
+    """A partition moved here from a lost server whose last sum, of round 5, reached rank 0
+    but not rank 1: rank 0 hands that sum over (LAST_SUM) and pushes round 6, rank 1 pushes
+    round 5 again. Rank 1 is answered with the lost server's sum, then round 6 is summed from
+    both, whichever of the two came first; before, the job failed here."""
+    server = next(p for p in engine_cluster.processes if p.role == "server")
+    address = f"{server.host}:{server.port}"
+    job_id = f"test-handed-{os.getpid()}-{time.monotonic_ns()}"
+    code = P.DTYPE_CODES[np.dtype(np.float32)]
+    ctx = zmq.Context()
+
+    def push(sock: zmq.Socket, round_: int, value: float) -> None:
+        sock.send_multipart([P.pack_header(P.PUSH, dtype=code, rank=0, part=9, round=round_,
+                                           nbytes=40), np.full(10, value, np.float32).tobytes()])
+
+    def answers(sock: zmq.Socket, kinds: int) -> list[tuple[int, int, int, float | None]]:
+        """The next ``kinds`` messages: (type, round, count, the sum's first value)."""
+        got = []
+        for _ in range(kinds):
+            assert sock.poll(5000), f"no answer within 5 s (had {got})"
+            frames = sock.recv_multipart()
+            kind, _, _, count, _, round_, _ = P.unpack_header(frames[0])
+            got.append((kind, round_, count, float(np.frombuffer(frames[1], np.float32)[0])
+                        if kind == P.RESULT else None))
+        return got
+
+    try:
+        ahead = _hello(ctx, address, engine_cluster.secret, job_id, 0, 2)
+        behind = _hello(ctx, address, engine_cluster.secret, job_id, 1, 2)
+        if not sum_first:
+            push(behind, 5, 1.0)             # rank 1 lacks round 5's sum: pushed again here
+            assert answers(behind, 1) == [(P.ACK, 5, 0, None)]
+        ahead.send_multipart([P.pack_header(P.LAST_SUM, dtype=code, rank=2, part=9, round=5,
+                                            nbytes=40), np.full(10, 7.0, np.float32).tobytes()])
+        push(ahead, 6, 2.0)
+        if sum_first:
+            assert answers(ahead, 1) == [(P.ACK, 6, 0, None)]    # the push after the sum
+            push(behind, 5, 1.0)
+        assert answers(behind, 1) == [(P.RESULT, 5, 2, 7.0)]    # the lost server's sum
+        push(behind, 6, 3.0)
+        assert answers(behind, 2) == [(P.ACK, 6, 0, None), (P.RESULT, 6, 2, 5.0)]
+        assert answers(ahead, 1 if sum_first else 2)[-1] == (P.RESULT, 6, 2, 5.0)
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_a_push_zero_on_the_wire_is_answered_with_zeros_and_refused_where_it_cannot_apply(
         engine_cluster):
     """PUSH_ZERO by hand: ACK and a RESULT of zeros of the header's size, counting one push;

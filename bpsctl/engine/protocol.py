@@ -93,6 +93,9 @@ ADMIT = 24          # donor -> each server: {rank, rounds: {part id: round}} (co
 STATE = 25          # donor -> a server -> the joiner: header (rank = the joiner, round = its
                     #   incarnation), the rounds {part id: round} as JSON, then the model and
                     #   optimizer state the joiner starts from (the server only relays them)
+LAST_SUM = 27       # worker -> the server a lost one's partition moved to, before pushing it
+                    #   there: header (dtype, part, round, nbytes, rank = its count) + the sum
+                    #   of that round the lost server sent it, for workers it did not reach
 SCOPE = 40          # worker -> server, before its first push of these partitions on that
                     #   connection: {parts: [part ids], ranks: [ranks]} (the partitions of a
                     #   process set's tensor: a round completes once those ranks pushed it)

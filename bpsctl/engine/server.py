@@ -120,7 +120,7 @@ class PartitionState:
                  "backup", "late_waiting", "pushed_last", "owed", "held", "held_count",
                  "deferred", "shm_alloc", "shm_refs", "first_ref", "copy_single",
                  "reduction", "combine", "folded", "first_shared", "claims", "data_pushes",
-                 "headers_only", "last", "answered")
+                 "headers_only", "last", "answered", "threaded")
 
     def __init__(self, part: int, dtype_code: int, nbytes: int, thread: int, expected: int,
                  rotation: int = 2, reduction: int = P.REDUCE_SUM):
@@ -183,6 +183,10 @@ class PartitionState:
         # the connections that round's sum went to, once a connection has come back (only
         # those ask again): a push of the round that crossed its answer is not answered twice
         self.answered: list[bytes] = []
+        # the summation thread it takes (-1: the I/O thread's): the first round of a partition
+        # moved here from a lost server is summed inline all the same, since a lost server's
+        # last sum (LAST_SUM) may take the place of its pushes
+        self.threaded = thread
 
     def quorum(self) -> int:
         """Pushes that complete this round: every expected one, less the backup workers'."""
@@ -373,6 +377,9 @@ class Server:
         # pushes of a joiner not admitted here yet (connection -> its pushes' arguments, in
         # order): its donor's ADMIT comes on another connection, and may come after them
         self.unadmitted: dict[bytes, list[tuple[Any, ...]]] = {}
+        # a lost server's last sums of partitions not pushed here yet (part -> round, RESULT
+        # header, sum; see _last_sum)
+        self.held_sums: dict[int, tuple[int, bytes, Any]] = {}
         self.backup_workers = 0                     # the job's BPSCTL_BACKUP_WORKERS
         self.late_pushes = 0                        # the job's pushes that came too late
         self.parts: dict[int, PartitionState] = {}
@@ -594,6 +601,8 @@ class Server:
                                header_only=bool(rank & P.RESULT_HEADER_ONLY))
                 elif msg_type == P.STATE:
                     self._state(rid, rank, round_, frames)
+                elif msg_type == P.LAST_SUM:
+                    self._last_sum(rid, dtype, rank, part, round_, nbytes, frames)
                 elif msg_type == P.ADMIT:
                     _, body = P.parse_control([frame.buffer for frame in frames[1:]])
                     self._admit(rid, body)
@@ -710,6 +719,7 @@ class Server:
         self.dead = set()
         self.mailbox = {}
         self.unadmitted = {}
+        self.held_sums = {}
 
     def _write_trace(self) -> None:
         """The finished job's timeline, if it was traced (a server outlives its jobs)."""
@@ -804,6 +814,12 @@ class Server:
             # a partition moved here from a lost server starts at the round its workers
             # (re-)push, with an empty sum: each of them pushes its own contribution again
             state.round, state.adopted = round_, round_ > 0
+            if state.adopted:
+                state.thread = -1           # (see PartitionState.threaded)
+                held = self.held_sums.pop(part, None)
+                if held is not None and held[0] in (round_ - 1, round_):
+                    state.last = held
+                    state.round = held[0] + 1       # a push of the held round: answered below
         elif (state.dtype_code != dtype or state.nbytes != nbytes
               or state.reduction != reduction
               or (not self.lost_ranks and not self.joined and state.expected != expected)
@@ -823,12 +839,24 @@ class Server:
             if state.owed and round_ + 1 == state.round and rid not in state.pushed_last:
                 self._late(state, rid, rank, round_)
                 return
+            last = state.last
+            if state.adopted and last is not None and last[0] == round_ and \
+                    round_ + 1 == state.round:
+                # the lost server's last sum did not reach this worker; another worker's copy
+                # of it did come (LAST_SUM)
+                if header_only:
+                    self._send_header(rid, last[1])
+                else:
+                    self._send_result(rid, last[1], last[2], None)
+                return
             if state.adopted:
                 raise P.ProtocolError(
                     f"partition {part} moved to server {self.rank} from a lost server, whose "
                     f"last sum reached some workers but not all: rank {rank} pushed round "
-                    f"{round_}, others round {state.round}. That sum is gone; the job cannot "
-                    "go on from here (restart it from a checkpoint)")
+                    f"{round_}, others round {state.round}, and no worker it reached handed "
+                    "it over (compressed, shared-memory and backup workers' sums are not "
+                    "kept). That sum is gone; the job cannot go on from here (restart it from "
+                    "a checkpoint)")
             raise P.ProtocolError(f"partition {part}: rank {rank} pushed round {round_}, "
                                   f"the server is at round {state.round}")
         if rid in state.waiting or rid in state.late_waiting:
@@ -1252,7 +1280,12 @@ class Server:
             state.held, state.held_count = (result, state.received) if state.owed else (None, 0)
             state.waiting, state.pushed_last = state.pushed_last, state.waiting
             state.pushed_last.extend(state.late_waiting)
+        self._next_round(state)
+
+    def _next_round(self, state: PartitionState) -> None:
+        """``state``'s round is answered: the next one begins, empty."""
         state.late_waiting.clear()
+        state.thread = state.threaded
         state.first_ref = None
         state.traced = False
         state.waiting.clear()
@@ -1264,6 +1297,44 @@ class Server:
         if state.leaving:
             state.expected -= len(state.leaving)
             state.leaving.clear()
+
+    def _last_sum(self, rid: bytes, dtype: int, count: int, part: int, round_: int,
+                  nbytes: int, frames: list[zmq.Frame]) -> None:
+        """LAST_SUM: a worker's copy of the sum of round ``round_`` of ``part`` that the lost
+        server which held it sent, before that worker's pushes of ``part`` here. A worker it
+        did not reach pushes that round here again and is answered with it: this server
+        could sum the round again only from every worker's push, and the workers it reached
+        have moved on. Kept for the partition's first push here, or answering the round in
+        progress here (pushes of it came first), or the round before it."""
+        if rid in self.retired:
+            return
+        if rid not in self.peers:
+            raise P.ProtocolError("LAST_SUM from a connection that has not said HELLO")
+        if len(frames) != 3 or len(frames[2]) != nbytes or dtype >= len(P.DTYPES) or \
+                nbytes % P.DTYPES[dtype].itemsize:
+            raise P.ProtocolError(f"LAST_SUM of partition {part} announces {nbytes} bytes of "
+                                  f"dtype code {dtype} but carries {len(frames) - 2} frame(s)")
+        held = (round_, P.pack_header(P.RESULT, dtype=dtype, part=part, round=round_,
+                                      nbytes=nbytes, rank=count), frames[2].buffer)
+        state = self.parts.get(part)
+        if state is None:
+            if part not in self.held_sums or self.held_sums[part][0] < round_:
+                self.held_sums[part] = held
+        elif not state.adopted or state.nbytes != nbytes or state.dtype_code != dtype:
+            return              # summed here from its first round, or not that partition
+        elif state.round == round_ + 1 and (state.last is None or state.last[0] < round_):
+            state.last = held
+        elif state.round == round_ and state.thread < 0 and state.codec is None and \
+                not state.backup and not self.joined:
+            # pushes of that round came before it: answered with it, their partial sum dropped
+            state.first, state.folded, state.widened = None, 0, False
+            for waiting in state.waiting:
+                if waiting in state.headers_only:
+                    self._send_header(waiting, held[1])
+                else:
+                    self._send_result(waiting, held[1], held[2], None)
+            state.last = held
+            self._next_round(state)
 
     def _refused_broadcast(self, state: PartitionState) -> str | None:
         """Why a broadcast's completed round has no answer (None: it has one): its pushers

@@ -311,6 +311,11 @@ class Worker:
         self.late_pushes = 0
         # ACKs and results of a round this worker was already answered: dropped
         self.stale_answers = 0
+        # each partition's last sum from its server (round, count, dtype code, the frame it
+        # came in: kept, not copied), for the server its partitions move to if that one is
+        # lost (LAST_SUM): its sum may have reached this worker and not every other
+        self._last_sums: dict[int, tuple[int, int, int, zmq.Frame]] = {}
+        self._keep_sums = False
         self.local_rank = self.config.local_rank
         self.local_size = self.config.local_size
 
@@ -541,6 +546,8 @@ class Worker:
                                   "scheduler's host:port)")
             raise EngineError(f"the scheduler at {self.scheduler_address} did not start the job "
                               f"within {cfg.start_timeout_s:g} s (BPSCTL_START_TIMEOUT)")
+        self._keep_sums = cfg.server_failover and not cfg.async_mode and \
+            not cfg.backup_workers and len(self._servers) > 1
         # pushes of a host-reduced partition per round: one per host (see push_pull_async)
         self.hosts = self.size // self.local_size if self.size % self.local_size == 0 else self.size
         self.solo = solo_job(cfg, self.size, self.joined_running)
@@ -1678,6 +1685,10 @@ class Worker:
                                             f"answered partition {part_id} without its sum")
         if payload is not None:
             self._pulled_bytes[part[1]] += part[3]
+            if self._keep_sums and isinstance(payload, zmq.Frame) and task.codec is None and \
+                    task.reduction != P.REDUCE_BROADCAST and \
+                    not task.flags & P.FLAG_HOST_REDUCED:
+                self._last_sums[part_id] = (round_, count, P.DTYPE_CODES[task.dtype], payload)
         if task.handle.error is None and payload is not None:
             itemsize = task.dtype.itemsize
             start = part[2] // itemsize
@@ -2079,6 +2090,7 @@ class Worker:
             if part is None:
                 continue            # not declared here yet: DECLARED will say where it lives
             part[1] = int(target)
+            self._hand_last_sum(part_id, int(target))
             entry = self._active.pop(part_id, None)
             if entry is not None:
                 self._inflight_bytes -= self._unacked.pop(part_id, 0)
@@ -2093,6 +2105,18 @@ class Worker:
                  f"spare server {msg['spare']} took over its {len(msg['moves'])} partitions")
         log.warning("worker %d: %s; %s, %d pushed again (%.1f s after its connection dropped)",
                     self.rank, msg["message"], moved, again, time.monotonic() - since)
+
+    def _hand_last_sum(self, part_id: int, target: int) -> None:
+        """Send the server a lost one's partition moved to the sum of its last round that
+        reached this worker (before this worker's pushes of it, on the same connection): a
+        worker it did not reach pushes that round there again, and is answered with it."""
+        last = self._last_sums.pop(part_id, None)
+        if last is None or last[0] + 1 != self._rounds.get(part_id, 0):
+            return
+        round_, count, dtype, frame = last
+        self._server_socks[target].send_multipart(
+            [P.pack_header(P.LAST_SUM, dtype=dtype, rank=count & 0xFFFF, part=part_id,
+                           round=round_, nbytes=len(frame)), frame], copy=False)
 
     def _drop_shm(self, index: int) -> None:
         """Let go of the shared memory with lost server ``index``: its push slots (pushes
