@@ -193,6 +193,7 @@ TIERS: dict[str, set[str]] = {
     "test_chaos.py::test_a_lossy_link_and_a_collapsed_one_are_shaped_then_restored":
         {"slow", "root"},
     "test_chaos.py::test_a_full_disk_is_every_byte_of_its_file_system_until_undone": {"root"},
+    "test_chaos.py::test_ctrl_c_ends_a_sweep_of_seeds_and_leaves_nothing": {"slow", "root"},
     "test_chaos.py::test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it":
         {"slow", "root"},
     "test_emulate.py::test_create_reach_destroy": {"slow", "root"},

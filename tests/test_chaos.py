@@ -8,6 +8,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -435,6 +436,36 @@ def _kept_logs(report: dict) -> dict[str, list[str]]:
     kept = report.get("kept")
     logs = sorted((Path(kept) / "logs").glob("*.log")) if kept else []
     return {log.name: log.read_text(errors="replace").splitlines()[-25:] for log in logs}
+
+
+def test_ctrl_c_ends_a_sweep_of_seeds_and_leaves_nothing(tmp_path):
+    """Ctrl-C while the job trains: the command takes its cluster down and ends, exit 130,
+    saying it was interrupted, without going on to the next seed or writing a report."""
+    def clusters() -> set[str]:
+        return {leftover.cluster_id for leftover in emulate.find_leftovers()}
+
+    out, others = tmp_path / "runs.json", clusters()
+    command = subprocess.Popen(
+        [sys.executable, "-m", "bpsctl.cli", "chaos", "--workers", "2", "--servers", "2",
+         "--seed", "1,2", "--faults", "pause", "--steps", "2000", "--json", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+        env={**os.environ, "BPSCTL_STATE_DIR": str(tmp_path / "state")})
+    try:
+        def training() -> bool:
+            return any("bpsctl.chaos.job" in " ".join(child.cmdline())
+                       for child in psutil.Process(command.pid).children(recursive=True))
+        wait_until(training, 60, "the chaos job's workers to start")
+        ours = clusters() - others
+        command.send_signal(signal.SIGINT)
+        stdout, stderr = command.communicate(timeout=60)
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait(30)
+    assert command.returncode == 130, stderr[-2000:]
+    assert "interrupted (SIGINT); stopped what was started" in stderr
+    assert "seed 2" not in stderr and not out.exists()
+    assert ours and not ours & clusters()
 
 
 def test_a_failed_run_is_kept_with_its_logs_beside_the_report(tmp_path):

@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -785,50 +787,60 @@ def test_a_worker_whose_connection_came_back_is_counted_once_and_answered_again(
         ctx.destroy(linger=0)
 
 
+def _wire_job(ctx: zmq.Context, cluster) -> Callable[[int], zmq.Socket]:
+    """For a new 2-worker job on ``cluster``'s first server: a function that says HELLO as
+    rank ``rank`` on a new connection (a worker's, or one that came back), spoken by hand."""
+    server = next(p for p in cluster.processes if p.role == "server")
+    job_id = f"test-wire-{os.getpid()}-{time.monotonic_ns()}"
+    return lambda rank: _hello(ctx, f"{server.host}:{server.port}", cluster.secret, job_id,
+                               rank, 2)
+
+
+def _push_ten(sock: zmq.Socket, round_: int, value: float, *, part: int,
+              kind: int = P.PUSH, rank: int = 0) -> None:
+    """A message of ``kind`` (PUSH, LAST_SUM) carrying ten float32s of ``value``."""
+    sock.send_multipart([P.pack_header(kind, dtype=P.DTYPE_CODES[np.dtype(np.float32)],
+                                       rank=rank, part=part, round=round_, nbytes=40),
+                         np.full(10, value, np.float32).tobytes()])
+
+
+def _answers(sock: zmq.Socket, kinds: int) -> list[tuple[int, int, int, float | None]]:
+    """The next ``kinds`` messages from a server: (type, round, count, the sum's first
+    value)."""
+    got: list[tuple[int, int, int, float | None]] = []
+    for _ in range(kinds):
+        assert sock.poll(5000), f"no answer within 5 s (had {got})"
+        frames = sock.recv_multipart()
+        kind, _, _, count, _, round_, _ = P.unpack_header(frames[0])
+        got.append((kind, round_, count, float(np.frombuffer(frames[1], np.float32)[0])
+                    if kind == P.RESULT else None))
+    return got
+
+
 def test_a_push_again_that_crossed_its_rounds_sum_is_not_answered_twice(engine_cluster):
     """Rank 0's connection comes back while its round waits for rank 1; rank 1's push then
     completes the round, whose sum goes out on the new connection, and only after that does
     a push again of rank 0's (sent before the sum reached it) arrive. Answered again, that
     sum would be taken for the next round's: a paused server's host, resumed, gives this
     order."""
-    server = next(p for p in engine_cluster.processes if p.role == "server")
-    address = f"{server.host}:{server.port}"
-    job_id = f"test-crossed-{os.getpid()}-{time.monotonic_ns()}"
-    code = P.DTYPE_CODES[np.dtype(np.float32)]
     ctx = zmq.Context()
-
-    def push(sock: zmq.Socket, round_: int, value: float) -> None:
-        sock.send_multipart([P.pack_header(P.PUSH, dtype=code, rank=0, part=3, round=round_,
-                                           nbytes=40), np.full(10, value, np.float32).tobytes()])
-
-    def answers(sock: zmq.Socket, kinds: int) -> list[tuple[int, int, float | None]]:
-        """The next ``kinds`` messages: (type, round, the sum's first value)."""
-        got = []
-        for _ in range(kinds):
-            assert sock.poll(5000), f"no answer within 5 s (had {got})"
-            frames = sock.recv_multipart()
-            kind, _, _, _, _, round_, _ = P.unpack_header(frames[0])
-            got.append((kind, round_, float(np.frombuffer(frames[1], np.float32)[0])
-                        if kind == P.RESULT else None))
-        return got
-
+    hello, push, answers = _wire_job(ctx, engine_cluster), partial(_push_ten, part=3), _answers
     try:
-        first = _hello(ctx, address, engine_cluster.secret, job_id, 0, 2)
-        other = _hello(ctx, address, engine_cluster.secret, job_id, 1, 2)
+        first, other = hello(0), hello(1)
         push(first, 0, 1.0)
-        assert answers(first, 1) == [(P.ACK, 0, None)]
-        again = _hello(ctx, address, engine_cluster.secret, job_id, 0, 2)
+        assert answers(first, 1) == [(P.ACK, 0, 0, None)]
+        again = hello(0)
         push(again, 0, 1.0)              # pushed again: acknowledged (its HELLO came first)
-        assert answers(again, 1) == [(P.ACK, 0, None)]
+        assert answers(again, 1) == [(P.ACK, 0, 0, None)]
         push(other, 0, 10.0)             # completes round 0: its sum goes to `again`
-        assert answers(other, 2) == [(P.ACK, 0, None), (P.RESULT, 0, 11.0)]
-        assert answers(again, 1) == [(P.RESULT, 0, 11.0)]
+        assert answers(other, 2) == [(P.ACK, 0, 0, None), (P.RESULT, 0, 2, 11.0)]
+        assert answers(again, 1) == [(P.RESULT, 0, 2, 11.0)]
         push(again, 0, 1.0)              # pushed again once more, crossing that sum
         push(again, 1, 2.0)              # rank 0's next round, as it goes on
         push(other, 1, 20.0)
         # round 1's ACK and sum come next: no second answer to round 0 before them
-        assert answers(again, 2) == [(P.ACK, 1, None), (P.RESULT, 1, 22.0)]
-        assert answers(other, 2) == [(P.ACK, 1, None), (P.RESULT, 1, 22.0)]
+        assert answers(again, 2) == [(P.ACK, 1, 0, None), (P.RESULT, 1, 2, 22.0)]
+        assert answers(other, 2) == [(P.ACK, 1, 0, None), (P.RESULT, 1, 2, 22.0)]
     finally:
         ctx.destroy(linger=0)
 
@@ -840,35 +852,14 @@ def test_a_lost_servers_last_sum_reaches_the_worker_it_missed_through_the_new_se
     but not rank 1: rank 0 hands that sum over (LAST_SUM) and pushes round 6, rank 1 pushes
     round 5 again. Rank 1 is answered with the lost server's sum, then round 6 is summed from
     both, whichever of the two came first; before, the job failed here."""
-    server = next(p for p in engine_cluster.processes if p.role == "server")
-    address = f"{server.host}:{server.port}"
-    job_id = f"test-handed-{os.getpid()}-{time.monotonic_ns()}"
-    code = P.DTYPE_CODES[np.dtype(np.float32)]
     ctx = zmq.Context()
-
-    def push(sock: zmq.Socket, round_: int, value: float) -> None:
-        sock.send_multipart([P.pack_header(P.PUSH, dtype=code, rank=0, part=9, round=round_,
-                                           nbytes=40), np.full(10, value, np.float32).tobytes()])
-
-    def answers(sock: zmq.Socket, kinds: int) -> list[tuple[int, int, int, float | None]]:
-        """The next ``kinds`` messages: (type, round, count, the sum's first value)."""
-        got = []
-        for _ in range(kinds):
-            assert sock.poll(5000), f"no answer within 5 s (had {got})"
-            frames = sock.recv_multipart()
-            kind, _, _, count, _, round_, _ = P.unpack_header(frames[0])
-            got.append((kind, round_, count, float(np.frombuffer(frames[1], np.float32)[0])
-                        if kind == P.RESULT else None))
-        return got
-
+    hello, push, answers = _wire_job(ctx, engine_cluster), partial(_push_ten, part=9), _answers
     try:
-        ahead = _hello(ctx, address, engine_cluster.secret, job_id, 0, 2)
-        behind = _hello(ctx, address, engine_cluster.secret, job_id, 1, 2)
+        ahead, behind = hello(0), hello(1)
         if not sum_first:
             push(behind, 5, 1.0)             # rank 1 lacks round 5's sum: pushed again here
             assert answers(behind, 1) == [(P.ACK, 5, 0, None)]
-        ahead.send_multipart([P.pack_header(P.LAST_SUM, dtype=code, rank=2, part=9, round=5,
-                                            nbytes=40), np.full(10, 7.0, np.float32).tobytes()])
+        push(ahead, 5, 7.0, kind=P.LAST_SUM, rank=2)     # a sum of two pushes
         push(ahead, 6, 2.0)
         if sum_first:
             assert answers(ahead, 1) == [(P.ACK, 6, 0, None)]    # the push after the sum

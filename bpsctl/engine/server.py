@@ -844,6 +844,9 @@ class Server:
                     round_ + 1 == state.round:
                 # the lost server's last sum did not reach this worker; another worker's copy
                 # of it did come (LAST_SUM)
+                self.log.info("partition %d: rank %d lacked round %d's sum from the lost server "
+                              "that held it; answered with a copy another worker handed over",
+                              part, rank, round_)
                 if header_only:
                     self._send_header(rid, last[1])
                 else:
@@ -1327,6 +1330,10 @@ class Server:
         elif state.round == round_ and state.thread < 0 and state.codec is None and \
                 not state.backup and not self.joined:
             # pushes of that round came before it: answered with it, their partial sum dropped
+            self.log.info("partition %d: rank(s) %s lacked round %d's sum from the lost server "
+                          "that held it; answered with a copy rank %d handed over", part,
+                          sorted(self.peers.get(w, -1) for w in state.waiting), round_,
+                          self.peers[rid])
             state.first, state.folded, state.widened = None, 0, False
             for waiting in state.waiting:
                 if waiting in state.headers_only:
