@@ -4,6 +4,7 @@ boundary, and from its first step on its parameters equal the others' bit for bi
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -417,3 +418,56 @@ def test_a_joiners_push_that_comes_before_its_admit_waits_for_it():
                 assert (count, round_, total.tolist()) == (3, 1, [7.0] * 4)
         finally:
             ctx.destroy(linger=0)           # closes every peer's socket
+
+
+def test_a_joiner_hears_of_a_server_lost_before_it_was_admitted():
+    """A server lost while a worker joins (registered, not yet admitted by its donor) moves
+    its partitions: the joiner is told as the running workers are, or it would push them to
+    the lost server and the job would wait for its pushes elsewhere. Rank 0 of a 1-worker
+    job that rank 1 joins (max_workers 2) talks to a real scheduler by hand; the job's second
+    server is killed while rank 1 waits for its model."""
+    job, ctx = f"joining-{os.getpid()}", zmq.Context()
+    with private_cluster(2, heartbeat_timeout_s=1.0) as cluster:
+        scheduler = next(p for p in cluster.processes if p.role == "scheduler")
+        victim = next(p for p in cluster.processes if p.role == "server" and p.rank == 1)
+
+        def register(peer: Peer, rank: int, **how) -> dict:
+            peer.prove(cluster.secret)
+            peer.send(P.REGISTER, {"role": "worker", "version": bpsctl.__version__,
+                                   "host": "127.0.0.1", "pid": os.getpid(), "job": job,
+                                   "world_size": 1, "max_workers": 2, "rank": rank,
+                                   "num_servers": 2, "partition_bytes": 4096,
+                                   "start_timeout_s": 10.0, **how})
+            return _next(peer, P.REGISTERED, peers)
+
+        try:
+            peers: list[Peer] = []
+            donor = Peer(ctx, f"{scheduler.host}:{scheduler.port}")
+            servers = register(donor, 0)["servers"]
+            peers.append(donor)
+            joiner = Peer(ctx, f"{scheduler.host}:{scheduler.port}")
+            assert register(joiner, 1, attach=True)["joining"] is True
+            peers.append(joiner)
+            _next(donor, P.WORKER_JOINING, peers)   # it would admit rank 1 at its next step
+            os.kill(victim.pid, signal.SIGKILL)
+            moved = _next(joiner, P.SERVER_MOVED, peers)
+            assert servers[moved["index"]]["port"] == victim.port
+            assert _next(donor, P.SERVER_MOVED, peers) == moved
+        finally:
+            ctx.destroy(linger=0)
+
+
+def _next(peer: Peer, wanted: int, alive: list[Peer]) -> dict:
+    """The body of the next message of type ``wanted`` from the scheduler (clock exchanges
+    and others skipped), within 10 s; meanwhile the ``alive`` peers send their heartbeats."""
+    deadline = time.monotonic() + 10
+    while True:
+        for other in alive:
+            other.send(P.HEARTBEAT, {})
+        assert time.monotonic() < deadline, f"no {P.TYPE_NAMES[wanted]} within 10 s"
+        if not peer.sock.poll(200):
+            continue
+        msg_type, body = P.parse_control(peer.sock.recv_multipart())
+        if msg_type == wanted:
+            return body
+        assert msg_type != P.ERROR, body

@@ -1224,7 +1224,8 @@ class Scheduler:
                              job.id, len(moves), moved_to or "(none yet declared)")
         job.server_moves[index] = body
         for worker in job.workers.values():
-            if worker.state == "running":
+            # a joiner too: it learnt the lost servers when it registered, not since
+            if worker.state in ("running", "joining"):
                 self._send(worker.rid, P.SERVER_MOVED, body)
         return True
 
