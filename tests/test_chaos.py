@@ -21,6 +21,7 @@ from conftest import kill_pids, wait_until
 
 from bpsctl.chaos.api import (
     FULL_DISK,
+    LOST_LINES,
     FaultRecord,
     Lines,
     _full_disk_said,
@@ -820,7 +821,8 @@ def test_a_workers_output_goes_on_when_its_log_disk_is_full(tmp_path):
 
 def test_a_restarted_worker_may_say_the_full_disk_once_more_for_its_log(tmp_path):
     """The full disk is said once per process that writes a log: a worker restarted after
-    the disk filled is a new process writing its rank's log, and says it once too."""
+    the disk filled is a new process writing its rank's log, and says it once too; and once
+    more where room came back (its log counts the lines it lost) and ran out again."""
     disk = FaultRecord(Fault("disk", DISK, 1.0, 20.0), applied_s=1.0, undone_s=21.0)
     output = Lines(0.0)
     line = ("[0] [bpsctl] cannot write /state/logs/worker-0.log: No space left on device; "
@@ -830,6 +832,14 @@ def test_a_restarted_worker_may_say_the_full_disk_once_more_for_its_log(tmp_path
     assert _full_disk_said([disk], output, tmp_path, collections.Counter()) is False
     assert _full_disk_said([disk], output, tmp_path, collections.Counter({1: 1})) is False
     assert _full_disk_said([], output, tmp_path, collections.Counter()) is None
+    # room came back for a while (the log counted what it lost) and ran out again: said again
+    (tmp_path / "logs").mkdir()
+    log = tmp_path / "logs" / "worker-0.log"
+    output = Lines(0.0)
+    output.write(line.replace("/state/logs/worker-0.log", str(log)) * 2)
+    assert _full_disk_said([disk], output, tmp_path, collections.Counter()) is False
+    log.write_text(f"step 2\n{LOST_LINES} ...\nstep 3\n")
+    assert _full_disk_said([disk], output, tmp_path, collections.Counter()) is True
 
 
 def test_losses_one_after_another_within_a_step_add_up_to_its_stall_bound():
