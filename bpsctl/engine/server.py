@@ -1328,7 +1328,8 @@ class Server:
         elif state.round == round_ + 1 and (state.last is None or state.last[0] < round_):
             state.last = held
         elif state.round == round_ and state.thread < 0 and state.codec is None and \
-                not state.backup and not self.joined:
+                not state.backup and not self.joined and \
+                state.reduction != P.REDUCE_BROADCAST:
             # pushes of that round came before it: answered with it, their partial sum dropped
             self.log.info("partition %d: rank(s) %s lacked round %d's sum from the lost server "
                           "that held it; answered with a copy rank %d handed over", part,
@@ -1341,6 +1342,8 @@ class Server:
                 else:
                     self._send_result(waiting, held[1], held[2], None)
             state.last = held
+            if self.returned:
+                state.answered[:] = state.waiting
             self._next_round(state)
 
     def _refused_broadcast(self, state: PartitionState) -> str | None:

@@ -2111,7 +2111,8 @@ class Worker:
         reached this worker (before this worker's pushes of it, on the same connection): a
         worker it did not reach pushes that round there again, and is answered with it."""
         last = self._last_sums.pop(part_id, None)
-        if last is None or last[0] + 1 != self._rounds.get(part_id, 0):
+        if last is None or last[0] + 1 != self._rounds.get(part_id, 0) or \
+                target in self._server_down:        # (a login again would come after it)
             return
         round_, count, dtype, frame = last
         self._server_socks[target].send_multipart(
