@@ -425,6 +425,9 @@ TIERS: dict[str, set[str]] = {
     "test_cli.py::test_ctrl_c_stops_every_worker": {"slow"},
     # a server killed and replaced mid-job (about 5 s); a lost server's push counted once stays
     "test_resilience.py::test_a_killed_server_is_replaced_and_every_sum_stays_exact": {"slow"},
+    # it waits out a heartbeat timeout (1 s) on a cluster of its own
+    "test_resilience.py::test_a_lost_server_that_registers_again_on_a_new_connection_is_fenced":
+        {"slow"},
     "test_resilience.py::test_a_paused_server_declared_lost_is_fenced_when_it_comes_back":
         {"slow"},
     # a server killed between a broadcast's pushes (PUSH_ZERO pushed again): a private cluster
