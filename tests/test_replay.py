@@ -32,7 +32,9 @@ from bpsctl.bench.profile import (
     load,
     predicted_step_s,
     read,
+    replay_fit_note,
     replay_label,
+    replay_nic_mbit,
     replay_schedule,
     shipped_names,
     summarize,
@@ -101,6 +103,39 @@ def test_the_dilation_is_the_targets_rate_over_the_emulated_nics_and_relabels_th
         assert target[key] == row[key]
     assert target["emulated"]["img_per_sec"] == 10.0 and target["emulated"]["step_seconds"] == 2
     assert undilate_row(row, 1.0) == row
+
+
+def test_a_replay_chooses_a_nic_its_emulated_hosts_fit_the_cores_at_and_says_when_not():
+    # 3200 Mbit per core: 2 + 2 hosts run at 1 Gbit, 16 + 16 at 200 Mbit on 2 cores
+    assert replay_nic_mbit(4, 2) == 1000 and replay_nic_mbit(16, 2) == 400
+    assert replay_nic_mbit(32, 2) == 200 and replay_nic_mbit(32, 16) == 1000
+    assert replay_nic_mbit(10_000, 1) == 10             # the slowest when none fits
+    assert replay_fit_note(32, 2, 200, 25_000) == "" and replay_fit_note(4, 2, 1000, 25_000) == ""
+    note = replay_fit_note(32, 2, 500, 25_000)
+    assert note.startswith("32 emulated hosts at 500 Mbit each may move 16 Gbit/s through this "
+                           "machine's 2 CPU cores, more than the 6.4 Gbit/s")
+    assert note.endswith("--nic 200mbit (x125 for 25 Gbit) keeps them apart")
+
+
+@pytest.mark.parametrize("nic, expected", [
+    (None, "note: --nic {rate:g}mbit (x{dilation:g} dilation): the fastest emulated NIC at "
+           "which 32 hosts fit this machine's {cores} CPU cores in a replay"),
+    ("100gbit", "note: 32 emulated hosts at 100 Gbit each may move 3200 Gbit/s through this "
+                "machine's {cores} CPU cores"),
+], ids=["chosen", "too-fast"])
+def test_a_replay_on_16_emulated_hosts_says_which_nic_fits_before_anything_starts(
+        tmp_path, nic, expected):
+    cores = len(os.sched_getaffinity(0))
+    rate = replay_nic_mbit(32, cores)
+    args = ["bench", "resnet50", "--replay", "h200-resnet50", "--emulate", "--workers", "16",
+            "--servers", "16", "--target-nic", "25gbit", *(["--nic", nic] if nic else []),
+            "--cross-barrier"]         # refused after the note: nothing is built
+    result = _invoke(args, tmp_path)
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert expected.format(rate=rate, dilation=25_000 / rate, cores=cores) in said
+    assert "drop --cross-barrier" in said
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
 
 
 def test_medians_and_cuda_event_times_are_pure_and_need_no_gpu():
@@ -351,7 +386,12 @@ def test_a_sweep_prints_each_worker_count_with_the_step_models_error_in_80_colum
     said = sentence(render(print_train_sweep, report))
     assert ("more than the network explains: bpsctl at 2 (+35%); the step model leaves out "
             "the CPU time of each system's own workers and servers (here every emulated host "
-            "shares this machine's CPU cores)") in said
+            "shares this machine's CPU cores), each message's latency") in said
+    assert "last worker's push" not in said             # no row went through servers
+    points[1]["results"][0]["gradient_path"] = "servers"
+    said = sentence(render(print_train_sweep, report))
+    assert ("each message's latency, and a server's round waiting for the last worker's push "
+            "before its sum can leave") in said
 
 
 # --------------------------------------------------------------------------- the benchmark

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,10 @@ from .api import (
     is_collectives,
     run_comm,
     run_sweep,
+    sweep_servers,
 )
 from .gpu import TRAIN_DEFAULTS, baseline_backend, check_horovod_nccl, resolve_device
-from .profile import dilation_factor
+from .profile import dilation_factor, replay_fit_note, replay_nic_mbit
 from .report import (
     plot_comm,
     plot_convergence,
@@ -320,7 +322,8 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                 device = "cpu"          # the stand-in computes nothing: host memory
             batch_size = batch_size or profile.batch_size
             image_size = image_size or profile.image_size
-            if target_mbit is not None and hosts_cluster(config.state_dir) is None:
+            if target_mbit is not None and not config.emulate and \
+                    hosts_cluster(config.state_dir) is None:
                 dilation_factor(target_mbit, config.nic_mbit)     # a NIC rate to dilate to
             if config.async_mode:
                 raise ConfigError("--replay with --async: the servers would apply SGD updates "
@@ -337,6 +340,11 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
         workers, servers = cluster_size(config, workers, servers,
                                         "--sweep" if sweep is not None else "",
                                         workers_per_host=workers_per_host)
+        if replay and target_mbit is not None and config.emulate:
+            config = _replay_nic(config, target_mbit, [
+                (count, sweep_servers(config, given_servers, count))
+                for count in worker_counts] if worker_counts else
+                [(workers // workers_per_host, servers)])
         host_workers, host_gpus, gpu_by = physical_hosts(config, workers, gpus)
         backend, backend_why = baseline_backend(device, host_workers, host_gpus)
         if device == "cuda" and "horovod" in baselines:
@@ -373,6 +381,25 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
         _run_bench(model, config, lambda progress: run_train(
             config, settings, progress=lambda message: progress(f"training with {message}")),
             print_train, json_file, plot_file, plot_train)
+
+
+def _replay_nic(config: Any, target_mbit: float, points: list[tuple[int, int]]) -> Any:
+    """A dilated replay on emulated hosts: without --nic, the config with the fastest NIC rate
+    at which the most hosts of ``points`` ((worker hosts, servers) per cluster the run builds)
+    fit this machine's cores; with one, the config as it is, after a note if they would not."""
+    hosts = max(srv if config.colocated_servers else worker_hosts + srv
+                for worker_hosts, srv in points)
+    cores = len(os.sched_getaffinity(0))
+    if config.nic_mbit is None:
+        rate = replay_nic_mbit(hosts, cores)
+        err_console.print(f"note: --nic {rate:g}mbit (x{target_mbit / rate:g} dilation): the "
+                          f"fastest emulated NIC at which {hosts} hosts fit this machine's "
+                          f"{cores} CPU cores in a replay")
+        return config.replace(nic=f"{rate:g}mbit")
+    note = replay_fit_note(hosts, cores, config.nic_mbit, target_mbit)
+    if note:
+        err_console.print(f"note: {note}")
+    return config
 
 
 def _train_command(model: str, title: str) -> None:
@@ -435,7 +462,8 @@ def _train_command(model: str, title: str) -> None:
                     help="With --replay and an emulated --nic: the NIC that one stands for; "
                          "every recorded time is multiplied by RATE over --nic, and img/sec "
                          "and s/step are reported in the target's time (e.g. --nic 500mbit "
-                         "--target-nic 25gbit: x50)."),
+                         "--target-nic 25gbit: x50). With --emulate and no --nic, the fastest "
+                         "NIC at which the emulated hosts fit this machine's CPU cores."),
                 sweep: str | None = typer.Option(
                     None, "--sweep", metavar="workers=1,2,4,8",
                     help="A cluster per worker count (servers = workers unless --servers), "

@@ -464,6 +464,38 @@ def dilation_factor(target_mbit: float | None, nic_mbit: float | None) -> float:
     return target_mbit / nic_mbit
 
 
+#: what the emulated hosts' NICs may move together, per CPU core of this machine, before a
+#: replay's steps are the CPU's and no longer the network's: every byte crosses the kernel's
+#: emulated links and the systems' own processes on these cores. 32 hosts at 200 Mbit on 2
+#: cores replayed alike at 100 Mbit; at 500 Mbit they fell far behind (docs/replay.md).
+REPLAY_MBIT_PER_CORE = 3200
+#: the NIC rates a replay chooses among, fastest first
+REPLAY_NIC_LADDER_MBIT = (1000, 500, 400, 250, 200, 100, 50, 25, 10)
+
+
+def replay_nic_mbit(hosts: int, cores: int) -> float:
+    """The fastest NIC rate of :data:`REPLAY_NIC_LADDER_MBIT` at which ``hosts`` emulated
+    hosts stay within :data:`REPLAY_MBIT_PER_CORE` per core of ``cores`` (the slowest rate
+    when none does)."""
+    budget = REPLAY_MBIT_PER_CORE * max(1, cores)
+    return next((rate for rate in REPLAY_NIC_LADDER_MBIT if hosts * rate <= budget),
+                REPLAY_NIC_LADDER_MBIT[-1])
+
+
+def replay_fit_note(hosts: int, cores: int, nic_mbit: float, target_mbit: float) -> str:
+    """A note when ``hosts`` emulated hosts at ``nic_mbit`` each could move more than this
+    machine's ``cores`` keep up with in a replay (:data:`REPLAY_MBIT_PER_CORE`), naming the
+    rate that fits and its dilation; "" when they fit."""
+    if hosts * nic_mbit <= REPLAY_MBIT_PER_CORE * max(1, cores):
+        return ""
+    fits = replay_nic_mbit(hosts, cores)
+    return (f"{hosts} emulated hosts at {_rate(nic_mbit)} each may move "
+            f"{_rate(hosts * nic_mbit)}/s through this machine's {cores} CPU cores, more than "
+            f"the {_rate(REPLAY_MBIT_PER_CORE * max(1, cores))}/s a replay keeps up with here: "
+            f"the replayed steps may be the CPU's, not the network's. --nic "
+            f"{fits:g}mbit (x{target_mbit / fits:g} for {_rate(target_mbit)}) keeps them apart")
+
+
 def _rate(mbit: float) -> str:
     return f"{mbit / 1e3:g} Gbit" if mbit >= 1e3 else f"{mbit:g} Mbit"
 
