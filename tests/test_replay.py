@@ -34,6 +34,8 @@ from bpsctl.bench.profile import (
     read,
     replay_fit_note,
     replay_label,
+    replay_memory_mib,
+    replay_memory_note,
     replay_nic_mbit,
     replay_schedule,
     shipped_names,
@@ -115,6 +117,21 @@ def test_a_replay_chooses_a_nic_its_emulated_hosts_fit_the_cores_at_and_says_whe
     assert note.startswith("32 emulated hosts at 500 Mbit each may move 16 Gbit/s through this "
                            "machine's 2 CPU cores, more than the 6.4 Gbit/s")
     assert note.endswith("--nic 200mbit (x125 for 25 Gbit) keeps them apart")
+
+
+def test_a_replay_says_when_its_workers_and_servers_would_not_fit_this_machines_memory():
+    resnet50, vgg16 = load("h200-resnet50").nbytes, load("h200-vgg16").nbytes
+    assert (resnet50, vgg16) == (102_228_128, 553_430_176)      # the models' parameters
+    # 2 + 2 hosts measured 1.8 GiB (ResNet50) and 4.7 GiB (VGG16) at once, their processes'
+    # peaks adding up to 5.7 GiB for VGG16: the estimate is of that order, not below it
+    assert 1.0 < replay_memory_mib(resnet50, 2, 2) / 1819 < 1.15
+    assert 0.98 < replay_memory_mib(vgg16, 2, 2) / 5800 < 1.05
+    assert replay_memory_note(resnet50, 16, 16, 22 * 1024) == ""
+    note = replay_memory_note(vgg16, 16, 16, 22 * 1024)
+    assert note.startswith("16 workers and 16 servers replaying a model of 528 MiB need about "
+                           "32.")
+    assert "each worker about 1.8 GiB" in note and "22.0 GiB are available" in note
+    assert note.endswith("the run may be killed for memory; run fewer workers")
 
 
 @pytest.mark.parametrize("nic, expected", [

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import typer
 
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
@@ -30,7 +31,7 @@ from .api import (
     sweep_servers,
 )
 from .gpu import TRAIN_DEFAULTS, baseline_backend, check_horovod_nccl, resolve_device
-from .profile import dilation_factor, replay_fit_note, replay_nic_mbit
+from .profile import dilation_factor, replay_fit_note, replay_memory_note, replay_nic_mbit
 from .report import (
     plot_comm,
     plot_convergence,
@@ -340,11 +341,11 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
         workers, servers = cluster_size(config, workers, servers,
                                         "--sweep" if sweep is not None else "",
                                         workers_per_host=workers_per_host)
-        if replay and target_mbit is not None and config.emulate:
-            config = _replay_nic(config, target_mbit, [
-                (count, sweep_servers(config, given_servers, count))
+        if replay and config.emulate:
+            config = _replay_fit(config, profile.nbytes, target_mbit, [
+                (count, count * workers_per_host, sweep_servers(config, given_servers, count))
                 for count in worker_counts] if worker_counts else
-                [(workers // workers_per_host, servers)])
+                [(workers // workers_per_host, workers, servers)])
         host_workers, host_gpus, gpu_by = physical_hosts(config, workers, gpus)
         backend, backend_why = baseline_backend(device, host_workers, host_gpus)
         if device == "cuda" and "horovod" in baselines:
@@ -383,12 +384,22 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
             print_train, json_file, plot_file, plot_train)
 
 
-def _replay_nic(config: Any, target_mbit: float, points: list[tuple[int, int]]) -> Any:
-    """A dilated replay on emulated hosts: without --nic, the config with the fastest NIC rate
-    at which the most hosts of ``points`` ((worker hosts, servers) per cluster the run builds)
-    fit this machine's cores; with one, the config as it is, after a note if they would not."""
+def _replay_fit(config: Any, model_bytes: int, target_mbit: float | None,
+                points: list[tuple[int, int, int]]) -> Any:
+    """A replay on emulated hosts, of a model of ``model_bytes``, ``points`` (worker hosts,
+    workers, servers) per cluster the run builds: a note if the largest would not fit this
+    machine's memory. Dilated (``target_mbit``): without --nic, the config with the fastest NIC
+    rate at which the most hosts fit this machine's cores; with one, the config as it is, after
+    a note if they would not."""
+    _, workers, servers = max(points, key=lambda point: point[1] + point[2])
+    note = replay_memory_note(model_bytes, workers, servers,
+                              psutil.virtual_memory().available / 2**20)
+    if note:
+        err_console.print(f"note: {note}")
+    if target_mbit is None:
+        return config
     hosts = max(srv if config.colocated_servers else worker_hosts + srv
-                for worker_hosts, srv in points)
+                for worker_hosts, _, srv in points)
     cores = len(os.sched_getaffinity(0))
     if config.nic_mbit is None:
         rate = replay_nic_mbit(hosts, cores)

@@ -55,6 +55,10 @@ class ParameterTiming:
     def numel(self) -> int:
         return math.prod(self.shape)
 
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES.get(self.dtype, 4)
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -84,6 +88,11 @@ class Profile:
     def total_s(self) -> float:
         """Seconds of one step as replayed: forward, backward, optimizer step."""
         return self.forward_s + self.backward_s + self.optimizer_s
+
+    @property
+    def nbytes(self) -> int:
+        """The model's parameters' bytes (as many as its gradients')."""
+        return sum(p.nbytes for p in self.parameters)
 
     def to_json(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
@@ -496,6 +505,38 @@ def replay_fit_note(hosts: int, cores: int, nic_mbit: float, target_mbit: float)
             f"{fits:g}mbit (x{target_mbit / fits:g} for {_rate(target_mbit)}) keeps them apart")
 
 
+#: a replay's resident memory on this machine (measured: docs/replay.md): a worker process is
+#: torch's own and about 3 copies of the model's bytes (its parameters and gradients, and the
+#: system's buffers: DDP's buckets, Horovod's fusion buffer), a server about 3 copies of its
+#: share of them, and the command and scheduler a little more
+WORKER_BASE_MIB, WORKER_MODEL_COPIES = 300, 3.0
+SERVER_BASE_MIB, SERVER_SHARE_COPIES = 50, 3.1
+JOB_BASE_MIB = 300
+
+
+def replay_memory_mib(model_bytes: int, workers: int, servers: int) -> float:
+    """About how much memory ``workers`` workers and ``servers`` servers replaying a model of
+    ``model_bytes`` take on one machine, MiB (one system runs at a time)."""
+    model = model_bytes / 2**20
+    return (JOB_BASE_MIB + workers * (WORKER_BASE_MIB + WORKER_MODEL_COPIES * model)
+            + servers * SERVER_BASE_MIB + SERVER_SHARE_COPIES * model)
+
+
+def replay_memory_note(model_bytes: int, workers: int, servers: int,
+                       available_mib: float) -> str:
+    """A note when the replay would take more memory than ``available_mib``; "" when it
+    fits."""
+    need = replay_memory_mib(model_bytes, workers, servers)
+    if need <= available_mib:
+        return ""
+    each = WORKER_BASE_MIB + WORKER_MODEL_COPIES * model_bytes / 2**20
+    return (f"{workers} workers and {servers} servers replaying a model of "
+            f"{model_bytes / 2**20:.0f} MiB need about {need / 1024:.1f} GiB of memory here "
+            f"(each worker about {each / 1024:.1f} GiB: torch and copies of the model), and "
+            f"{available_mib / 1024:.1f} GiB are available: the run may be killed for memory; "
+            "run fewer workers")
+
+
 def _rate(mbit: float) -> str:
     return f"{mbit / 1e3:g} Gbit" if mbit >= 1e3 else f"{mbit:g} Mbit"
 
@@ -560,7 +601,7 @@ def transfer_groups(profile: Profile, system: str) -> list[tuple[float, float]]:
     among those waiting) and Horovod fuses whatever is ready at each cycle (a millisecond):
     per tensor, at its ready time, for both. DDP allreduces a bucket once its last gradient
     is ready, buckets in the order it filled them (reverse registration)."""
-    sizes = [p.numel * DTYPE_BYTES.get(p.dtype, 4) for p in profile.parameters]
+    sizes = [p.nbytes for p in profile.parameters]
     total = sum(sizes) or 1
     if system not in ("ddp", "ddp-powersgd"):
         return sorted((p.ready_s, size / total)
