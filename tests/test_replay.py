@@ -3,6 +3,7 @@ files it refuses, the replay's schedule and time dilation, the stand-in's hooks 
 recorded times, and the whole replay against DDP and Horovod on emulated hosts."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -43,7 +44,7 @@ from bpsctl.bench.profile import (
     transfer_groups,
     undilate_row,
 )
-from bpsctl.bench.replay import GRADIENT_VALUE, ReplayModel, ReplayOptimizer
+from bpsctl.bench.replay import GRADIENT_VALUE, ReplayModel, ReplayOptimizer, replays_busy
 from bpsctl.bench.report import print_train, print_train_sweep
 from bpsctl.cli import app
 from bpsctl.config import Config, ConfigError
@@ -322,7 +323,7 @@ def test_the_stand_in_fires_each_hook_in_the_recorded_order_never_early():
     profile = _profile([("layer.0.weight", (64, 32), 0.12), ("layer.0.bias", (64,), 0.09),
                         ("head.weight", (10, 64), 0.03), ("head.bias", (10,), 0.02)],
                        forward_s=0.05, backward_s=0.15, optimizer_s=0.04)
-    model = ReplayModel(profile)
+    model = ReplayModel(profile, busy=False)
     assert [name for name, _ in model.named_parameters()] == \
         ["layer.0.weight", "layer.0.bias", "head.weight", "head.bias"]
     fired: list[tuple[str, float]] = []
@@ -349,6 +350,41 @@ def test_the_stand_in_fires_each_hook_in_the_recorded_order_never_early():
     for name, param in model.named_parameters():
         assert param.grad is not None and param.grad.shape == param.shape, name
         assert torch.all(param.grad == GRADIENT_VALUE)
+
+
+def test_a_cpus_profile_in_its_own_time_is_replayed_on_the_cpu_and_hooks_add_to_it():
+    """A CPU's profile at dilation 1 computes through its gaps: the recorded seconds are
+    spent on this thread's CPU (so a worker that loses its core is set back, as real compute
+    is), and what a hook spends on that thread adds to the step instead of counting as
+    compute. Dilated, or a GPU's profile, it sleeps."""
+    profile = _profile([("a.weight", (256, 256), 0.06), ("a.bias", (256,), 0.03)],
+                       forward_s=0.04, backward_s=0.08, optimizer_s=0.02)
+    assert replays_busy(profile, 1.0)
+    assert not replays_busy(profile, 25.0)
+    assert not replays_busy(dataclasses.replace(profile, device="cuda"), 1.0)
+
+    def step(model: ReplayModel, hook_s: float) -> tuple[float, float]:
+        def hook(_: torch.Tensor) -> None:      # a hook's own work on the backward's thread
+            end = time.thread_time() + hook_s
+            while time.thread_time() < end:
+                pass
+        handle = model.a.bias.register_post_accumulate_grad_hook(hook)
+        optimizer = ReplayOptimizer(model.parameters(), step_s=model.schedule.optimizer_s,
+                                    busy=model.busy)
+        cpu, wall = time.thread_time(), time.perf_counter()
+        F.cross_entropy(model(torch.zeros(2, 1)), torch.zeros(2, dtype=torch.long)).backward()
+        optimizer.step()
+        handle.remove()
+        return time.thread_time() - cpu, time.perf_counter() - wall
+
+    busy = ReplayModel(profile)
+    assert busy.busy
+    cpu, wall = step(busy, hook_s=0.05)
+    # forward 0.04 + backward 0.08 + optimizer 0.02 of compute, and the hook's 0.05 beside it
+    assert cpu >= 0.14 + 0.05 and wall >= cpu
+    asleep = ReplayModel(profile, dilation=2.0)
+    cpu, wall = step(asleep, hook_s=0.0)
+    assert not asleep.busy and wall >= 2 * 0.14 * 0.99 and cpu < 0.5 * wall
 
 
 def test_the_step_model_overlaps_backward_with_the_transfer_of_what_is_ready():

@@ -12,6 +12,16 @@ and communication run as they would on the device the profile was recorded on. S
 leaves the CPU to the communication, which is the point: the compute-to-network ratio of the
 recorded device is kept on a machine that could not compute that fast.
 
+A profile recorded on a CPU and replayed in its own time is the exception: there the recorded
+device is the CPU that also runs the communication, and the step's compute competed with it
+for the cores. So the stand-in computes through those gaps instead of sleeping (``busy``):
+small matrix products, which release the GIL as real compute does, until its thread has spent
+the recorded seconds of CPU time in them. A deadline on the clock would not do: a worker that
+loses its core to the communication would still meet it, where real compute is set back. Nor
+would the thread's CPU time since backward began: the systems' hooks run on that thread
+(DDP's and bpsctl's copy each gradient into a bucket) and add to a real step's time, not to
+its compute.
+
 The gradients hold a constant (their values do not change a sum's time); they are made
 before the node sleeps, so writing them is inside the recorded gap. :class:`ReplayOptimizer`
 waits the recorded optimizer step and updates nothing.
@@ -30,16 +40,50 @@ from .profile import Profile, ProfileError, replay_schedule
 GRADIENT_VALUE = 2.0 ** -10
 
 
-def _sleep_until(deadline: float) -> None:
-    delay = deadline - time.perf_counter()
-    if delay > 0:
-        time.sleep(delay)
+#: the side of the square matrices a busy wait multiplies: a product takes a fraction of a
+#: millisecond on one core, so a deadline is overshot by at most that and the GIL is held for
+#: little of each (Python's loop between products)
+BUSY_SIDE = 128
 
 
 class _Clock:
-    """When the current backward pass started (the first node of the chain sets it)."""
+    """How the stand-in's time passes: asleep on the clock, or computing (``busy``: a CPU
+    profile replayed in its own time); and, for the backward pass, where it stands."""
 
-    backward_start = 0.0
+    def __init__(self, busy: bool = False):
+        self.busy = busy
+        self._operands = torch.ones(2, BUSY_SIDE, BUSY_SIDE) if busy else None
+        self.backward_start = 0.0      # on the clock, asleep
+        self.backward_done = 0.0       # seconds of backward computed, busy
+
+    def spend(self, seconds: float) -> None:
+        """Sleep ``seconds``, or compute until this thread has spent them on the CPU."""
+        if self._operands is None:
+            if seconds > 0:
+                time.sleep(seconds)
+            return
+        a, b = self._operands[0], self._operands[1]
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            torch.mm(a, b)
+
+    def start_backward(self) -> None:
+        self.backward_start, self.backward_done = time.perf_counter(), 0.0
+
+    def wrote(self, cpu_s: float) -> None:
+        """Writing a gradient took ``cpu_s`` of this thread's CPU: busy, part of the recorded
+        compute (the recording wrote its gradients too)."""
+        if self._operands is not None:
+            self.backward_done += cpu_s
+
+    def reach(self, offset_s: float) -> None:
+        """Until ``offset_s`` from the start of backward: on the clock asleep; busy, once the
+        backward pass has computed that long (a gap's compute, whatever ran between)."""
+        if self._operands is None:
+            self.spend(self.backward_start + offset_s - time.perf_counter())
+        elif offset_s > self.backward_done:
+            self.spend(offset_s - self.backward_done)
+            self.backward_done = offset_s
 
 
 class _BackwardStarts(torch.autograd.Function):
@@ -50,7 +94,7 @@ class _BackwardStarts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        ctx.clock.backward_start = time.perf_counter()
+        ctx.clock.start_backward()
         return None, grad
 
 
@@ -64,22 +108,27 @@ class _GradientReady(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        started = time.thread_time()
         grads = tuple(torch.full(shape, GRADIENT_VALUE, dtype=dtype, device=device)
                       for shape, dtype, device in ctx.like)
-        _sleep_until(ctx.clock.backward_start + ctx.offset_s)
+        ctx.clock.wrote(time.thread_time() - started)
+        ctx.clock.reach(ctx.offset_s)
         return (None, None, grad, *grads)
 
 
 class ReplayModel(nn.Module):
     """The profile's parameters under the same names (nested modules for the dotted parts),
     replaying its step times multiplied by ``dilation``. ``forward(x)`` returns a tensor of
-    ``x.shape[0]`` rows of the profile's classes, for the usual cross-entropy loss."""
+    ``x.shape[0]`` rows of the profile's classes, for the usual cross-entropy loss. A CPU's
+    profile in its own time (dilation 1) is replayed busy (the module's docstring);
+    ``busy`` overrides that."""
 
-    def __init__(self, profile: Profile, dilation: float = 1.0):
+    def __init__(self, profile: Profile, dilation: float = 1.0, busy: bool | None = None):
         super().__init__()
         self.schedule = replay_schedule(profile, dilation)
         self.num_classes = profile.num_classes
-        self._clock = _Clock()
+        self.busy = replays_busy(profile, dilation) if busy is None else busy
+        self._clock = _Clock(self.busy)
         for entry in profile.parameters:
             *path, leaf = entry.name.split(".")
             module: nn.Module = self
@@ -99,7 +148,7 @@ class ReplayModel(nn.Module):
         self._params = [param for _, param in self.named_parameters()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _sleep_until(time.perf_counter() + self.schedule.forward_s)
+        self._clock.spend(self.schedule.forward_s)
         carry = torch.zeros((), requires_grad=True)
         # applied last to first: backward meets them in the order the gradients became
         # ready, ending with a node that waits out the rest of the backward pass
@@ -110,15 +159,26 @@ class ReplayModel(nn.Module):
         return carry.reshape(1, 1).expand(x.shape[0], self.num_classes)
 
 
-class ReplayOptimizer(torch.optim.Optimizer):
-    """Waits the recorded optimizer step (``step_s``) and updates nothing. The wait is kept
-    in each parameter group, so the optimizer wrappers that rebuild an optimizer from its
-    ``param_groups`` (bpsctl's and Horovod's DistributedOptimizer) keep it."""
+def replays_busy(profile: Profile, dilation: float) -> bool:
+    """Whether a replay computes through its gaps: a profile recorded on a CPU, replayed in
+    its own time (dilated, the stretched gaps stand for compute the CPU did not spread out)."""
+    return profile.device == "cpu" and dilation == 1.0
 
-    def __init__(self, params: Any, step_s: float = 0.0):
-        super().__init__(params, {"step_s": step_s})
+
+class ReplayOptimizer(torch.optim.Optimizer):
+    """Waits the recorded optimizer step (``step_s``), busy or asleep as the model does
+    (``busy``), and updates nothing. Both are kept in each parameter group, so the optimizer
+    wrappers that rebuild an optimizer from its ``param_groups`` (bpsctl's and Horovod's
+    DistributedOptimizer) keep them."""
+
+    def __init__(self, params: Any, step_s: float = 0.0, busy: bool = False):
+        super().__init__(params, {"step_s": step_s, "busy": busy})
+        self._clock = _Clock(busy)
 
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
-        _sleep_until(time.perf_counter() + self.param_groups[0]["step_s"])
+        group = self.param_groups[0]
+        if group.get("busy") and not self._clock.busy:
+            self._clock = _Clock(True)
+        self._clock.spend(group["step_s"])
         return loss

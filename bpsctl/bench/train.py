@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         from .profile import load
         from .replay import ReplayModel, ReplayOptimizer
         model = ReplayModel(load(args.replay), args.dilation)
-        optimizer = ReplayOptimizer(model.parameters(), step_s=model.schedule.optimizer_s)
+        optimizer = ReplayOptimizer(model.parameters(), step_s=model.schedule.optimizer_s,
+                                    busy=model.busy)
         data = torch.zeros(args.batch_size, 1)
         args.num_classes = model.num_classes        # the profile's, for the labels
     else:

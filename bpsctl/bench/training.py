@@ -239,7 +239,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
     # train (a replay's stand-in is built, and small)
     parameters: list[Any]
     if settings.replay:
-        from .replay import ReplayModel
+        from .replay import ReplayModel, replays_busy
         profile = settings.replayed()
         parameters = list(ReplayModel(profile).parameters())
     else:
@@ -303,7 +303,10 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
             "device_name": profile.device_name, "dilation": dilation,
             "profile_step_s": profile.total_s,
             "target_nic_mbit": settings.target_nic_mbit, "emulated_nic_mbit": nic,
-            "label": replay_label(name, dilation, settings.target_nic_mbit, nic)}}
+            "busy": replays_busy(profile, dilation),
+            "label": replay_label(name, dilation, settings.target_nic_mbit, nic)
+            + (", computing through the recorded gaps as the CPU did"
+               if replays_busy(profile, dilation) else "")}}
     # per round, both sides measured minutes apart at most: the median of those paired ratios
     ratios = {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
                        for rows in rounds] for system in systems[1:-1]}
