@@ -320,7 +320,7 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
             from .profile import load
             profile = load(replay)
             if device == "auto":
-                device = "cpu"          # the stand-in computes nothing: host memory
+                device = "cpu"          # the stand-in needs no GPU: host memory
             batch_size = batch_size or profile.batch_size
             image_size = image_size or profile.image_size
             if target_mbit is not None and not config.emulate and \

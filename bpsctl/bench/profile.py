@@ -475,8 +475,8 @@ def dilation_factor(target_mbit: float | None, nic_mbit: float | None) -> float:
 
 #: what the emulated hosts' NICs may move together, per CPU core of this machine, before a
 #: replay's steps are the CPU's and no longer the network's: every byte crosses the kernel's
-#: emulated links and the systems' own processes on these cores. 32 hosts at 200 Mbit on 2
-#: cores replayed alike at 100 Mbit; at 500 Mbit they fell far behind (docs/replay.md).
+#: emulated links and the systems' own processes on these cores (docs/replay.md has the
+#: measurements it comes from).
 REPLAY_MBIT_PER_CORE = 3200
 #: the NIC rates a replay chooses among, fastest first
 REPLAY_NIC_LADDER_MBIT = (1000, 500, 400, 250, 200, 100, 50, 25, 10)
