@@ -32,6 +32,7 @@ from bpsctl.bench.profile import (
     dilation_factor,
     load,
     predicted_step_s,
+    rate_flag,
     read,
     replay_fit_note,
     replay_label,
@@ -118,6 +119,7 @@ def test_a_replay_chooses_a_nic_its_emulated_hosts_fit_the_cores_at_and_says_whe
     assert note.startswith("32 emulated hosts at 500 Mbit each may move 16 Gbit/s through this "
                            "machine's 2 CPU cores, more than the 6.4 Gbit/s")
     assert note.endswith("--nic 200mbit (x125 for 25 Gbit) keeps them apart")
+    assert (rate_flag(1000), rate_flag(25_000), rate_flag(250)) == ("1gbit", "25gbit", "250mbit")
 
 
 def test_a_replay_says_when_its_workers_and_servers_would_not_fit_this_machines_memory():
@@ -136,7 +138,7 @@ def test_a_replay_says_when_its_workers_and_servers_would_not_fit_this_machines_
 
 
 @pytest.mark.parametrize("nic, expected", [
-    (None, "note: --nic {rate:g}mbit (x{dilation:g} dilation): the fastest emulated NIC at "
+    (None, "note: --nic {rate} (x{dilation:g} dilation): the fastest emulated NIC at "
            "which 32 hosts fit this machine's {cores} CPU cores in a replay"),
     ("100gbit", "note: 32 emulated hosts at 100 Gbit each may move 3200 Gbit/s through this "
                 "machine's {cores} CPU cores"),
@@ -151,7 +153,7 @@ def test_a_replay_on_16_emulated_hosts_says_which_nic_fits_before_anything_start
     result = _invoke(args, tmp_path)
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
-    assert expected.format(rate=rate, dilation=25_000 / rate, cores=cores) in said
+    assert expected.format(rate=rate_flag(rate), dilation=25_000 / rate, cores=cores) in said
     assert "drop --cross-barrier" in said
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
 

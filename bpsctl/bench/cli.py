@@ -31,7 +31,13 @@ from .api import (
     sweep_servers,
 )
 from .gpu import TRAIN_DEFAULTS, baseline_backend, check_horovod_nccl, resolve_device
-from .profile import dilation_factor, replay_fit_note, replay_memory_note, replay_nic_mbit
+from .profile import (
+    dilation_factor,
+    rate_flag,
+    replay_fit_note,
+    replay_memory_note,
+    replay_nic_mbit,
+)
 from .report import (
     plot_comm,
     plot_convergence,
@@ -403,10 +409,10 @@ def _replay_fit(config: Any, model_bytes: int, target_mbit: float | None,
     cores = len(os.sched_getaffinity(0))
     if config.nic_mbit is None:
         rate = replay_nic_mbit(hosts, cores)
-        err_console.print(f"note: --nic {rate:g}mbit (x{target_mbit / rate:g} dilation): the "
+        err_console.print(f"note: --nic {rate_flag(rate)} (x{target_mbit / rate:g} dilation): the "
                           f"fastest emulated NIC at which {hosts} hosts fit this machine's "
                           f"{cores} CPU cores in a replay")
-        return config.replace(nic=f"{rate:g}mbit")
+        return config.replace(nic=rate_flag(rate))
     note = replay_fit_note(hosts, cores, config.nic_mbit, target_mbit)
     if note:
         err_console.print(f"note: {note}")

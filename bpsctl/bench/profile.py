@@ -491,6 +491,11 @@ def replay_nic_mbit(hosts: int, cores: int) -> float:
                 REPLAY_NIC_LADDER_MBIT[-1])
 
 
+def rate_flag(mbit: float) -> str:
+    """A NIC rate as --nic takes it: "1gbit", "200mbit"."""
+    return f"{mbit / 1000:g}gbit" if mbit >= 1000 and mbit % 1000 == 0 else f"{mbit:g}mbit"
+
+
 def replay_fit_note(hosts: int, cores: int, nic_mbit: float, target_mbit: float) -> str:
     """A note when ``hosts`` emulated hosts at ``nic_mbit`` each could move more than this
     machine's ``cores`` keep up with in a replay (:data:`REPLAY_MBIT_PER_CORE`), naming the
@@ -502,7 +507,8 @@ def replay_fit_note(hosts: int, cores: int, nic_mbit: float, target_mbit: float)
             f"{_rate(hosts * nic_mbit)}/s through this machine's {cores} CPU cores, more than "
             f"the {_rate(REPLAY_MBIT_PER_CORE * max(1, cores))}/s a replay keeps up with here: "
             f"the replayed steps may be the CPU's, not the network's. --nic "
-            f"{fits:g}mbit (x{target_mbit / fits:g} for {_rate(target_mbit)}) keeps them apart")
+            f"{rate_flag(fits)} (x{target_mbit / fits:g} for {_rate(target_mbit)}) keeps them "
+            "apart")
 
 
 #: a replay's resident memory on this machine (measured: docs/replay.md): a worker process is
