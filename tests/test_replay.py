@@ -158,6 +158,22 @@ def test_a_replay_on_16_emulated_hosts_says_which_nic_fits_before_anything_start
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
 
 
+def test_a_replay_of_more_workers_than_this_machines_memory_holds_says_so_first(tmp_path):
+    """64 workers replaying VGG16 on the embedded default (all on this machine): about 123 GiB,
+    said before anything starts."""
+    available = psutil.virtual_memory().available
+    if available > 120 * 2**30:
+        pytest.skip(f"this machine has {available / 2**30:.0f} GiB available: 64 VGG16 workers "
+                    "fit")
+    result = _invoke(["bench", "vgg16", "--replay", "h200-vgg16", "--workers", "64",
+                      "--cross-barrier"], tmp_path)        # refused after the note
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert "note: 64 workers and 64 servers replaying a model of 528 MiB need about 12" in said
+    assert "the run may be killed for memory; run fewer workers" in said
+    assert "drop --cross-barrier" in said
+
+
 def test_medians_and_cuda_event_times_are_pure_and_need_no_gpu():
     steps = [StepTimes(0.1, 0.2, 0.01, [0.05, 0.19]), StepTimes(0.3, 0.4, 0.03, [0.07, 0.39]),
              StepTimes(0.2, 0.3, 0.02, [0.06, 0.29])]

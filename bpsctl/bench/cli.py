@@ -347,11 +347,13 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
         workers, servers = cluster_size(config, workers, servers,
                                         "--sweep" if sweep is not None else "",
                                         workers_per_host=workers_per_host)
-        if replay and config.emulate:
-            config = _replay_fit(config, profile.nbytes, target_mbit, [
-                (count, count * workers_per_host, sweep_servers(config, given_servers, count))
-                for count in worker_counts] if worker_counts else
-                [(workers // workers_per_host, workers, servers)])
+        if replay and hosts_cluster(config.state_dir) is None:     # all on this machine
+            points = [(count, count * workers_per_host,
+                       sweep_servers(config, given_servers, count))
+                      for count in worker_counts] if worker_counts else \
+                [(workers // workers_per_host, workers, servers)]
+            config = _replay_fit(config, profile.nbytes,
+                                 target_mbit if config.emulate else None, points)
         host_workers, host_gpus, gpu_by = physical_hosts(config, workers, gpus)
         backend, backend_why = baseline_backend(device, host_workers, host_gpus)
         if device == "cuda" and "horovod" in baselines:
@@ -392,11 +394,11 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
 
 def _replay_fit(config: Any, model_bytes: int, target_mbit: float | None,
                 points: list[tuple[int, int, int]]) -> Any:
-    """A replay on emulated hosts, of a model of ``model_bytes``, ``points`` (worker hosts,
-    workers, servers) per cluster the run builds: a note if the largest would not fit this
-    machine's memory. Dilated (``target_mbit``): without --nic, the config with the fastest NIC
-    rate at which the most hosts fit this machine's cores; with one, the config as it is, after
-    a note if they would not."""
+    """A replay on this machine (embedded or emulated), of a model of ``model_bytes``,
+    ``points`` (worker hosts, workers, servers) per cluster the run builds: a note if the
+    largest would not fit this machine's memory. On emulated hosts, dilated (``target_mbit``):
+    without --nic, the config with the fastest NIC rate at which the most hosts fit this
+    machine's cores; with one, the config as it is, after a note if they would not."""
     _, workers, servers = max(points, key=lambda point: point[1] + point[2])
     note = replay_memory_note(model_bytes, workers, servers,
                               psutil.virtual_memory().available / 2**20)
