@@ -482,13 +482,16 @@ REPLAY_MBIT_PER_CORE = 3200
 REPLAY_NIC_LADDER_MBIT = (1000, 500, 400, 250, 200, 100, 50, 25, 10)
 
 
+def _replay_budget_mbit(cores: int) -> float:
+    return REPLAY_MBIT_PER_CORE * max(1, cores)
+
+
 def replay_nic_mbit(hosts: int, cores: int) -> float:
     """The fastest NIC rate of :data:`REPLAY_NIC_LADDER_MBIT` at which ``hosts`` emulated
     hosts stay within :data:`REPLAY_MBIT_PER_CORE` per core of ``cores`` (the slowest rate
     when none does)."""
-    budget = REPLAY_MBIT_PER_CORE * max(1, cores)
-    return next((rate for rate in REPLAY_NIC_LADDER_MBIT if hosts * rate <= budget),
-                REPLAY_NIC_LADDER_MBIT[-1])
+    return next((rate for rate in REPLAY_NIC_LADDER_MBIT
+                 if hosts * rate <= _replay_budget_mbit(cores)), REPLAY_NIC_LADDER_MBIT[-1])
 
 
 def rate_flag(mbit: float) -> str:
@@ -500,12 +503,12 @@ def replay_fit_note(hosts: int, cores: int, nic_mbit: float, target_mbit: float)
     """A note when ``hosts`` emulated hosts at ``nic_mbit`` each could move more than this
     machine's ``cores`` keep up with in a replay (:data:`REPLAY_MBIT_PER_CORE`), naming the
     rate that fits and its dilation; "" when they fit."""
-    if hosts * nic_mbit <= REPLAY_MBIT_PER_CORE * max(1, cores):
+    if hosts * nic_mbit <= _replay_budget_mbit(cores):
         return ""
     fits = replay_nic_mbit(hosts, cores)
     return (f"{hosts} emulated hosts at {_rate(nic_mbit)} each may move "
             f"{_rate(hosts * nic_mbit)}/s through this machine's {cores} CPU cores, more than "
-            f"the {_rate(REPLAY_MBIT_PER_CORE * max(1, cores))}/s a replay keeps up with here: "
+            f"the {_rate(_replay_budget_mbit(cores))}/s a replay keeps up with here: "
             f"the replayed steps may be the CPU's, not the network's. --nic "
             f"{rate_flag(fits)} (x{target_mbit / fits:g} for {_rate(target_mbit)}) keeps them "
             "apart")

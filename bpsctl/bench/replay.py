@@ -51,10 +51,13 @@ class _Clock:
     profile replayed in its own time); and, for the backward pass, where it stands."""
 
     def __init__(self, busy: bool = False):
-        self.busy = busy
         self._operands = torch.ones(2, BUSY_SIDE, BUSY_SIDE) if busy else None
         self.backward_start = 0.0      # on the clock, asleep
         self.backward_done = 0.0       # seconds of backward computed, busy
+
+    @property
+    def busy(self) -> bool:
+        return self._operands is not None
 
     def spend(self, seconds: float) -> None:
         """Sleep ``seconds``, or compute until this thread has spent them on the CPU."""
@@ -173,12 +176,10 @@ class ReplayOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Any, step_s: float = 0.0, busy: bool = False):
         super().__init__(params, {"step_s": step_s, "busy": busy})
-        self._clock = _Clock(busy)
+        # rebuilt from param_groups, the groups' own values win over the defaults
+        self._clock = _Clock(bool(self.param_groups[0]["busy"]))
 
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
-        group = self.param_groups[0]
-        if group.get("busy") and not self._clock.busy:
-            self._clock = _Clock(True)
-        self._clock.spend(group["step_s"])
+        self._clock.spend(self.param_groups[0]["step_s"])
         return loss

@@ -522,15 +522,15 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
     gradients went through servers, that a server sends a round's sum only once the last
     worker's push of it is in, so with many workers its NIC idles mid-step and sends on after
     the workers' uplinks are done (docs/replay.md measures it)."""
-    slow = [f"{row['system']}{'' if len(reports) == 1 else ' at ' + str(r['workers'])} "
-            f"({row['model_error']:+.0%})" for r in reports for row in r["results"]
-            if (row.get("model_error") or 0.0) > MODEL_MISS]
-    if not slow:
+    missed = [(r, row) for r in reports for row in r["results"]
+              if (row.get("model_error") or 0.0) > MODEL_MISS]
+    if not missed:
         return ""
+    slow = [f"{row['system']}{'' if len(reports) == 1 else ' at ' + str(r['workers'])} "
+            f"({row['model_error']:+.0%})" for r, row in missed]
     shared = " (here every emulated host shares this machine's CPU cores)" \
         if reports[0].get("nic_mbit") and not _machines(reports[0]) else ""
-    rounds = any(row.get("gradient_path") == "servers" for r in reports for row in r["results"]
-                 if (row.get("model_error") or 0.0) > MODEL_MISS)
+    rounds = any(row.get("gradient_path") == "servers" for _, row in missed)
     return (f"more than the network explains: {', '.join(slow)}; the step model leaves out the "
             f"CPU time of each system's own workers and servers{shared}, each message's "
             "latency" + (", and a server's round waiting for the last worker's push before its "
