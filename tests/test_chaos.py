@@ -416,8 +416,7 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
                 (seed, record)
             assert not record["error"], (seed, record)
         failed = [name for name, held in report["invariants"].items() if held is False]
-        assert not failed, (seed, failed, report["output_tail"], _kept_logs(report),
-                            result.stderr[-3000:])
+        assert not failed, _why(report, failed, result.stderr)
         if report["survivable"]:        # a way on was left: the job trains to its end
             assert report["exit_code"] == 0, (seed, report["output_tail"])
         assert report["left_behind"] == []
@@ -431,6 +430,23 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
         assert summary["ok"] and set(summary["by_kind"]) == set(kinds.split(","))
     assert result.returncode == 0 and "held" in result.stderr
     assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
+
+
+def _why(report: dict, failed: list[str], stderr: str) -> str:
+    """A failed run as text for the assertion (pytest shortens the repr of anything but a
+    string to a few hundred characters): the invariants failed, the faults, what the workers
+    said and printed last, every step each rank recorded (the digests show where the ranks
+    parted), the end of each log its cluster kept, and the command's own last words."""
+    kept = Path(report["kept"]) if report.get("kept") else None
+    parts = [f"seed {report['seed']}: failed {failed}; unequal steps "
+             f"{report['unequal_steps']}; workers left {report['workers_left']}",
+             "faults:", *(json.dumps(r) for r in report["faults"]),
+             "said:", *report["said"], "output, last lines:", *report["output_tail"]]
+    for steps in sorted(kept.glob("steps-*")) if kept else []:
+        parts += [f"{steps.name}:", steps.read_text()]
+    for name, lines in _kept_logs(report).items():
+        parts += [f"{name}, last lines:", *lines]
+    return "\n".join([*parts, "stderr, last lines:", stderr[-3000:]])
 
 
 def _kept_logs(report: dict) -> dict[str, list[str]]:
@@ -494,11 +510,12 @@ def test_a_failed_run_is_kept_with_its_logs_beside_the_report(tmp_path):
     assert _kept_logs({"kept": str(first)}) == {"server-0.log": ["worker 0 (restart 1) joined"]}
 
 
-def _record(out, rank: int, rows: list[tuple[int, str, float, float]]) -> None:
+def _record(out, rank: int, rows: list[tuple[int, str, float, float]], pid: int = 100) -> None:
+    """Rows of ``steps-RANK`` as process ``pid`` of that rank writes them."""
     out.mkdir(exist_ok=True)
     with open(out / f"steps-{rank}", "a") as f:
         for step, digest, seconds, wall in rows:
-            f.write(f"{step} {digest} {seconds} {wall}\n")
+            f.write(f"{step} {digest} {seconds} {wall} {pid}\n")
 
 
 def test_the_checker_finds_ranks_that_differ_stalls_and_a_drifted_model(tmp_path):
@@ -566,6 +583,17 @@ def test_the_checker_finds_ranks_that_differ_stalls_and_a_drifted_model(tmp_path
     assert _check(config, settings, reference, short, RunResult(0), [])["unequal_steps"] == [1]
     _record(short, 1, [(3, "after-rejoining", 0.1, walls[3])])
     assert _check(config, settings, reference, short, left, [])["unequal_steps"] == [3]
+    # its restart may go on from the very next step (the donor had done that one): the dead
+    # process's last step is still not compared, the restart's steps are
+    rejoined = tmp_path / "rejoined"
+    _record(rejoined, 0, [(s, f"h{s}", 0.1, walls[s]) for s in range(4)])
+    _record(rejoined, 1, [(0, "h0", 0.1, walls[0]), (1, "its-own", 0.1, walls[1])], pid=100)
+    _record(rejoined, 1, [(s, f"h{s}", 0.1, walls[s]) for s in (2, 3)], pid=200)
+    assert _check(config, settings, reference, rejoined, left, [])["unequal_steps"] == []
+    assert _check(config, settings, reference, rejoined, RunResult(0), [])[
+        "unequal_steps"] == [1]
+    _record(rejoined, 1, [(2, "after-rejoining", 0.1, walls[2])], pid=200)
+    assert _check(config, settings, reference, rejoined, left, [])["unequal_steps"] == [2]
 
 
 def test_silences_that_overlap_on_one_host_add_up_to_a_loss():

@@ -490,28 +490,31 @@ def _down_windows(records: list[FaultRecord], timeout_s: float,
     return windows
 
 
-def _steps(out: Path) -> dict[int, dict[int, tuple[str, float, float]]]:
-    """rank -> step -> (digest, seconds, wall clock) from the workers' records (a restarted
-    worker's later record of a step wins)."""
-    steps: dict[int, dict[int, tuple[str, float, float]]] = {}
+def _steps(out: Path) -> dict[int, dict[int, tuple[str, float, float, int]]]:
+    """rank -> step -> (digest, seconds, wall clock, pid of the process that recorded it)
+    from the workers' records (a restarted worker's later record of a step wins)."""
+    steps: dict[int, dict[int, tuple[str, float, float, int]]] = {}
     for path in out.glob("steps-*"):
         rank = int(path.name.split("-")[1])
         for line in path.read_text().splitlines():
-            step, digest, seconds, wall = line.split()
-            steps.setdefault(rank, {})[int(step)] = (digest, float(seconds), float(wall))
+            step, digest, seconds, wall, pid = line.split()
+            steps.setdefault(rank, {})[int(step)] = (digest, float(seconds), float(wall),
+                                                     int(pid))
     return steps
 
 
-def _unequal_steps(steps: dict[int, dict[int, tuple[str, float, float]]],
+def _unequal_steps(steps: dict[int, dict[int, tuple[str, float, float, int]]],
                    left: list[int]) -> list[int]:
-    """The steps after which the ranks' parameters differ. The last step a worker that left
-    took before it went (its next step missing, while the job went on) is not compared: the
-    sum it got may have come from a server lost at about the same time, whose round the
-    others then did again on the server that took over, without that worker's push. Its
-    model goes with it; a restart takes the donor's, and its steps from there are compared."""
+    """The steps after which the ranks' parameters differ. The last step a process of a
+    worker that left took before it went (the job going on past it, and that process not
+    recording the next step) is not compared: the sum it got may have come from a server lost
+    at about the same time, whose round the others then did again on the server that took
+    over, without that worker's push. Its model goes with it; a restart takes the donor's,
+    which may have done that very step, and goes on from the donor's next step: the
+    restart's steps are compared."""
     end = max((step for rank in steps.values() for step in rank), default=-1)
-    gone = {(r, step) for r in set(left) for step in steps.get(r, {})
-            if step < end and step + 1 not in steps[r]}
+    gone = {(r, step) for r in set(left) for step, record in steps.get(r, {}).items()
+            if step < end and (step + 1 not in steps[r] or steps[r][step + 1][3] != record[3])}
     return sorted(step for step in {s for rank in steps.values() for s in rank}
                   if len({steps[r][step][0] for r in steps
                           if step in steps[r] and (r, step) not in gone}) > 1)

@@ -5,7 +5,7 @@ and what any training script run under `bpsctl chaos -- CMD` may record for its 
 
 An MLP of about 4 MiB of float32 parameters (spread over every server), SGD with momentum, data
 seeded by (rank, step), so that a restarted worker and a fault-free run see the same batches.
-After each step a worker appends ``STEP SHA1-OF-ITS-PARAMETERS SECONDS WALL`` to
+After each step a worker appends ``STEP SHA1-OF-ITS-PARAMETERS SECONDS WALL PID`` to
 ``steps-RANK`` (the checker compares ranks step by step and finds the stalls) and prints it
 with its loss (into its log, as a training script does); at the end its parameters go to
 ``final-RANK.npy``. A worker that rejoins (``--max-restarts``) goes on from
@@ -44,7 +44,7 @@ class Recorder:
         digest."""
         digest = hashlib.sha1(np.ascontiguousarray(parameters).tobytes()).hexdigest()
         if self._file is not None:
-            self._file.write(f"{step} {digest} {seconds:.4f} {time.time():.3f}\n")
+            self._file.write(f"{step} {digest} {seconds:.4f} {time.time():.3f} {os.getpid()}\n")
             self._file.flush()
         return digest
 
