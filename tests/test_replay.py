@@ -40,6 +40,7 @@ from bpsctl.bench.profile import (
     replay_memory_note,
     replay_nic_mbit,
     replay_schedule,
+    round_latency_s,
     shipped_names,
     summarize,
     transfer_groups,
@@ -425,6 +426,32 @@ def test_the_step_model_overlaps_backward_with_the_transfer_of_what_is_ready():
     assert transfer_groups(small, "bpsctl")[0] == (0.001, 0.1)    # each as it is ready
 
 
+def test_a_step_through_servers_waits_for_the_first_and_the_last_rounds():
+    """The servers' rounds in the step model: the first sums come back after max(servers,
+    workers) pieces' time on a NIC, the last reaches the workers a piece each through its
+    server's NIC; a step through servers is that much longer once the network binds, and not
+    when backward hides the transfer."""
+    from bpsctl.bench.training import largest_piece_bytes
+    mib = 1 << 20
+    # 16 + 16 hosts, 1 MiB pieces at 25 Gbit: 32 pieces of 0.34 ms
+    assert round_latency_s(mib, 16, 16, 25_000) == pytest.approx(32 * 8 * mib / 25e9)
+    assert round_latency_s(mib, 8, 16, 25_000) == pytest.approx(24 * 8 * mib / 25e9)
+    assert round_latency_s(mib, 16, 8, 25_000) == round_latency_s(mib, 16, 16, 25_000)
+    assert round_latency_s(mib, 2, 2, 25_000) < round_latency_s(mib, 16, 16, 25_000) / 7
+    profile = _profile([("a", (1 << 18,), 0.020), ("b", (1 << 18,), 0.010)], forward_s=0.005,
+                       backward_s=0.030, optimizer_s=0.002)
+    assert predicted_step_s(profile, "bpsctl", 0.040, 0.004) == \
+        pytest.approx(0.005 + 0.054 + 0.002)
+    assert predicted_step_s(profile, "bpsctl", 0.001, 0.004) == pytest.approx(profile.total_s)
+    assert predicted_step_s(profile, "bpsctl", None, 0.004) == pytest.approx(profile.total_s)
+    # the pieces the engine cuts: a 32 MiB tensor into 1 MiB ones for 16 servers (each gets
+    # BPSCTL_PARTITION_DEPTH of them, not under 1 MiB), 2 MiB ones (the largest) for one
+    big = [torch.nn.Parameter(torch.zeros(8 * mib)), torch.nn.Parameter(torch.zeros(4))]
+    assert largest_piece_bytes(big, Config(), 16) == mib
+    assert largest_piece_bytes(big, Config(), 1) == 2 * mib
+    assert largest_piece_bytes(big, Config(partition_depth=0), 16) == 2 * mib
+
+
 def test_a_sweep_point_has_a_server_per_worker_host_unless_told_and_colocated_adds_them():
     dedicated, colocated = Config(), Config(colocated_servers=True)
     assert [sweep_servers(dedicated, None, n) for n in (1, 4)] == [1, 4]
@@ -458,11 +485,11 @@ def test_a_sweep_prints_each_worker_count_with_the_step_models_error_in_80_colum
     assert ("more than the network explains: bpsctl at 2 (+35%); the step model leaves out "
             "the CPU time of each system's own workers and servers (here every emulated host "
             "shares this machine's CPU cores), each message's latency") in said
-    assert "last worker's push" not in said             # no row went through servers
+    assert "BPSCTL_CREDIT_BYTES" not in said             # no row went through servers
     points[1]["results"][0]["gradient_path"] = "servers"
     said = sentence(render(print_train_sweep, report))
-    assert ("each message's latency, and a server's round waiting for the last worker's push "
-            "before its sum can leave") in said
+    assert ("each message's latency, and, through servers, a credit (BPSCTL_CREDIT_BYTES) too "
+            "small to keep the NICs busy or the cost of many small partitions") in said
 
 
 # --------------------------------------------------------------------------- the benchmark

@@ -627,16 +627,32 @@ def transfer_groups(profile: Profile, system: str) -> list[tuple[float, float]]:
     return groups
 
 
-def predicted_step_s(profile: Profile, system: str, network_s: float | None) -> float:
+def round_latency_s(piece_bytes: int, workers: int, servers: int, nic_mbit: float) -> float:
+    """What a step through servers adds past its transfer, in seconds, for partitions of up
+    to ``piece_bytes`` over NICs of ``nic_mbit``: a round's sum leaves its server only once
+    all ``workers`` pushes of it are in, and each worker's uplink carries its pushes to all
+    ``servers`` at once, so the first sums come back after about max(servers, workers)
+    pieces' time on a NIC (the downlink idles meanwhile); the last sum leaves after the last
+    push and reaches the workers one piece each through its server's NIC: ``workers`` pieces'
+    time more. bpsctl.engine.partition.piece_bytes keeps pieces small for this, down to
+    its floor."""
+    return (max(servers, workers) + workers) * piece_bytes * 8 / (nic_mbit * 1e6)
+
+
+def predicted_step_s(profile: Profile, system: str, network_s: float | None,
+                     round_s: float = 0.0) -> float:
     """The step the model predicts for ``system`` when moving a whole step's bytes over the
     busiest NIC takes ``network_s`` (the NIC-bound ideal, in the profile's time; None or 0:
     nothing crosses a NIC): the forward pass, then backward with the network moving each of
-    :func:`transfer_groups` from when it may leave, one after another at that rate, then the
-    optimizer step once both have ended. What it leaves out: the CPU time of the systems
-    themselves, and a server's or a ring's latency per message."""
+    :func:`transfer_groups` from when it may leave, one after another at that rate, and
+    ``round_s`` more for a step through servers (:func:`round_latency_s`), then the optimizer
+    step once both have ended. What it leaves out: the CPU time of the systems themselves,
+    and a ring's latency per message."""
     network_s = network_s or 0.0
     done = 0.0                  # when the network is free, from the start of backward
     for ready_s, share in transfer_groups(profile, system):
         done = max(done, ready_s) + share * network_s
+    if network_s:
+        done += round_s
     backward_s = max([profile.backward_s] + [p.ready_s for p in profile.parameters])
     return profile.forward_s + max(backward_s, done) + profile.optimizer_s

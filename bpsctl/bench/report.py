@@ -519,9 +519,9 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
     """For the replayed rows more than :data:`MODEL_MISS` slower than the step model, what the
     model does not count ("" when none is): the systems' own CPU time and each message's
     latency, and on emulated hosts, that they share this machine's cores; for rows whose
-    gradients went through servers, that a server sends a round's sum only once the last
-    worker's push of it is in, so with many workers its NIC idles mid-step and sends on after
-    the workers' uplinks are done (docs/replay.md measures it)."""
+    gradients went through servers, a credit too small to keep the NICs busy and the cost of
+    many small partitions (docs/replay.md measures both; the rounds' own latency is in the
+    model)."""
     missed = [(r, row) for r in reports for row in r["results"]
               if (row.get("model_error") or 0.0) > MODEL_MISS]
     if not missed:
@@ -533,8 +533,9 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
     rounds = any(row.get("gradient_path") == "servers" for _, row in missed)
     return (f"more than the network explains: {', '.join(slow)}; the step model leaves out the "
             f"CPU time of each system's own workers and servers{shared}, each message's "
-            "latency" + (", and a server's round waiting for the last worker's push before its "
-                         "sum can leave" if rounds else ""))
+            "latency" + (", and, through servers, a credit (BPSCTL_CREDIT_BYTES) too small to "
+                         "keep the NICs busy or the cost of many small partitions"
+                         if rounds else ""))
 
 
 def model_line(report: dict[str, Any]) -> str:

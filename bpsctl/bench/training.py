@@ -11,7 +11,7 @@ import importlib.metadata
 import socket
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -39,6 +39,7 @@ from .profile import (
     predicted_step_s,
     replay_label,
     resolve,
+    round_latency_s,
     shipped_names,
     undilate_row,
 )
@@ -247,6 +248,7 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         parameters = list(shaped(settings.model, settings.num_classes))
     params = [p.numel() for p in parameters]
     wire = wire_bytes_per_step(parameters, config, settings.compression, settings.servers)
+    piece = largest_piece_bytes(parameters, config, settings.servers)
     del parameters
     # plain: one worker training alone, no communication, for the scaling efficiency
     systems = ("bpsctl", *[b for b in TRAIN_BASELINES if b in settings.compare], "plain")
@@ -293,8 +295,12 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
         # the figures in the time of the cluster the replay stands for
         results = [undilate_row(row, dilation) for row in results]
         for row in results:
-            # the step model's prediction, in the same time, beside what was measured
-            row["model_step_s"] = predicted_step_s(profile, row["system"], row["ideal_step_s"])
+            # the step model's prediction, in the same time, beside what was measured; a
+            # step through servers waits for their rounds too
+            round_s = 0.0 if row.get("gradient_path") != "servers" or nic is None else \
+                round_latency_s(piece, settings.workers, len(server_hosts), nic * dilation)
+            row["model_step_s"] = predicted_step_s(profile, row["system"], row["ideal_step_s"],
+                                                   round_s)
             row["model_error"] = row["step_seconds"] / row["model_step_s"] - 1
         name, path = resolve(settings.replay)
         replay = {"replay": {
@@ -354,31 +360,45 @@ def run_train_sweep(config: Config, settings: TrainSettings, worker_counts: Sequ
             "worker_counts": list(worker_counts), "points": points}
 
 
-def wire_bytes_per_step(parameters: Sequence[Any], config: Config, spec: str,
-                        servers: int = 1) -> int:
-    """The bytes one bpsctl worker pushes per step (and pulls back) as the compressors state
-    them: DistributedOptimizer's buckets of the model's ``parameters`` (torch's, or
-    bench.shapes'), cut into partitions, each compressed unless its tensor is under the
-    minimum size."""
-    from ..engine.compression import KIND_BF16, KIND_FP16, parse
+def _pieces(parameters: Sequence[Any], config: Config,
+            servers: int) -> Iterator[tuple[int, int, int]]:
+    """(its tensor's bytes, its element size, its bytes) of each partition one bpsctl worker
+    pushes per step: DistributedOptimizer's buckets of the model's ``parameters`` (torch's,
+    or bench.shapes'), cut as the engine cuts them for ``servers`` servers."""
     from ..engine.fusion import buckets
     from ..engine.partition import piece_bytes, split
-    compressor = parse(spec) if spec else None
     params = [p for p in parameters if p.requires_grad]
     names = {p: f"grad.{i}" for i, p in enumerate(params)}
-    total = 0
     for bucket in buckets(params, names, config.fusion_bytes, "grad"):
         nbytes = sum(p.numel() * p.element_size() for p in bucket.params)
         itemsize = bucket.params[0].element_size()
         size = piece_bytes(nbytes, servers, config.partition_bytes, config.partition_depth)
         for _, length in split(nbytes, itemsize, size):
-            if compressor is None or compressor.kind in (KIND_FP16, KIND_BF16) \
-                    or nbytes < config.min_compress_bytes:
-                # fp16/bf16 are casts in the plugin: half the bytes, no header
-                total += length if compressor is None else length // 2
-            else:
-                total += compressor.wire_bytes(length // itemsize)
+            yield nbytes, itemsize, length
+
+
+def wire_bytes_per_step(parameters: Sequence[Any], config: Config, spec: str,
+                        servers: int = 1) -> int:
+    """The bytes one bpsctl worker pushes per step (and pulls back) as the compressors state
+    them: its partitions (:func:`_pieces`), each compressed unless its tensor is under the
+    minimum size."""
+    from ..engine.compression import KIND_BF16, KIND_FP16, parse
+    compressor = parse(spec) if spec else None
+    total = 0
+    for nbytes, itemsize, length in _pieces(parameters, config, servers):
+        if compressor is None or compressor.kind in (KIND_FP16, KIND_BF16) \
+                or nbytes < config.min_compress_bytes:
+            # fp16/bf16 are casts in the plugin: half the bytes, no header
+            total += length if compressor is None else length // 2
+        else:
+            total += compressor.wire_bytes(length // itemsize)
     return total
+
+
+def largest_piece_bytes(parameters: Sequence[Any], config: Config, servers: int) -> int:
+    """The largest partition one bpsctl worker pushes (uncompressed): what sets a server
+    round's latency (:func:`bpsctl.bench.profile.round_latency_s`)."""
+    return max((length for _, _, length in _pieces(parameters, config, servers)), default=0)
 
 
 def _pooled(system: str, rows: list[dict[str, Any]], batch_size: int) -> dict[str, Any]:
