@@ -400,7 +400,7 @@ def test_a_cpus_profile_in_its_own_time_is_replayed_on_the_cpu_and_hooks_add_to_
     assert busy.busy
     cpu, wall = step(busy, hook_s=0.05)
     # forward 0.04 + backward 0.08 + optimizer 0.02 of compute, and the hook's 0.05 beside it
-    assert cpu >= 0.14 + 0.05 and wall >= cpu
+    assert cpu >= 0.14 + 0.05, (cpu, wall)
     asleep = ReplayModel(profile, dilation=2.0)
     cpu, wall = step(asleep, hook_s=0.0)
     assert not asleep.busy and wall >= 2 * 0.14 * 0.99 and cpu < 0.5 * wall

@@ -507,7 +507,8 @@ def plot_train(report: dict[str, Any], path: Path) -> None:
 #: how far above the step model a measured step may be before the report says what the model
 #: leaves out
 MODEL_MISS = 0.15
-_STEP_MODEL = "the step model (backward overlapped with the NIC-bound transfer)"
+_STEP_MODEL = ("the step model (backward overlapped with the NIC-bound transfer, then the "
+               "servers' rounds)")
 
 
 def _scaling_said(cuda: bool) -> str:
