@@ -531,12 +531,12 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
             f"({row['model_error']:+.0%})" for r, row in missed]
     shared = " (here every emulated host shares this machine's CPU cores)" \
         if reports[0].get("nic_mbit") and not _machines(reports[0]) else ""
-    rounds = any(row.get("gradient_path") == "servers" for _, row in missed)
+    through_servers = any(row.get("gradient_path") == "servers" for _, row in missed)
     return (f"more than the network explains: {', '.join(slow)}; the step model leaves out the "
             f"CPU time of each system's own workers and servers{shared}, each message's "
             "latency" + (", and, through servers, a credit (BPSCTL_CREDIT_BYTES) too small to "
                          "keep the NICs busy or the cost of many small partitions"
-                         if rounds else ""))
+                         if through_servers else ""))
 
 
 def model_line(report: dict[str, Any]) -> str:

@@ -303,16 +303,16 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
                                                    round_s)
             row["model_error"] = row["step_seconds"] / row["model_step_s"] - 1
         name, path = resolve(settings.replay)
+        busy = replays_busy(profile, dilation)
         replay = {"replay": {
             "profile": name, "file": str(path), "source": profile.source,
             "derived_from": profile.derived_from or None, "device": profile.device,
             "device_name": profile.device_name, "dilation": dilation,
             "profile_step_s": profile.total_s,
             "target_nic_mbit": settings.target_nic_mbit, "emulated_nic_mbit": nic,
-            "busy": replays_busy(profile, dilation),
+            "busy": busy,
             "label": replay_label(name, dilation, settings.target_nic_mbit, nic)
-            + (", computing through the recorded gaps as the CPU did"
-               if replays_busy(profile, dilation) else "")}}
+            + (", computing through the recorded gaps as the CPU did" if busy else "")}}
     # per round, both sides measured minutes apart at most: the median of those paired ratios
     ratios = {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]
                        for rows in rounds] for system in systems[1:-1]}
