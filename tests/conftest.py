@@ -201,6 +201,8 @@ TIERS: dict[str, set[str]] = {
     "test_emulate.py::test_leftovers_of_a_crashed_run_are_found_and_removed": {"slow", "root"},
     "test_emulate.py::test_shaped_nics_full_duplex_fair_and_capped": {"slow", "root"},
     "test_emulate.py::test_tcp_hands_the_shaped_nic_segments_over_64_kib": {"slow", "root"},
+    "test_emulate.py::test_small_data_packets_stay_in_their_peers_class_and_only_pure_acks_go_first":
+        {"slow", "root"},
     "test_emulate.py::test_failed_create_removes_what_it_built": {"slow", "root"},
     "test_tune.py::test_a_small_tuning_run_on_emulated_hosts": {"slow", "root"},
     "test_tune.py::test_run_and_up_use_the_tuned_file_unless_overridden": {"slow"},

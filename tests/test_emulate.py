@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import textwrap
@@ -205,10 +206,11 @@ def test_plan_shaping_one_class_per_peer():
     switch_side = emulate.shaping_batch(plan, plan.host("w0"), "switch")
     assert "dev eth0" in host_side and "dev w0" in switch_side
     assert host_side.count("match ip dst") == 2 and switch_side.count("match ip src") == 2
-    # the ACK class: TCP packets of IP total length 32-63 and 64-127, not 0 (a BIG TCP segment)
-    assert host_side.count("match ip protocol 6") == 2
-    assert "match u16 0x0020 0xffe0 at 2 flowid 1:2" in host_side
-    assert "match u16 0x0040 0xffc0 at 2 flowid 1:2" in host_side
+    # the ACK class: TCP packets whose IP total length is 20 + the TCP header (data offset
+    # 5-15 words), i.e. without data; not 0 (a BIG TCP segment)
+    assert host_side.count("match ip protocol 6") == 11
+    assert "match u16 0x0034 0xffff at 2 match u8 0x80 0xf0 at 32 flowid 1:2" in host_side
+    assert "match u16 0x0028 0xffff at 2 match u8 0x50 0xf0 at 32 flowid 1:2" in host_side
     assert "match ip dst 10.77.0.11/32" in host_side
     assert "match ip src 10.77.0.130/32" in switch_side
     # each peer R/(P-1) ceil R, after the 2% that TCP's ACKs get first
@@ -440,6 +442,67 @@ def test_shaped_nics_full_duplex_fair_and_capped(cluster_id, tmp_path):
             for source, mbit in flows.items():
                 assert mbit == pytest.approx(total / 3, rel=0.15), f"{source} -> s0: {mbit:.1f}"
         assert sum(tries[-1].values()) == pytest.approx(expected, rel=0.10)
+
+
+PING_PONG_SCRIPT = textwrap.dedent('''
+    import socket, sys
+    role, address, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    if role == "serve":
+        listener = socket.create_server((address, 5301))
+        print("ready", flush=True)
+        conn, _ = listener.accept()
+        conn.settimeout(20)
+        for _ in range(count):
+            got = b""
+            while len(got) < 50:
+                got += conn.recv(50 - len(got))
+            conn.sendall(b"k")
+    else:
+        conn = socket.create_connection((address, 5301), timeout=20)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for _ in range(count):
+            conn.sendall(b"m" * 50)
+            assert conn.recv(1) == b"k"
+        print("done", flush=True)
+''')
+
+
+@pytest.mark.timeout(60)
+def test_small_data_packets_stay_in_their_peers_class_and_only_pure_acks_go_first(
+        cluster_id, tmp_path):
+    """Small messages sent alone (TCP_NODELAY, as ZeroMQ sends them) travel in their peer's
+    class, behind their flow's earlier data: were they taken for ACKs and sent first, they would
+    overtake it and reach the receiver out of order, and TCP would retransmit for nothing."""
+    script = tmp_path / "ping_pong.py"
+    script.write_text(PING_PONG_SCRIPT)
+    count = 200
+    plan = emulate.plan_network(1, 1, "100mbit", cluster_id=cluster_id)
+    with emulate.emulated_network(plan) as network:
+        server = subprocess.Popen(
+            network.command("s0", [sys.executable, str(script), "serve",
+                                   network.address("s0"), str(count)]),
+            stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "ready"
+            client = subprocess.run(
+                network.command("w0", [sys.executable, str(script), "ping",
+                                       network.address("s0"), str(count)]),
+                capture_output=True, text=True, timeout=30)
+            assert client.stdout.strip() == "done", client.stderr
+            server.wait(timeout=20)
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+        shown = subprocess.run(
+            network.command("w0", ["tc", "-s", "class", "show", "dev", "eth0"]),
+            capture_output=True, text=True, timeout=10, check=True).stdout
+    # "class htb 1:10 parent 1:1 ... \n Sent 5200 bytes 100 pkt ..." (tc has no JSON for htb)
+    packets = {handle: int(count) for handle, count in re.findall(
+        r"^class htb (\S+) .*\n\s*Sent \d+ bytes (\d+) pkt", shown, re.MULTILINE)}
+    print(f"\nw0's classes after {count} pings of 50 bytes: {packets}")
+    # 1:10 is w0's class for its one peer, s0: every ping went there, none ahead as an ACK
+    assert packets["1:10"] >= count
+    assert packets["1:2"] < count
 
 
 def _kernel_at_least(major, minor):

@@ -48,7 +48,7 @@ CPU_PERIOD_US = 100_000                           # the CPU limit's accounting p
 NETNS_ETC = Path("/etc/netns")                   # `ip netns exec` bind-mounts files from here
 NETNS_RUN = Path("/run/netns")                    # where `ip netns add` names namespaces
 COMMAND_TIMEOUT_S = 10.0
-ACK_SHARE = 0.02                                 # of R, guaranteed to small TCP packets (ACKs)
+ACK_SHARE = 0.02                                 # of R, guaranteed to pure ACKs (no data)
 GSO_BYTES = 262144                               # TCP segments handed to each NIC (see _set_gso)
 MAX_WORKERS = 120                                # addresses .10-.129
 MAX_SERVERS = 120                                # addresses .130-.249
@@ -246,12 +246,17 @@ def shaping_batch(plan: NetworkPlan, host: EmulatedHost, side: str) -> str:
              f"ceil {total_kbit}kbit quantum {_quantum(total_kbit)}",
              f"class add dev {dev} parent 1:1 classid 1:2 htb rate {ack_kbit}kbit "
              f"ceil {total_kbit}kbit prio 0 quantum {_quantum(ack_kbit)}"]
-    # an ACK is a TCP packet of IP total length 32-127 bytes (two masks). Not 0-127: a GSO
-    # packet over 64 KiB carries total length 0 (IPv4 BIG TCP), and it is data. (Filter
+    # a pure ACK is a TCP packet that carries no data: its IP total length is the 20-byte IP
+    # header (the namespaces send no IP options) plus the TCP header, whose length is the data
+    # offset, in words, at byte 32. A small packet that carries data must stay in its peer's
+    # class: ZeroMQ sends small messages alone (TCP_NODELAY), and one that overtook its own
+    # flow's bulk data would reach the receiver out of order and be retransmitted for nothing.
+    # A GSO packet over 64 KiB carries total length 0 (IPv4 BIG TCP) and never matches. (Filter
     # priority 1 is left for chaos/faults.py's partitions, which must come before the ACKs.)
-    for value, mask in ((0x0020, 0xffe0), (0x0040, 0xffc0)):
+    for words in range(5, 16):
         lines.append(f"filter add dev {dev} parent 1: protocol ip prio 2 u32 match ip protocol 6 "
-                     f"0xff match u16 0x{value:04x} 0x{mask:04x} at 2 flowid 1:2")
+                     f"0xff match u8 0x45 0xff at 0 match u16 0x{20 + 4 * words:04x} 0xffff at 2 "
+                     f"match u8 0x{words << 4:02x} 0xf0 at 32 flowid 1:2")
     for index, peer in enumerate(peers):
         classid = f"1:{0x10 + index:x}"
         lines.append(f"class add dev {dev} parent 1:1 classid {classid} htb rate {share_kbit}kbit "
