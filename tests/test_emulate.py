@@ -497,7 +497,7 @@ def test_small_data_packets_stay_in_their_peers_class_and_only_pure_acks_go_firs
             network.command("w0", ["tc", "-s", "class", "show", "dev", "eth0"]),
             capture_output=True, text=True, timeout=10, check=True).stdout
     # "class htb 1:10 parent 1:1 ... \n Sent 5200 bytes 100 pkt ..." (tc has no JSON for htb)
-    packets = {handle: int(count) for handle, count in re.findall(
+    packets = {handle: int(sent) for handle, sent in re.findall(
         r"^class htb (\S+) .*\n\s*Sent \d+ bytes (\d+) pkt", shown, re.MULTILINE)}
     print(f"\nw0's classes after {count} pings of 50 bytes: {packets}")
     # 1:10 is w0's class for its one peer, s0: every ping went there, none ahead as an ACK
