@@ -449,13 +449,17 @@ PING_PONG_SCRIPT = textwrap.dedent('''
     role, address, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
     if role == "serve":
         listener = socket.create_server((address, 5301))
+        listener.settimeout(20)
         print("ready", flush=True)
         conn, _ = listener.accept()
         conn.settimeout(20)
         for _ in range(count):
             got = b""
             while len(got) < 50:
-                got += conn.recv(50 - len(got))
+                chunk = conn.recv(50 - len(got))
+                if not chunk:
+                    sys.exit("the client closed the connection early")
+                got += chunk
             conn.sendall(b"k")
     else:
         conn = socket.create_connection((address, 5301), timeout=20)
