@@ -31,8 +31,10 @@ def buckets(params: list[Any], names: dict, fusion_bytes: int, prefix: str,
     given); a gradient of that size or more travels alone. Every worker derives the same
     buckets from the same model, so the names agree across workers. Priorities follow layer
     order (the first parameter highest): the next forward pass needs the first layers first,
-    and the engine sends larger priority first. With ``group_of`` (parameter -> its param
-    group) a bucket holds one group's parameters only."""
+    and the engine sends larger priority first (a CrossBarrier pushes by them; a
+    DistributedOptimizer, whose step waits for every bucket, in the order they are ready).
+    With ``group_of`` (parameter -> its param group) a bucket holds one group's parameters
+    only."""
     index = {p: i for i, p in enumerate(params)}
     found: list[Bucket] = []
     run: list[Any] = []

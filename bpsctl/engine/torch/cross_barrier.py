@@ -111,7 +111,7 @@ class _CrossBarrier(torch.optim.Optimizer):
                               "BPSCTL_STALENESS=0")
         self._base = base
         self._sync = _GradientSync(named, "CrossBarrier.grad", compression,
-                                   backward_passes_per_step)
+                                   backward_passes_per_step, by_priority=True)
         self._group_of = {p: i for i, group in enumerate(self.param_groups)
                           for p in group["params"]}
         self._names = {p: name for name, p in named}

@@ -51,7 +51,8 @@ class _GradientSync:
                  compression: CompressionArg, passes_per_step: int,
                  before_first_push: Callable[[], None] | None = None,
                  group_of: dict | None = None, solo: bool = False, average: bool = True,
-                 predivide: float = 1.0, sparse_as_dense: bool = False):
+                 predivide: float = 1.0, sparse_as_dense: bool = False,
+                 by_priority: bool = False):
         if passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step: expected at least 1, "
                              f"got {passes_per_step}")
@@ -82,6 +83,9 @@ class _GradientSync:
         self.hooks = [] if solo else [p.register_post_accumulate_grad_hook(self._hook)
                                       for p in self.params]
         self.stale: StaleGradients | None = None    # bounded staleness: pushes from slots
+        # the buckets go in the order they are ready unless a consumer takes each layer's
+        # average as it arrives (CrossBarrier): see _push
+        self.by_priority = by_priority
         # when this step's first and last bucket were ready (the backward span of a trace)
         self.first_ready_ns = self.last_ready_ns = 0
 
@@ -106,6 +110,14 @@ class _GradientSync:
                 self._push(bucket)
 
     def _push(self, bucket: _Bucket) -> None:
+        """Push a ready bucket. A round on a server ends only when every worker's push of it
+        is in, so the workers must send in one order: the order backward makes the buckets
+        ready is the same on all of them, while a priority order is not. A bucket of higher
+        priority ready later overtakes whatever is still queued, and with workers a few
+        milliseconds apart each one is overtaken at a different point, so every server holds
+        rounds that wait for one late worker while the pulls idle. The step waits for every
+        average anyway, so priorities gain nothing there; only a CrossBarrier, which updates
+        each layer as its average arrives, pushes by priority (``by_priority``)."""
         name, into = bucket.name, None
         if self.stale is not None:
             # this step's slot: the gradients stay there while s more steps run
@@ -114,7 +126,8 @@ class _GradientSync:
         if self.predivide != 1.0:
             tensor.div_(self.predivide)             # the push_pull overwrites it anyway
         self.handles[bucket] = push_pull_async_inplace(tensor, average=self.average, name=name,
-                                                       priority=bucket.priority,
+                                                       priority=bucket.priority
+                                                       if self.by_priority else 0,
                                                        compression=self.compression)
 
     def grads(self, bucket: _Bucket) -> list[torch.Tensor]:
