@@ -520,7 +520,8 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
     """For the replayed rows more than :data:`MODEL_MISS` slower than the step model, what the
     model does not count ("" when none is): the systems' own CPU time and each message's
     latency, and on emulated hosts, that they share this machine's cores; for rows whose
-    gradients went through servers, a credit too small to keep the NICs busy, partitions placed
+    gradients went through servers, a credit too small to keep the NICs busy or so large that
+    the workers' flows drift apart (the servers' rounds then wait for the last), partitions placed
     unevenly (each whole on one server, so a server may carry up to a partition more than its
     share) and the cost of many small partitions (docs/replay.md measures them; the rounds' own
     latency is in the model)."""
@@ -536,8 +537,10 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
     return (f"more than the network explains: {', '.join(slow)}; the step model leaves out the "
             f"CPU time of each system's own workers and servers{shared}, each message's "
             "latency" + (", and, through servers, a credit (BPSCTL_CREDIT_BYTES) too small to "
-                         "keep the NICs busy, servers given up to a partition more than their "
-                         "share, or the cost of many small partitions"
+                         "keep the NICs busy or so large that the workers' flows drift apart "
+                         "(with many servers try --partition-bytes 256k --credit-bytes 8m), "
+                         "servers given up to a partition more than their share, or the cost "
+                         "of many small partitions"
                          if through_servers else ""))
 
 
