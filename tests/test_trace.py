@@ -253,6 +253,28 @@ def test_the_slowest_worker_is_the_one_that_completes_the_rounds(tmp_path):
     assert "worker 1 was the slowest" in summary["sentences"][0]
 
 
+def test_the_rounds_before_the_traced_steps_name_no_straggler(tmp_path):
+    """A broadcast before the steps (``broadcast_parameters``) ends every round with its root's
+    push, the only one carrying data: the rounds the steps waited on name the straggler."""
+    for rank in range(2):
+        trace = Trace(tmp_path / f"worker-{rank}" / "comm.json", "worker", rank)
+        trace.span(STAGE["step"], trace.name_id("step"), 10_000_000, 100_000_000, round_=0)
+        trace.write()
+    server = Trace(tmp_path / "server-0" / "comm.json", "server", 0)
+    name = server.name_id("part 0")
+    for round_ in range(20):                # the broadcast: worker 0 completes each round
+        server.span(STAGE["wait_workers"], name, round_ * 100_000, round_ * 100_000 + 50_000,
+                    0, round_, 64, 0)
+    for round_ in range(20, 25):            # the step: worker 1 does
+        start = 20_000_000 + round_ * 1_000_000
+        server.span(STAGE["wait_workers"], name, start, start + 500_000, 0, round_, 64, 1)
+    server.write()
+    summary = summarize(load(tmp_path))
+    assert summary["slowest_worker"]["rank"] == 1, summary["slowest_worker"]
+    assert summary["slowest_worker"]["rounds"] == 5
+    assert summary["servers"][0]["rounds"] == 25        # the servers' table counts them all
+
+
 def test_steps_that_pushed_nothing_are_said_to_have_no_communication(tmp_path):
     """Workers whose traced steps pushed nothing (one host summing in shared memory, the
     embedded default's path): the summary says so instead of naming the idle uplink as a

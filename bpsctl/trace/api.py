@@ -346,6 +346,10 @@ def summarize(timeline: Timeline, top: int = 5) -> dict[str, Any]:
         sums = s.spans.get("sum", [])
         waits = s.spans.get("wait_workers", [])
         for wait in waits:
+            # only the traced steps' rounds: before them, a broadcast's rounds each wait for
+            # its root, the one worker that sends data, which is no straggler
+            if window is not None and not window[0] <= wait.end_us <= window[1]:
+                continue
             rank = int(wait.args.get("worker", -1))
             last_pusher[rank] = last_pusher.get(rank, 0) + 1
         server_rows.append({
