@@ -275,7 +275,11 @@ def test_a_lost_peer_fails_the_next_forward_pass_instead_of_hanging_it(tmp_path)
     assert outcome == "ok", f"rank 0: {outcome}\n{output[-3000:]}"
     assert records[0]["waited_s"] < 10.0
     assert seconds < 60, output[-3000:]
-    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
+    # a process still exiting when run_local returned (or exited and not yet reaped) is given
+    # 10 s: under a loaded full run one was seen here a moment after the job ended
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(new, timeout=10)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
 
 
 @pytest.mark.timeout(300)
