@@ -112,6 +112,20 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
     # while everything is queued (a caller submits more slowly than acks come back)
     import signal
     server_pids = [int(pid) for pid in sys.argv[4].split(",")]
+
+    def resume_once_all_marked(marker):
+        # this rank has queued what it tests; rank 0 resumes the paused servers once every
+        # rank has (within a deadline)
+        open(os.path.join(out_dir, f"{marker}.rank{R}"), "w").close()
+        if R == 0:
+            deadline = time.monotonic() + 30
+            while not all(os.path.exists(os.path.join(out_dir, f"{marker}.rank{r}"))
+                          for r in range(bps.size())):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            for pid in server_pids:
+                os.kill(pid, signal.SIGCONT)
     bps.push_pull(torch.ones(1), name="before.pause")
     # a first round declares every name, so the paused round's tasks need no answer from the
     # scheduler before they can be queued (under load a declaration may take longer than the
@@ -142,16 +156,7 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
         os.kill(pid, signal.SIGSTOP)
     low, high = queue_all()
     time.sleep(0.2)
-    open(os.path.join(out_dir, f"queued.rank{R}"), "w").close()
-    if R == 0:
-        deadline = time.monotonic() + 30
-        while not all(os.path.exists(os.path.join(out_dir, f"queued.rank{r}"))
-                      for r in range(bps.size())):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        for pid in server_pids:
-            os.kill(pid, signal.SIGCONT)
+    resume_once_all_marked("queued")
     for h in low + [high]:
         bps.synchronize(h)
     order = [name for name in finished if name == "high" or name.startswith("low")]
@@ -193,16 +198,7 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
     for entry in sorted(list(worker._queue), key=lambda entry: entry[:2]):
         if entry[2].name in ready and entry[2].name not in queued:
             queued.append(entry[2].name)
-    open(os.path.join(out_dir, f"backward.rank{R}"), "w").close()
-    if R == 0:
-        deadline = time.monotonic() + 30
-        while not all(os.path.exists(os.path.join(out_dir, f"backward.rank{r}"))
-                      for r in range(bps.size())):
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        for pid in server_pids:
-            os.kill(pid, signal.SIGCONT)
+    resume_once_all_marked("backward")
     bps.synchronize(holder)
     opt.step()
     report["order.ready"], report["order.queued"] = ready, queued
