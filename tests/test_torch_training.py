@@ -190,10 +190,14 @@ WORKER_SCRIPT = COMMON + textwrap.dedent('''
     holder = bps.push_pull_async(torch.ones(16000), average=False, name="credit.holder",
                                  priority=100)
     deadline = time.monotonic() + 30
-    while worker._inflight_bytes < 64000 and time.monotonic() < deadline:
+    while worker._inflight_bytes < worker.config.credit_bytes and time.monotonic() < deadline:
         time.sleep(0.01)
     one_step()
-    time.sleep(0.2)
+    # the engine's I/O thread queues each bucket once backward has handed it over
+    deadline = time.monotonic() + 30
+    while (not set(ready) <= {entry[2].name for entry in list(worker._queue)}
+           and time.monotonic() < deadline):
+        time.sleep(0.01)
     queued = []
     for entry in sorted(list(worker._queue), key=lambda entry: entry[:2]):
         if entry[2].name in ready and entry[2].name not in queued:
