@@ -205,6 +205,8 @@ TIERS: dict[str, set[str]] = {
         {"slow", "root"},
     "test_emulate.py::test_failed_create_removes_what_it_built": {"slow", "root"},
     "test_tune.py::test_a_small_tuning_run_on_emulated_hosts": {"slow", "root"},
+    "test_tune.py::test_tuning_for_a_replayed_gpu_cluster_scores_in_the_target_nics_time": {
+        "slow", "root"},
     "test_tune.py::test_run_and_up_use_the_tuned_file_unless_overridden": {"slow"},
     # SSH: a real sshd per emulated host
     "test_cli.py::test_a_host_that_does_not_speak_ssh_fails_preflight_in_one_message_without_"

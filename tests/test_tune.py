@@ -114,6 +114,10 @@ def test_space_covers_the_knobs_asked_for_and_keeps_the_rest():
     ({"knobs": ("bytes",)}, "knobs to tune are partition_bytes, servers, credit"),
     ({"trials": 0}, "--trials: expected at least 1"),
     ({"size_bytes": 16, "tensors": 8}, "--size: 16 bytes is too small"),
+    ({"replay": "h200-resnet50"}, "--replay: tune scores a replay by training; add --model"),
+    ({"model": "vgg16", "replay": "h200-resnet50"}, "a profile of resnet50, not vgg16"),
+    ({"model": "resnet50", "replay": "no-such-profile"}, "neither a file nor a shipped profile"),
+    ({"model": "resnet50", "target_nic_mbit": 25000.0}, "--target-nic: only a replay can be"),
 ])
 def test_bad_tune_settings_say_what_is_expected(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -286,6 +290,32 @@ def test_bench_reads_the_file_and_its_flags_win(env, tmp_path):
 
 
 # --------------------------------------------------------------------------- end to end
+
+@pytest.mark.timeout(300)
+def test_tuning_for_a_replayed_gpu_cluster_scores_in_the_target_nics_time(env, tmp_path):
+    """`tune --model M --replay PROFILE --target-nic RATE` tunes for a recorded GPU step's
+    compute-to-network ratio: every point trains the replay's stand-in on the emulated hosts,
+    dilated, and is scored in the target cluster's img/sec (25 Gbit here: an H200 step of
+    ResNet50 is ~32 ms, so 2 workers of batch 64 train thousands of images a second, where the
+    dilated run itself counts some 25 times fewer)."""
+    out, report_file = tmp_path / "tuned.toml", tmp_path / "tune.json"
+    result = bpsctl(env, "tune", "--emulate", "--workers", "2", "--servers", "2", "--nic", "1gbit",
+                    "--model", "resnet50", "--replay", "h200-resnet50", "--target-nic", "25gbit",
+                    "--credit", "--trials", "1", "--warmup", "1", "--repeats", "1",
+                    "--finalists", "1", "--final-passes", "1", "--out", str(out),
+                    "--json", str(report_file), timeout_s=280)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(report_file.read_text())
+    assert report["benchmark"].startswith("bench resnet50 replaying h200-resnet50 (img/sec in "
+                                          "the time of a 25gbit NIC)"), report["benchmark"]
+    assert report["score_unit"] == "img/sec" and report["knobs"] == ["credit"]
+    for trial in report["trials"]:
+        # 128 images a step of at least the profile's 32 ms: at most 4,000 img/sec; undilated
+        # (the emulated hosts' own time, x25 slower) it would be under 160
+        assert 1000 < trial["score"] < 4000, trial
+        assert trial["credit"] // trial["partition_bytes"] in (2, 8, 32)
+    assert read_config_file(out)["credit_bytes"] == report["best"]["credit"]
+
 
 @pytest.mark.timeout(300)
 def test_a_small_tuning_run_on_emulated_hosts(env, tmp_path):

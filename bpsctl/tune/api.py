@@ -12,12 +12,14 @@ or such a hosts file): ``cpu_share``, the part of the bytes the CPU hosts' serve
 optimum, which goes first; there the job uses all its servers (which ones are first depends
 on the order they registered in, so a server count would mean no particular hosts).
 
-Each point is scored by the comm benchmark (push_pull algbw of a fixed gradient size, median
-of the timed rounds) or a training benchmark (img/sec). optuna's TPE sampler, seeded, picks the
-points; the model's server guess and the current config's nearest point go first. The best
-few and the current config are then measured again in interleaved passes (a burst of load on
-the machine hits them all alike), and the best median over those passes wins: neither one lucky
-measurement nor the search's own (selection-biased) scores decide.
+Each point is scored by the comm benchmark (push_pull algbw of a fixed gradient size, median of
+the timed rounds) or a training benchmark (img/sec), which may replay a recorded GPU step
+(``replay``, docs/replay.md): then the knobs are tuned for that device's compute-to-network
+ratio, on emulated hosts dilated to the target NIC (``target_nic_mbit``). optuna's TPE sampler,
+seeded, picks the points; the model's server guess and the current config's nearest point go
+first. The best few and the current config are then measured again in interleaved passes (a
+burst of load on the machine hits them all alike), and the best median over those passes wins:
+neither one lucky measurement nor the search's own (selection-biased) scores decide.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import Any
 
 from .. import launch
 from ..bench.api import BenchError, CommSettings, bench_cluster, comm_point, ssh_cluster
+from ..bench.profile import dilation_factor, rate_flag, undilate_row
 from ..bench.training import TrainSettings, train_system
 from ..config import Config, ConfigError, format_bytes
 from ..model import ServerGuess, guess_servers, plan_layout
@@ -47,6 +50,8 @@ class TuneSettings:
     trials: int = 16                     # points the search measures (the grid: all of them)
     grid: bool = False                   # measure every point instead of searching
     model: str | None = None             # score on this training benchmark, not comm
+    replay: str = ""                     # with model: train the stand-in of this profile
+    target_nic_mbit: float | None = None  # with replay: the NIC the emulated one stands for
     workers: int | None = None           # None: one per emulated worker host of a live
                                          # cluster, else 2
     servers: int | None = None           # servers of a private cluster (None: as many as workers)
@@ -73,9 +78,29 @@ class TuneSettings:
         if self.model is not None and self.warmup < 1:
             raise ConfigError("--warmup: expected at least 1 with --model (the warm-up declares "
                               "every tensor before timing)")
+        if self.replay or self.target_nic_mbit is not None:
+            self.training()         # the profile checked before any cluster starts
         if self.model is None and self.size_bytes < 4 * self.tensors:
             raise ConfigError(f"--size: {self.size_bytes} bytes is too small for {self.tensors} "
                               f"float32 tensors (at least {4 * self.tensors} bytes)")
+
+
+    def training(self, workers: int = 2, servers: int = 2, iters: int = 1) -> TrainSettings:
+        """The training benchmark a point runs (``model`` must be set): the replay's at the
+        profile's batch and image size."""
+        if self.model is None:
+            raise ConfigError("--replay: tune scores a replay by training; add --model and the "
+                              "profile's model (e.g. --model resnet50 --replay h200-resnet50)"
+                              if self.replay else "--target-nic: only a replay can be dilated "
+                              "to another NIC's time; add --model MODEL --replay PROFILE")
+        shape: dict[str, Any] = {}
+        if self.replay:
+            from ..bench.profile import load
+            profile = load(self.replay)
+            shape = {"batch_size": profile.batch_size, "image_size": profile.image_size}
+        return TrainSettings(model=self.model, workers=workers, servers=servers,
+                             warmup=self.warmup, iters=iters, replay=self.replay,
+                             target_nic_mbit=self.target_nic_mbit, **shape)
 
 
 @dataclass(frozen=True)
@@ -217,7 +242,11 @@ class Tuning:
     def benchmark(self) -> str:
         s = self.settings
         if s.model:
-            return f"bench {s.model}: img/sec, {s.warmup} warm-up + {s.repeats} timed iterations"
+            replayed = "" if not s.replay else f" replaying {s.replay}" + (
+                "" if s.target_nic_mbit is None else
+                f" (img/sec in the time of a {rate_flag(s.target_nic_mbit)} NIC)")
+            return (f"bench {s.model}{replayed}: img/sec, {s.warmup} warm-up + {s.repeats} "
+                    "timed iterations")
         return (f"bench comm: push_pull of {s.size_bytes} bytes in {s.tensors} tensors, "
                 f"algbw of the median of {s.repeats} rounds after {s.warmup} warm-up")
 
@@ -248,9 +277,9 @@ def _measure(config: Config, point: Point, settings: TuneSettings, workers: int,
                             raw=False)
         row = comm_point(job_config, comm, settings.size_bytes, nic_mbit, output)["results"][0]
         return row["algbw_MBps"], row["seconds"]
-    train = TrainSettings(model=settings.model, workers=workers, servers=point.servers,
-                          warmup=settings.warmup, iters=repeats)
-    row = train_system(job_config, train, "bpsctl", output)
+    train = settings.training(workers, point.servers, repeats)
+    dilation = dilation_factor(settings.target_nic_mbit, nic_mbit)
+    row = undilate_row(train_system(job_config, train, "bpsctl", output, dilation), dilation)
     return row["img_per_sec"], row["step_seconds"]
 
 
@@ -333,6 +362,7 @@ def _layout_facts(config: Config, workers: int, size_bytes: int, nic: float | No
 
 def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress: Progress,
              output: Any) -> Tuning:
+    dilation_factor(settings.target_nic_mbit, nic)     # an emulated NIC rate to dilate, first
     workers, server_hosts, worker_hosts, description = _cluster_facts(config, settings, nic)
     choices, layout_model = _layout_facts(config, workers, settings.size_bytes, nic)
     if settings.knobs == ("layout",) and not choices:

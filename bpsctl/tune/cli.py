@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from bpsctl.bench.cli import _cluster_config, _write_json
 from bpsctl.cliutil import cli_errors, config_file_option, err_console, knob_option
-from bpsctl.config import ConfigError, default_config_file, parse_size
+from bpsctl.config import ConfigError, default_config_file, parse_rate_mbit, parse_size
 
 from .api import KNOBS, TuneSettings, run_tune
 from .report import plot_tune, print_tune, write_csv, write_tuned_file
@@ -64,6 +64,15 @@ def tune(ctx: typer.Context,
          model: str | None = typer.Option(None, "--model", metavar="vgg16|resnet50",
                                           help="Score on this training benchmark (img/sec) "
                                                "instead of push_pull throughput."),
+         replay: str | None = typer.Option(
+             None, "--replay", metavar="PROFILE",
+             help="With --model: train the stand-in that replays this profile's step (a "
+                  "shipped name, `bpsctl profile --list`, or a file), to tune for the recorded "
+                  "device's compute-to-network ratio. See docs/replay.md."),
+         target_nic: str | None = typer.Option(
+             None, "--target-nic", metavar="RATE",
+             help="With --replay and an emulated --nic: the NIC that one stands for; every "
+                  "recorded time is dilated by their ratio, img/sec given in the target's time."),
          workers: int | None = typer.Option(None, "--workers", "-n", min=1,
                                             help="Worker processes (default: one per worker "
                                                  "host of a running emulated cluster, else 2)."),
@@ -114,7 +123,10 @@ def tune(ctx: typer.Context,
         flags = (partition_bytes, server_count, credit, layout)
         chosen = [k for k, on in zip(KNOBS, flags, strict=True) if on]
         settings = TuneSettings(knobs=tuple(chosen) or KNOBS, trials=trials, grid=grid,
-                                model=model, workers=workers, servers=servers,
+                                model=model, replay=replay or "",
+                                target_nic_mbit=None if target_nic is None else
+                                parse_rate_mbit(target_nic, "--target-nic"),
+                                workers=workers, servers=servers,
                                 size_bytes=parse_size(size, "--size"), tensors=tensors,
                                 warmup=warmup, repeats=repeats, finalists=finalists,
                                 final_passes=final_passes, seed=seed)
