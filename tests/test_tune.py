@@ -22,7 +22,7 @@ from bpsctl.config import (
     tomllib,
 )
 from bpsctl.model import guess_servers, round_seconds, summation_split
-from bpsctl.tune.api import PARTITION_SIZES, Space, TuneSettings
+from bpsctl.tune.api import PARTITION_SIZES, Point, Space, TuneSettings, rank_finalists
 from bpsctl.tune.report import tuned_file_text
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -108,6 +108,24 @@ def test_space_covers_the_knobs_asked_for_and_keeps_the_rest():
     assert full.nearest(4096000, 2, 16384000) == {"partition": 3, "servers": 1, "credit": 0,
                                                   "layout": 0}
     assert PARTITION_SIZES == full.partitions
+
+
+def test_the_current_config_is_kept_when_no_leader_of_the_search_beats_it():
+    """The finalists' re-measured medians decide, the current config's among them: a leader
+    of the search that then does no better than the current config is not chosen (a tuned
+    file would otherwise change the knobs for nothing), and one that does better is."""
+    current, big, small = Point(2 << 20, 16, 64 << 20), Point(64 << 20, 16, 512 << 20), \
+        Point(256 << 10, 16, 8 << 20)
+    search = {big: 16628.5, small: 16500.0}
+    ranked = rank_finalists({big: [16506.2, 16690.3], current: [16446.8, 16874.7]}, current,
+                            search)
+    assert ranked[0]["current"] and ranked[0]["score"] == pytest.approx(16660.75)
+    assert ranked[1]["partition_bytes"] == 64 << 20 and ranked[1]["search_score"] == 16628.5
+    ranked = rank_finalists({big: [16506.2, 16690.3], small: [19100.0, 19700.0, 19500.0],
+                             current: [16446.8, 16874.7]}, current, search)
+    assert [(f["partition_bytes"], f["credit"], f["current"]) for f in ranked] == [
+        (256 << 10, 8 << 20, False), (2 << 20, 64 << 20, True), (64 << 20, 512 << 20, False)]
+    assert ranked[0]["score"] == 19500.0 and ranked[1]["search_score"] is None
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -410,23 +410,27 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
     for _ in range(settings.final_passes):
         for point in contenders:
             passes[point].append(measure(point, "final"))
-    final = {point: statistics.median(values) for point, values in passes.items()}
-    tuning.finalists = [{"partition_bytes": p.partition_bytes, "servers": p.servers,
-                         "credit": p.credit_bytes, "cpu_share": p.cpu_share, "score": final[p],
-                         "passes": passes[p], "search_score": scores.get(p),
-                         "current": p == baseline}
-                        for p in sorted(contenders, key=lambda p: -final[p])]
-    winner = max(leaders, key=lambda p: final[p])
-    tuning.best = next(f for f in tuning.finalists
-                       if (f["partition_bytes"], f["servers"], f["credit"], f["cpu_share"]) ==
-                       (winner.partition_bytes, winner.servers, winner.credit_bytes,
-                        winner.cpu_share))
+    tuning.finalists = rank_finalists(passes, baseline, scores)
+    tuning.best = tuning.finalists[0]
+    winner = max(passes, key=lambda p: statistics.median(passes[p]))     # finalists[0]'s
     if paced(winner.cpu_share, layout_model, config):
         # what pacing by share gives the chosen layout: the same point with it off
         unpaced = [measure(winner, "unpaced", pacing=False) for _ in range(settings.final_passes)]
         tuning.unpaced = {"score": statistics.median(unpaced), "passes": unpaced}
     progress(len(tuning.trials), total, "done")
     return tuning
+
+
+def rank_finalists(passes: dict[Point, list[float]], baseline: Point,
+                   search_scores: dict[Point, float]) -> list[dict[str, Any]]:
+    """The re-measured points (the search's leaders and the current config), best median of
+    their passes first: the first is the choice, the current config itself when no leader beat
+    it (a tuned file then keeps what was there)."""
+    final = {point: statistics.median(values) for point, values in passes.items()}
+    return [{"partition_bytes": p.partition_bytes, "servers": p.servers,
+             "credit": p.credit_bytes, "cpu_share": p.cpu_share, "score": final[p],
+             "passes": passes[p], "search_score": search_scores.get(p), "current": p == baseline}
+            for p in sorted(passes, key=lambda p: -final[p])]
 
 
 def _search(space: Space, settings: TuneSettings, guess: ServerGuess | None, baseline: Point,
