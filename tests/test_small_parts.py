@@ -278,8 +278,12 @@ def test_bpsctl_trace_draws_a_step_picture(engine_cluster, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize(("args", "flag"), [(["--trials", "0"], "--trials"),
-                                            (["--model", "alexnet"], "--model")])
+@pytest.mark.parametrize(("args", "flag"), [
+    (["--trials", "0"], "--trials"), (["--model", "alexnet"], "--model"),
+    (["--replay", "h200-resnet50"], "--replay"),
+    # a dilated replay needs an emulated NIC rate: said before any cluster is built
+    (["--emulate", "--model", "resnet50", "--replay", "h200-resnet50", "--target-nic", "25gbit"],
+     "--emulate --nic RATE")])
 def test_tune_flag_mistakes_exit_2_naming_the_flag(tmp_path, args, flag):
     from typer.testing import CliRunner
 

@@ -130,6 +130,9 @@ def tune(ctx: typer.Context,
                                 size_bytes=parse_size(size, "--size"), tensors=tensors,
                                 warmup=warmup, repeats=repeats, finalists=finalists,
                                 final_passes=final_passes, seed=seed)
+        if settings.target_nic_mbit is not None and config.emulate:
+            from bpsctl.bench.profile import dilation_factor
+            dilation_factor(settings.target_nic_mbit, config.nic_mbit)     # before a cluster
         if model is not None:
             from bpsctl.bench.models import MODELS
             if model not in MODELS:
