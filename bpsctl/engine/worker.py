@@ -740,7 +740,10 @@ class Worker:
         elif not out.flags.writeable:
             # caught here, not when the I/O thread writes the result (that would break the engine)
             raise ValueError(f"out must be writable, got a read-only array for {name!r}")
-        divisor = self.size if average and self.size > 1 else None
+        # an average divides each partition's sum by the count of pushes its server says it
+        # holds (fewer than size() after a loss), even where this worker counts one worker
+        # now: a worker that rejoined after a loss may already have pushed into this round
+        divisor = self.size if average else None
         flags = (P.FLAG_HOST_REDUCED if host_reduced
                  # averages may go without the backup workers' pushes; sums may not
                  else P.FLAG_BACKUP if average and self.config.backup_workers else 0)
