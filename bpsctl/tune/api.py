@@ -84,7 +84,6 @@ class TuneSettings:
             raise ConfigError(f"--size: {self.size_bytes} bytes is too small for {self.tensors} "
                               f"float32 tensors (at least {4 * self.tensors} bytes)")
 
-
     def training(self, workers: int = 2, servers: int = 2, iters: int = 1) -> TrainSettings:
         """The training benchmark a point runs (``model`` must be set): the replay's at the
         profile's batch and image size."""
