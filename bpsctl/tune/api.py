@@ -410,8 +410,8 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
         for point in contenders:
             passes[point].append(measure(point, "final"))
     tuning.finalists = rank_finalists(passes, baseline, scores)
-    tuning.best = tuning.finalists[0]
-    winner = max(passes, key=lambda p: statistics.median(passes[p]))     # finalists[0]'s
+    best = tuning.best = tuning.finalists[0]
+    winner = Point(best["partition_bytes"], best["servers"], best["credit"], best["cpu_share"])
     if paced(winner.cpu_share, layout_model, config):
         # what pacing by share gives the chosen layout: the same point with it off
         unpaced = [measure(winner, "unpaced", pacing=False) for _ in range(settings.final_passes)]
