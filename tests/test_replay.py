@@ -490,7 +490,8 @@ def test_a_sweep_prints_each_worker_count_with_the_step_models_error_in_80_colum
     said = sentence(render(print_train_sweep, report))
     assert ("each message's latency, and, through servers, a credit (BPSCTL_CREDIT_BYTES) too "
             "small to keep the NICs busy or so large that the workers' flows drift apart (with "
-            "many servers try --partition-bytes 256k --credit-bytes 8m), servers given up to a "
+            "many servers try --partition-bytes 256k --credit-bytes 8m, though a replay does not "
+            "dilate what 4x as many messages cost the CPUs), servers given up to a "
             "partition more than their share, or the cost of many small partitions") in said
 
 

@@ -538,7 +538,8 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
             f"CPU time of each system's own workers and servers{shared}, each message's "
             "latency" + (", and, through servers, a credit (BPSCTL_CREDIT_BYTES) too small to "
                          "keep the NICs busy or so large that the workers' flows drift apart "
-                         "(with many servers try --partition-bytes 256k --credit-bytes 8m), "
+                         "(with many servers try --partition-bytes 256k --credit-bytes 8m, though "
+                         "a replay does not dilate what 4x as many messages cost the CPUs), "
                          "servers given up to a partition more than their share, or the cost "
                          "of many small partitions"
                          if through_servers else ""))
