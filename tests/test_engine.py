@@ -289,6 +289,19 @@ def test_average_is_the_default(job, dtype):
         assert_same(result, (np.arange(10) * 3 + 3).astype(dtype))
 
 
+def test_an_average_divides_by_the_pushes_held_even_where_a_worker_counts_one(job):
+    """A worker that lost its peer and handed its model to the one rejoining counts one worker
+    until the scheduler's word that they are two again reaches it; its next average must still
+    be divided by the two pushes its server holds, or the ranks' models part for good."""
+    def body(w: Worker):
+        if w.rank == 1:
+            w.size = 1                  # its view of the job, before the rejoin reaches it
+        return w.push_pull(np.arange(10, dtype="float32") * 2 + 2 * w.rank, name="g")
+
+    for result in job(2, 1, body):              # mean of 2x, 2x + 2 is 2x + 1
+        assert_same(result, (np.arange(10) * 2 + 1).astype("float32"))
+
+
 def test_average_with_one_worker_is_the_input(job):
     data = np.linspace(-1, 1, 101)
 
