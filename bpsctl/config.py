@@ -113,6 +113,9 @@ def parse_straggler_spec(text: str, what: str = "--straggler"
 
 #: most CPUs ``RANK:cpu=FACTOR`` may give a host
 MAX_CPU_FACTOR = 64.0
+#: the least share of one CPU BPSCTL_HOST_CPU may give a host: the cgroup's quota is at least
+#: 1 ms of each 100 ms period
+MIN_HOST_CPU = 0.01
 
 
 def parse_stragglers(text: str, what: str = "--straggler") -> dict[int, float]:
@@ -338,6 +341,11 @@ class Config:
                           "cgroup, root); several comma-separated, both forms for one rank "
                           "allowed (1:0.25,1:cpu=0.5)",
                           "str")
+    host_cpu: float = knob(0.0, "BPSCTL_HOST_CPU",
+                           "an emulated cluster limits every worker host's processes to this "
+                           "share of one CPU (a cgroup, root; 0: no limit, else at least "
+                           "0.01); a RANK:cpu=FACTOR straggler's host gets FACTOR of it",
+                           "float")
 
     # data path. Defaults chosen as the fastest for ResNet50 on 4 x 4 emulated hosts at 1 Gbit;
     # BytePS's 4096000 / 16384000 leave uplinks idle waiting for ACKs (docs/benchmarks.md)
@@ -592,6 +600,9 @@ class Config:
              f"({self.trace_start_step})", self.trace_end_step),
             (self.start_timeout_s > 0, "BPSCTL_START_TIMEOUT", "more than 0 s",
              self.start_timeout_s),
+            (self.host_cpu == 0 or MIN_HOST_CPU <= self.host_cpu <= MAX_CPU_FACTOR,
+             "BPSCTL_HOST_CPU", f"0 (no limit) or {MIN_HOST_CPU:g} to {MAX_CPU_FACTOR:g} CPUs",
+             self.host_cpu),
             (self.op_timeout_s > 0, "BPSCTL_OP_TIMEOUT", "more than 0 s", self.op_timeout_s),
             (self.min_workers >= 0, "BPSCTL_MIN_WORKERS", "0 or more", self.min_workers),
             (self.max_restarts >= 0, "BPSCTL_MAX_RESTARTS", "0 or more", self.max_restarts),

@@ -149,6 +149,11 @@ TIERS: dict[str, set[str]] = {
         {"slow", "root"},
     "test_stragglers.py::test_a_cpu_straggler_host_runs_its_processes_in_a_throttled_cgroup":
         {"slow", "root"},
+    "test_stragglers.py::test_every_emulated_worker_host_runs_in_a_cgroup_of_its_cpu":
+        {"slow", "root"},
+    # 2 emulated worker hosts in cgroups of one CPU each, a small profile: 5-10 s
+    "test_replay.py::test_a_replay_with_a_target_cpu_runs_its_worker_hosts_at_the_dilated_share":
+        {"slow", "root"},
     # three systems, each a 2-worker training job to a target accuracy: about 30 s
     "test_stragglers.py::test_every_system_reaches_its_target_accuracy": {"slow"},
     # three 2-worker training jobs of 200 steps (sync, onebit, onebit:noef): about 10-25 s

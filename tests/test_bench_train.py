@@ -14,7 +14,7 @@ from test_bench_output import assert_table_fits_80, sentence
 
 from bpsctl.bench import horovod as horovod_mod
 from bpsctl.bench.api import GOODPUT_SHARE, host_streams, ideal_step_seconds
-from bpsctl.bench.common import horovod_env
+from bpsctl.bench.common import dilated_horovod_cycle, horovod_env
 from bpsctl.bench.models import build
 from bpsctl.config import Config
 
@@ -98,6 +98,15 @@ def test_horovod_env_follows_horovodruns_gloo_launcher():
     assert env["HOROVOD_GLOO_IFACE"] == "eth0"
     second_slot = horovod_env(1, hosts, "10.77.0.1", 1234, "eth0", 30)
     assert (second_slot["HOROVOD_CROSS_RANK"], second_slot["HOROVOD_CROSS_SIZE"]) == ("0", "1")
+
+
+def test_a_dilated_replay_gives_horovods_cycle_the_targets_length():
+    """Horovod fuses what is ready once a cycle (1 ms by default): replayed x125 slower, a cycle
+    must last 125 ms to be the target cluster's 1 ms; a cycle the user set is dilated alike."""
+    assert dilated_horovod_cycle({}, 125) == {"HOROVOD_CYCLE_TIME": "125"}
+    assert dilated_horovod_cycle({"HOROVOD_CYCLE_TIME": "3.5"}, 50) == \
+        {"HOROVOD_CYCLE_TIME": "175"}
+    assert dilated_horovod_cycle({"HOROVOD_CYCLE_TIME": "3.5"}, 1.0) == {}
 
 
 def test_patch_raises_the_cxx_standard(tmp_path):

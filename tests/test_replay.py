@@ -29,6 +29,7 @@ from bpsctl.bench.profile import (
     ProfileError,
     StepTimes,
     cuda_step_times,
+    dilated_host_cpu,
     dilation_factor,
     load,
     predicted_step_s,
@@ -92,6 +93,16 @@ def test_the_dilation_is_the_targets_rate_over_the_emulated_nics_and_relabels_th
     assert replay_label("h200-vgg16", 50, 25_000, 500) == \
         "replayed from h200-vgg16, x50 dilation: 25 Gbit emulated at 500 Mbit"
     assert replay_label("cpu-vgg16", 1.0, None, 500) == "replayed from cpu-vgg16, in real time"
+    assert replay_label("h200-vgg16", 125, 25_000, 200, target_cpu=6) == \
+        ("replayed from h200-vgg16, x125 dilation: 25 Gbit emulated at 200 Mbit, 6 cores a "
+         "worker host at 0.048 of a CPU")
+    # the systems' CPU work slowed as much as the rest: a target host's cores over the dilation
+    assert dilated_host_cpu(6, 125) == pytest.approx(0.048)
+    with pytest.raises(ConfigError, match="--target-cpu 1: at x125 dilation each worker host "
+                                          "would get 0.008 of a CPU, under the 0.01"):
+        dilated_host_cpu(1, 125)
+    with pytest.raises(ConfigError, match="--target-cpu: expected the cores"):
+        dilated_host_cpu(0, 25)
     row = {"system": "bpsctl", "img_per_sec": 10.0, "img_per_sec_ci95": 1.0,
            "img_per_sec_per_worker": 5.0, "img_per_sec_per_worker_ci95": 0.5,
            "img_secs_per_worker": [4.0, 6.0], "step_seconds": 2.0, "ideal_step_s": 1.0,
@@ -532,7 +543,14 @@ def test_a_replayed_report_says_whose_time_its_figures_are_in():
     (["resnet50", "--replay", "h200-resnet50", "--cross-barrier"], "drop --cross-barrier"),
     (["resnet50", "--replay", "h200-resnet50", "--sweep", "workers=0,2"],
      "--sweep: expected workers="),
-], ids=["unknown", "model", "batch", "no-nic", "no-replay", "rate", "cross-barrier", "sweep"])
+    (["resnet50", "--replay", "h200-resnet50", "--target-cpu", "6"],
+     "--target-cpu: the cores a replayed GPU host's communication has, dilated with its time "
+     "on emulated hosts; it needs --replay, --target-nic and --emulate"),
+    (["resnet50", "--replay", "h200-resnet50", "--target-cpu", "6", "--compare", "ddp,horovod"],
+     "--target-cpu with --compare horovod: Horovod waits for each result by waking every "
+     "millisecond"),
+], ids=["unknown", "model", "batch", "no-nic", "no-replay", "rate", "cross-barrier", "sweep",
+        "target-cpu", "target-cpu-horovod"])
 def test_bad_replay_flags_exit_2_naming_the_flag_before_anything_starts(tmp_path, args,
                                                                       expected):
     result = _invoke(["bench", *args], tmp_path)
@@ -565,6 +583,7 @@ def test_a_dilated_replay_against_the_baselines_on_emulated_hosts(tmp_path):
     assert (replay["profile"], replay["source"], replay["dilation"]) == \
         ("h200-resnet50", "derived", 25)
     assert (replay["target_nic_mbit"], replay["emulated_nic_mbit"]) == (25_000, 1000)
+    assert replay["target_cpu"] is None and "host_cpu" not in report
     assert (report["batch_size"], report["image_size"], report["gradient_tensors"]) == \
         (64, 224, 161)
     assert [row["system"] for row in report["results"]] == ["bpsctl", *compare.split(","),
@@ -599,6 +618,29 @@ def test_recording_on_a_gpu_times_every_parameter_with_cuda_events():
     assert all(0 < p.ready_s <= profile.backward_s for p in profile.parameters)
     assert min(profile.parameters, key=lambda p: p.ready_s).name.startswith("fc.")
     assert profile.forward_s > 0 and profile.optimizer_s > 0
+
+
+@pytest.mark.timeout(180)
+def test_a_replay_with_a_target_cpu_runs_its_worker_hosts_at_the_dilated_share(tmp_path):
+    """`--target-cpu 25` at x25 (1 Gbit for 25 Gbit): every emulated worker host's processes
+    run in a cgroup of one CPU, the job trains, and the report says so where it says whose
+    time its figures are in."""
+    small = tmp_path / "small.json"
+    _profile([(f"layer{i}.weight", (64, 64), 0.002 * (4 - i)) for i in range(4)],
+             forward_s=0.004, backward_s=0.010, optimizer_s=0.001).write(small)
+    out = tmp_path / "cpu.json"
+    result = _bpsctl(["bench", "resnet50", "--replay", str(small), "--emulate", "--workers", "2",
+                      "--servers", "1", "--nic", "1gbit", "--target-nic", "25gbit",
+                      "--target-cpu", "25", "--warmup", "1", "--iters", "2", "--json", str(out)],
+                     tmp_path / "state", 160)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert (report["replay"]["target_cpu"], report["replay"]["host_cpu"]) == (25, 1)
+    assert report["host_cpu"] == 1
+    said = sentence(result.stderr)
+    assert "NIC 1000 Mbit/s, every worker host at 1 CPU" in said
+    assert "x25 dilation: 25 Gbit emulated at 1 Gbit, 25 cores a worker host at 1 of a CPU" \
+        in said
 
 
 @pytest.mark.timeout(240)

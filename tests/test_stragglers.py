@@ -208,6 +208,35 @@ def test_the_straggler_flag_takes_a_nic_and_a_cpu_factor_for_one_rank():
         emulate.plan_network(3, 1, None, cluster_id="plan2", hostname="h", slow_cpu={3: 0.5})
 
 
+def test_a_cpu_for_every_worker_host_takes_a_stragglers_factor_of_it():
+    plan = emulate.plan_network(3, 1, "1gbit", cluster_id="plan3", hostname="h",
+                                slow_cpu={1: 0.5}, host_cpu=0.25)
+    assert [plan.host(f"w{r}").cpu_factor for r in range(3)] == [0.25, 0.125, 0.25]
+    assert plan.host("s0").cpu_factor is None          # the servers' CPU hosts are not limited
+    for value in (-1, 0.001, 100):
+        with pytest.raises(ConfigError, match="BPSCTL_HOST_CPU: expected 0 .no limit. or 0.01 "
+                                              "to 64 CPUs"):
+            Config(host_cpu=value)
+
+
+def test_every_emulated_worker_host_runs_in_a_cgroup_of_its_cpu():
+    """BPSCTL_HOST_CPU (what `bench --replay --target-cpu` sets): each worker host's cgroup
+    allows that share of one CPU, a CPU straggler's its factor of it; the CPU hosts of the
+    servers are not limited, and the cgroups are gone after the cluster is."""
+    config = cluster_config(emulate=True, host_cpu=0.8, straggler="1:cpu=0.25")
+    with api.local_cluster(config, servers=1, workers=2) as cluster:
+        pids = [p.pid for p in cluster.processes]
+        hosts = cluster.emulation["workers"]
+        assert [h["cpu"] for h in hosts] == [0.8, 0.2]
+        cgroups = [Path(h["cgroup"]) for h in hosts]
+        quotas = [(c / "cpu.max" if (c / "cpu.max").exists() else c / "cpu.cfs_quota_us")
+                  .read_text().split()[0] for c in cgroups]      # cgroup v2, else v1
+        assert quotas == ["80000", "20000"]
+        assert not any("cgroup" in h for h in cluster.emulation["servers"])
+    kill_pids(pid for pid in pids if not gone(pid))
+    assert not any(c.exists() for c in cgroups)
+
+
 def test_a_cpu_straggler_host_runs_its_processes_in_a_throttled_cgroup():
     """`--straggler 1:cpu=0.2` on an emulated cluster: what runs on worker 1's host is in a
     cgroup that allows a fifth of one CPU (a busy loop there is throttled), worker 0's host

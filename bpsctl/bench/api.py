@@ -501,17 +501,19 @@ def _row(system: str, version: str, seconds: list[float], size: int, host_worker
 
 def _cluster_keys(config: Config) -> dict[str, Any]:
     """Report keys naming an SSH cluster's hosts file or a Slurm cluster's job and nodes (the
-    figures are not this machine's), or an emulated cluster's slow hosts (--straggler)."""
+    figures are not this machine's), or an emulated cluster's slow hosts (--straggler) and
+    every worker host's CPU limit (BPSCTL_HOST_CPU)."""
     cluster = hosts_cluster(config.state_dir)
     if cluster and cluster.kind == "slurm" and cluster.slurm:
         return {"cluster": "slurm", "slurm_job": str(cluster.slurm["job_id"]),
                 "nodes": list(cluster.slurm["nodes"])}
     if cluster and cluster.hosts:
         return {"cluster": "ssh", "hosts_file": cluster.hosts.source}
-    if config.emulate and (config.stragglers or config.cpu_stragglers):
+    if config.emulate and (config.stragglers or config.cpu_stragglers or config.host_cpu):
         return {"stragglers": {str(rank): factor for rank, factor in config.stragglers.items()},
                 "cpu_stragglers": {str(rank): factor
-                                   for rank, factor in config.cpu_stragglers.items()}}
+                                   for rank, factor in config.cpu_stragglers.items()},
+                **({"host_cpu": config.host_cpu} if config.host_cpu else {})}
     return {}
 
 

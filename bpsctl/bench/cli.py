@@ -32,6 +32,7 @@ from .api import (
 )
 from .gpu import TRAIN_DEFAULTS, baseline_backend, check_horovod_nccl, resolve_device
 from .profile import (
+    dilated_host_cpu,
     dilation_factor,
     rate_flag,
     replay_fit_note,
@@ -316,7 +317,8 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
            staleness: int | None = None, async_mode: bool | None = None,
            workers_per_host: int = 1, colocated_servers: bool | None = None,
            cpu_share: str | None = None, device: str = "auto", replay: str | None = None,
-           target_nic: str | None = None, sweep: str | None = None) -> None:
+           target_nic: str | None = None, sweep: str | None = None,
+           target_cpu: float | None = None) -> None:
     with cli_errors():
         config = _cluster_config(ctx, partition_bytes, credit_bytes, emulate, nic, config_file,
                                  trace_dir, straggler, backup_workers, staleness, async_mode,
@@ -335,6 +337,15 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
             if config.async_mode:
                 raise ConfigError("--replay with --async: the servers would apply SGD updates "
                                   "the stand-in's optimizer does not make; drop --async")
+        if target_cpu is not None and "horovod" in _names(compare):
+            raise ConfigError("--target-cpu with --compare horovod: Horovod waits for each "
+                              "result by waking every millisecond, which no dilation slows, so "
+                              "a dilated CPU would go on waking up; drop horovod from --compare "
+                              "(or --target-cpu)")
+        if target_cpu is not None and not (replay and target_mbit and config.emulate):
+            raise ConfigError("--target-cpu: the cores a replayed GPU host's communication has, "
+                              "dilated with its time on emulated hosts; it needs --replay, "
+                              "--target-nic and --emulate")
         baselines = _names(compare)
         gpus = [] if device == "cpu" else probe_gpus(config, horovod="horovod" in baselines)
         device = resolve_device(device, gpus)
@@ -354,6 +365,12 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                 [(workers // workers_per_host, workers, servers)]
             config = _replay_fit(config, profile.nbytes,
                                  target_mbit if config.emulate else None, points)
+            if target_cpu is not None:
+                host_cpu = dilated_host_cpu(target_cpu,
+                                            dilation_factor(target_mbit, config.nic_mbit))
+                # the imports and the model's set-up run at that share of a CPU too
+                config = config.replace(host_cpu=host_cpu, start_timeout_s=config.start_timeout_s
+                                        / min(1.0, host_cpu))
         host_workers, host_gpus, gpu_by = physical_hosts(config, workers, gpus)
         backend, backend_why = baseline_backend(device, host_workers, host_gpus)
         if device == "cuda" and "horovod" in baselines:
@@ -380,7 +397,8 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                                  cross_barrier=cross_barrier, workers_per_host=workers_per_host,
                                  device=device, gpu_by=gpu_by, backend=backend,
                                  backend_why=backend_why, gpus=tuple(gpus),
-                                 replay=replay or "", target_nic_mbit=target_mbit)
+                                 replay=replay or "", target_nic_mbit=target_mbit,
+                                 target_cpu=target_cpu)
         if worker_counts is not None:
             _run_bench(model, config, lambda progress: run_train_sweep(
                 config, settings, worker_counts, given_servers,
@@ -483,6 +501,14 @@ def _train_command(model: str, title: str) -> None:
                          "and s/step are reported in the target's time (e.g. --nic 500mbit "
                          "--target-nic 25gbit: x50). With --emulate and no --nic, the fastest "
                          "NIC at which the emulated hosts fit this machine's CPU cores."),
+                target_cpu: float | None = typer.Option(
+                    None, "--target-cpu", metavar="CORES",
+                    help="With --replay, --target-nic and --emulate: the CPU a target GPU "
+                         "host's communication has, in this machine's cores; each emulated "
+                         "worker host gets CORES over the dilation of one CPU (a cgroup), so the "
+                         "systems' own CPU work per message is dilated as well (e.g. 6 at x125: "
+                         "0.048 of a CPU). Without it, that work runs undilated: see "
+                         "docs/replay.md. Not with --compare horovod, which polls every ms."),
                 sweep: str | None = typer.Option(
                     None, "--sweep", metavar="workers=1,2,4,8",
                     help="A cluster per worker count (servers = workers unless --servers), "
@@ -508,7 +534,7 @@ def _train_command(model: str, title: str) -> None:
                batches_per_iter, compare, rounds, emulate, nic, partition_bytes, credit_bytes,
                json_file, plot_file, config_file, trace_dir, straggler, compression,
                backup_workers, cross_barrier, staleness, async_mode, workers_per_host,
-               colocated_servers, cpu_share, device, replay, target_nic, sweep)
+               colocated_servers, cpu_share, device, replay, target_nic, sweep, target_cpu)
 
     command.__doc__ = (f"Synthetic {title} training: img/sec of bpsctl beside Horovod and torch "
                        "DDP, same hosts and settings, one run.")

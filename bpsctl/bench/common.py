@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Mapping
 
 #: the Horovod release `bpsctl install horovod` builds
 HOROVOD_VERSION = "0.28.1"
@@ -69,6 +70,23 @@ def parse_hosts(text: str) -> list[tuple[str, int]]:
         host, _, count = part.rpartition(":")
         hosts.append((host, int(count)))
     return hosts
+
+
+#: Horovod's cycle (HOROVOD_CYCLE_TIME, ms): its background thread fuses and starts what is
+#: ready once a cycle (the default since Horovod 0.21)
+HOROVOD_CYCLE_MS = 1.0
+
+
+def dilated_horovod_cycle(environ: Mapping[str, str], dilation: float) -> dict[str, str]:
+    """The HOROVOD_CYCLE_TIME of a replay ``dilation`` times slower than recorded (the given
+    one, else Horovod's default, times ``dilation``): a cycle lasts what it lasts on the
+    cluster the replay stands for, so Horovod fuses as much per cycle as there, and its thread
+    wakes as often per step (under ``--target-cpu``, an undilated 1 ms cycle spends the
+    dilated CPU on waking up). Nothing to set without dilation."""
+    if dilation == 1.0:
+        return {}
+    cycle_ms = float(environ.get("HOROVOD_CYCLE_TIME") or HOROVOD_CYCLE_MS)
+    return {"HOROVOD_CYCLE_TIME": f"{cycle_ms * dilation:g}"}
 
 
 def use_horovod_env(args: argparse.Namespace, timeout_s: float) -> None:

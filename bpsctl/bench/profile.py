@@ -28,7 +28,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError
+from ..config import MIN_HOST_CPU, ConfigError
 
 #: the schema's version; a file of another version is refused, naming both
 VERSION = 1
@@ -473,6 +473,23 @@ def dilation_factor(target_mbit: float | None, nic_mbit: float | None) -> float:
     return target_mbit / nic_mbit
 
 
+def dilated_host_cpu(target_cpu: float, dilation: float) -> float:
+    """The share of one of this machine's CPUs an emulated worker host gets to stand for a
+    target host whose communication has ``target_cpu`` of these cores, in a replay
+    ``dilation`` times slower than recorded: ``target_cpu / dilation`` (6 cores at x125:
+    0.048). Dilation slows the network and the recorded compute; this slows the systems' own
+    CPU work (each message's cost) alike. ConfigError where a cgroup cannot give so little."""
+    if not target_cpu > 0:
+        raise ConfigError(f"--target-cpu: expected the cores each worker host gives the "
+                          f"communication (e.g. 6), got {target_cpu:g}")
+    share = target_cpu / dilation
+    if share < MIN_HOST_CPU:
+        raise ConfigError(f"--target-cpu {target_cpu:g}: at x{dilation:g} dilation each worker "
+                          f"host would get {share:.3g} of a CPU, under the {MIN_HOST_CPU:g} a "
+                          "cgroup gives; give more cores or a faster --nic (less dilation)")
+    return share
+
+
 #: what the emulated hosts' NICs may move together, per CPU core of this machine, before a
 #: replay's steps are the CPU's and no longer the network's: every byte crosses the kernel's
 #: emulated links and the systems' own processes on these cores (docs/replay.md has the
@@ -551,13 +568,16 @@ def _rate(mbit: float) -> str:
 
 
 def replay_label(name: str, dilation: float, target_mbit: float | None,
-                 nic_mbit: float | None) -> str:
+                 nic_mbit: float | None, target_cpu: float | None = None) -> str:
     """What a replayed report says of its times, e.g. "replayed from h200-vgg16, x50
-    dilation: 25 Gbit emulated at 500 Mbit"."""
+    dilation: 25 Gbit emulated at 500 Mbit" (with ``target_cpu``: ", 6 cores a worker host at
+    0.12 of a CPU")."""
     if target_mbit is None or nic_mbit is None or dilation == 1.0:
         return f"replayed from {name}, in real time"
+    cpu = "" if target_cpu is None else \
+        f", {target_cpu:g} cores a worker host at {target_cpu / dilation:.3g} of a CPU"
     return (f"replayed from {name}, x{dilation:g} dilation: {_rate(target_mbit)} emulated at "
-            f"{_rate(nic_mbit)}")
+            f"{_rate(nic_mbit)}{cpu}")
 
 
 #: a train result's keys that are rates (img/sec): multiplied by the dilation; and times

@@ -48,8 +48,10 @@ def _machines(report: dict[str, Any]) -> str:
 def _network(report: dict[str, Any]) -> str:
     """What the figures went through: the NIC rate, else an SSH or Slurm cluster's machines,
     else loopback."""
-    slow_cpu = "".join(f", worker {rank}'s host at {factor:g} CPU"
-                       for rank, factor in report.get("cpu_stragglers", {}).items())
+    every = report.get("host_cpu")
+    slow_cpu = (f", every worker host at {every:.3g} CPU" if every else "") + "".join(
+        f", worker {rank}'s host at {factor:g} {'of that' if every else 'CPU'}"
+        for rank, factor in report.get("cpu_stragglers", {}).items())
     if report["nic_mbit"]:
         slow = "".join(f", worker {rank}'s at {factor:g}x"
                        for rank, factor in report.get("stragglers", {}).items())

@@ -21,7 +21,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .common import add_horovod_arguments, print_result, use_horovod_env
+from .common import (
+    add_horovod_arguments,
+    dilated_horovod_cycle,
+    print_result,
+    use_horovod_env,
+)
 from .gpu import add_device_arguments, use_gpu
 from .report import shm_shares
 
@@ -136,6 +141,7 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
                 dist.destroy_process_group)
     if system == "horovod":
         use_horovod_env(args, args.timeout)
+        os.environ.update(dilated_horovod_cycle(os.environ, args.dilation))
         import horovod
         import horovod.torch as hvd
         hvd.init()

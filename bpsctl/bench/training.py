@@ -79,6 +79,9 @@ class TrainSettings:
     replay: str = ""
     #: with ``replay``: the NIC rate the emulated one stands for (the time dilation's target)
     target_nic_mbit: float | None = None
+    #: with ``target_nic_mbit`` on emulated hosts: the cores of this machine a target worker
+    #: host's communication has (each emulated worker host gets them over the dilation)
+    target_cpu: float | None = None
 
     def __post_init__(self) -> None:
         from ..engine.compression import parse
@@ -310,8 +313,10 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
             "device_name": profile.device_name, "dilation": dilation,
             "profile_step_s": profile.total_s,
             "target_nic_mbit": settings.target_nic_mbit, "emulated_nic_mbit": nic,
+            "target_cpu": settings.target_cpu, "host_cpu": config.host_cpu or None,
             "busy": busy,
-            "label": replay_label(name, dilation, settings.target_nic_mbit, nic)
+            "label": replay_label(name, dilation, settings.target_nic_mbit, nic,
+                                  settings.target_cpu)
             + (", computing through the recorded gaps as the CPU did" if busy else "")}}
     # per round, both sides measured minutes apart at most: the median of those paired ratios
     ratios = {system: [rows["bpsctl"]["img_per_sec"] / rows[system]["img_per_sec"]

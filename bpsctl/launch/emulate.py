@@ -141,11 +141,13 @@ def new_cluster_id() -> str:
 def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
                  cluster_id: str | None = None, hostname: str | None = None,
                  slow: dict[int, float] | None = None,
-                 slow_cpu: dict[int, float] | None = None) -> NetworkPlan:
+                 slow_cpu: dict[int, float] | None = None,
+                 host_cpu: float | None = None) -> NetworkPlan:
     """Plan N worker hosts and K server hosts; the scheduler lives beside server 0 (or
     worker 0 when K = 0). ``nic`` is a rate such as ``"500mbit"`` (or Mbit/s), None: unshaped.
     ``slow`` maps worker ranks to a factor of ``nic`` their host's NIC runs at (stragglers),
-    ``slow_cpu`` to the share of one CPU their host's worker processes get.
+    ``slow_cpu`` to the share of one CPU their host's worker processes get; ``host_cpu``
+    (a share of one CPU) limits every worker host, a ``slow_cpu`` rank's to its factor of it.
 
     Workers get addresses .10, .11, ... and servers .130, .131, ... of 10.77.0.0/24, so an
     address does not depend on how many hosts of the other role there are.
@@ -190,10 +192,19 @@ def plan_network(workers: int, servers: int, nic: str | float | None = None, *,
                 runs_scheduler=(role == "server" and rank == 0) or (servers == 0 and name == "w0"),
                 nic_mbit=nic_mbit * slow[rank] if role == "worker" and rank in slow and nic_mbit
                 else None,
-                cpu_factor=slow_cpu.get(rank) if role == "worker" else None))
+                cpu_factor=_cpu_factor(host_cpu, slow_cpu.get(rank)) if role == "worker"
+                else None))
     return NetworkPlan(cluster_id=cluster_id, hosts=tuple(hosts), nic_mbit=nic_mbit,
                        switch_namespace=namespace_name(cluster_id, SWITCH_HOST),
                        hostname=hostname if hostname is not None else socket.gethostname())
+
+
+def _cpu_factor(host_cpu: float | None, straggler: float | None) -> float | None:
+    """A worker host's share of one CPU: ``host_cpu`` (every host's), times a CPU straggler's
+    factor; None: not limited."""
+    if not host_cpu:
+        return straggler
+    return host_cpu * (1.0 if straggler is None else straggler)
 
 
 def netns_command(namespace: str | EmulatedHost, argv: Sequence[str]) -> list[str]:

@@ -174,7 +174,8 @@ def up_emulated(config: Config, workers: int, servers: int) -> ClusterState:
     """
     plan = emulate.plan_network(workers, servers + config.spare_servers,     # checks the flags
                                 config.nic or None,
-                                slow=config.stragglers, slow_cpu=config.cpu_stragglers)
+                                slow=config.stragglers, slow_cpu=config.cpu_stragglers,
+                                host_cpu=config.host_cpu or None)
     emulate.check_prerequisites()
     state_dir = Path(config.state_dir).resolve()
     existing = state.load_state(state_dir)
