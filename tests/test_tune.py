@@ -361,8 +361,11 @@ def test_a_small_tuning_run_on_emulated_hosts(env, tmp_path):
     for trial in report["trials"]:
         assert {"partition_bytes", "servers", "credit", "score"} <= set(trial)
         assert trial["score"] > 0 and 1 <= trial["servers"] <= 2
-    assert best["partition_bytes"] in PARTITION_SIZES
-    assert best["credit"] // best["partition_bytes"] in (2, 8, 32)
+    if best["current"]:         # no leader beat the current config: the tuned file keeps it
+        assert best == report["baseline"]
+    else:
+        assert best["partition_bytes"] in PARTITION_SIZES
+        assert best["credit"] // best["partition_bytes"] in (2, 8, 32)
     assert report["model_guess"]["servers"] == 2      # 2 dedicated server hosts for 2 workers
     assert "traffic model 2" in result.stderr          # shown beside the measured answer
     with open(table) as f:
