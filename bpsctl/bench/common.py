@@ -80,9 +80,8 @@ HOROVOD_CYCLE_MS = 1.0
 def dilated_horovod_cycle(environ: Mapping[str, str], dilation: float) -> dict[str, str]:
     """The HOROVOD_CYCLE_TIME of a replay ``dilation`` times slower than recorded (the given
     one, else Horovod's default, times ``dilation``): a cycle lasts what it lasts on the
-    cluster the replay stands for, so Horovod fuses as much per cycle as there, and its thread
-    wakes as often per step (under ``--target-cpu``, an undilated 1 ms cycle spends the
-    dilated CPU on waking up). Nothing to set without dilation."""
+    cluster the replay stands for, so Horovod fuses as much per cycle as there and its thread
+    wakes as often per step. Nothing to set without dilation."""
     if dilation == 1.0:
         return {}
     cycle_ms = float(environ.get("HOROVOD_CYCLE_TIME") or HOROVOD_CYCLE_MS)
