@@ -362,7 +362,9 @@ def test_a_small_tuning_run_on_emulated_hosts(env, tmp_path):
         assert {"partition_bytes", "servers", "credit", "score"} <= set(trial)
         assert trial["score"] > 0 and 1 <= trial["servers"] <= 2
     if best["current"]:         # no leader beat the current config: the tuned file keeps it
-        assert best == report["baseline"]
+        first = report["trials"][0]                     # measured at the current config
+        assert (best["partition_bytes"], best["servers"], best["credit"]) == \
+            (first["partition_bytes"], first["servers"], first["credit"])
     else:
         assert best["partition_bytes"] in PARTITION_SIZES
         assert best["credit"] // best["partition_bytes"] in (2, 8, 32)

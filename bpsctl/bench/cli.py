@@ -337,7 +337,8 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
             if config.async_mode:
                 raise ConfigError("--replay with --async: the servers would apply SGD updates "
                                   "the stand-in's optimizer does not make; drop --async")
-        if target_cpu is not None and "horovod" in _names(compare):
+        baselines = _names(compare)
+        if target_cpu is not None and "horovod" in baselines:
             raise ConfigError("--target-cpu with --compare horovod: Horovod waits for each "
                               "result by waking every millisecond, which no dilation slows, so "
                               "a dilated CPU would go on waking up; drop horovod from --compare "
@@ -346,7 +347,6 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
             raise ConfigError("--target-cpu: the cores a replayed GPU host's communication has, "
                               "dilated with its time on emulated hosts; it needs --replay, "
                               "--target-nic and --emulate")
-        baselines = _names(compare)
         gpus = [] if device == "cpu" else probe_gpus(config, horovod="horovod" in baselines)
         device = resolve_device(device, gpus)
         live = launch.load_state(config.state_dir)
