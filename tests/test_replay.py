@@ -382,6 +382,42 @@ def test_the_stand_in_fires_each_hook_in_the_recorded_order_never_early():
         assert torch.all(param.grad == GRADIENT_VALUE)
 
 
+def test_the_stand_in_rewrites_the_same_gradient_memory_every_step():
+    """Each step's gradients are written into the memory of the step before, as a GPU's
+    caching allocator reuses its own: no new pages for the kernel to map and zero (a 64 MB
+    gradient made fresh each step costs 16,384 page faults), which a replay's dilated CPU
+    (--target-cpu) would pay for. Whatever a system wrote into a gradient is written over;
+    gradients accumulated over two backward passes add up as autograd's do."""
+    import resource
+    profile = _profile([("big.weight", (4096, 4096), 0.002), ("big.bias", (4096,), 0.001)],
+                       forward_s=0.0, backward_s=0.003, optimizer_s=0.0)
+    model = ReplayModel(profile, busy=False)
+    def average(param: torch.Tensor) -> None:    # a system's result, written over it
+        param.grad.mul_(3.0)
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(average)
+    optimizer = ReplayOptimizer(model.parameters())
+
+    def step(set_to_none: bool = True) -> tuple[list[int], int]:
+        optimizer.zero_grad(set_to_none=set_to_none)
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        model(torch.zeros(2, 1)).sum().backward()
+        return ([p.grad.data_ptr() for p in model.parameters()],
+                resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+
+    first, _ = step()
+    second, faults = step()
+    assert second == first
+    assert faults < 1000, faults
+    for param in model.parameters():
+        assert torch.all(param.grad == 3 * GRADIENT_VALUE)
+    step(set_to_none=False)             # zeroed in place, then written
+    assert all(torch.all(p.grad == 3 * GRADIENT_VALUE) for p in model.parameters())
+    model(torch.zeros(2, 1)).sum().backward()       # a second pass adds to the first
+    assert all(torch.all(p.grad == 3 * (3 + 1) * GRADIENT_VALUE) for p in model.parameters())
+
+
 def test_a_cpus_profile_in_its_own_time_is_replayed_on_the_cpu_and_hooks_add_to_it():
     """A CPU's profile at dilation 1 computes through its gaps: the recorded seconds are
     spent on this thread's CPU (so a worker that loses its core is set back, as real compute

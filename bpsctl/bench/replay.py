@@ -22,9 +22,14 @@ would the thread's CPU time since backward began: the systems' hooks run on that
 (DDP's and bpsctl's copy each gradient into a bucket) and add to a real step's time, not to
 its compute.
 
-The gradients hold a constant (their values do not change a sum's time); they are made
-before the node sleeps, so writing them is inside the recorded gap. :class:`ReplayOptimizer`
-waits the recorded optimizer step and updates nothing.
+The gradients hold a constant (their values do not change a sum's time); they are written
+before the node sleeps, so writing them is inside the recorded gap. Each parameter's gradient
+is written into a buffer the stand-in keeps across steps and handed to autograd as a new view
+of it, which autograd takes as the parameter's ``.grad`` without copying. A fresh tensor each
+step would make the kernel map and zero new pages every step (a GPU's caching allocator reuses
+its memory instead): host CPU the recorded step never spent, which ``--target-cpu`` would
+charge to a worker host's dilated share. :class:`ReplayOptimizer` waits the recorded
+optimizer step and updates nothing.
 """
 from __future__ import annotations
 
@@ -103,20 +108,31 @@ class _BackwardStarts(torch.autograd.Function):
 
 class _GradientReady(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, clock: _Clock, offset_s: float, carry: torch.Tensor,
-                *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, clock: _Clock, offset_s: float, buffers: list[torch.Tensor],
+                carry: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         ctx.clock, ctx.offset_s = clock, offset_s
-        ctx.like = [(p.shape, p.dtype, p.device) for p in params]
+        ctx.pairs = list(zip(params, buffers, strict=True))
         return carry.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         started = time.thread_time()
-        grads = tuple(torch.full(shape, GRADIENT_VALUE, dtype=dtype, device=device)
-                      for shape, dtype, device in ctx.like)
+        grads = tuple(_gradient(param, buffer) for param, buffer in ctx.pairs)
         ctx.clock.wrote(time.thread_time() - started)
         ctx.clock.reach(ctx.offset_s)
-        return (None, None, grad, *grads)
+        return (None, None, None, grad, *grads)
+
+
+def _gradient(param: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient, written into ``buffer`` and handed over as a new view of it
+    (autograd keeps a tensor nobody else holds as the ``.grad`` as it is). Where the ``.grad``
+    still is that buffer (accumulated over backward passes, or zeroed instead of set to
+    None) autograd adds the gradient to it: then a tensor of its own."""
+    held = param.grad
+    if held is not None and held.data_ptr() == buffer.data_ptr():
+        return torch.full_like(buffer, GRADIENT_VALUE)
+    buffer.fill_(GRADIENT_VALUE)
+    return buffer.view(buffer.shape)
 
 
 class ReplayModel(nn.Module):
@@ -149,15 +165,19 @@ class ReplayModel(nn.Module):
                                f"(a module's own parameters must come before its children's); "
                                f"rebuilt as {names[:5]}...")
         self._params = [param for _, param in self.named_parameters()]
+        # each parameter's gradient, rewritten every step (see _gradient); no page is touched
+        # before the first backward pass
+        self._grads = [torch.empty_like(param) for param in self._params]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._clock.spend(self.schedule.forward_s)
         carry = torch.zeros((), requires_grad=True)
         # applied last to first: backward meets them in the order the gradients became
         # ready, ending with a node that waits out the rest of the backward pass
-        carry = _GradientReady.apply(self._clock, self.schedule.backward_s, carry)
+        carry = _GradientReady.apply(self._clock, self.schedule.backward_s, [], carry)
         for index, offset_s in reversed(self.schedule.ready):
-            carry = _GradientReady.apply(self._clock, offset_s, carry, self._params[index])
+            carry = _GradientReady.apply(self._clock, offset_s, [self._grads[index]], carry,
+                                         self._params[index])
         carry = _BackwardStarts.apply(self._clock, carry)
         return carry.reshape(1, 1).expand(x.shape[0], self.num_classes)
 
