@@ -595,6 +595,22 @@ def test_bad_replay_flags_exit_2_naming_the_flag_before_anything_starts(tmp_path
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
 
 
+@pytest.mark.parametrize("args, expected", [
+    (["--replay", "h200-resnet50", "--target-cpu", "6"],
+     "--target-cpu: the cores a replayed GPU host's communication has, dilated with its time "
+     "on emulated hosts; it needs --replay, --target-nic and --emulate"),
+    (["--replay", "h200-resnet50", "--emulate", "--nic", "200mbit", "--target-nic", "25gbit",
+      "--target-cpu", "1"],
+     "--target-cpu 1: at x125 dilation each worker host would get 0.008 of a CPU"),
+], ids=["alone", "too-little"])
+def test_tune_refuses_a_target_cpu_it_cannot_dilate_before_anything_starts(tmp_path, args,
+                                                                          expected):
+    result = _invoke(["tune", "--model", "resnet50", "--credit", *args], tmp_path)
+    assert result.exit_code == 2, result.output
+    assert expected in " ".join(result.output.split())
+    assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
+
+
 def _bpsctl(args: list[str], state_dir, timeout_s: float) -> subprocess.CompletedProcess:
     env = {**os.environ, "BPSCTL_STATE_DIR": str(state_dir), "COLUMNS": "80"}
     return subprocess.run([sys.executable, "-m", "bpsctl.cli", *args], env=env, text=True,

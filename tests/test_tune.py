@@ -315,17 +315,21 @@ def test_tuning_for_a_replayed_gpu_cluster_scores_in_the_target_nics_time(env, t
     compute-to-network ratio: every point trains the replay's stand-in on the emulated hosts,
     dilated, and is scored in the target cluster's img/sec (25 Gbit here: an H200 step of
     ResNet50 is ~32 ms, so 2 workers of batch 64 train thousands of images a second, where the
-    dilated run itself counts some 25 times fewer)."""
+    dilated run itself counts some 25 times fewer). `--target-cpu 25` dilates the worker hosts'
+    CPU with it: one CPU each at x25."""
     out, report_file = tmp_path / "tuned.toml", tmp_path / "tune.json"
     result = bpsctl(env, "tune", "--emulate", "--workers", "2", "--servers", "2", "--nic", "1gbit",
                     "--model", "resnet50", "--replay", "h200-resnet50", "--target-nic", "25gbit",
+                    "--target-cpu", "25",
                     "--credit", "--trials", "1", "--warmup", "1", "--repeats", "1",
                     "--finalists", "1", "--final-passes", "1", "--out", str(out),
                     "--json", str(report_file), timeout_s=280)
     assert result.returncode == 0, result.stderr
     report = json.loads(report_file.read_text())
     assert report["benchmark"].startswith("bench resnet50 replaying h200-resnet50 (img/sec in "
-                                          "the time of a 25gbit NIC)"), report["benchmark"]
+                                          "the time of a 25gbit NIC, 25 cores a worker host at "
+                                          "1 of a CPU)"), report["benchmark"]
+    assert report["host_cpu"] == 1
     assert report["score_unit"] == "img/sec" and report["knobs"] == ["credit"]
     for trial in report["trials"]:
         # 128 images a step of at least the profile's 32 ms: at most 4,000 img/sec; undilated

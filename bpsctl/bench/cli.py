@@ -12,6 +12,7 @@ import typer
 
 from bpsctl.cliutil import build_config, cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import (
+    Config,
     ConfigError,
     check_backup_workers,
     check_training_mode,
@@ -94,6 +95,24 @@ def _sweep(text: str | None) -> list[int] | None:
     if key.strip() != "workers" or not sep or not counts or min(counts) < 1:
         raise ConfigError(f"--sweep: expected workers=2,4,6,8, got {text!r}")
     return counts
+
+
+def check_target_cpu(target_cpu: float | None, replay: bool, target_mbit: float | None,
+                     emulate: bool) -> None:
+    """ConfigError where ``--target-cpu`` is given without what it dilates with."""
+    if target_cpu is not None and not (replay and target_mbit and emulate):
+        raise ConfigError("--target-cpu: the cores a replayed GPU host's communication has, "
+                          "dilated with its time on emulated hosts; it needs --replay, "
+                          "--target-nic and --emulate")
+
+
+def with_target_cpu(config: Config, target_cpu: float, target_mbit: float) -> Config:
+    """``config`` with every emulated worker host at ``target_cpu`` of this machine's cores
+    over the replay's dilation (BPSCTL_HOST_CPU), and a start deadline as much longer: the
+    imports and the model's set-up run at that share of a CPU too."""
+    host_cpu = dilated_host_cpu(target_cpu, dilation_factor(target_mbit, config.nic_mbit))
+    return config.replace(host_cpu=host_cpu,
+                          start_timeout_s=config.start_timeout_s / min(1.0, host_cpu))
 
 
 def _cluster_config(ctx: typer.Context, partition_bytes: str | None,
@@ -343,10 +362,7 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
                               "result by waking every millisecond, which no dilation slows, so "
                               "a dilated CPU would go on waking up; drop horovod from --compare "
                               "(or --target-cpu)")
-        if target_cpu is not None and not (replay and target_mbit and config.emulate):
-            raise ConfigError("--target-cpu: the cores a replayed GPU host's communication has, "
-                              "dilated with its time on emulated hosts; it needs --replay, "
-                              "--target-nic and --emulate")
+        check_target_cpu(target_cpu, bool(replay), target_mbit, config.emulate)
         gpus = [] if device == "cpu" else probe_gpus(config, horovod="horovod" in baselines)
         device = resolve_device(device, gpus)
         live = launch.load_state(config.state_dir)
@@ -366,11 +382,8 @@ def _train(ctx: typer.Context, model: str, workers: int | None, servers: int | N
             config = _replay_fit(config, profile.nbytes,
                                  target_mbit if config.emulate else None, points)
             if target_cpu is not None:
-                host_cpu = dilated_host_cpu(target_cpu,
-                                            dilation_factor(target_mbit, config.nic_mbit))
-                # the imports and the model's set-up run at that share of a CPU too
-                config = config.replace(host_cpu=host_cpu, start_timeout_s=config.start_timeout_s
-                                        / min(1.0, host_cpu))
+                assert target_mbit is not None
+                config = with_target_cpu(config, target_cpu, target_mbit)
         host_workers, host_gpus, gpu_by = physical_hosts(config, workers, gpus)
         backend, backend_why = baseline_backend(device, host_workers, host_gpus)
         if device == "cuda" and "horovod" in baselines:

@@ -32,7 +32,7 @@ from typing import Any
 
 from .. import launch
 from ..bench.api import BenchError, CommSettings, bench_cluster, comm_point, ssh_cluster
-from ..bench.profile import dilation_factor, rate_flag, undilate_row
+from ..bench.profile import dilated_host_cpu, dilation_factor, rate_flag, undilate_row
 from ..bench.training import TrainSettings, train_system
 from ..config import Config, ConfigError, format_bytes
 from ..model import ServerGuess, guess_servers, plan_layout
@@ -52,6 +52,7 @@ class TuneSettings:
     model: str | None = None             # score on this training benchmark, not comm
     replay: str = ""                     # with model: train the stand-in of this profile
     target_nic_mbit: float | None = None  # with replay: the NIC the emulated one stands for
+    target_cpu: float | None = None      # with target_nic_mbit: a worker host's cores (dilated)
     workers: int | None = None           # None: one per emulated worker host of a live
                                          # cluster, else 2
     servers: int | None = None           # servers of a private cluster (None: as many as workers)
@@ -99,7 +100,8 @@ class TuneSettings:
             shape = {"batch_size": profile.batch_size, "image_size": profile.image_size}
         return TrainSettings(model=self.model, workers=workers, servers=servers,
                              warmup=self.warmup, iters=iters, replay=self.replay,
-                             target_nic_mbit=self.target_nic_mbit, **shape)
+                             target_nic_mbit=self.target_nic_mbit, target_cpu=self.target_cpu,
+                             **shape)
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,8 @@ class Tuning:
     #: the chosen point of a mixed layout measured again with pacing off (BPSCTL_PACING=0):
     #: {"score", "passes"}; None where pacing does not apply
     unpaced: dict[str, Any] | None = None
+    #: the share of a CPU every emulated worker host had (BPSCTL_HOST_CPU); None: unlimited
+    host_cpu: float | None = None
 
     def report(self) -> dict[str, Any]:
         base = next((f for f in self.finalists if f["current"]), None)
@@ -229,6 +233,7 @@ class Tuning:
             "model_note": self.guess_note,
             "model_layout": self.layout_model,
             "unpaced": self.unpaced,
+            "host_cpu": self.host_cpu,
         }
 
     def searched(self) -> list[str]:
@@ -243,7 +248,11 @@ class Tuning:
         if s.model:
             replayed = "" if not s.replay else f" replaying {s.replay}" + (
                 "" if s.target_nic_mbit is None else
-                f" (img/sec in the time of a {rate_flag(s.target_nic_mbit)} NIC)")
+                f" (img/sec in the time of a {rate_flag(s.target_nic_mbit)} NIC" + (
+                    "" if s.target_cpu is None or not self.nic_mbit else
+                    f", {s.target_cpu:g} cores a worker host at "
+                    f"{dilated_host_cpu(s.target_cpu, s.target_nic_mbit / self.nic_mbit):.3g}"
+                    " of a CPU") + ")")
             return (f"bench {s.model}{replayed}: img/sec, {s.warmup} warm-up + {s.repeats} "
                     "timed iterations")
         return (f"bench comm: push_pull of {s.size_bytes} bytes in {s.tensors} tensors, "
@@ -379,7 +388,7 @@ def _tune_on(config: Config, settings: TuneSettings, nic: float | None, progress
                      config.cpu_share_value)
     tuning = Tuning(settings, space, workers, len(server_hosts), nic, description,
                     "img/sec" if settings.model else "algbw MB/s", baseline, guess, note,
-                    layout_model)
+                    layout_model, host_cpu=config.host_cpu or None)
     search = len(space) if settings.grid else min(settings.trials, len(space))
     total = 1 + search + settings.final_passes * (min(settings.finalists, search) + 1)
     total += settings.final_passes if layout_model is not None else 0       # unpaced, maybe

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bpsctl.bench.cli import _cluster_config, _write_json
+from bpsctl.bench.cli import _cluster_config, _write_json, check_target_cpu, with_target_cpu
 from bpsctl.cliutil import cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, default_config_file, parse_rate_mbit, parse_size
 
@@ -73,6 +73,13 @@ def tune(ctx: typer.Context,
              None, "--target-nic", metavar="RATE",
              help="With --replay and an emulated --nic: the NIC that one stands for; every "
                   "recorded time is dilated by their ratio, img/sec given in the target's time."),
+         target_cpu: float | None = typer.Option(
+             None, "--target-cpu", metavar="CORES",
+             help="With --replay, --target-nic and --emulate: the CPU a target GPU host's "
+                  "communication has, in this machine's cores; each emulated worker host gets "
+                  "CORES over the dilation of one CPU (a cgroup), so each point pays for its "
+                  "messages' CPU as the target would (small pieces cost more). See "
+                  "docs/replay.md."),
          workers: int | None = typer.Option(None, "--workers", "-n", min=1,
                                             help="Worker processes (default: one per worker "
                                                  "host of a running emulated cluster, else 2)."),
@@ -126,13 +133,17 @@ def tune(ctx: typer.Context,
                                 model=model, replay=replay or "",
                                 target_nic_mbit=None if target_nic is None else
                                 parse_rate_mbit(target_nic, "--target-nic"),
+                                target_cpu=target_cpu,
                                 workers=workers, servers=servers,
                                 size_bytes=parse_size(size, "--size"), tensors=tensors,
                                 warmup=warmup, repeats=repeats, finalists=finalists,
                                 final_passes=final_passes, seed=seed)
+        check_target_cpu(target_cpu, bool(replay), settings.target_nic_mbit, config.emulate)
         if settings.target_nic_mbit is not None and config.emulate:
             from bpsctl.bench.profile import dilation_factor
             dilation_factor(settings.target_nic_mbit, config.nic_mbit)     # before a cluster
+            if target_cpu is not None:
+                config = with_target_cpu(config, target_cpu, settings.target_nic_mbit)
         if model is not None:
             from bpsctl.bench.models import MODELS
             if model not in MODELS:
