@@ -392,6 +392,7 @@ def test_the_stand_in_rewrites_the_same_gradient_memory_every_step():
     profile = _profile([("big.weight", (4096, 4096), 0.002), ("big.bias", (4096,), 0.001)],
                        forward_s=0.0, backward_s=0.003, optimizer_s=0.0)
     model = ReplayModel(profile, busy=False)
+
     def average(param: torch.Tensor) -> None:    # a system's result, written over it
         param.grad.mul_(3.0)
 
