@@ -97,6 +97,15 @@ def _sweep(text: str | None) -> list[int] | None:
     return counts
 
 
+def target_cpu_option(then: str) -> Any:
+    """bench's and tune's ``--target-cpu``; ``then``: what it does there."""
+    return typer.Option(None, "--target-cpu", metavar="CORES",
+                        help="With --replay, --target-nic and --emulate: the CPU a target GPU "
+                             "host's communication has, in this machine's cores; each emulated "
+                             "worker host gets CORES over the dilation of one CPU (a cgroup), "
+                             + then)
+
+
 def check_target_cpu(target_cpu: float | None, replay: bool, target_mbit: float | None,
                      emulate: bool) -> None:
     """ConfigError where ``--target-cpu`` is given without what it dilates with."""
@@ -514,14 +523,10 @@ def _train_command(model: str, title: str) -> None:
                          "and s/step are reported in the target's time (e.g. --nic 500mbit "
                          "--target-nic 25gbit: x50). With --emulate and no --nic, the fastest "
                          "NIC at which the emulated hosts fit this machine's CPU cores."),
-                target_cpu: float | None = typer.Option(
-                    None, "--target-cpu", metavar="CORES",
-                    help="With --replay, --target-nic and --emulate: the CPU a target GPU "
-                         "host's communication has, in this machine's cores; each emulated "
-                         "worker host gets CORES over the dilation of one CPU (a cgroup), so the "
-                         "systems' own CPU work per message is dilated as well (e.g. 6 at x125: "
-                         "0.048 of a CPU). Without it, that work runs undilated: see "
-                         "docs/replay.md. Not with --compare horovod, which polls every ms."),
+                target_cpu: float | None = target_cpu_option(
+                    "so the systems' own CPU work per message is dilated as well (e.g. 6 at "
+                    "x125: 0.048 of a CPU). Without it, that work runs undilated: see "
+                    "docs/replay.md. Not with --compare horovod, which polls every ms."),
                 sweep: str | None = typer.Option(
                     None, "--sweep", metavar="workers=1,2,4,8",
                     help="A cluster per worker count (servers = workers unless --servers), "

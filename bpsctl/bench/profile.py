@@ -574,10 +574,16 @@ def replay_label(name: str, dilation: float, target_mbit: float | None,
     0.12 of a CPU")."""
     if target_mbit is None or nic_mbit is None or dilation == 1.0:
         return f"replayed from {name}, in real time"
-    cpu = "" if target_cpu is None else \
-        f", {target_cpu:g} cores a worker host at {target_cpu / dilation:.3g} of a CPU"
     return (f"replayed from {name}, x{dilation:g} dilation: {_rate(target_mbit)} emulated at "
-            f"{_rate(nic_mbit)}{cpu}")
+            f"{_rate(nic_mbit)}{host_cpu_label(target_cpu, dilation)}")
+
+
+def host_cpu_label(target_cpu: float | None, dilation: float) -> str:
+    """What a replay (bench's, tune's) says of ``--target-cpu``: ", 6 cores a worker host at
+    0.048 of a CPU" (x125); "" without it."""
+    if target_cpu is None:
+        return ""
+    return f", {target_cpu:g} cores a worker host at {target_cpu / dilation:.3g} of a CPU"
 
 
 #: a train result's keys that are rates (img/sec): multiplied by the dilation; and times

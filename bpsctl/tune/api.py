@@ -32,7 +32,7 @@ from typing import Any
 
 from .. import launch
 from ..bench.api import BenchError, CommSettings, bench_cluster, comm_point, ssh_cluster
-from ..bench.profile import dilated_host_cpu, dilation_factor, rate_flag, undilate_row
+from ..bench.profile import dilation_factor, host_cpu_label, rate_flag, undilate_row
 from ..bench.training import TrainSettings, train_system
 from ..config import Config, ConfigError, format_bytes
 from ..model import ServerGuess, guess_servers, plan_layout
@@ -246,13 +246,13 @@ class Tuning:
     def benchmark(self) -> str:
         s = self.settings
         if s.model:
-            replayed = "" if not s.replay else f" replaying {s.replay}" + (
-                "" if s.target_nic_mbit is None else
-                f" (img/sec in the time of a {rate_flag(s.target_nic_mbit)} NIC" + (
-                    "" if s.target_cpu is None or not self.nic_mbit else
-                    f", {s.target_cpu:g} cores a worker host at "
-                    f"{dilated_host_cpu(s.target_cpu, s.target_nic_mbit / self.nic_mbit):.3g}"
-                    " of a CPU") + ")")
+            replayed = ""
+            if s.replay:
+                replayed = f" replaying {s.replay}"
+                if s.target_nic_mbit is not None:   # and a NIC rate to dilate (_tune_on)
+                    dilation = dilation_factor(s.target_nic_mbit, self.nic_mbit)
+                    replayed += (f" (img/sec in the time of a {rate_flag(s.target_nic_mbit)} "
+                                 f"NIC{host_cpu_label(s.target_cpu, dilation)})")
             return (f"bench {s.model}{replayed}: img/sec, {s.warmup} warm-up + {s.repeats} "
                     "timed iterations")
         return (f"bench comm: push_pull of {s.size_bytes} bytes in {s.tensors} tensors, "

@@ -8,7 +8,13 @@ from pathlib import Path
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from bpsctl.bench.cli import _cluster_config, _write_json, check_target_cpu, with_target_cpu
+from bpsctl.bench.cli import (
+    _cluster_config,
+    _write_json,
+    check_target_cpu,
+    target_cpu_option,
+    with_target_cpu,
+)
 from bpsctl.cliutil import cli_errors, config_file_option, err_console, knob_option
 from bpsctl.config import ConfigError, default_config_file, parse_rate_mbit, parse_size
 
@@ -73,13 +79,9 @@ def tune(ctx: typer.Context,
              None, "--target-nic", metavar="RATE",
              help="With --replay and an emulated --nic: the NIC that one stands for; every "
                   "recorded time is dilated by their ratio, img/sec given in the target's time."),
-         target_cpu: float | None = typer.Option(
-             None, "--target-cpu", metavar="CORES",
-             help="With --replay, --target-nic and --emulate: the CPU a target GPU host's "
-                  "communication has, in this machine's cores; each emulated worker host gets "
-                  "CORES over the dilation of one CPU (a cgroup), so each point pays for its "
-                  "messages' CPU as the target would (small pieces cost more). See "
-                  "docs/replay.md."),
+         target_cpu: float | None = target_cpu_option(
+             "so each point pays for its messages' CPU as the target would (small pieces cost "
+             "more). See docs/replay.md."),
          workers: int | None = typer.Option(None, "--workers", "-n", min=1,
                                             help="Worker processes (default: one per worker "
                                                  "host of a running emulated cluster, else 2)."),
