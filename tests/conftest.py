@@ -230,6 +230,8 @@ TIERS: dict[str, set[str]] = {
         {"slow", "root"},
     # a sweep of 1 and 2 workers on the embedded default, a small profile: 10-20 s
     "test_replay.py::test_a_replay_sweep_runs_every_system_at_each_worker_count": {"slow"},
+    # the same profile with --cross-barrier, 2 workers on the embedded default: 5-10 s
+    "test_replay.py::test_a_replay_trains_bpsctl_with_the_cross_barrier": {"slow"},
     "test_replay.py::test_recording_on_a_gpu_times_every_parameter_with_cuda_events":
         {"gpu", "slow"},
     # ResNet50 training against DDP and Horovod: 20-30 s each

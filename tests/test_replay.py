@@ -161,12 +161,12 @@ def test_a_replay_on_16_emulated_hosts_says_which_nic_fits_before_anything_start
     rate = replay_nic_mbit(32, cores)
     args = ["bench", "resnet50", "--replay", "h200-resnet50", "--emulate", "--workers", "16",
             "--servers", "16", "--target-nic", "25gbit", *(["--nic", nic] if nic else []),
-            "--cross-barrier"]         # refused after the note: nothing is built
+            "--batch-size", "8"]       # refused after the note: nothing is built
     result = _invoke(args, tmp_path)
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
     assert expected.format(rate=rate_flag(rate), dilation=25_000 / rate, cores=cores) in said
-    assert "drop --cross-barrier" in said
+    assert "recorded at batch 64" in said
     assert not (tmp_path / "state").exists() or not any((tmp_path / "state").iterdir())
 
 
@@ -178,12 +178,12 @@ def test_a_replay_of_more_workers_than_this_machines_memory_holds_says_so_first(
         pytest.skip(f"this machine has {available / 2**30:.0f} GiB available: 64 VGG16 workers "
                     "fit")
     result = _invoke(["bench", "vgg16", "--replay", "h200-vgg16", "--workers", "64",
-                      "--cross-barrier"], tmp_path)        # refused after the note
+                      "--batch-size", "8"], tmp_path)       # refused after the note
     assert result.exit_code == 2, result.output
     said = " ".join(result.output.split())
     assert "note: 64 workers and 64 servers replaying a model of 528 MiB need about 12" in said
     assert "the run may be killed for memory; run fewer workers" in said
-    assert "drop --cross-barrier" in said
+    assert "recorded at batch 64" in said
 
 
 def test_medians_and_cuda_event_times_are_pure_and_need_no_gpu():
@@ -382,6 +382,64 @@ def test_the_stand_in_fires_each_hook_in_the_recorded_order_never_early():
         assert torch.all(param.grad == GRADIENT_VALUE)
 
 
+def test_the_forward_pass_is_split_over_the_layers_as_their_backward_time_is():
+    """A profile times the forward pass whole; each parameter gets the share its gap in
+    backward has (a bias ready with its weight: none), summing to the forward pass."""
+    from bpsctl.bench.profile import forward_shares
+    # ready order: head.bias 10 ms, head.weight with it, body.bias 40, body.weight 70
+    profile = _profile([("body.weight", (8,), 0.07), ("body.bias", (8,), 0.04),
+                        ("head.weight", (8,), 0.01), ("head.bias", (8,), 0.01)],
+                       forward_s=0.035, backward_s=0.08)
+    shares = replay_schedule(profile, dilation=2.0).forward_shares
+    # gaps 30, 30, 0 and 10 ms of 70: the dilated 70 ms of forward alike
+    assert shares == pytest.approx((0.030, 0.030, 0.0, 0.010))
+    assert sum(shares) == pytest.approx(2 * profile.forward_s)
+    assert forward_shares(((0, 0.0), (1, 0.0)), 2, 0.01) == (0.005, 0.005)
+    assert forward_shares((), 0, 0.01) == ()
+
+
+def test_the_stand_in_runs_each_layers_forward_after_its_pre_hook_as_a_cross_barrier_waits():
+    """The stand-in's forward pass calls every module that owns parameters, in the profile's
+    order, each taking its share of the recorded forward time: a forward pre-hook (where a
+    CrossBarrier waits for the layer's update) runs where the recorded pass reached the
+    layer, and its wait adds to the pass instead of eating into the layers after it. Under a
+    CrossBarrier the optimizer steps one parameter at a time, each its share by size."""
+    profile = _profile([("body.weight", (300,), 0.07), ("body.bias", (100,), 0.04),
+                        ("head.weight", (50,), 0.01), ("head.bias", (50,), 0.01)],
+                       forward_s=0.06, backward_s=0.08, optimizer_s=0.05)
+    model = ReplayModel(profile, busy=False)
+    reached: list[tuple[str, float]] = []
+    began = {"at": 0.0}
+
+    def pre_hook(name: str, wait_s: float):
+        def hook(module: torch.nn.Module, args: object) -> None:
+            reached.append((name, time.perf_counter() - began["at"]))
+            time.sleep(wait_s)
+        return hook
+
+    model.body.register_forward_pre_hook(pre_hook("body", 0.0))
+    model.head.register_forward_pre_hook(pre_hook("head", 0.05))    # an update still due
+    began["at"] = time.perf_counter()
+    model(torch.zeros(2, 1))
+    took = time.perf_counter() - began["at"]
+    # body: 60 of the 70 ms of backward gaps, head 10: 51.4 and 8.6 ms of the 60 of forward
+    assert [name for name, _ in reached] == ["body", "head"]
+    assert reached[0][1] < 0.02
+    assert 0.0514 <= reached[1][1] < 0.0514 + 0.03
+    assert 0.06 + 0.05 <= took < 0.06 + 0.05 + 0.04
+    # the whole step, and one parameter's (a CrossBarrier's view of the optimizer)
+    optimizer = ReplayOptimizer(model.parameters(), step_s=model.schedule.optimizer_s)
+    rebuilt = type("SGD", (ReplayOptimizer,), {})(optimizer.param_groups)
+    view = object.__new__(type(rebuilt))
+    view.__dict__.update(rebuilt.__dict__)
+    view.param_groups = [{**{k: v for k, v in rebuilt.param_groups[0].items() if k != "params"},
+                          "params": [model.body.weight]}]
+    for opt, expected in ((rebuilt, 0.05), (view, 0.05 * 300 / 500)):
+        started = time.perf_counter()
+        opt.step()
+        assert expected <= time.perf_counter() - started < expected + 0.03
+
+
 def test_the_stand_in_rewrites_the_same_gradient_memory_every_step():
     """Each step's gradients are written into the memory of the step before, as a GPU's
     caching allocator reuses its own: no new pages for the kernel to map and zero (a 64 MB
@@ -472,6 +530,21 @@ def test_the_step_model_overlaps_backward_with_the_transfer_of_what_is_ready():
     small = _profile([(f"p{i}", (1024,), 0.001 * (10 - i)) for i in range(10)])
     assert transfer_groups(small, "ddp") == [(0.010, 1.0)]       # 40 KiB: one bucket
     assert transfer_groups(small, "bpsctl")[0] == (0.001, 0.1)    # each as it is ready
+
+
+def test_the_step_model_of_a_cross_barrier_runs_the_next_forward_pass_under_the_transfer():
+    """With the cross barrier the next forward pass starts when backward ends: a
+    network-bound step is the transfer (and the servers' rounds), then the optimizer step;
+    a compute-bound one the recorded step."""
+    mib = (1 << 18,)
+    profile = _profile([("a", mib, 0.020), ("b", mib, 0.010)], forward_s=0.005,
+                       backward_s=0.030, optimizer_s=0.002)
+    barrier = predicted_step_s(profile, "bpsctl", 0.040, 0.004)
+    crossed = predicted_step_s(profile, "bpsctl", 0.040, 0.004, cross_barrier=True)
+    assert barrier == pytest.approx(0.005 + 0.054 + 0.002)
+    assert crossed == pytest.approx(0.054 + 0.002)
+    assert predicted_step_s(profile, "bpsctl", 0.001, cross_barrier=True) == \
+        pytest.approx(profile.total_s)
 
 
 def test_a_step_through_servers_waits_for_the_first_and_the_last_rounds():
@@ -577,7 +650,6 @@ def test_a_replayed_report_says_whose_time_its_figures_are_in():
     (["resnet50", "--target-nic", "25gbit"], "--target-nic: only a replay"),
     (["resnet50", "--replay", "h200-resnet50", "--target-nic", "fast"],
      "--target-nic: expected a rate"),
-    (["resnet50", "--replay", "h200-resnet50", "--cross-barrier"], "drop --cross-barrier"),
     (["resnet50", "--replay", "h200-resnet50", "--sweep", "workers=0,2"],
      "--sweep: expected workers="),
     (["resnet50", "--replay", "h200-resnet50", "--target-cpu", "6"],
@@ -586,7 +658,7 @@ def test_a_replayed_report_says_whose_time_its_figures_are_in():
     (["resnet50", "--replay", "h200-resnet50", "--target-cpu", "6", "--compare", "ddp,horovod"],
      "--target-cpu with --compare horovod: Horovod waits for each result by waking every "
      "millisecond"),
-], ids=["unknown", "model", "batch", "no-nic", "no-replay", "rate", "cross-barrier", "sweep",
+], ids=["unknown", "model", "batch", "no-nic", "no-replay", "rate", "sweep",
         "target-cpu", "target-cpu-horovod"])
 def test_bad_replay_flags_exit_2_naming_the_flag_before_anything_starts(tmp_path, args,
                                                                       expected):
@@ -724,3 +796,27 @@ def test_a_replay_sweep_runs_every_system_at_each_worker_count(tmp_path):
     assert_table_fits_80(result.stderr, rows=3)     # bpsctl and plain at 1; bpsctl at 2
     leftovers = {p.pid for p in psutil.Process().children(recursive=True)} - before
     assert not leftovers
+
+
+@pytest.mark.timeout(180)
+def test_a_replay_trains_bpsctl_with_the_cross_barrier(tmp_path):
+    """`--replay --cross-barrier` on the embedded default: bpsctl's row trains the stand-in
+    with CrossBarrier (each layer's forward pass waits for its update of the step before),
+    and the step model's line says it counts the next forward pass under the transfer."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    small = tmp_path / "small.json"
+    _profile([(f"layer{i}.weight", (64, 64), 0.002 * (4 - i)) for i in range(4)],
+             forward_s=0.004, backward_s=0.010, optimizer_s=0.001).write(small)
+    out = tmp_path / "cross.json"
+    result = _bpsctl(["bench", "resnet50", "--replay", str(small), "--workers", "2",
+                      "--servers", "1", "--cross-barrier", "--warmup", "1", "--iters", "2",
+                      "--json", str(out)], tmp_path / "state", 160)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["cross_barrier"] is True
+    row, plain = report["results"]
+    assert row["system"] == "bpsctl" and row["version"].endswith("CrossBarrier")
+    assert plain["system"] == "plain"
+    assert row["img_per_sec"] > 0 and row["model_step_s"] > 0
+    assert "with the cross barrier, bpsctl's next forward pass too" in sentence(result.stderr)
+    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before

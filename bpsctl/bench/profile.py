@@ -437,12 +437,15 @@ class ReplaySchedule:
     """A profile as the stand-in replays it, dilated: the forward pass's seconds, the
     parameters in the order their gradients become ready (index into the profile's
     parameters, offset from the start of backward), the whole backward pass's seconds (at
-    least the last offset) and the optimizer step's."""
+    least the last offset) and the optimizer step's; ``forward_shares``: the forward pass's
+    seconds split over the parameters (by index, summing to ``forward_s``; see
+    :func:`forward_shares`)."""
 
     forward_s: float
     ready: tuple[tuple[int, float], ...]
     backward_s: float
     optimizer_s: float
+    forward_shares: tuple[float, ...] = ()
 
 
 def replay_schedule(profile: Profile, dilation: float = 1.0) -> ReplaySchedule:
@@ -455,9 +458,30 @@ def replay_schedule(profile: Profile, dilation: float = 1.0) -> ReplaySchedule:
     order = sorted(range(count), key=lambda i: (profile.parameters[i].ready_s, count - i))
     ready = tuple((i, profile.parameters[i].ready_s * dilation) for i in order)
     last = ready[-1][1] if ready else 0.0
-    return ReplaySchedule(forward_s=profile.forward_s * dilation, ready=ready,
+    forward_s = profile.forward_s * dilation
+    return ReplaySchedule(forward_s=forward_s, ready=ready,
                           backward_s=max(profile.backward_s * dilation, last),
-                          optimizer_s=profile.optimizer_s * dilation)
+                          optimizer_s=profile.optimizer_s * dilation,
+                          forward_shares=forward_shares(ready, count, forward_s))
+
+
+def forward_shares(ready: tuple[tuple[int, float], ...], count: int,
+                   forward_s: float) -> tuple[float, ...]:
+    """``forward_s`` split over ``count`` parameters (by index) in proportion to the backward
+    time before each one's gradient became ready (``ready``: index and offset, in the order
+    they became ready): a profile times the forward pass whole, and a layer's backward, like
+    its forward, grows with its arithmetic, so its gap in backward stands for its share of
+    forward. Parameters ready at the same moment as the one before (a layer's bias beside its
+    weight) get nothing of their own. No gap at all: equal shares."""
+    gaps = [0.0] * count
+    previous = 0.0
+    for index, offset in ready:
+        gaps[index] = max(offset - previous, 0.0)
+        previous = max(previous, offset)
+    total = sum(gaps)
+    if not total:
+        return tuple(forward_s / count for _ in range(count)) if count else ()
+    return tuple(forward_s * gap / total for gap in gaps)
 
 
 def dilation_factor(target_mbit: float | None, nic_mbit: float | None) -> float:
@@ -666,14 +690,18 @@ def round_latency_s(piece_bytes: int, workers: int, servers: int, nic_mbit: floa
 
 
 def predicted_step_s(profile: Profile, system: str, network_s: float | None,
-                     round_s: float = 0.0) -> float:
+                     round_s: float = 0.0, cross_barrier: bool = False) -> float:
     """The step the model predicts for ``system`` when moving a whole step's bytes over the
     busiest NIC takes ``network_s`` (the NIC-bound ideal, in the profile's time; None or 0:
     nothing crosses a NIC): the forward pass, then backward with the network moving each of
     :func:`transfer_groups` from when it may leave, one after another at that rate, and
     ``round_s`` more for a step through servers (:func:`round_latency_s`), then the optimizer
-    step once both have ended. What it leaves out: the CPU time of the systems themselves,
-    and a ring's latency per message."""
+    step once both have ended. With ``cross_barrier`` (bpsctl's CrossBarrier) the next
+    forward pass starts when backward ends and runs while the transfer finishes, each layer
+    once its update is in: the step is the longer of the compute (forward and backward) and
+    the transfer, then the optimizer step (the layers that wait for the last sums, and their
+    forward after them, are not counted). What it leaves out: the CPU time of the systems
+    themselves, and a ring's latency per message."""
     network_s = network_s or 0.0
     done = 0.0                  # when the network is free, from the start of backward
     for ready_s, share in transfer_groups(profile, system):
@@ -681,4 +709,6 @@ def predicted_step_s(profile: Profile, system: str, network_s: float | None,
     if network_s:
         done += round_s
     backward_s = max([profile.backward_s] + [p.ready_s for p in profile.parameters])
+    if cross_barrier:
+        return max(profile.forward_s + backward_s, done) + profile.optimizer_s
     return profile.forward_s + max(backward_s, done) + profile.optimizer_s

@@ -2,10 +2,13 @@
 parameters (same names, shapes, dtypes and order) whose steps take the recorded time on the
 clock instead of computing.
 
-Its forward pass sleeps the recorded forward time and builds a chain of autograd nodes, one
-per parameter, in the reverse of the order the gradients became ready; backward walks that
-chain, and each node sleeps until its parameter's offset from the start of backward, then
-hands autograd a real gradient of the parameter's size. The autograd engine runs a
+Its forward pass sleeps the recorded forward time, module by module (each module that owns
+parameters its share, split as the backward pass's time is: ``forward_shares`` in
+bench/profile.py), so that forward pre-hooks run where the recorded pass reached their module:
+a CrossBarrier's wait for the layer's update of the step before. It builds a chain of autograd
+nodes, one per parameter, in the reverse of the order the gradients became ready; backward
+walks that chain, and each node sleeps until its parameter's offset from the start of
+backward, then hands autograd a real gradient of the parameter's size. The autograd engine runs a
 parameter's AccumulateGrad before the next node of the chain, so every hook (bpsctl's,
 Horovod's, DDP's) fires in the recorded order at the recorded time, and the systems' fusion
 and communication run as they would on the device the profile was recorded on. Sleeping
@@ -59,6 +62,9 @@ class _Clock:
         self._operands = torch.ones(2, BUSY_SIDE, BUSY_SIDE) if busy else None
         self.backward_start = 0.0      # on the clock, asleep
         self.backward_done = 0.0       # seconds of backward computed, busy
+        # the forward pass, layer by layer: when the layers so far are due to have ended
+        # (on the clock asleep, in this thread's CPU time busy), and when the last one did
+        self._forward_due = self._forward_mark = 0.0
 
     @property
     def busy(self) -> bool:
@@ -74,6 +80,22 @@ class _Clock:
         end = time.thread_time() + seconds
         while time.thread_time() < end:
             torch.mm(a, b)
+
+    def _now(self) -> float:
+        return time.perf_counter() if self._operands is None else time.thread_time()
+
+    def start_forward(self) -> None:
+        self._forward_due = self._forward_mark = self._now()
+
+    def forward_layer(self, seconds: float) -> None:
+        """A layer's share of the forward pass: until ``seconds`` past the end of the layer
+        before, not counting what ran between the two (a forward pre-hook's wait) and
+        counting the last layer's overshoot (a sleep ends late; a hundred layers' would add
+        up), so the layers together take the recorded forward time."""
+        now = self._now()
+        self._forward_due += now - self._forward_mark + seconds
+        self.spend(self._forward_due - now)
+        self._forward_mark = self._now()
 
     def start_backward(self) -> None:
         self.backward_start, self.backward_done = time.perf_counter(), 0.0
@@ -135,6 +157,18 @@ def _gradient(param: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     return buffer.view(buffer.shape)
 
 
+class _Layer(nn.Module):
+    """A module of the stand-in that owns parameters: its forward pass takes its share of the
+    recorded forward time (ReplaySchedule.forward_shares)."""
+
+    def __init__(self, clock: _Clock):
+        super().__init__()
+        self._clock = clock
+
+    def forward(self, seconds: float) -> None:
+        self._clock.forward_layer(seconds)
+
+
 class ReplayModel(nn.Module):
     """The profile's parameters under the same names (nested modules for the dotted parts),
     replaying its step times multiplied by ``dilation``. ``forward(x)`` returns a tensor of
@@ -148,17 +182,24 @@ class ReplayModel(nn.Module):
         self.num_classes = profile.num_classes
         self.busy = replays_busy(profile, dilation) if busy is None else busy
         self._clock = _Clock(self.busy)
-        for entry in profile.parameters:
+        # the modules that own parameters, in the order of their first one (the order a
+        # forward pass reaches them in, for the models whose layers are registered in it),
+        # each with its share of the forward pass's time
+        layers: dict[nn.Module, float] = {}
+        for entry, share in zip(profile.parameters, self.schedule.forward_shares, strict=True):
             *path, leaf = entry.name.split(".")
             module: nn.Module = self
             for part in path:
                 if part not in module._modules:
-                    module.add_module(part, nn.Module())
+                    module.add_module(part, _Layer(self._clock))
                 child = module._modules[part]
                 assert child is not None
                 module = child
             dtype = getattr(torch, entry.dtype)
             module.register_parameter(leaf, nn.Parameter(torch.zeros(entry.shape, dtype=dtype)))
+            layers[module] = layers.get(module, 0.0) + share
+        self._own_s = layers.pop(self, 0.0)
+        self._layers = list(layers.items())
         names = [name for name, _ in self.named_parameters()]
         if names != [entry.name for entry in profile.parameters]:
             raise ProfileError(f"the profile's parameters cannot be rebuilt in their order "
@@ -170,7 +211,12 @@ class ReplayModel(nn.Module):
         self._grads = [torch.empty_like(param) for param in self._params]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self._clock.spend(self.schedule.forward_s)
+        # layer by layer, so that forward pre-hooks (a CrossBarrier's wait for a layer's
+        # update) run where the recorded forward pass reached that layer
+        self._clock.start_forward()
+        self._clock.forward_layer(self._own_s)
+        for layer, seconds in self._layers:
+            layer(seconds)
         carry = torch.zeros((), requires_grad=True)
         # applied last to first: backward meets them in the order the gradients became
         # ready, ending with a node that waits out the rest of the backward pass
@@ -190,16 +236,24 @@ def replays_busy(profile: Profile, dilation: float) -> bool:
 
 class ReplayOptimizer(torch.optim.Optimizer):
     """Waits the recorded optimizer step (``step_s``), busy or asleep as the model does
-    (``busy``), and updates nothing. Both are kept in each parameter group, so the optimizer
+    (``busy``), and updates nothing. A step over some of the parameters waits their share of
+    it, by element count (``numel``: all the parameters' at the start), as an elementwise
+    update takes: a CrossBarrier updates one parameter at a time, each on a view of the
+    optimizer holding it alone. All three are kept in each parameter group, so the optimizer
     wrappers that rebuild an optimizer from its ``param_groups`` (bpsctl's and Horovod's
     DistributedOptimizer) keep them."""
 
     def __init__(self, params: Any, step_s: float = 0.0, busy: bool = False):
-        super().__init__(params, {"step_s": step_s, "busy": busy})
+        super().__init__(params, {"step_s": step_s, "busy": busy, "numel": 0})
         # rebuilt from param_groups, the groups' own values win over the defaults
+        numel = sum(p.numel() for group in self.param_groups for p in group["params"])
+        for group in self.param_groups:
+            group["numel"] = group["numel"] or numel
         self._clock = _Clock(bool(self.param_groups[0]["busy"]))
 
     def step(self, closure: Any = None) -> Any:
         loss = closure() if closure is not None else None
-        self._clock.spend(self.param_groups[0]["step_s"])
+        first = self.param_groups[0]
+        numel = sum(p.numel() for group in self.param_groups for p in group["params"])
+        self._clock.spend(first["step_s"] * numel / max(first["numel"], 1))
         return loss

@@ -525,8 +525,9 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
     gradients went through servers, a credit too small to keep the NICs busy or so large that
     the workers' flows drift apart (the servers' rounds then wait for the last), partitions placed
     unevenly (each whole on one server, so a server may carry up to a partition more than its
-    share) and the cost of many small partitions (docs/replay.md measures them; the rounds' own
-    latency is in the model)."""
+    share) and the cost of many small partitions (docs/replay-results.md measures them; the
+    rounds' own latency is in the model); and for bpsctl with the cross barrier, its pushes
+    by priority."""
     missed = [(r, row) for r in reports for row in r["results"]
               if (row.get("model_error") or 0.0) > MODEL_MISS]
     if not missed:
@@ -536,6 +537,7 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
     shared = " (here every emulated host shares this machine's CPU cores)" \
         if reports[0].get("nic_mbit") and not _machines(reports[0]) else ""
     through_servers = any(row.get("gradient_path") == "servers" for _, row in missed)
+    crossed = any(r.get("cross_barrier") and row["system"] == "bpsctl" for r, row in missed)
     return (f"more than the network explains: {', '.join(slow)}; the step model leaves out the "
             f"CPU time of each system's own workers and servers{shared}, each message's "
             "latency" + (", and, through servers, a credit (BPSCTL_CREDIT_BYTES) too small to "
@@ -544,7 +546,10 @@ def model_miss(reports: list[dict[str, Any]]) -> str:
                          "a replay does not dilate what 4x as many messages cost the CPUs), "
                          "servers given up to a partition more than their share, or the cost "
                          "of many small partitions"
-                         if through_servers else ""))
+                         if through_servers else "")
+            + (", and, with the cross barrier, pushes by priority, which each worker's later "
+               "layers overtake at a different point (a round waits for its last push; the "
+               "model hides the whole forward pass)" if crossed else ""))
 
 
 def model_line(report: dict[str, Any]) -> str:
@@ -555,7 +560,9 @@ def model_line(report: dict[str, Any]) -> str:
     if not rows:
         return ""
     miss = model_miss([report])
-    return (f"{_STEP_MODEL} predicts "
+    model = _STEP_MODEL[:-1] + "; with the cross barrier, bpsctl's next forward pass too)" \
+        if report.get("cross_barrier") else _STEP_MODEL
+    return (f"{model} predicts "
             + ", ".join(f"{row['model_step_s']:.3f} s a step for {row['system']} (measured "
                         f"{row['model_error']:+.0%})" for row in rows)
             + (f"; {miss}" if miss else ""))

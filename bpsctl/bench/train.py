@@ -103,9 +103,9 @@ def _setup(system: str, args: argparse.Namespace, model: Any, optimizer: Any
         version = f"bpsctl {bpsctl.__version__}"
         if args.cross_barrier:
             from ..engine.torch.cross_barrier import CrossBarrier
+            # no last step that waits for every update: main() waits once the timing is over
             optimizer = CrossBarrier(model, optimizer, named_parameters=model.named_parameters(),
-                                     compression=compression,
-                                     num_steps=args.warmup + args.iters * args.batches_per_iter)
+                                     compression=compression)
             version += " CrossBarrier"
         else:
             optimizer = bps.DistributedOptimizer(
@@ -277,6 +277,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"({seconds / args.batches_per_iter:.3f} s/step)", flush=True)
     timed_batches = args.iters * args.batches_per_iter
     nic_after = read_nic(nic) if nic else None
+    if args.cross_barrier and args.system == "bpsctl":
+        # each timed step carried the updates of the step before (the warmup's into the
+        # first), as every step of a longer run does; the last one's land after the window
+        optimizer.synchronize()  # type: ignore[attr-defined]  # a CrossBarrier
     wire: dict[str, Any] = {}
     if nic_before and nic_after:
         wire = {"nic": nic,

@@ -130,10 +130,6 @@ class TrainSettings:
         if self.device == "cuda":
             raise ConfigError(f"{where} with --device cuda: the stand-in computes nothing and "
                               "holds its gradients in host memory; drop --device cuda")
-        if self.cross_barrier:
-            raise ConfigError(f"{where} with --cross-barrier: the stand-in has no layers for "
-                              "the cross barrier to update as their sums arrive; drop "
-                              "--cross-barrier")
         return profile
 
 
@@ -302,8 +298,9 @@ def run_train(config: Config, settings: TrainSettings, output: IO[str] | None = 
             # step through servers waits for their rounds too
             round_s = 0.0 if row.get("gradient_path") != "servers" or nic is None else \
                 round_latency_s(piece, settings.workers, len(server_hosts), nic * dilation)
-            row["model_step_s"] = predicted_step_s(profile, row["system"], row["ideal_step_s"],
-                                                   round_s)
+            row["model_step_s"] = predicted_step_s(
+                profile, row["system"], row["ideal_step_s"], round_s,
+                cross_barrier=settings.cross_barrier and row["system"] == "bpsctl")
             row["model_error"] = row["step_seconds"] / row["model_step_s"] - 1
         name, path = resolve(settings.replay)
         busy = replays_busy(profile, dilation)
