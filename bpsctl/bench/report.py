@@ -513,6 +513,13 @@ _STEP_MODEL = ("the step model (backward overlapped with the NIC-bound transfer,
                "servers' rounds)")
 
 
+def _step_model(report: dict[str, Any]) -> str:
+    """What the step model counts, as the report says it (bpsctl's next forward pass too, with
+    the cross barrier)."""
+    return _STEP_MODEL[:-1] + "; with the cross barrier, bpsctl's next forward pass too)" \
+        if report.get("cross_barrier") else _STEP_MODEL
+
+
 def _scaling_said(cuda: bool) -> str:
     return ("scaling: img/sec per " + ("GPU" if cuda else "worker")
             + " over plain's (one worker alone, no communication)")
@@ -560,9 +567,7 @@ def model_line(report: dict[str, Any]) -> str:
     if not rows:
         return ""
     miss = model_miss([report])
-    model = _STEP_MODEL[:-1] + "; with the cross barrier, bpsctl's next forward pass too)" \
-        if report.get("cross_barrier") else _STEP_MODEL
-    return (f"{model} predicts "
+    return (f"{_step_model(report)} predicts "
             + ", ".join(f"{row['model_step_s']:.3f} s a step for {row['system']} (measured "
                         f"{row['model_error']:+.0%})" for row in rows)
             + (f"; {miss}" if miss else ""))
@@ -596,7 +601,7 @@ def print_train_sweep(console: Console, report: dict[str, Any]) -> None:
         console.print(replay_line(first["replay"]), highlight=False)
     console.print(_scaling_said(cuda) + "; servers: "
                   + ", ".join(f"{p['servers']} at {p['workers']}" for p in points)
-                  + (f". vs model: the measured step over {_STEP_MODEL}'s, less 1"
+                  + (f". vs model: the measured step over {_step_model(first)}'s, less 1"
                      if model else ""),
                   highlight=False)
     miss = model_miss(points)
