@@ -394,8 +394,8 @@ def test_the_forward_pass_is_split_over_the_layers_as_their_backward_time_is():
     # gaps 30, 30, 0 and 10 ms of 70: the dilated 70 ms of forward alike
     assert shares == pytest.approx((0.030, 0.030, 0.0, 0.010))
     assert sum(shares) == pytest.approx(2 * profile.forward_s)
-    assert forward_shares(((0, 0.0), (1, 0.0)), 2, 0.01) == (0.005, 0.005)
-    assert forward_shares((), 0, 0.01) == ()
+    assert forward_shares(((0, 0.0), (1, 0.0)), 0.01) == (0.005, 0.005)
+    assert forward_shares((), 0.01) == ()
 
 
 def test_the_stand_in_runs_each_layers_forward_after_its_pre_hook_as_a_cross_barrier_waits():

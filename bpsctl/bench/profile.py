@@ -437,15 +437,18 @@ class ReplaySchedule:
     """A profile as the stand-in replays it, dilated: the forward pass's seconds, the
     parameters in the order their gradients become ready (index into the profile's
     parameters, offset from the start of backward), the whole backward pass's seconds (at
-    least the last offset) and the optimizer step's; ``forward_shares``: the forward pass's
-    seconds split over the parameters (by index, summing to ``forward_s``; see
-    :func:`forward_shares`)."""
+    least the last offset) and the optimizer step's."""
 
     forward_s: float
     ready: tuple[tuple[int, float], ...]
     backward_s: float
     optimizer_s: float
-    forward_shares: tuple[float, ...] = ()
+
+    @property
+    def forward_shares(self) -> tuple[float, ...]:
+        """The forward pass's seconds split over the parameters, by index (see
+        :func:`forward_shares`)."""
+        return forward_shares(self.ready, self.forward_s)
 
 
 def replay_schedule(profile: Profile, dilation: float = 1.0) -> ReplaySchedule:
@@ -458,21 +461,19 @@ def replay_schedule(profile: Profile, dilation: float = 1.0) -> ReplaySchedule:
     order = sorted(range(count), key=lambda i: (profile.parameters[i].ready_s, count - i))
     ready = tuple((i, profile.parameters[i].ready_s * dilation) for i in order)
     last = ready[-1][1] if ready else 0.0
-    forward_s = profile.forward_s * dilation
-    return ReplaySchedule(forward_s=forward_s, ready=ready,
+    return ReplaySchedule(forward_s=profile.forward_s * dilation, ready=ready,
                           backward_s=max(profile.backward_s * dilation, last),
-                          optimizer_s=profile.optimizer_s * dilation,
-                          forward_shares=forward_shares(ready, count, forward_s))
+                          optimizer_s=profile.optimizer_s * dilation)
 
 
-def forward_shares(ready: tuple[tuple[int, float], ...], count: int,
-                   forward_s: float) -> tuple[float, ...]:
-    """``forward_s`` split over ``count`` parameters (by index) in proportion to the backward
-    time before each one's gradient became ready (``ready``: index and offset, in the order
-    they became ready): a profile times the forward pass whole, and a layer's backward, like
-    its forward, grows with its arithmetic, so its gap in backward stands for its share of
-    forward. Parameters ready at the same moment as the one before (a layer's bias beside its
-    weight) get nothing of their own. No gap at all: equal shares."""
+def forward_shares(ready: tuple[tuple[int, float], ...], forward_s: float) -> tuple[float, ...]:
+    """``forward_s`` split over the parameters (by index) in proportion to the backward time
+    before each one's gradient became ready (``ready``: every parameter's index and offset, in
+    the order they became ready): a profile times the forward pass whole, and a layer's
+    backward, like its forward, grows with its arithmetic, so its gap in backward stands for
+    its share of forward. Parameters ready at the same moment as the one before (a layer's
+    bias beside its weight) get nothing of their own. No gap at all: equal shares."""
+    count = len(ready)
     gaps = [0.0] * count
     previous = 0.0
     for index, offset in ready:
